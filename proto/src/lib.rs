@@ -1,0 +1,15 @@
+//! ublkd's contracts: everything two of its parts, or a part and the kernel, must agree on.
+//!
+//! - [`uapi`]: the ublk kernel interface (Linux 7.2 `include/uapi/linux/ublk_cmd.h`),
+//!   the one place the kernel's structs and constants are written down.
+//! - [`batch`]: typed encoding and decoding of `UBLK_F_BATCH_IO` element buffers.
+//! - [`ctrl`]: the control-plane client for `/dev/ublk-control`.
+//! - [`codec`]: the one wire codec for messages between processes, with size limits.
+//!
+//! The supervisor and the worker both import this crate and never each other.
+
+pub mod batch;
+pub mod codec;
+pub mod ctrl;
+pub mod errno;
+pub mod uapi;

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs what the test VM needs on a Debian 12 host: qemu (TCG is enough), static
+# busybox for the guest's init, fio, and the sid suite pinned below bookworm so that
+# only the packages we ask for by name (the kernel, its headers) come from sid.
+# Idempotent: a second run installs nothing and prints one line.
+set -euo pipefail
+
+if [ "$(id -u)" != 0 ]; then
+  echo "install-host-deps: must run as root (it runs apt-get)" >&2
+  exit 1
+fi
+
+need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc)
+missing=()
+for p in "${need[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+sid_list=/etc/apt/sources.list.d/ublkd-sid.sources
+pin=/etc/apt/preferences.d/ublkd-sid
+changed=0
+if [ ! -f "$sid_list" ]; then
+  cat >"$sid_list" <<'SRC'
+# Added by ublkd's tests/vm/install-host-deps.sh: the test VM boots sid's kernel.
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: sid
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  changed=1
+fi
+if [ ! -f "$pin" ]; then
+  # Without a pin, sid has the same priority as bookworm(-security) and its newer
+  # versions would win (a new libc). At 100, sid is used only when asked for by name
+  # (`apt-get download pkg/sid`), as backports are.
+  printf 'Package: *\nPin: release n=sid\nPin-Priority: 100\n' >"$pin"
+  changed=1
+fi
+
+stamp=/var/lib/apt/lists/.ublkd-updated
+if [ "$changed" = 1 ] || [ ! -f "$stamp" ] || [ -n "$(find "$stamp" -mmin +720 2>/dev/null)" ]; then
+  echo "install-host-deps: apt-get update (bookworm + sid)" >&2
+  apt-get update -qq
+  touch "$stamp"
+fi
+
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "install-host-deps: installing ${missing[*]}" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "install-host-deps: all host packages present" >&2
+fi
