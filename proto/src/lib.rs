@@ -5,6 +5,8 @@
 //! - [`batch`]: typed encoding and decoding of `UBLK_F_BATCH_IO` element buffers.
 //! - [`ctrl`]: the control-plane client for `/dev/ublk-control`.
 //! - [`codec`]: the one wire codec for messages between processes, with size limits.
+//! - [`msg`]: the supervisor↔worker and ctl↔supervisor messages and their transport.
+//! - [`shm`]: the versioned shared-memory region a device's supervisor and worker share.
 //!
 //! The supervisor and the worker both import this crate and never each other.
 
@@ -12,4 +14,6 @@ pub mod batch;
 pub mod codec;
 pub mod ctrl;
 pub mod errno;
+pub mod msg;
+pub mod shm;
 pub mod uapi;

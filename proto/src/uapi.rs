@@ -126,6 +126,23 @@ pub const fn user_copy_offset(q_id: u16, tag: u16, offset: u32) -> u64 {
         + ((offset as u64) & UBLK_IO_BUF_BITS_MASK)
 }
 
+/// Bytes of one queue's mmapped descriptor array (`__ublk_queue_cmd_buf_size`):
+/// `depth` descriptors rounded up to whole pages.
+pub const fn queue_desc_bytes(depth: u16, page_size: usize) -> usize {
+    (depth as usize * size_of::<UblksrvIoDesc>()).div_ceil(page_size) * page_size
+}
+
+/// The mmap offset of queue `q_id`'s descriptor array on `/dev/ublkcN`: queues are
+/// spaced by the array size of a maximal-depth queue (`ublk_max_cmd_buf_size`).
+pub const fn queue_desc_offset(q_id: u16, page_size: usize) -> u64 {
+    UBLKSRV_CMD_BUF_OFFSET
+        + q_id as u64 * queue_desc_bytes(UBLK_MAX_QUEUE_DEPTH as u16, page_size) as u64
+}
+
+/// io_uring's `IORING_URING_CMD_MULTISHOT` (`sqe->uring_cmd_flags`), which the
+/// `io-uring` crate does not define; FETCH_IO_CMDS requires it.
+pub const IORING_URING_CMD_MULTISHOT: u32 = 1 << 1;
+
 // ---------------------------------------------------------------------------------------
 // Feature flags (`ublksrv_ctrl_dev_info.flags`, and the GET_FEATURES mask).
 
@@ -664,6 +681,14 @@ mod tests {
     fn user_copy_offset_places_queue_tag_and_offset() {
         let off = user_copy_offset(3, 7, 512);
         assert_eq!(off - UBLKSRV_IO_BUF_OFFSET, (3 << 41) | (7 << 25) | 512);
+    }
+
+    #[test]
+    fn descriptor_arrays_are_page_rounded_and_spaced_by_the_max_depth() {
+        assert_eq!(queue_desc_bytes(128, 4096), 4096);
+        assert_eq!(queue_desc_bytes(256, 4096), 8192);
+        assert_eq!(queue_desc_offset(0, 4096), 0);
+        assert_eq!(queue_desc_offset(2, 4096), 2 * 98304);
     }
 
     #[test]

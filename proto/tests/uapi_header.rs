@@ -260,6 +260,7 @@ fn expectations() -> Vec<(String, i64)> {
         UBLK_PARAM_TYPE_DMA_ALIGN,
         UBLK_PARAM_TYPE_SEGMENT,
         UBLK_PARAM_TYPE_INTEGRITY,
+        IORING_URING_CMD_MULTISHOT,
     );
     v
 }
@@ -309,7 +310,7 @@ fn rust_uapi_matches_the_kernel_header() {
 
     let expected = expectations();
     let mut c = String::from(
-        "#include <errno.h>\n#include <stddef.h>\n#include <stdio.h>\n#include <linux/ioctl.h>\n#include <linux/ublk_cmd.h>\n\
+        "#include <errno.h>\n#include <stddef.h>\n#include <stdio.h>\n#include <linux/ioctl.h>\n#include <linux/io_uring.h>\n#include <linux/ublk_cmd.h>\n\
          int main(void) {\n",
     );
     for (expr, _) in &expected {

@@ -1,0 +1,368 @@
+//! The messages between ublkd's processes, and how they travel.
+//!
+//! - supervisor ↔ worker: [`ToWorker`] / [`FromWorker`] over a `SOCK_SEQPACKET`
+//!   socketpair, one message per packet, file descriptors attached with SCM_RIGHTS.
+//! - ublkctl ↔ supervisor: [`CtlRequest`] / [`CtlResponse`] over the daemon's unix
+//!   stream socket, each message framed by a 4-byte little-endian length.
+//!
+//! Every message is encoded by [`crate::codec`] (bounded decode). Receivers treat
+//! everything they decode as untrusted input and validate it before use.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
+use crate::shm::CounterSnapshot;
+
+/// The most fds one message may carry.
+pub const MAX_FDS: usize = 8;
+
+/// Errors moving messages.
+#[derive(Debug, thiserror::Error)]
+pub enum MsgError {
+    #[error("the peer closed the connection")]
+    Closed,
+    #[error("socket I/O failed: {0}")]
+    Io(#[from] io::Error),
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    #[error("a message's length prefix says {0} bytes, more than the limit of {MAX_MESSAGE_BYTES}")]
+    FrameTooLarge(usize),
+    #[error("a message was cut short (truncated to the receive buffer)")]
+    Truncated,
+    #[error("a message carried {got} file descriptors, expected {want}")]
+    FdCount { got: usize, want: usize },
+}
+
+// ---------------------------------------------------------------------------------------
+// Supervisor ↔ worker.
+
+/// What the device's target is, as the worker needs to know it. The target's data
+/// (memory pages, backing file) arrives as an fd, never as a path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TargetSetup {
+    /// Completes every I/O at once; reads return zeroes.
+    Null,
+    /// RAM: a memfd of `size` bytes, owned by the supervisor.
+    Memory { size: u64 },
+    /// A file or block device of `size` bytes, opened by the supervisor (O_DIRECT if
+    /// `direct`).
+    Loop { size: u64, direct: bool },
+}
+
+impl TargetSetup {
+    /// How many fds follow the fixed ones for this target.
+    pub const fn target_fds(&self) -> usize {
+        match self {
+            TargetSetup::Null => 0,
+            TargetSetup::Memory { .. } | TargetSetup::Loop { .. } => 1,
+        }
+    }
+}
+
+/// Everything a worker needs to serve a device. Sent with fds, in this order:
+/// `/dev/ublkcN`, the shared-memory region, then the target's fd if it has one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerSetup {
+    pub dev_id: u32,
+    pub nr_queues: u16,
+    pub queue_depth: u16,
+    /// The largest request in bytes (each tag's buffer size).
+    pub max_io_buf_bytes: u32,
+    pub nr_threads: u16,
+    /// The shared region's generation this worker serves.
+    pub generation: u64,
+    pub target: TargetSetup,
+    /// Logical block size in bytes (the target may use it to align).
+    pub block_size: u32,
+}
+
+impl WorkerSetup {
+    /// How many fds come with this message.
+    pub const fn fd_count(&self) -> usize {
+        2 + self.target.target_fds()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToWorker {
+    Setup(WorkerSetup),
+    /// Stop serving and exit (the device is being stopped).
+    Shutdown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FromWorker {
+    /// Every tag of every queue is PREPed and FETCH is armed: ready for START_DEV or
+    /// END_USER_RECOVERY.
+    Ready,
+    /// The worker cannot serve the device; it exits after sending this.
+    Failed { reason: String },
+}
+
+/// Sends one message (one packet) with `fds` attached.
+pub fn send_packet<T: Serialize>(
+    sock: BorrowedFd<'_>,
+    msg: &T,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), MsgError> {
+    let bytes = codec::encode(msg)?;
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let cmsgs: Vec<ControlMessage<'_>> =
+        if raw.is_empty() { Vec::new() } else { vec![ControlMessage::ScmRights(&raw)] };
+    let iov = [IoSlice::new(&bytes)];
+    loop {
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) if n == bytes.len() => return Ok(()),
+            Ok(_) => return Err(MsgError::Truncated),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => {
+                return Err(MsgError::Closed);
+            }
+            Err(e) => return Err(MsgError::Io(e.into())),
+        }
+    }
+}
+
+/// Receives one message (one packet) and the fds attached to it (closed on error).
+pub fn recv_packet<T: serde::de::DeserializeOwned>(
+    sock: BorrowedFd<'_>,
+) -> Result<(T, Vec<OwnedFd>), MsgError> {
+    let mut buf = vec![0u8; MAX_MESSAGE_BYTES];
+    let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let (len, fds, truncated) = loop {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        match recvmsg::<()>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg_space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(r) => {
+                let mut fds = Vec::new();
+                for c in r.cmsgs().map_err(|e| MsgError::Io(e.into()))? {
+                    if let ControlMessageOwned::ScmRights(raw) = c {
+                        for fd in raw {
+                            // SAFETY: SCM_RIGHTS installed `fd` in this process just now
+                            // and nothing else owns it.
+                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                        }
+                    }
+                }
+                let truncated = r.flags.intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
+                break (r.bytes, fds, truncated);
+            }
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(MsgError::Io(e.into())),
+        }
+    };
+    if truncated {
+        return Err(MsgError::Truncated);
+    }
+    if len == 0 && fds.is_empty() {
+        return Err(MsgError::Closed);
+    }
+    Ok((codec::decode(&buf[..len])?, fds))
+}
+
+// ---------------------------------------------------------------------------------------
+// ublkctl ↔ supervisor.
+
+/// The target kinds an operator can ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TargetKind {
+    Null,
+    Memory,
+    Loop,
+}
+
+impl TargetKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            TargetKind::Null => "null",
+            TargetKind::Memory => "memory",
+            TargetKind::Loop => "loop",
+        }
+    }
+}
+
+/// `ublkctl add`: a device described on the command line. Unset fields take the
+/// daemon's defaults; the supervisor validates everything as it would a config file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddRequest {
+    pub id: Option<u32>,
+    pub target: TargetKind,
+    /// Absolute path (ublkctl resolves it), loop only.
+    pub file: Option<PathBuf>,
+    pub size: Option<u64>,
+    pub queues: Option<u16>,
+    pub queue_depth: Option<u16>,
+    pub threads: Option<u16>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlRequest {
+    Add(AddRequest),
+    /// `None`: every device.
+    Del {
+        id: Option<u32>,
+    },
+    List {
+        id: Option<u32>,
+    },
+    Status {
+        id: Option<u32>,
+    },
+    Recover {
+        id: u32,
+    },
+}
+
+/// One device as `ublkctl list` prints it (the kernel selftests' two lines).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevListing {
+    pub id: u32,
+    pub nr_hw_queues: u16,
+    pub queue_depth: u16,
+    pub block_size: u32,
+    /// In 512-byte sectors.
+    pub dev_capacity: u64,
+    pub max_rq_size: u32,
+    pub daemon_pid: i32,
+    pub flags: u64,
+    pub state: String,
+}
+
+/// One device as `ublkctl status` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevStatus {
+    pub id: u32,
+    pub state: String,
+    pub target: String,
+    pub worker_pid: Option<u32>,
+    pub size_bytes: u64,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub threads: u16,
+    pub recoveries: u64,
+    pub counters: CounterSnapshot,
+    /// Why the device is not LIVE, if it is not.
+    pub note: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlResponse {
+    Added {
+        id: u32,
+    },
+    Deleted {
+        ids: Vec<u32>,
+    },
+    List(Vec<DevListing>),
+    Status(Vec<DevStatus>),
+    Recovered {
+        id: u32,
+        message: String,
+    },
+    /// The request failed; `message` names what and why.
+    Error {
+        message: String,
+    },
+}
+
+/// Writes one length-framed message to a stream.
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), MsgError> {
+    let bytes = codec::encode(msg)?;
+    let len = u32::try_from(bytes.len()).map_err(|_| MsgError::FrameTooLarge(bytes.len()))?;
+    w.write_all(&len.to_le_bytes())?;
+    w.write_all(&bytes)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Reads one length-framed message from a stream; refuses frames over the limit
+/// before reading them.
+pub fn read_frame<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, MsgError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(MsgError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE_BYTES {
+        return Err(MsgError::FrameTooLarge(len));
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf)?;
+    Ok(codec::decode(&buf)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
+    fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+        socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap()
+    }
+
+    #[test]
+    fn setup_travels_with_its_fds() {
+        let (a, b) = seqpacket_pair();
+        let setup = WorkerSetup {
+            dev_id: 3,
+            nr_queues: 2,
+            queue_depth: 64,
+            max_io_buf_bytes: 1 << 19,
+            nr_threads: 2,
+            generation: 1,
+            target: TargetSetup::Memory { size: 1 << 20 },
+            block_size: 4096,
+        };
+        let f1 = std::fs::File::open("/dev/null").unwrap();
+        let f2 = std::fs::File::open("/dev/zero").unwrap();
+        let f3 = std::fs::File::open("/proc/self/stat").unwrap();
+        send_packet(
+            a.as_fd(),
+            &ToWorker::Setup(setup.clone()),
+            &[f1.as_fd(), f2.as_fd(), f3.as_fd()],
+        )
+        .unwrap();
+        let (msg, fds): (ToWorker, _) = recv_packet(b.as_fd()).unwrap();
+        assert_eq!(msg, ToWorker::Setup(setup.clone()));
+        assert_eq!(fds.len(), setup.fd_count());
+    }
+
+    #[test]
+    fn closed_peer_is_reported_as_closed() {
+        let (a, b) = seqpacket_pair();
+        drop(a);
+        assert!(matches!(recv_packet::<FromWorker>(b.as_fd()), Err(MsgError::Closed)));
+    }
+
+    #[test]
+    fn garbage_packet_is_a_codec_error_not_a_panic() {
+        let (a, b) = seqpacket_pair();
+        nix::unistd::write(&a, &[0xff, 0xff, 0xff, 0x01]).unwrap();
+        assert!(matches!(recv_packet::<FromWorker>(b.as_fd()), Err(MsgError::Codec(_))));
+    }
+
+    #[test]
+    fn frames_round_trip_and_oversized_frames_are_refused_unread() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let req = CtlRequest::Del { id: Some(4) };
+        write_frame(&mut a, &req).unwrap();
+        assert_eq!(read_frame::<CtlRequest>(&mut b).unwrap(), req);
+        a.write_all(&(u32::MAX).to_le_bytes()).unwrap();
+        assert!(matches!(read_frame::<CtlRequest>(&mut b), Err(MsgError::FrameTooLarge(_))));
+        drop(a);
+        assert!(matches!(read_frame::<CtlRequest>(&mut b), Err(MsgError::Closed)));
+    }
+}

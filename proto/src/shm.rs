@@ -1,0 +1,504 @@
+//! The per-device shared-memory region between the supervisor and the device's worker.
+//!
+//! The supervisor creates it (a memfd), writes the header, and hands it to each worker
+//! incarnation in turn; because the supervisor holds it, it outlives any worker. The
+//! worker writes what it is doing there: per-thread heartbeats, per-tag in-flight
+//! records and per-device counters. The supervisor reads them to tell a hung worker
+//! from an idle one and to report status.
+//!
+//! Layout (version [`SHM_VERSION`]), all `#[repr(C)]`, native-endian:
+//!
+//! | offset                      | what                                   |
+//! |-----------------------------|----------------------------------------|
+//! | 0                           | [`ShmHeader`] (256 bytes)              |
+//! | 256                         | `nr_threads` × [`ThreadSlot`] (64 B)   |
+//! | after the threads           | `nr_queues × queue_depth` × [`TagSlot`] (32 B) |
+//!
+//! Every field another process writes is an atomic, accessed only through `&Atomic*`
+//! (never a `&mut` over shared memory). Counters are single 64-bit atomics and cannot
+//! tear; a tag record spans several words, so it is guarded by a sequence counter
+//! (odd while being written) that readers check before and after.
+//!
+//! Trust: the supervisor computes the geometry from its own configuration and checks
+//! the header against it; it never follows an offset or size a worker could have
+//! written. Values read from the region are data to report or compare, never indexes.
+
+use std::fs::File;
+use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use memmap2::MmapRaw;
+
+/// `"UBLKDSHM"` read as a big-endian u64.
+pub const SHM_MAGIC: u64 = u64::from_be_bytes(*b"UBLKDSHM");
+/// Bumped whenever the layout changes incompatibly.
+pub const SHM_VERSION: u32 = 1;
+
+const HEADER_BYTES: usize = 256;
+
+/// Errors in creating, mapping or validating a region.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    #[error("cannot create the shared-memory region: {0}")]
+    Create(#[source] std::io::Error),
+    #[error("cannot map the shared-memory region: {0}")]
+    Map(#[source] std::io::Error),
+    #[error("the shared-memory region is {got} bytes, but its geometry needs {want}")]
+    Size { got: usize, want: usize },
+    #[error("the shared-memory region's {field} is {got:#x}, expected {want:#x}")]
+    Mismatch { field: &'static str, got: u64, want: u64 },
+    #[error("shared-memory geometry is invalid: {0}")]
+    Geometry(String),
+}
+
+/// What the region is sized for: fixed for the device's lifetime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub dev_id: u32,
+    pub nr_queues: u16,
+    pub queue_depth: u16,
+    pub nr_threads: u16,
+}
+
+impl Geometry {
+    fn check(&self) -> Result<(), ShmError> {
+        if self.nr_queues == 0 || self.queue_depth == 0 || self.nr_threads == 0 {
+            return Err(ShmError::Geometry(format!("{self:?} has a zero dimension")));
+        }
+        Ok(())
+    }
+
+    fn threads_offset(&self) -> usize {
+        HEADER_BYTES
+    }
+
+    fn tags_offset(&self) -> usize {
+        self.threads_offset() + usize::from(self.nr_threads) * size_of::<ThreadSlot>()
+    }
+
+    fn nr_tags(&self) -> usize {
+        usize::from(self.nr_queues) * usize::from(self.queue_depth)
+    }
+
+    /// Bytes the region needs.
+    pub fn region_bytes(&self) -> usize {
+        self.tags_offset() + self.nr_tags() * size_of::<TagSlot>()
+    }
+}
+
+/// The region's header. Written once by the supervisor, except `generation` and the
+/// counters.
+#[repr(C)]
+#[derive(Debug)]
+pub struct ShmHeader {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub header_bytes: AtomicU32,
+    pub dev_id: AtomicU32,
+    pub nr_queues: AtomicU32,
+    pub queue_depth: AtomicU32,
+    pub nr_threads: AtomicU32,
+    /// The worker incarnation the region belongs to; the supervisor bumps it before
+    /// handing the region to a new worker, and the worker stamps it into its slots.
+    pub generation: AtomicU64,
+    pub counters: DevCounters,
+}
+
+/// Per-device I/O counters, each a single atomic (a reader never sees a torn value).
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct DevCounters {
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    pub flushes: AtomicU64,
+    pub discards: AtomicU64,
+    pub write_zeroes: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub bytes_written: AtomicU64,
+    /// I/Os completed with an error.
+    pub errors: AtomicU64,
+}
+
+/// A plain copy of [`DevCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CounterSnapshot {
+    pub reads: u64,
+    pub writes: u64,
+    pub flushes: u64,
+    pub discards: u64,
+    pub write_zeroes: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub errors: u64,
+}
+
+impl CounterSnapshot {
+    /// Every I/O counted.
+    pub fn ios(&self) -> u64 {
+        self.reads
+            .saturating_add(self.writes)
+            .saturating_add(self.flushes)
+            .saturating_add(self.discards)
+            .saturating_add(self.write_zeroes)
+    }
+}
+
+impl DevCounters {
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CounterSnapshot {
+            reads: r(&self.reads),
+            writes: r(&self.writes),
+            flushes: r(&self.flushes),
+            discards: r(&self.discards),
+            write_zeroes: r(&self.write_zeroes),
+            bytes_read: r(&self.bytes_read),
+            bytes_written: r(&self.bytes_written),
+            errors: r(&self.errors),
+        }
+    }
+}
+
+/// One worker thread's liveness.
+#[repr(C, align(64))]
+#[derive(Debug, Default)]
+pub struct ThreadSlot {
+    /// Bumped every time the thread's loop makes progress (completes a batch of
+    /// events); a thread blocked waiting for I/O does not bump it.
+    pub heartbeat: AtomicU64,
+    /// I/Os this thread holds (fetched, not yet committed).
+    pub inflight: AtomicU32,
+    /// The thread's kernel tid, 0 before it starts.
+    pub tid: AtomicU32,
+    /// The generation the thread runs under.
+    pub generation: AtomicU64,
+}
+
+/// Tag record states.
+pub mod tag_state {
+    /// Owned by the kernel (not at the server).
+    pub const IDLE: u32 = 0;
+    /// Fetched: the target is working on it.
+    pub const IN_TARGET: u32 = 1;
+    /// The result is being committed.
+    pub const COMMITTING: u32 = 2;
+}
+
+/// One tag's in-flight record, guarded by `seq` (odd while being written).
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct TagSlot {
+    pub seq: AtomicU32,
+    pub state: AtomicU32,
+    pub op: AtomicU32,
+    pub nr_sectors: AtomicU32,
+    pub start_sector: AtomicU64,
+    /// Worker-monotonic milliseconds when the tag was fetched.
+    pub since_ms: AtomicU64,
+}
+
+/// A consistent copy of a [`TagSlot`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TagRecord {
+    pub state: u32,
+    pub op: u32,
+    pub nr_sectors: u32,
+    pub start_sector: u64,
+    pub since_ms: u64,
+}
+
+impl TagSlot {
+    /// Writes a record. Only the one thread that owns the tag writes its slot.
+    pub fn write(&self, rec: &TagRecord) {
+        // Single writer: `seq` is even here.
+        let s = self.seq.load(Ordering::Relaxed);
+        self.seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        self.state.store(rec.state, Ordering::Relaxed);
+        self.op.store(rec.op, Ordering::Relaxed);
+        self.nr_sectors.store(rec.nr_sectors, Ordering::Relaxed);
+        self.start_sector.store(rec.start_sector, Ordering::Relaxed);
+        self.since_ms.store(rec.since_ms, Ordering::Relaxed);
+        self.seq.store(s.wrapping_add(2), Ordering::Release);
+    }
+
+    /// Only the state changes (the common case on the hot path).
+    pub fn set_state(&self, state: u32) {
+        self.state.store(state, Ordering::Release);
+    }
+
+    /// A consistent copy, or `None` if the writer kept changing it (after a few tries)
+    /// — a reader in another process never waits on a writer.
+    pub fn read(&self) -> Option<TagRecord> {
+        for _ in 0..16 {
+            let before = self.seq.load(Ordering::Acquire);
+            if before & 1 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let rec = TagRecord {
+                state: self.state.load(Ordering::Relaxed),
+                op: self.op.load(Ordering::Relaxed),
+                nr_sectors: self.nr_sectors.load(Ordering::Relaxed),
+                start_sector: self.start_sector.load(Ordering::Relaxed),
+                since_ms: self.since_ms.load(Ordering::Relaxed),
+            };
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.seq.load(Ordering::Relaxed) == before {
+                return Some(rec);
+            }
+        }
+        None
+    }
+}
+
+const _: () = assert!(size_of::<ShmHeader>() <= HEADER_BYTES);
+const _: () = assert!(size_of::<ThreadSlot>() == 64);
+const _: () = assert!(size_of::<TagSlot>() == 32);
+
+/// A mapping of a device's region.
+#[derive(Debug)]
+pub struct ShmRegion {
+    map: MmapRaw,
+    geometry: Geometry,
+}
+
+impl ShmRegion {
+    /// Creates a new region (a sealed-size memfd) for `geometry` and writes its header.
+    /// Returns the region and the fd to hand to workers.
+    pub fn create(geometry: Geometry) -> Result<(ShmRegion, OwnedFd), ShmError> {
+        geometry.check()?;
+        let name = c"ublkd-device-shm";
+        // SAFETY: `name` is a valid NUL-terminated string; memfd_create has no other
+        // memory-safety preconditions.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(ShmError::Create(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `raw` was just returned by memfd_create and is owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let file = File::from(fd);
+        file.set_len(geometry.region_bytes() as u64).map_err(ShmError::Create)?;
+        let map = MmapRaw::map_raw(&file).map_err(ShmError::Map)?;
+        let region = ShmRegion { map, geometry };
+        let h = region.header();
+        h.magic.store(SHM_MAGIC, Ordering::Relaxed);
+        h.version.store(SHM_VERSION, Ordering::Relaxed);
+        h.header_bytes.store(HEADER_BYTES as u32, Ordering::Relaxed);
+        h.dev_id.store(geometry.dev_id, Ordering::Relaxed);
+        h.nr_queues.store(u32::from(geometry.nr_queues), Ordering::Relaxed);
+        h.queue_depth.store(u32::from(geometry.queue_depth), Ordering::Relaxed);
+        h.nr_threads.store(u32::from(geometry.nr_threads), Ordering::Release);
+        Ok((region, file.into()))
+    }
+
+    /// Maps an existing region and checks that its header describes `geometry`.
+    pub fn open(fd: BorrowedFd<'_>, geometry: Geometry) -> Result<ShmRegion, ShmError> {
+        geometry.check()?;
+        let file = File::from(fd.try_clone_to_owned().map_err(ShmError::Map)?);
+        let len = file.metadata().map_err(ShmError::Map)?.len() as usize;
+        let want = geometry.region_bytes();
+        if len != want {
+            return Err(ShmError::Size { got: len, want });
+        }
+        let map = MmapRaw::map_raw(&file).map_err(ShmError::Map)?;
+        let region = ShmRegion { map, geometry };
+        region.validate()?;
+        Ok(region)
+    }
+
+    /// Checks the header against the geometry this mapping was made for. The
+    /// supervisor calls it before trusting anything else in the region.
+    pub fn validate(&self) -> Result<(), ShmError> {
+        let h = self.header();
+        let g = &self.geometry;
+        let checks: [(&'static str, u64, u64); 7] = [
+            ("magic", h.magic.load(Ordering::Acquire), SHM_MAGIC),
+            ("version", u64::from(h.version.load(Ordering::Relaxed)), u64::from(SHM_VERSION)),
+            ("header size", u64::from(h.header_bytes.load(Ordering::Relaxed)), HEADER_BYTES as u64),
+            ("device id", u64::from(h.dev_id.load(Ordering::Relaxed)), u64::from(g.dev_id)),
+            ("queue count", u64::from(h.nr_queues.load(Ordering::Relaxed)), u64::from(g.nr_queues)),
+            (
+                "queue depth",
+                u64::from(h.queue_depth.load(Ordering::Relaxed)),
+                u64::from(g.queue_depth),
+            ),
+            (
+                "thread count",
+                u64::from(h.nr_threads.load(Ordering::Relaxed)),
+                u64::from(g.nr_threads),
+            ),
+        ];
+        for (field, got, want) in checks {
+            if got != want {
+                return Err(ShmError::Mismatch { field, got, want });
+            }
+        }
+        Ok(())
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// The fd-independent address of byte `offset`, checked against the mapping.
+    fn at<T>(&self, offset: usize) -> &T {
+        assert!(offset + size_of::<T>() <= self.map.len(), "shm offset out of range");
+        assert!(offset.is_multiple_of(align_of::<T>()), "shm offset misaligned");
+        // SAFETY: the range is inside the live mapping (asserted above; the mapping
+        // lives as long as `self`), suitably aligned (asserted; the mapping is page
+        // aligned), and `T` is one of this module's `#[repr(C)]` structs made only of
+        // atomics, for which every bit pattern is valid and shared mutation through
+        // `&T` is sound. No `&mut` to this memory is ever created.
+        unsafe { &*self.map.as_ptr().wrapping_add(offset).cast::<T>() }
+    }
+
+    pub fn header(&self) -> &ShmHeader {
+        self.at(0)
+    }
+
+    pub fn counters(&self) -> &DevCounters {
+        &self.header().counters
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.header().generation.load(Ordering::Acquire)
+    }
+
+    /// Bumps the generation (supervisor only, before a new worker takes over).
+    pub fn bump_generation(&self) -> u64 {
+        self.header().generation.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// Thread slot `index`, or `None` past the geometry's thread count.
+    pub fn thread(&self, index: usize) -> Option<&ThreadSlot> {
+        (index < usize::from(self.geometry.nr_threads))
+            .then(|| self.at(self.geometry.threads_offset() + index * size_of::<ThreadSlot>()))
+    }
+
+    /// The in-flight record of `tag` on queue `q_id`, or `None` outside the geometry.
+    pub fn tag(&self, q_id: u16, tag: u16) -> Option<&TagSlot> {
+        let g = &self.geometry;
+        if q_id >= g.nr_queues || tag >= g.queue_depth {
+            return None;
+        }
+        let index = usize::from(q_id) * usize::from(g.queue_depth) + usize::from(tag);
+        Some(self.at(g.tags_offset() + index * size_of::<TagSlot>()))
+    }
+
+    /// Clears every tag record and thread slot (supervisor, between worker
+    /// incarnations: the kernel owns every tag again after a recovery).
+    pub fn reset_worker_state(&self) {
+        for t in 0..usize::from(self.geometry.nr_threads) {
+            if let Some(slot) = self.thread(t) {
+                slot.inflight.store(0, Ordering::Relaxed);
+                slot.tid.store(0, Ordering::Relaxed);
+            }
+        }
+        for q in 0..self.geometry.nr_queues {
+            for tag in 0..self.geometry.queue_depth {
+                if let Some(slot) = self.tag(q, tag) {
+                    slot.write(&TagRecord::default());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    fn geom() -> Geometry {
+        Geometry { dev_id: 7, nr_queues: 2, queue_depth: 4, nr_threads: 3 }
+    }
+
+    #[test]
+    fn create_then_open_sees_the_same_memory() {
+        let (a, fd) = ShmRegion::create(geom()).unwrap();
+        let b = ShmRegion::open(fd.as_fd(), geom()).unwrap();
+        a.counters().reads.fetch_add(5, Ordering::Relaxed);
+        assert_eq!(b.counters().snapshot().reads, 5);
+        b.thread(2).unwrap().heartbeat.store(9, Ordering::Relaxed);
+        assert_eq!(a.thread(2).unwrap().heartbeat.load(Ordering::Relaxed), 9);
+        b.tag(1, 3).unwrap().write(&TagRecord {
+            state: 1,
+            op: 1,
+            nr_sectors: 8,
+            start_sector: 64,
+            since_ms: 3,
+        });
+        assert_eq!(a.tag(1, 3).unwrap().read().unwrap().start_sector, 64);
+    }
+
+    #[test]
+    fn open_with_other_geometry_is_refused() {
+        let (_a, fd) = ShmRegion::create(geom()).unwrap();
+        let mut other = geom();
+        other.nr_threads = 4;
+        assert!(matches!(ShmRegion::open(fd.as_fd(), other), Err(ShmError::Size { .. })));
+        let mut other = geom();
+        other.dev_id = 8;
+        let err = ShmRegion::open(fd.as_fd(), other).unwrap_err();
+        assert_eq!(err.to_string(), "the shared-memory region's device id is 0x7, expected 0x8");
+    }
+
+    #[test]
+    fn a_scribbled_header_fails_validation() {
+        let (a, _fd) = ShmRegion::create(geom()).unwrap();
+        a.header().magic.store(0, Ordering::Relaxed);
+        assert!(matches!(a.validate(), Err(ShmError::Mismatch { field: "magic", .. })));
+    }
+
+    #[test]
+    fn out_of_range_slots_are_none() {
+        let (a, _fd) = ShmRegion::create(geom()).unwrap();
+        assert!(a.thread(3).is_none());
+        assert!(a.tag(2, 0).is_none());
+        assert!(a.tag(0, 4).is_none());
+        assert!(a.tag(1, 3).is_some());
+    }
+
+    #[test]
+    fn zero_dimensions_are_refused() {
+        let mut g = geom();
+        g.queue_depth = 0;
+        assert!(matches!(ShmRegion::create(g), Err(ShmError::Geometry(_))));
+    }
+
+    #[test]
+    fn tag_records_are_never_torn_under_a_concurrent_writer() {
+        let (a, fd) = ShmRegion::create(geom()).unwrap();
+        let b = ShmRegion::open(fd.as_fd(), geom()).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    // Every field derives from i: a torn read would mix two values.
+                    a.tag(0, 0).unwrap().write(&TagRecord {
+                        state: (i % 3) as u32,
+                        op: i as u32,
+                        nr_sectors: i as u32,
+                        start_sector: i,
+                        since_ms: i,
+                    });
+                }
+            })
+        };
+        let mut seen = 0;
+        for _ in 0..200_000 {
+            if let Some(r) = b.tag(0, 0).unwrap().read() {
+                assert_eq!(u64::from(r.op), r.start_sector & 0xffff_ffff);
+                assert_eq!(r.start_sector, r.since_ms);
+                seen += 1;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        assert!(seen > 0);
+    }
+}

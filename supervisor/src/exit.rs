@@ -1,0 +1,13 @@
+//! Exit codes of `ublkd` and `ublkctl`, one per fatal cause, so that scripts and
+//! systemd (`RestartPreventExitStatus=`) can tell them apart.
+
+/// Any failure without a more specific code.
+pub const FAILURE: i32 = 1;
+/// Bad command-line usage (clap's own code).
+pub const USAGE: i32 = 2;
+/// The kernel has no ublk driver (`/dev/ublk-control` is missing).
+pub const NO_UBLK: i32 = 3;
+/// The kernel's ublk driver lacks a feature ublkd needs.
+pub const MISSING_FEATURE: i32 = 4;
+/// Not permitted (not root / no CAP_SYS_ADMIN).
+pub const PERMISSION: i32 = 5;
