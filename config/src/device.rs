@@ -1,0 +1,465 @@
+//! One device as the daemon will create it, its limits, and their checks.
+//!
+//! [`DeviceSpec`] is the resolved form: every default applied, the size known. It comes
+//! from a `[[device]]` table (see [`crate::Config`]) or from ublkctl's `add` flags; both
+//! end in [`DeviceSpec::validate`], so the two paths accept exactly the same devices.
+
+use std::fs::{File, Metadata};
+use std::io::{self, Seek, SeekFrom};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use crate::size::format_size;
+
+/// Largest device id ublkd accepts: the kernel's `UBLK_MAX_UBLKS - 1`, where
+/// `UBLK_MAX_UBLKS = UBLK_MINORS = 1 << MINORBITS` (`drivers/block/ublk_drv.c`,
+/// *reading*); ADD_DEV refuses larger ids with `-EINVAL`. Also a sane cap on its own:
+/// `/dev/ublkbN` names stay short.
+pub const MAX_DEVICE_ID: u32 = (1 << 20) - 1;
+/// Most queues per device ublkd accepts. The kernel allows more (`UBLK_MAX_NR_QUEUES`);
+/// each queue costs a ring and buffers in the worker, and 64 covers any disk's
+/// parallelism.
+pub const MAX_QUEUES: u16 = 64;
+/// Deepest queue: the kernel's `UBLK_MAX_QUEUE_DEPTH` (`include/uapi/linux/ublk_cmd.h`).
+pub const MAX_QUEUE_DEPTH: u16 = 4096;
+/// Smallest logical block size: the sector size.
+pub const MIN_BLOCK_SIZE: u32 = 512;
+/// Largest logical block size: the page size on the machines ublkd runs on (the block
+/// layer refuses logical blocks above `PAGE_SIZE`).
+pub const MAX_BLOCK_SIZE: u32 = 4096;
+/// Most worker threads per device.
+pub const MAX_THREADS: u16 = 64;
+/// Largest device: 2^63 bytes, so byte offsets fit an `i64` (`off_t`) everywhere.
+pub const MAX_SIZE_BYTES: u64 = 1 << 63;
+
+/// What serves a device's I/O.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum TargetSpec {
+    /// Completes every request at once; reads return zeroes, writes are dropped.
+    Null,
+    /// A RAM disk, private to the worker, lost when the device goes away.
+    Memory,
+    /// A backing file or block device.
+    Loop {
+        /// Absolute path of a regular file or block device.
+        file: PathBuf,
+        /// Open with `O_DIRECT`, bypassing the page cache.
+        direct: bool,
+    },
+}
+
+impl TargetSpec {
+    /// The target's name as the config file spells it: `null`, `memory` or `loop`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Null => "null",
+            Self::Memory => "memory",
+            Self::Loop { .. } => "loop",
+        }
+    }
+}
+
+/// Settings every device gets unless it sets its own: the config file's `[defaults]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceDefaults {
+    /// Hardware queues per device.
+    pub queues: u16,
+    /// Requests in flight per queue.
+    pub queue_depth: u16,
+    /// Logical block size in bytes.
+    pub block_size: u32,
+    /// Worker threads per device.
+    pub threads: u16,
+    /// Run the device's worker in the sandbox.
+    pub sandbox: bool,
+}
+
+impl Default for DeviceDefaults {
+    fn default() -> Self {
+        Self { queues: 1, queue_depth: 128, block_size: 4096, threads: 1, sandbox: true }
+    }
+}
+
+impl DeviceDefaults {
+    /// Checks each value against its limit. Whether threads fit queues × queue_depth is
+    /// checked per device, where overrides may change either side.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        check_queues(self.queues)?;
+        check_queue_depth(self.queue_depth)?;
+        check_block_size(self.block_size)?;
+        check_threads(self.threads)?;
+        Ok(())
+    }
+}
+
+/// One device, fully resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DeviceSpec {
+    /// The kernel device id (`/dev/ublkbN`), or `None` to let the kernel pick.
+    pub id: Option<u32>,
+    /// What serves the I/O.
+    pub target: TargetSpec,
+    /// Capacity in bytes: a multiple of `block_size`, at most [`MAX_SIZE_BYTES`].
+    pub size_bytes: u64,
+    /// Hardware queues.
+    pub queues: u16,
+    /// Requests in flight per queue.
+    pub queue_depth: u16,
+    /// Logical block size in bytes.
+    pub block_size: u32,
+    /// Worker threads.
+    pub threads: u16,
+    /// Run the worker in the sandbox.
+    pub sandbox: bool,
+}
+
+/// A device setting that breaks a rule: which field, and what is wrong with it.
+///
+/// `field` is the config file's key (`queue_depth`), so the config file can prefix it
+/// with `device[2].` and ublkctl can map it to its flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct FieldError {
+    /// The key, as the config file spells it.
+    pub field: &'static str,
+    /// What is wrong and what would be right.
+    pub problem: String,
+}
+
+impl FieldError {
+    pub(crate) fn new(field: &'static str, problem: impl Into<String>) -> Self {
+        Self { field, problem: problem.into() }
+    }
+}
+
+impl DeviceSpec {
+    /// Checks every limit: ranges, block size, threads against queues × queue_depth,
+    /// size, and for a loop target that the file is an absolute path to an existing
+    /// regular file or block device at least `size_bytes` long.
+    ///
+    /// Reads the loop file's metadata (and opens a block device to learn its size);
+    /// nothing else touches the system.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if let Some(id) = self.id {
+            check_device_id(i128::from(id))?;
+        }
+        check_queues(self.queues)?;
+        check_queue_depth(self.queue_depth)?;
+        check_block_size(self.block_size)?;
+        check_threads(self.threads)?;
+        let slots = u32::from(self.queues) * u32::from(self.queue_depth);
+        if u32::from(self.threads) > slots {
+            return Err(FieldError::new(
+                "threads",
+                format!(
+                    "{} is more than queues × queue_depth = {slots}; a thread with no \
+                     request slot idles, use at most {slots}",
+                    self.threads
+                ),
+            ));
+        }
+        check_size(self.size_bytes, self.block_size)?;
+        if let TargetSpec::Loop { file, .. } = &self.target {
+            let file_size = backing_file_size(file)?;
+            if self.size_bytes > file_size {
+                return Err(FieldError::new(
+                    "size",
+                    format!(
+                        "{} ({} bytes) is larger than {} ({file_size} bytes); grow the \
+                         file first or leave size out to use the whole file",
+                        format_size(self.size_bytes),
+                        self.size_bytes,
+                        file.display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The size of a loop device that sets no `size`: the whole file, which must be
+    /// non-empty and a whole number of `block_size` blocks.
+    pub fn loop_size_from_file(file: &Path, block_size: u32) -> Result<u64, FieldError> {
+        let bytes = backing_file_size(file)?;
+        if bytes == 0 {
+            return Err(FieldError::new(
+                "file",
+                format!(
+                    "{} is empty; a loop device needs a non-empty file (grow it with \
+                     truncate -s)",
+                    file.display()
+                ),
+            ));
+        }
+        if bytes % u64::from(block_size.max(1)) != 0 {
+            return Err(FieldError::new(
+                "file",
+                format!(
+                    "{} is {bytes} bytes, not a multiple of block_size {block_size}; set \
+                     size to a multiple of {block_size} to use part of it",
+                    file.display()
+                ),
+            ));
+        }
+        Ok(bytes)
+    }
+}
+
+/// Checks that `file` is an absolute path to a regular file or block device and returns
+/// its size in bytes. A block device is opened read-only to learn its size (its
+/// metadata says 0).
+pub fn backing_file_size(file: &Path) -> Result<u64, FieldError> {
+    let metadata = backing_file_metadata(file)?;
+    if metadata.file_type().is_block_device() {
+        let unreadable = |error: io::Error| {
+            FieldError::new(
+                "file",
+                format!(
+                    "cannot open block device {} to read its size ({error}); check its \
+                     permissions",
+                    file.display()
+                ),
+            )
+        };
+        let mut device = File::open(file).map_err(unreadable)?;
+        device.seek(SeekFrom::End(0)).map_err(unreadable)
+    } else {
+        Ok(metadata.len())
+    }
+}
+
+/// Checks that `file` is an absolute path to a regular file or block device and returns
+/// its metadata (symlinks followed).
+pub(crate) fn backing_file_metadata(file: &Path) -> Result<Metadata, FieldError> {
+    check_absolute("file", file, "/var/lib/ublkd/disk.img")?;
+    let metadata = std::fs::metadata(file).map_err(|error| {
+        let problem = match error.kind() {
+            io::ErrorKind::NotFound => format!(
+                "{} does not exist; expected an existing regular file or block device",
+                file.display()
+            ),
+            io::ErrorKind::NotADirectory => format!(
+                "{} does not exist (a parent is not a directory); expected an existing \
+                 regular file or block device",
+                file.display()
+            ),
+            _ => format!(
+                "cannot inspect {} ({error}); expected an existing regular file or block \
+                 device",
+                file.display()
+            ),
+        };
+        FieldError::new("file", problem)
+    })?;
+    let file_type = metadata.file_type();
+    let kind = if file_type.is_file() || file_type.is_block_device() {
+        return Ok(metadata);
+    } else if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_fifo() {
+        "a FIFO"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    Err(FieldError::new(
+        "file",
+        format!("{} is {kind}; expected a regular file or block device", file.display()),
+    ))
+}
+
+/// Checks that `path` is absolute and usable as a path (no NUL byte).
+pub(crate) fn check_absolute(
+    field: &'static str,
+    path: &Path,
+    example: &str,
+) -> Result<(), FieldError> {
+    if path.as_os_str().as_encoded_bytes().contains(&0) {
+        return Err(FieldError::new(field, format!("{path:?} contains a NUL byte; a path cannot")));
+    }
+    if !path.is_absolute() {
+        return Err(FieldError::new(
+            field,
+            format!("{path:?} is not an absolute path; use one such as {example}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `value` against `lo..=hi` and returns it narrowed to `T`.
+pub(crate) fn in_range<T>(field: &'static str, value: i128, lo: T, hi: T) -> Result<T, FieldError>
+where
+    T: Copy + Into<i128> + TryFrom<i128> + std::fmt::Display,
+{
+    let out_of_range =
+        || FieldError::new(field, format!("{value} is out of range; expected {lo}..={hi}"));
+    if value < lo.into() || value > hi.into() {
+        return Err(out_of_range());
+    }
+    T::try_from(value).map_err(|_| out_of_range())
+}
+
+pub(crate) fn check_device_id(id: i128) -> Result<u32, FieldError> {
+    in_range("id", id, 0, MAX_DEVICE_ID).map_err(|mut e| {
+        e.problem.push_str(" (the kernel's limit) or \"auto\"");
+        e
+    })
+}
+
+fn check_queues(queues: u16) -> Result<u16, FieldError> {
+    in_range("queues", queues.into(), 1, MAX_QUEUES)
+}
+
+fn check_queue_depth(depth: u16) -> Result<u16, FieldError> {
+    in_range("queue_depth", depth.into(), 1, MAX_QUEUE_DEPTH)
+}
+
+fn check_threads(threads: u16) -> Result<u16, FieldError> {
+    in_range("threads", threads.into(), 1, MAX_THREADS)
+}
+
+fn check_block_size(block_size: u32) -> Result<u32, FieldError> {
+    check_block_size_wide(block_size.into())
+}
+
+/// Checks a block size as written (any integer) and returns it as a `u32`.
+pub(crate) fn check_block_size_wide(block_size: i128) -> Result<u32, FieldError> {
+    match u32::try_from(block_size) {
+        Ok(size) if size.is_power_of_two() && (MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&size) => {
+            Ok(size)
+        }
+        _ => Err(FieldError::new(
+            "block_size",
+            format!("{block_size} is not a valid block size; expected 512, 1024, 2048 or 4096"),
+        )),
+    }
+}
+
+fn check_size(size: u64, block_size: u32) -> Result<(), FieldError> {
+    let block = u64::from(block_size.max(1));
+    if size == 0 {
+        return Err(FieldError::new(
+            "size",
+            format!("0 is too small; a device needs at least one block ({block} bytes)"),
+        ));
+    }
+    if size > MAX_SIZE_BYTES {
+        return Err(FieldError::new(
+            "size",
+            format!(
+                "{size} is too large; the largest device is {MAX_SIZE_BYTES} bytes ({})",
+                format_size(MAX_SIZE_BYTES)
+            ),
+        ));
+    }
+    let remainder = size % block;
+    if remainder != 0 {
+        let down = size - remainder;
+        // `size < 2^63` here and `block <= 2^12`, so `up` cannot overflow.
+        let up = down + block;
+        let hint = if down == 0 {
+            format!("; use {up} or more")
+        } else {
+            format!("; round it to {down} or {up}")
+        };
+        return Err(FieldError::new(
+            "size",
+            format!("{size} is not a multiple of block_size {block_size}{hint}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn null_device() -> DeviceSpec {
+        DeviceSpec {
+            id: None,
+            target: TargetSpec::Null,
+            size_bytes: 1 << 30,
+            queues: 1,
+            queue_depth: 128,
+            block_size: 4096,
+            threads: 1,
+            sandbox: true,
+        }
+    }
+
+    fn field_of(spec: &DeviceSpec) -> Option<&'static str> {
+        spec.validate().err().map(|e| e.field)
+    }
+
+    #[test]
+    fn validate_accepts_limits_at_both_ends() {
+        let mut spec = null_device();
+        spec.id = Some(MAX_DEVICE_ID);
+        spec.queues = MAX_QUEUES;
+        spec.queue_depth = MAX_QUEUE_DEPTH;
+        spec.threads = MAX_THREADS;
+        spec.size_bytes = MAX_SIZE_BYTES;
+        assert_eq!(spec.validate(), Ok(()));
+        let spec = DeviceSpec {
+            id: Some(0),
+            size_bytes: 512,
+            block_size: 512,
+            queue_depth: 1,
+            ..null_device()
+        };
+        assert_eq!(spec.validate(), Ok(()));
+    }
+
+    #[test]
+    fn validate_names_the_field_that_breaks_a_limit() {
+        let cases: [(DeviceSpec, &str); 9] = [
+            (DeviceSpec { id: Some(MAX_DEVICE_ID + 1), ..null_device() }, "id"),
+            (DeviceSpec { queues: 0, ..null_device() }, "queues"),
+            (DeviceSpec { queues: 65, ..null_device() }, "queues"),
+            (DeviceSpec { queue_depth: 4097, ..null_device() }, "queue_depth"),
+            (DeviceSpec { block_size: 1000, ..null_device() }, "block_size"),
+            (DeviceSpec { block_size: 8192, ..null_device() }, "block_size"),
+            (DeviceSpec { threads: 3, queue_depth: 2, ..null_device() }, "threads"),
+            (DeviceSpec { size_bytes: 0, ..null_device() }, "size"),
+            (DeviceSpec { size_bytes: MAX_SIZE_BYTES + 4096, ..null_device() }, "size"),
+        ];
+        for (spec, field) in cases {
+            assert_eq!(field_of(&spec), Some(field), "{spec:?}");
+        }
+    }
+
+    #[test]
+    fn validate_checks_loop_file_exists_and_is_not_a_directory() {
+        let missing = DeviceSpec {
+            target: TargetSpec::Loop {
+                file: PathBuf::from("/nonexistent/ublkd-config-test.img"),
+                direct: true,
+            },
+            ..null_device()
+        };
+        let error = missing.validate().err();
+        assert!(
+            matches!(&error, Some(e) if e.field == "file" && e.problem.contains("does not exist"))
+        );
+        let directory = DeviceSpec {
+            target: TargetSpec::Loop { file: std::env::temp_dir(), direct: true },
+            ..null_device()
+        };
+        let error = directory.validate().err();
+        assert!(
+            matches!(&error, Some(e) if e.field == "file" && e.problem.contains("is a directory"))
+        );
+    }
+
+    #[test]
+    fn size_hint_suggests_neighbouring_multiples() {
+        let error = check_size(5000, 4096).err().map(|e| e.problem);
+        assert_eq!(
+            error.as_deref(),
+            Some("5000 is not a multiple of block_size 4096; round it to 4096 or 8192")
+        );
+    }
+}

@@ -1,0 +1,1542 @@
+//! ublkd's config file: its schema, its defaults, and every check on it.
+//!
+//! This crate owns the TOML file the daemon reads at start (`[daemon]`, `[recovery]`,
+//! `[defaults]`, `[[device]]`; `ublkd.example.toml` next to this crate documents every
+//! key) and turns it into a [`Config`] whose values are all resolved and within their
+//! limits, so the rest of ublkd never re-checks them. It also owns the rules ublkctl
+//! reuses for a device given on the command line ([`DeviceSpec::validate`],
+//! [`parse_size`]).
+//!
+//! It does not create devices, open sockets or drop privileges; the only system access
+//! is reading the config file and inspecting loop backing files (metadata, and opening
+//! a block device read-only to learn its size).
+//!
+//! Rules beyond the schema's types, each with its reason at its constant: device ids
+//! `0..=`[`MAX_DEVICE_ID`], unique; queues `1..=`[`MAX_QUEUES`]; queue depth
+//! `1..=`[`MAX_QUEUE_DEPTH`]; block size a power of two in
+//! [`MIN_BLOCK_SIZE`]`..=`[`MAX_BLOCK_SIZE`]; threads `1..=`[`MAX_THREADS`] and at most
+//! queues × queue depth; size non-zero, a multiple of the block size, at most
+//! [`MAX_SIZE_BYTES`]; a loop file absolute, existing, a regular file or block device,
+//! at least `size` long and backing one device only; daemon paths absolute, the socket
+//! at most [`MAX_SOCKET_PATH_BYTES`].
+//!
+//! Errors: every [`ConfigError`] message starts with the file name, names the key
+//! (`device[2].queue_depth`), says what is wrong and what would be right, and gives the
+//! line when the key is in the file. Messages never repeat a `#[source]` error; print
+//! the chain (`{:#}` with anyhow) to see it.
+
+mod device;
+mod locate;
+mod raw;
+mod size;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::de::DeTable;
+
+pub use device::{
+    DeviceDefaults, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID, MAX_QUEUE_DEPTH,
+    MAX_QUEUES, MAX_SIZE_BYTES, MAX_THREADS, MIN_BLOCK_SIZE, TargetSpec, backing_file_size,
+};
+pub use size::{SizeError, format_size, parse_size};
+
+use device::{
+    backing_file_metadata, check_absolute, check_block_size_wide, check_device_id, in_range,
+};
+use locate::KeyPath;
+use raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
+
+/// Where ublkctl finds the daemon when the config file does not say.
+pub const DEFAULT_SOCKET: &str = "/run/ublkd/ublkd.sock";
+/// Where per-device state lives when the config file does not say.
+pub const DEFAULT_STATE_DIR: &str = "/run/ublkd";
+/// The worker executable's file name, looked up next to the ublkd executable when
+/// `daemon.worker_binary` is not set.
+pub const DEFAULT_WORKER_NAME: &str = "ublkd-worker";
+/// Longest unix socket path: `sun_path` is 108 bytes including the terminating NUL.
+pub const MAX_SOCKET_PATH_BYTES: usize = 107;
+/// Longest `daemon.worker_user`: the usual limit of `useradd`.
+pub const MAX_USER_NAME_BYTES: usize = 32;
+/// Largest `recovery.hung_timeout_secs`.
+pub const MAX_HUNG_TIMEOUT_SECS: u32 = 300;
+
+/// The whole config file, resolved: defaults applied, every value within its limits.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Config {
+    /// `[daemon]`.
+    pub daemon: DaemonConfig,
+    /// `[recovery]`.
+    pub recovery: RecoveryConfig,
+    /// `[defaults]`: kept so that devices added later (ublkctl `add`) get them too.
+    pub defaults: DeviceDefaults,
+    /// `[[device]]`, in file order, each with the defaults applied.
+    pub devices: Vec<DeviceSpec>,
+}
+
+/// `[daemon]`: where the daemon listens and keeps state, and how it starts workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonConfig {
+    /// ublkctl's unix socket (`daemon.socket`), absolute.
+    pub socket: PathBuf,
+    /// Per-device state that survives a supervisor restart (`daemon.state_dir`),
+    /// absolute.
+    pub state_dir: PathBuf,
+    /// The worker executable (`daemon.worker_binary`), absolute; `None` means
+    /// [`DEFAULT_WORKER_NAME`] next to the ublkd executable (see
+    /// [`DaemonConfig::worker_binary_path`]).
+    pub worker_binary: Option<PathBuf>,
+    /// The user sandboxed workers run as (`daemon.worker_user`); `None` leaves the
+    /// choice to the supervisor.
+    pub worker_user: Option<String>,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        Self {
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            worker_binary: None,
+            worker_user: None,
+        }
+    }
+}
+
+impl DaemonConfig {
+    /// The worker executable: `worker_binary` if set, else [`DEFAULT_WORKER_NAME`] in
+    /// the directory of the running executable.
+    pub fn worker_binary_path(&self) -> io::Result<PathBuf> {
+        if let Some(path) = &self.worker_binary {
+            return Ok(path.clone());
+        }
+        let exe = std::env::current_exe()?;
+        let dir = exe
+            .parent()
+            .ok_or_else(|| io::Error::other("the running executable has no parent directory"))?;
+        Ok(dir.join(DEFAULT_WORKER_NAME))
+    }
+}
+
+/// `[recovery]`: when a worker counts as hung, and how often a device may recover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecoveryConfig {
+    /// A worker with I/O in flight and no progress this long is killed
+    /// (`recovery.hung_timeout_secs`, 1..=300 seconds).
+    pub hung_timeout: Duration,
+    /// At most this many recoveries per device within `restart_window`
+    /// (`recovery.restart_max`); 0 disables automatic recovery.
+    pub restart_max: u32,
+    /// The window `restart_max` counts in (`recovery.restart_window_secs`, ≥ 1 second).
+    pub restart_window: Duration,
+    /// What a device does once it used up its recoveries
+    /// (`recovery.on_restart_limit`).
+    pub on_restart_limit: OnRestartLimit,
+}
+
+impl Default for RecoveryConfig {
+    fn default() -> Self {
+        Self {
+            hung_timeout: Duration::from_secs(10),
+            restart_max: 5,
+            restart_window: Duration::from_secs(60),
+            on_restart_limit: OnRestartLimit::Quiesce,
+        }
+    }
+}
+
+impl RecoveryConfig {
+    /// Whether a crashed or hung worker is restarted automatically.
+    pub fn automatic_recovery(&self) -> bool {
+        self.restart_max > 0
+    }
+}
+
+/// What a device does when it hits `restart_max` recoveries within the window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum OnRestartLimit {
+    /// `"quiesce"`: keep the device, queue its I/O, wait for an operator.
+    #[default]
+    Quiesce,
+    /// `"fail-io"`: keep the device, fail its I/O with an error.
+    FailIo,
+}
+
+impl OnRestartLimit {
+    /// The value as the config file spells it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Quiesce => "quiesce",
+            Self::FailIo => "fail-io",
+        }
+    }
+}
+
+/// A position in the config file, both counted from 1 (column in characters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Location {
+    /// Line, from 1.
+    pub line: usize,
+    /// Column in characters, from 1.
+    pub column: usize,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}, column {}", self.line, self.column)
+    }
+}
+
+/// Why a config file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read (missing, unreadable, not UTF-8).
+    #[error("{}: cannot read the config file", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The text is not TOML.
+    #[error("{origin}: not valid TOML: {message} ({location})")]
+    Syntax {
+        /// The file name, as given to [`Config::parse`].
+        origin: String,
+        /// What is wrong.
+        message: String,
+        /// Where.
+        location: Location,
+    },
+    /// A key is unknown, missing, of the wrong type, or its value breaks a rule.
+    #[error("{origin}: {}{problem}{}", key_prefix(key), at(location))]
+    Invalid {
+        /// The file name, as given to [`Config::parse`].
+        origin: String,
+        /// The key path, such as `device[2].queue_depth`; empty for the whole file.
+        key: String,
+        /// What is wrong and what would be right.
+        problem: String,
+        /// Where the key is, when it is in the file (an inherited default is not).
+        location: Option<Location>,
+    },
+}
+
+fn key_prefix(key: &str) -> String {
+    if key.is_empty() { String::new() } else { format!("{key}: ") }
+}
+
+fn at(location: &Option<Location>) -> String {
+    location.map_or_else(String::new, |location| format!(" ({location})"))
+}
+
+impl ConfigError {
+    /// The key path the error is about (`device[2].queue_depth`), if it is about one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { key, .. } if !key.is_empty() => Some(key),
+            _ => None,
+        }
+    }
+}
+
+impl Config {
+    /// Reads and checks the config file at `path`; messages name it as given.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Checks config `text`; `origin` names it in messages (usually the file name).
+    ///
+    /// Loop devices' backing files are inspected (they must exist), nothing else
+    /// touches the system.
+    ///
+    /// ```
+    /// use ublkd_config::{Config, TargetSpec};
+    ///
+    /// let text = "[defaults]\nqueues = 2\n\n[[device]]\ntarget = \"memory\"\nsize = \"1G\"\n";
+    /// let config = Config::parse(text, "ublkd.toml")?;
+    /// assert_eq!(config.devices[0].target, TargetSpec::Memory);
+    /// assert_eq!(config.devices[0].queues, 2);
+    ///
+    /// let error = Config::parse("[[device]]\ntarget = \"null\"\nsize = 1000\n", "ublkd.toml");
+    /// assert_eq!(
+    ///     error.map_err(|e| e.to_string()).err().as_deref(),
+    ///     Some("ublkd.toml: device[0].size: 1000 is not a multiple of block_size 4096; \
+    ///           use 4096 or more (line 3, column 1)")
+    /// );
+    /// # Ok::<(), ublkd_config::ConfigError>(())
+    /// ```
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let doc = DeTable::parse(text).map_err(|error| syntax_error(text, origin, &error))?;
+        let checker = Checker { origin, text, doc: doc.get_ref() };
+        let raw = RawFile::deserialize(toml::de::Deserializer::from(doc.clone()))
+            .map_err(|error| checker.decode_error(&error))?;
+        checker.resolve(raw)
+    }
+}
+
+fn syntax_error(text: &str, origin: &str, error: &toml::de::Error) -> ConfigError {
+    let offset = error.span().map_or(0, |span| span.start);
+    let mut message = error.message().trim_end().to_owned();
+    // "duplicate key" alone does not say which one.
+    if let Some(span) = error.span()
+        && let Some(found) = text.get(span.clone())
+        && !found.is_empty()
+        && found.len() <= 64
+        && !found.contains('\n')
+        && !message.contains('`')
+    {
+        message = format!("{message} `{found}`");
+    }
+    ConfigError::Syntax {
+        origin: origin.to_owned(),
+        message,
+        location: locate::location(text, offset),
+    }
+}
+
+/// Turns the raw file into a [`Config`], turning each problem into a [`ConfigError`]
+/// that names the key and its line.
+struct Checker<'a> {
+    origin: &'a str,
+    text: &'a str,
+    doc: &'a DeTable<'a>,
+}
+
+impl Checker<'_> {
+    fn invalid(&self, path: &KeyPath, problem: impl Into<String>) -> ConfigError {
+        let location =
+            locate::span_of(self.doc, path).map(|span| locate::location(self.text, span.start));
+        ConfigError::Invalid {
+            origin: self.origin.to_owned(),
+            key: path.to_string(),
+            problem: problem.into(),
+            location,
+        }
+    }
+
+    fn field(&self, table: &KeyPath, error: FieldError) -> ConfigError {
+        self.invalid(&table.key(error.field), error.problem)
+    }
+
+    /// A serde error from toml: unknown key, wrong type, missing key.
+    fn decode_error(&self, error: &toml::de::Error) -> ConfigError {
+        let offset = error.span().map_or(0, |span| span.start);
+        let mut path = locate::path_at(self.doc, offset);
+        let message = error.message().trim_end();
+        let location = Some(locate::location(self.text, offset));
+        let problem = match message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.strip_suffix('`'))
+        {
+            Some(missing) => {
+                path = path.key(missing);
+                match missing {
+                    "target" => "missing; every device needs a target: \"null\", \"memory\" or \
+                                 \"loop\""
+                        .to_owned(),
+                    _ => "missing; this key is required".to_owned(),
+                }
+            }
+            None => message.to_owned(),
+        };
+        ConfigError::Invalid {
+            origin: self.origin.to_owned(),
+            key: path.to_string(),
+            problem,
+            location: if path.is_root() { None } else { location },
+        }
+    }
+
+    fn resolve(&self, raw: RawFile) -> Result<Config, ConfigError> {
+        let daemon = self.daemon(raw.daemon)?;
+        let recovery = self.recovery(raw.recovery)?;
+        let defaults = self.defaults(raw.defaults)?;
+        let mut devices = Vec::with_capacity(raw.device.0.len());
+        for (index, device) in raw.device.0.iter().enumerate() {
+            devices.push(self.device(index, device, &defaults)?);
+        }
+        self.check_unique(&devices)?;
+        Ok(Config { daemon, recovery, defaults, devices })
+    }
+
+    fn daemon(&self, raw: RawDaemon) -> Result<DaemonConfig, ConfigError> {
+        let table = KeyPath::root().key("daemon");
+        let defaults = DaemonConfig::default();
+        let socket = raw.socket.unwrap_or(defaults.socket);
+        check_absolute("socket", &socket, DEFAULT_SOCKET).map_err(|e| self.field(&table, e))?;
+        let length = socket.as_os_str().len();
+        if length > MAX_SOCKET_PATH_BYTES {
+            return Err(self.invalid(
+                &table.key("socket"),
+                format!(
+                    "{} is {length} bytes long; a unix socket path must be at most \
+                     {MAX_SOCKET_PATH_BYTES} bytes",
+                    socket.display()
+                ),
+            ));
+        }
+        let state_dir = raw.state_dir.unwrap_or(defaults.state_dir);
+        check_absolute("state_dir", &state_dir, DEFAULT_STATE_DIR)
+            .map_err(|e| self.field(&table, e))?;
+        if let Some(binary) = &raw.worker_binary {
+            check_absolute("worker_binary", binary, "/usr/libexec/ublkd/ublkd-worker")
+                .map_err(|e| self.field(&table, e))?;
+        }
+        if let Some(user) = &raw.worker_user {
+            check_user_name(user).map_err(|e| self.field(&table, e))?;
+        }
+        Ok(DaemonConfig {
+            socket,
+            state_dir,
+            worker_binary: raw.worker_binary,
+            worker_user: raw.worker_user,
+        })
+    }
+
+    fn recovery(&self, raw: RawRecovery) -> Result<RecoveryConfig, ConfigError> {
+        let table = KeyPath::root().key("recovery");
+        let defaults = RecoveryConfig::default();
+        let mut recovery = defaults;
+        if let Some(secs) = raw.hung_timeout_secs {
+            let secs = in_range("hung_timeout_secs", secs.0, 1, MAX_HUNG_TIMEOUT_SECS)
+                .map_err(|e| self.field(&table, e))?;
+            recovery.hung_timeout = Duration::from_secs(secs.into());
+        }
+        if let Some(max) = raw.restart_max {
+            recovery.restart_max =
+                in_range("restart_max", max.0, 0, u32::MAX).map_err(|e| self.field(&table, e))?;
+        }
+        if let Some(secs) = raw.restart_window_secs {
+            let secs = in_range("restart_window_secs", secs.0, 1, u32::MAX).map_err(|mut e| {
+                if secs.0 == 0 {
+                    e.problem.push_str("; to turn automatic recovery off, set restart_max = 0");
+                }
+                self.field(&table, e)
+            })?;
+            recovery.restart_window = Duration::from_secs(secs.into());
+        }
+        if let Some(policy) = raw.on_restart_limit {
+            recovery.on_restart_limit = policy;
+        }
+        Ok(recovery)
+    }
+
+    fn defaults(&self, raw: RawDefaults) -> Result<DeviceDefaults, ConfigError> {
+        let table = KeyPath::root().key("defaults");
+        let builtin = DeviceDefaults::default();
+        let overridden = Overrides {
+            queues: raw.queues.map(|v| v.0),
+            queue_depth: raw.queue_depth.map(|v| v.0),
+            block_size: raw.block_size.map(|v| v.0),
+            threads: raw.threads.map(|v| v.0),
+            sandbox: raw.sandbox,
+        }
+        .apply(&builtin)
+        .map_err(|e| self.field(&table, e))?;
+        overridden.validate().map_err(|e| self.field(&table, e))?;
+        Ok(overridden)
+    }
+
+    fn device(
+        &self,
+        index: usize,
+        raw: &RawDevice,
+        defaults: &DeviceDefaults,
+    ) -> Result<DeviceSpec, ConfigError> {
+        let table = KeyPath::root().key("device").index(index);
+        let overrides = Overrides {
+            queues: raw.queues.map(|v| v.0),
+            queue_depth: raw.queue_depth.map(|v| v.0),
+            block_size: raw.block_size.map(|v| v.0),
+            threads: raw.threads.map(|v| v.0),
+            sandbox: raw.sandbox,
+        };
+        let settings = overrides.apply(defaults).map_err(|e| self.field(&table, e))?;
+
+        let id = match raw.id.as_ref().map(|id| &id.0) {
+            None => None,
+            Some(IntOrString::String(s)) if s == "auto" => None,
+            Some(IntOrString::String(s)) => {
+                return Err(self.invalid(
+                    &table.key("id"),
+                    format!(
+                        "{s:?} is not a device id; expected an integer in \
+                         0..={MAX_DEVICE_ID} or \"auto\""
+                    ),
+                ));
+            }
+            Some(IntOrString::Int(id)) => {
+                Some(check_device_id(*id).map_err(|e| self.field(&table, e))?)
+            }
+        };
+
+        let size = match raw.size.as_ref().map(|size| &size.0) {
+            None => None,
+            Some(IntOrString::Int(bytes)) => Some(u64::try_from(*bytes).map_err(|_| {
+                let problem = if *bytes < 0 {
+                    format!(
+                        "{bytes} is negative; expected a number of bytes such as 4096 or \"4G\""
+                    )
+                } else {
+                    format!("{bytes} is too large; the largest device is {MAX_SIZE_BYTES} bytes")
+                };
+                self.invalid(&table.key("size"), problem)
+            })?),
+            Some(IntOrString::String(text)) => Some(
+                parse_size(text).map_err(|e| self.invalid(&table.key("size"), e.to_string()))?,
+            ),
+        };
+
+        let (target, size_bytes) = match raw.target {
+            RawTarget::Null | RawTarget::Memory => {
+                let target = if matches!(raw.target, RawTarget::Null) {
+                    TargetSpec::Null
+                } else {
+                    TargetSpec::Memory
+                };
+                for (key, present) in
+                    [("file", raw.file.is_some()), ("direct", raw.direct.is_some())]
+                {
+                    if present {
+                        return Err(self.invalid(
+                            &table.key(key),
+                            format!(
+                                "only a loop target has a backing file, this one is {}; \
+                                 remove {key} or set target = \"loop\"",
+                                target.name()
+                            ),
+                        ));
+                    }
+                }
+                let Some(size) = size else {
+                    return Err(self.invalid(
+                        &table.key("size"),
+                        format!(
+                            "missing; a {} device needs a size, such as size = \"1G\"",
+                            target.name()
+                        ),
+                    ));
+                };
+                (target, size)
+            }
+            RawTarget::Loop => {
+                let Some(file) = raw.file.clone() else {
+                    return Err(self.invalid(
+                        &table.key("file"),
+                        "missing; a loop device needs file = the absolute path of a \
+                         regular file or block device",
+                    ));
+                };
+                let size = match size {
+                    Some(size) => size,
+                    None => DeviceSpec::loop_size_from_file(&file, settings.block_size)
+                        .map_err(|e| self.field(&table, e))?,
+                };
+                let direct = raw.direct.unwrap_or(true);
+                (TargetSpec::Loop { file, direct }, size)
+            }
+        };
+
+        let spec = DeviceSpec {
+            id,
+            target,
+            size_bytes,
+            queues: settings.queues,
+            queue_depth: settings.queue_depth,
+            block_size: settings.block_size,
+            threads: settings.threads,
+            sandbox: settings.sandbox,
+        };
+        spec.validate().map_err(|mut e| {
+            if overrides.inherits(e.field) {
+                e.problem.push_str(&format!(" (the value comes from defaults.{})", e.field));
+            }
+            self.field(&table, e)
+        })?;
+        Ok(spec)
+    }
+
+    /// Device ids and loop backing files are each used at most once.
+    fn check_unique(&self, devices: &[DeviceSpec]) -> Result<(), ConfigError> {
+        let mut ids = HashMap::new();
+        let mut files = HashMap::new();
+        for (index, device) in devices.iter().enumerate() {
+            let table = KeyPath::root().key("device").index(index);
+            if let Some(id) = device.id
+                && let Some(first) = ids.insert(id, index)
+            {
+                return Err(self.invalid(
+                    &table.key("id"),
+                    format!(
+                        "{id} is already used by device[{first}]; give each device its \
+                         own id or use \"auto\""
+                    ),
+                ));
+            }
+            if let TargetSpec::Loop { file, .. } = &device.target {
+                let metadata = backing_file_metadata(file).map_err(|e| self.field(&table, e))?;
+                if let Some(first) = files.insert((metadata.dev(), metadata.ino()), index) {
+                    return Err(self.invalid(
+                        &table.key("file"),
+                        format!(
+                            "{} is already the backing file of device[{first}]; two \
+                             devices writing one file corrupt it",
+                            file.display()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The per-device settings a `[[device]]` or `[defaults]` table may set, as written.
+#[derive(Debug, Clone, Copy)]
+struct Overrides {
+    queues: Option<i128>,
+    queue_depth: Option<i128>,
+    block_size: Option<i128>,
+    threads: Option<i128>,
+    sandbox: Option<bool>,
+}
+
+impl Overrides {
+    /// `base` with every set value replaced, each checked against its own limit.
+    fn apply(&self, base: &DeviceDefaults) -> Result<DeviceDefaults, FieldError> {
+        Ok(DeviceDefaults {
+            queues: match self.queues {
+                Some(v) => in_range("queues", v, 1, MAX_QUEUES)?,
+                None => base.queues,
+            },
+            queue_depth: match self.queue_depth {
+                Some(v) => in_range("queue_depth", v, 1, MAX_QUEUE_DEPTH)?,
+                None => base.queue_depth,
+            },
+            block_size: match self.block_size {
+                Some(v) => check_block_size_wide(v)?,
+                None => base.block_size,
+            },
+            threads: match self.threads {
+                Some(v) => in_range("threads", v, 1, MAX_THREADS)?,
+                None => base.threads,
+            },
+            sandbox: self.sandbox.unwrap_or(base.sandbox),
+        })
+    }
+
+    /// Whether `field` was left to `[defaults]`.
+    fn inherits(&self, field: &str) -> bool {
+        match field {
+            "queues" => self.queues.is_none(),
+            "queue_depth" => self.queue_depth.is_none(),
+            "block_size" => self.block_size.is_none(),
+            "threads" => self.threads.is_none(),
+            _ => false,
+        }
+    }
+}
+
+/// A portable user name: `[A-Za-z0-9._-]`, not starting with `-`, not all digits (a
+/// uid would be ambiguous), at most [`MAX_USER_NAME_BYTES`].
+fn check_user_name(user: &str) -> Result<(), FieldError> {
+    let problem = if user.is_empty() {
+        Some("is empty; expected a user name such as \"ublkd-worker\"".to_owned())
+    } else if user.len() > MAX_USER_NAME_BYTES {
+        Some(format!("is {} bytes long; a user name has at most {MAX_USER_NAME_BYTES}", user.len()))
+    } else if !user.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        || user.starts_with('-')
+    {
+        Some(format!(
+            "{user:?} is not a user name; use letters, digits, '.', '_' and '-', not \
+             starting with '-'"
+        ))
+    } else if user.chars().all(|c| c.is_ascii_digit()) {
+        Some(format!("{user:?} is a number; expected a user name, not a uid"))
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(FieldError::new("worker_user", problem)),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const ORIGIN: &str = "bad.toml";
+
+    /// A file under the temp dir with a unique name, removed on drop.
+    struct TempFile {
+        path: PathBuf,
+    }
+
+    impl TempFile {
+        fn with_len(name: &str, len: u64) -> Self {
+            static COUNTER: AtomicUsize = AtomicUsize::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "ublkd-config-test-{}-{}-{name}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed)
+            ));
+            let file = File::create(&path).expect("create temp file");
+            file.set_len(len).expect("size temp file");
+            Self { path }
+        }
+
+        /// The path as a TOML basic string's content.
+        fn toml(&self) -> String {
+            self.path.display().to_string()
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    fn error_message(text: &str) -> String {
+        match Config::parse(text, ORIGIN) {
+            Ok(config) => panic!("expected an error, got {config:#?}"),
+            Err(error) => error.to_string(),
+        }
+    }
+
+    const NULL_1G: &str = "target = \"null\"\nsize = \"1G\"\n";
+
+    /// Each malformed config and the part of its message that names the key and the
+    /// problem; every message must also start with the origin.
+    #[test]
+    fn malformed_configs_are_refused_with_origin_key_and_problem() {
+        let dir = std::env::temp_dir();
+        let dir = dir.display();
+        let long_socket = format!("/run/{}/s.sock", "x".repeat(120));
+        let cases: Vec<(String, &str)> = vec![
+            // Unknown keys.
+            (
+                "[daemon]\nsockt = \"/x\"\n".into(),
+                "daemon.sockt: unknown field `sockt`, expected one of `socket`",
+            ),
+            (format!("[[device]]\n{NULL_1G}qeues = 2\n"), "device[0].qeues: unknown field `qeues`"),
+            ("[daemons]\n".into(), "daemons: unknown field `daemons`"),
+            (
+                "[recovery]\nrestart_max = 1\nhung = 3\n".into(),
+                "recovery.hung: unknown field `hung`",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}[[device]]\n{NULL_1G}extra.key = 1\n"),
+                "device[1].extra: unknown field `extra`",
+            ),
+            // Wrong types.
+            (
+                format!("[[device]]\n{NULL_1G}queue_depth = \"64\"\n"),
+                "device[0].queue_depth: invalid type: string \"64\", expected an integer",
+            ),
+            (
+                "[defaults]\nsandbox = \"yes\"\n".into(),
+                "defaults.sandbox: invalid type: string \"yes\", expected a boolean",
+            ),
+            ("[daemon]\nsocket = 5\n".into(), "daemon.socket: invalid type: integer `5`"),
+            (
+                format!("[[device]]\n{NULL_1G}queues = 1.5\n"),
+                "device[0].queues: invalid type: floating point `1.5`, expected an integer",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = true\n".into(),
+                "device[0].size: invalid type: boolean `true`, expected a size",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}id = 1.0\n"),
+                "device[0].id: invalid type: floating point `1.0`, expected a device id: an integer or \"auto\"",
+            ),
+            (
+                "device = 5\n".into(),
+                "device: invalid type: integer `5`, expected an array of tables",
+            ),
+            ("daemon = \"x\"\n".into(), "daemon: invalid type: string \"x\", expected a table"),
+            // Missing or unknown enum values.
+            (
+                "[[device]]\nsize = \"1G\"\n".into(),
+                "device[0].target: missing; every device needs a target",
+            ),
+            (
+                "[[device]]\ntarget = \"nul\"\n".into(),
+                "device[0].target: \"nul\" is not a target; expected \"null\", \"memory\" or \"loop\"",
+            ),
+            (
+                "[recovery]\non_restart_limit = 3\n".into(),
+                "recovery.on_restart_limit: invalid type: integer `3`, expected a policy: \"quiesce\" or \"fail-io\"",
+            ),
+            (
+                "[[device]]\ntarget = [\"null\"]\n".into(),
+                "device[0].target: invalid type: sequence, expected a target: \"null\", \"memory\" or \"loop\"",
+            ),
+            (
+                "[recovery]\non_restart_limit = \"reboot\"\n".into(),
+                "recovery.on_restart_limit: \"reboot\" is not a policy; expected \"quiesce\" or \"fail-io\"",
+            ),
+            // [daemon] rules.
+            (
+                "[daemon]\nsocket = \"ublkd.sock\"\n".into(),
+                "daemon.socket: \"ublkd.sock\" is not an absolute path; use one such as /run/ublkd/ublkd.sock",
+            ),
+            (format!("[daemon]\nsocket = \"{long_socket}\"\n"), "daemon.socket: /run/xxx"),
+            (
+                "[daemon]\nstate_dir = \"run/ublkd\"\n".into(),
+                "daemon.state_dir: \"run/ublkd\" is not an absolute path",
+            ),
+            (
+                "[daemon]\nworker_binary = \"ublkd-worker\"\n".into(),
+                "daemon.worker_binary: \"ublkd-worker\" is not an absolute path",
+            ),
+            (
+                "[daemon]\nsocket = \"/run/a\\u0000b\"\n".into(),
+                "daemon.socket: \"/run/a\\0b\" contains a NUL byte",
+            ),
+            (
+                "[daemon]\nworker_user = \"ublkd worker\"\n".into(),
+                "daemon.worker_user: \"ublkd worker\" is not a user name",
+            ),
+            (
+                "[daemon]\nworker_user = \"1000\"\n".into(),
+                "daemon.worker_user: \"1000\" is a number; expected a user name, not a uid",
+            ),
+            ("[daemon]\nworker_user = \"\"\n".into(), "daemon.worker_user: is empty"),
+            // [recovery] rules.
+            (
+                "[recovery]\nhung_timeout_secs = 0\n".into(),
+                "recovery.hung_timeout_secs: 0 is out of range; expected 1..=300",
+            ),
+            (
+                "[recovery]\nhung_timeout_secs = 301\n".into(),
+                "recovery.hung_timeout_secs: 301 is out of range; expected 1..=300",
+            ),
+            (
+                "[recovery]\nrestart_window_secs = 0\n".into(),
+                "recovery.restart_window_secs: 0 is out of range; expected 1..=4294967295; to turn automatic recovery off, set restart_max = 0",
+            ),
+            (
+                "[recovery]\nrestart_max = -1\n".into(),
+                "recovery.restart_max: -1 is out of range; expected 0..=4294967295",
+            ),
+            // [defaults] rules.
+            (
+                "[defaults]\nqueue_depth = 5000\n".into(),
+                "defaults.queue_depth: 5000 is out of range; expected 1..=4096",
+            ),
+            (
+                "[defaults]\nblock_size = 1000\n".into(),
+                "defaults.block_size: 1000 is not a valid block size; expected 512, 1024, 2048 or 4096",
+            ),
+            (
+                "[defaults]\nqueues = 0\n".into(),
+                "defaults.queues: 0 is out of range; expected 1..=64",
+            ),
+            // Device limits.
+            (
+                format!("[[device]]\n{NULL_1G}queues = 65\n"),
+                "device[0].queues: 65 is out of range; expected 1..=64",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}queue_depth = 0\n"),
+                "device[0].queue_depth: 0 is out of range; expected 1..=4096",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}queue_depth = 99999999999999999999\n"),
+                "device[0].queue_depth: 99999999999999999999 is out of range; expected 1..=4096",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}block_size = 8192\n"),
+                "device[0].block_size: 8192 is not a valid block size",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}block_size = 768\n"),
+                "device[0].block_size: 768 is not a valid block size",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}threads = 65\n"),
+                "device[0].threads: 65 is out of range; expected 1..=64",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}threads = 5\nqueue_depth = 4\n"),
+                "device[0].threads: 5 is more than queues × queue_depth = 4",
+            ),
+            (
+                format!(
+                    "[defaults]\nthreads = 8\n[[device]]\n{NULL_1G}queue_depth = 2\nqueues = 2\n"
+                ),
+                "device[0].threads: 8 is more than queues × queue_depth = 4; a thread with no request slot idles, use at most 4 (the value comes from defaults.threads)",
+            ),
+            // Sizes.
+            (
+                format!("[[device]]\n{NULL_1G}[[device]]\ntarget = \"null\"\nsize = 1000\n"),
+                "device[1].size: 1000 is not a multiple of block_size 4096; use 4096 or more",
+            ),
+            (
+                "[[device]]\ntarget = \"memory\"\nsize = 5000\nblock_size = 512\n".into(),
+                "device[0].size: 5000 is not a multiple of block_size 512; round it to 4608 or 5120",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = 0\n".into(),
+                "device[0].size: 0 is too small; a device needs at least one block (4096 bytes)",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = \"4X\"\n".into(),
+                "device[0].size: \"4X\" has an unknown suffix \"X\"",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = \"\"\n".into(),
+                "device[0].size: the size is empty",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = -4096\n".into(),
+                "device[0].size: -4096 is negative",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = \"16777216T\"\n".into(),
+                "device[0].size: \"16777216T\" is too large; a size must be below 16777216T",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = \"8388609T\"\n".into(),
+                "device[0].size: 9223373136366403584 is too large; the largest device is 9223372036854775808 bytes (8388608T)",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\nsize = 18446744073709551615\n".into(),
+                "device[0].size: 18446744073709551615 is too large",
+            ),
+            (
+                "[[device]]\ntarget = \"null\"\n".into(),
+                "device[0].size: missing; a null device needs a size, such as size = \"1G\"",
+            ),
+            (
+                "[[device]]\ntarget = \"memory\"\n".into(),
+                "device[0].size: missing; a memory device needs a size",
+            ),
+            // Loop-only keys and loop files.
+            (
+                format!("[[device]]\n{NULL_1G}file = \"/tmp/x\"\n"),
+                "device[0].file: only a loop target has a backing file, this one is null; remove file or set target = \"loop\"",
+            ),
+            (
+                "[[device]]\ntarget = \"memory\"\nsize = \"1G\"\ndirect = false\n".into(),
+                "device[0].direct: only a loop target has a backing file, this one is memory; remove direct",
+            ),
+            (
+                "[[device]]\ntarget = \"loop\"\n".into(),
+                "device[0].file: missing; a loop device needs file =",
+            ),
+            (
+                "[[device]]\ntarget = \"loop\"\nfile = \"/nonexistent/ublkd/disk.img\"\n".into(),
+                "device[0].file: /nonexistent/ublkd/disk.img does not exist; expected an existing regular file or block device",
+            ),
+            (
+                format!("[[device]]\ntarget = \"loop\"\nfile = '{dir}'\n"),
+                "is a directory; expected a regular file or block device",
+            ),
+            (
+                format!("[[device]]\ntarget = \"loop\"\nsize = \"1G\"\nfile = '{dir}'\n"),
+                "is a directory",
+            ),
+            (
+                "[[device]]\ntarget = \"loop\"\nfile = \"disk.img\"\n".into(),
+                "device[0].file: \"disk.img\" is not an absolute path",
+            ),
+            (
+                "[[device]]\ntarget = \"loop\"\nfile = \"/dev/null\"\n".into(),
+                "device[0].file: /dev/null is a character device",
+            ),
+            // Ids.
+            (
+                format!("[[device]]\n{NULL_1G}id = 1048576\n"),
+                "device[0].id: 1048576 is out of range; expected 0..=1048575 (the kernel's limit) or \"auto\"",
+            ),
+            (format!("[[device]]\n{NULL_1G}id = -1\n"), "device[0].id: -1 is out of range"),
+            (
+                format!("[[device]]\n{NULL_1G}id = \"first\"\n"),
+                "device[0].id: \"first\" is not a device id; expected an integer in 0..=1048575 or \"auto\"",
+            ),
+            (
+                format!(
+                    "[[device]]\n{NULL_1G}id = 3\n[[device]]\n{NULL_1G}[[device]]\n{NULL_1G}id = 3\n"
+                ),
+                "device[2].id: 3 is already used by device[0]",
+            ),
+            // Not TOML at all.
+            ("[daemon\n".into(), "not valid TOML: unclosed table, expected `]` (line 1, column 8)"),
+            ("a = 1\na = 2\n".into(), "not valid TOML: duplicate key `a` (line 2, column 1)"),
+            ("[[device]]\ntarget = null\n".into(), "not valid TOML"),
+        ];
+        assert!(cases.len() >= 25);
+        let mut failures = Vec::new();
+        for (text, expected) in &cases {
+            let message = error_message(text);
+            if !message.starts_with(&format!("{ORIGIN}: ")) || !message.contains(expected) {
+                failures.push(format!(
+                    "{message:?}\n  should contain {expected:?}\n  config: {text:?}"
+                ));
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "{} of {} cases failed:\n{}",
+            failures.len(),
+            cases.len(),
+            failures.join("\n")
+        );
+    }
+
+    #[test]
+    fn spec_example_message_is_exact() {
+        let text = "[[device]]\ntarget = \"null\"\nsize = \"1G\"\n\n[[device]]\ntarget = \"null\"\nsize = 1000\n";
+        let message = error_message(text);
+        assert!(
+            message
+                .starts_with("bad.toml: device[1].size: 1000 is not a multiple of block_size 4096"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn errors_point_at_the_line_of_the_key() {
+        let text = "[defaults]\nthreads = 2\n\n[[device]]\ntarget = \"null\"\nsize = 1000\n";
+        let error = Config::parse(text, ORIGIN).err();
+        let Some(ConfigError::Invalid { key, location, .. }) = &error else {
+            panic!("expected Invalid, got {error:?}");
+        };
+        assert_eq!(key, "device[0].size");
+        assert_eq!(*location, Some(Location { line: 6, column: 1 }));
+
+        // An inherited value is not in the device table: point at its header.
+        let text = "[defaults]\nthreads = 8\n\n[[device]]\ntarget = \"null\"\nsize = \"1G\"\nqueue_depth = 2\n";
+        let error = Config::parse(text, ORIGIN).err();
+        let Some(ConfigError::Invalid { key, location, .. }) = &error else {
+            panic!("expected Invalid, got {error:?}");
+        };
+        assert_eq!(key, "device[0].threads");
+        assert_eq!(location.map(|l| l.line), Some(4));
+
+        let message = error_message("[daemon]\n\n  sockett = 1\n");
+        assert!(message.ends_with("(line 3, column 3)"), "{message}");
+    }
+
+    #[test]
+    fn error_key_accessor_returns_the_key_path() {
+        let error = Config::parse("[recovery]\nhung_timeout_secs = 0\n", ORIGIN).err();
+        assert_eq!(error.as_ref().and_then(ConfigError::key), Some("recovery.hung_timeout_secs"));
+    }
+
+    #[test]
+    fn empty_config_is_the_builtin_default() {
+        let config = Config::parse("", ORIGIN).expect("empty config is valid");
+        assert_eq!(config, Config::default());
+        assert_eq!(config.daemon.socket, Path::new(DEFAULT_SOCKET));
+        assert_eq!(config.daemon.state_dir, Path::new(DEFAULT_STATE_DIR));
+        assert_eq!(config.recovery.hung_timeout, Duration::from_secs(10));
+        assert_eq!(config.recovery.restart_max, 5);
+        assert_eq!(config.recovery.restart_window, Duration::from_secs(60));
+        assert_eq!(config.recovery.on_restart_limit, OnRestartLimit::Quiesce);
+        assert!(config.devices.is_empty());
+    }
+
+    #[test]
+    fn minimal_device_gets_builtin_defaults() {
+        let config =
+            Config::parse("[[device]]\ntarget = \"null\"\nsize = \"1G\"\n", ORIGIN).expect("valid");
+        assert_eq!(
+            config.devices,
+            vec![DeviceSpec {
+                id: None,
+                target: TargetSpec::Null,
+                size_bytes: 1 << 30,
+                queues: 1,
+                queue_depth: 128,
+                block_size: 4096,
+                threads: 1,
+                sandbox: true,
+            }]
+        );
+    }
+
+    #[test]
+    fn full_config_sets_every_field() {
+        let backing = TempFile::with_len("full.img", 8 << 20);
+        let text = format!(
+            r#"
+            [daemon]
+            socket = "/run/test/ctl.sock"
+            state_dir = "/var/lib/test"
+            worker_binary = "/opt/ublkd/worker"
+            worker_user = "ublk_worker-1"
+
+            [recovery]
+            hung_timeout_secs = 300
+            restart_max = 0
+            restart_window_secs = 1
+            on_restart_limit = "fail-io"
+
+            [defaults]
+            queues = 4
+            queue_depth = 256
+            block_size = 1024
+            threads = 2
+            sandbox = false
+
+            [[device]]
+            id = 0
+            target = "memory"
+            size = "64M"
+
+            [[device]]
+            id = "auto"
+            target = "loop"
+            file = "{}"
+            direct = false
+            size = "4MiB"
+            queues = 64
+            queue_depth = 4096
+            block_size = 512
+            threads = 64
+            sandbox = true
+            "#,
+            backing.toml()
+        );
+        let config = Config::parse(&text, ORIGIN).expect("full config is valid");
+        assert_eq!(
+            config.daemon,
+            DaemonConfig {
+                socket: "/run/test/ctl.sock".into(),
+                state_dir: "/var/lib/test".into(),
+                worker_binary: Some("/opt/ublkd/worker".into()),
+                worker_user: Some("ublk_worker-1".into()),
+            }
+        );
+        assert_eq!(
+            config.recovery,
+            RecoveryConfig {
+                hung_timeout: Duration::from_secs(300),
+                restart_max: 0,
+                restart_window: Duration::from_secs(1),
+                on_restart_limit: OnRestartLimit::FailIo,
+            }
+        );
+        assert!(!config.recovery.automatic_recovery());
+        assert_eq!(
+            config.defaults,
+            DeviceDefaults {
+                queues: 4,
+                queue_depth: 256,
+                block_size: 1024,
+                threads: 2,
+                sandbox: false,
+            }
+        );
+        assert_eq!(
+            config.devices,
+            vec![
+                DeviceSpec {
+                    id: Some(0),
+                    target: TargetSpec::Memory,
+                    size_bytes: 64 << 20,
+                    queues: 4,
+                    queue_depth: 256,
+                    block_size: 1024,
+                    threads: 2,
+                    sandbox: false,
+                },
+                DeviceSpec {
+                    id: None,
+                    target: TargetSpec::Loop { file: backing.path.clone(), direct: false },
+                    size_bytes: 4 << 20,
+                    queues: 64,
+                    queue_depth: 4096,
+                    block_size: 512,
+                    threads: 64,
+                    sandbox: true,
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn device_overrides_win_over_defaults_field_by_field() {
+        let text = "[defaults]\nqueues = 4\nqueue_depth = 32\nsandbox = false\n\n\
+                    [[device]]\ntarget = \"null\"\nsize = 4096\nqueue_depth = 8\n";
+        let config = Config::parse(text, ORIGIN).expect("valid");
+        let device = &config.devices[0];
+        assert_eq!(
+            (device.queues, device.queue_depth, device.block_size, device.threads, device.sandbox),
+            (4, 8, 4096, 1, false)
+        );
+    }
+
+    #[test]
+    fn loop_size_defaults_to_the_file_size() {
+        let backing = TempFile::with_len("loop.img", 3 << 20);
+        let text = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", backing.toml());
+        let config = Config::parse(&text, ORIGIN).expect("valid");
+        assert_eq!(config.devices[0].size_bytes, 3 << 20);
+        assert_eq!(
+            config.devices[0].target,
+            TargetSpec::Loop { file: backing.path.clone(), direct: true }
+        );
+    }
+
+    #[test]
+    fn loop_file_size_must_fit_the_block_size_and_not_be_empty() {
+        let odd = TempFile::with_len("odd.img", 4096 + 512);
+        let text = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", odd.toml());
+        let message = error_message(&text);
+        assert!(
+            message.contains("device[0].file: ")
+                && message.contains("is 4608 bytes, not a multiple of block_size 4096"),
+            "{message}"
+        );
+        // The same file is fine with a block size that divides it, or a size that fits.
+        let text = format!("{text}block_size = 512\n");
+        assert_eq!(Config::parse(&text, ORIGIN).map(|c| c.devices[0].size_bytes).ok(), Some(4608));
+
+        let empty = TempFile::with_len("empty.img", 0);
+        let text = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", empty.toml());
+        let message = error_message(&text);
+        assert!(message.contains("device[0].file: ") && message.contains("is empty"), "{message}");
+    }
+
+    #[test]
+    fn loop_size_larger_than_the_file_is_refused() {
+        let backing = TempFile::with_len("small.img", 1 << 20);
+        let text = format!(
+            "[[device]]\ntarget = \"loop\"\nfile = \"{}\"\nsize = \"2M\"\n",
+            backing.toml()
+        );
+        let message = error_message(&text);
+        assert!(
+            message.contains("device[0].size: 2M (2097152 bytes) is larger than")
+                && message.contains("(1048576 bytes)"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn one_backing_file_for_two_devices_is_refused() {
+        let backing = TempFile::with_len("shared.img", 1 << 20);
+        let device = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", backing.toml());
+        let message = error_message(&format!("{device}{device}"));
+        assert!(
+            message.contains("device[1].file: ")
+                && message.contains("is already the backing file of device[0]"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn load_names_the_path_when_the_file_is_missing() {
+        let path = Path::new("/nonexistent/ublkd/ublkd.toml");
+        let error = Config::load(path).err();
+        assert!(matches!(&error, Some(ConfigError::Read { .. })), "{error:?}");
+        assert_eq!(
+            error.map(|e| e.to_string()).as_deref(),
+            Some("/nonexistent/ublkd/ublkd.toml: cannot read the config file")
+        );
+    }
+
+    fn example_path() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("ublkd.example.toml")
+    }
+
+    #[test]
+    fn example_config_loads_and_its_stated_defaults_are_the_real_ones() {
+        let config = Config::load(&example_path()).expect("the example config is valid");
+        // The example says each of these is the default: keep it honest.
+        assert_eq!(config.daemon.socket, Path::new(DEFAULT_SOCKET));
+        assert_eq!(config.daemon.state_dir, Path::new(DEFAULT_STATE_DIR));
+        assert_eq!(
+            config.daemon.worker_binary.as_deref(),
+            Some(Path::new("/usr/libexec/ublkd/ublkd-worker"))
+        );
+        assert_eq!(config.daemon.worker_user.as_deref(), Some("ublkd-worker"));
+        assert_eq!(config.recovery, RecoveryConfig::default());
+        assert_eq!(config.defaults, DeviceDefaults::default());
+        assert_eq!(config.devices.len(), 2);
+        assert_eq!(config.devices[0].id, Some(3));
+        assert_eq!(config.devices[0].size_bytes, 1 << 30);
+        assert_eq!(config.devices[1].target, TargetSpec::Memory);
+        assert_eq!(config.devices[1].size_bytes, 256 << 20);
+    }
+
+    #[test]
+    fn example_config_commented_loop_device_is_valid_too() {
+        let text = std::fs::read_to_string(example_path()).expect("read the example");
+        let backing = TempFile::with_len("example.img", 1 << 30);
+        // Uncomment the loop block (the comment lines after its intro) and point it at a
+        // real file.
+        let mut out = String::new();
+        let mut in_block = false;
+        let mut uncommented = 0;
+        for line in text.lines() {
+            if line.starts_with("# A loop device takes") {
+                in_block = true;
+            } else if in_block && line.trim().is_empty() {
+                in_block = false;
+            } else if in_block && let Some(rest) = line.strip_prefix("#   ") {
+                out.push_str(&rest.replace("/var/lib/ublkd/disk.img", &backing.toml()));
+                out.push('\n');
+                uncommented += 1;
+                continue;
+            }
+            out.push_str(line);
+            out.push('\n');
+        }
+        assert!(uncommented >= 4, "the example's loop block was not found");
+        let config = Config::parse(&out, "ublkd.example.toml").expect("the loop example is valid");
+        let device = config.devices.last().expect("the loop device");
+        assert_eq!(device.target, TargetSpec::Loop { file: backing.path.clone(), direct: true });
+        assert_eq!(device.size_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn deeply_nested_input_is_refused_without_overflowing_the_stack() {
+        for text in [
+            format!("a = {}", "[".repeat(100_000)),
+            format!("a = {}1{}", "{b=".repeat(10_000), "}".repeat(10_000)),
+            format!("[daemon]\n{}a = 1", "a.".repeat(100_000)),
+        ] {
+            let message = error_message(&text);
+            assert!(message.starts_with("bad.toml: not valid TOML: "), "{message}");
+        }
+    }
+
+    #[test]
+    fn worker_binary_path_defaults_to_the_executables_directory() {
+        let daemon = DaemonConfig::default();
+        let path = daemon.worker_binary_path().expect("current_exe works in tests");
+        assert_eq!(path.file_name(), Some(DEFAULT_WORKER_NAME.as_ref()));
+        let set = DaemonConfig { worker_binary: Some("/opt/w".into()), ..DaemonConfig::default() };
+        assert_eq!(set.worker_binary_path().ok(), Some(PathBuf::from("/opt/w")));
+    }
+
+    /// Every key the schema knows, by section.
+    const SECTIONS: [(&str, &[&str]); 6] = [
+        ("[daemon]", &["socket", "state_dir", "worker_binary", "worker_user"]),
+        (
+            "[recovery]",
+            &["hung_timeout_secs", "restart_max", "restart_window_secs", "on_restart_limit"],
+        ),
+        ("[defaults]", &["queues", "queue_depth", "block_size", "threads", "sandbox"]),
+        (
+            "[[device]]",
+            &[
+                "id",
+                "target",
+                "size",
+                "size",
+                "size",
+                "file",
+                "direct",
+                "queues",
+                "queue_depth",
+                "block_size",
+                "threads",
+                "sandbox",
+            ],
+        ),
+        ("[device]", &["target", "size"]),
+        ("[unknown]", &["a.b", "\"quoted key\""]),
+    ];
+
+    /// Values that fit `key` most of the time, and anything some of the time.
+    fn value_for(key: &'static str) -> BoxedStrategy<String> {
+        let plausible: &[&str] = match key {
+            "socket" | "state_dir" | "worker_binary" => {
+                &["\"/run/u/s.sock\"", "\"/run/ublkd\"", "\"/x\"", "\"relative\"", "\"\""]
+            }
+            "worker_user" => &["\"ublkd-worker\"", "\"nobody\"", "\"bad user\"", "\"1000\""],
+            "on_restart_limit" => &["\"quiesce\"", "\"fail-io\"", "\"other\""],
+            "target" => &["\"null\"", "\"null\"", "\"memory\"", "\"loop\"", "\"nul\""],
+            "size" => &[
+                "\"1G\"",
+                "4096",
+                "\"4k\"",
+                "\"1 MiB\"",
+                "8192",
+                "1000",
+                "0",
+                "\"8388608T\"",
+                "\"16777216T\"",
+            ],
+            "file" => &["\"/dev/null\"", "\"/\"", "\"/nonexistent\"", "\"rel.img\""],
+            "id" => &["\"auto\"", "0", "3", "1048575", "1048576", "\"x\""],
+            "block_size" => &["512", "1024", "2048", "4096", "8192", "768"],
+            "sandbox" | "direct" => &["true", "false"],
+            _ => &["1", "1", "2", "4", "8", "64", "0", "65", "300", "4096", "4097"],
+        };
+        prop_oneof![
+            20 => prop::sample::select(plausible).prop_map(str::to_owned),
+            1 => any::<i64>().prop_map(|v| v.to_string()),
+            1 => prop::sample::select(vec![
+                "99999999999999999999", "-1", "1.5", "true", "[]", "[1, 2]", "{}",
+                "{ a = 1 }", "1979-05-27", "nan", "\"\\u0000\"",
+            ])
+            .prop_map(str::to_owned),
+            1 => "[ -~]{0,12}".prop_map(|s| format!("{s:?}")),
+        ]
+        .boxed()
+    }
+
+    /// One section of `SECTIONS`: its header and distinct keys, mostly its own.
+    fn section(index: usize) -> impl Strategy<Value = String> {
+        let (header, keys) = SECTIONS[index % SECTIONS.len()];
+        let any_key: Vec<&'static str> =
+            SECTIONS.iter().flat_map(|(_, keys)| keys.iter().copied()).collect();
+        let key = prop_oneof![
+            30 => prop::sample::select(keys),
+            1 => prop::sample::select(any_key),
+        ];
+        let entry = key.prop_flat_map(|key| (Just(key), value_for(key)));
+        // A device without a target is refused at once: give most of them one.
+        let target = if header == "[[device]]" {
+            prop::option::weighted(0.95, value_for("target")).boxed()
+        } else {
+            Just(None).boxed()
+        };
+        (target, prop::collection::vec(entry, 0..8)).prop_map(move |(target, entries)| {
+            let mut text = format!("{header}\n");
+            let mut seen = std::collections::BTreeSet::new();
+            let target = target.map(|value| ("target", value));
+            for (key, value) in target.into_iter().chain(entries) {
+                if seen.insert(key) {
+                    text.push_str(&format!("{key} = {value}\n"));
+                }
+            }
+            text
+        })
+    }
+
+    /// TOML-ish documents: well-formed sections with right and wrong keys and values,
+    /// sometimes a stray section or a line of noise.
+    fn tomlish() -> impl Strategy<Value = String> {
+        let extra =
+            prop_oneof![section(4), section(5), "[ -~]{0,20}".prop_map(|s| format!("{s}\n")),];
+        (
+            prop::option::weighted(0.6, section(0)),
+            prop::option::weighted(0.6, section(1)),
+            prop::option::weighted(0.6, section(2)),
+            prop::collection::vec(section(3), 0..4),
+            prop::option::weighted(0.15, extra),
+        )
+            .prop_map(|(daemon, recovery, defaults, devices, extra)| {
+                let mut text = String::new();
+                for part in [daemon, recovery, defaults].into_iter().flatten() {
+                    text.push_str(&part);
+                }
+                text.push_str(&devices.concat());
+                text.push_str(&extra.unwrap_or_default());
+                text
+            })
+    }
+
+    /// A `[[device]]` table within every limit, and the spec it must resolve to.
+    fn valid_device() -> impl Strategy<Value = (String, DeviceSpec)> {
+        (
+            1..=MAX_QUEUES,
+            1..=MAX_QUEUE_DEPTH,
+            prop::sample::select(vec![512u32, 1024, 2048, 4096]),
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_flat_map(
+                |(queues, queue_depth, block_size, memory, sandbox, size_as_text)| {
+                    let slots = u32::from(queues) * u32::from(queue_depth);
+                    let max_threads = u32::from(MAX_THREADS).min(slots) as u16;
+                    let max_blocks = MAX_SIZE_BYTES / u64::from(block_size);
+                    (1..=max_threads, 1..=max_blocks).prop_map(move |(threads, blocks)| {
+                        let size_bytes = blocks * u64::from(block_size);
+                        let target = if memory { TargetSpec::Memory } else { TargetSpec::Null };
+                        let size = if size_as_text {
+                            format!("\"{}\"", format_size(size_bytes))
+                        } else if let Ok(size) = i64::try_from(size_bytes) {
+                            size.to_string()
+                        } else {
+                            format!("\"{size_bytes}\"")
+                        };
+                        let text = format!(
+                            "[[device]]\ntarget = \"{}\"\nsize = {size}\nqueues = {queues}\n\
+                         queue_depth = {queue_depth}\nblock_size = {block_size}\n\
+                         threads = {threads}\nsandbox = {sandbox}\n",
+                            target.name()
+                        );
+                        let spec = DeviceSpec {
+                            id: None,
+                            target,
+                            size_bytes,
+                            queues,
+                            queue_depth,
+                            block_size,
+                            threads,
+                            sandbox,
+                        };
+                        (text, spec)
+                    })
+                },
+            )
+    }
+
+    proptest! {
+        #[test]
+        fn parse_never_panics_on_arbitrary_text(text in any::<String>()) {
+            let _ = Config::parse(&text, "fuzz.toml");
+        }
+
+        #[test]
+        fn parse_size_never_panics_and_round_trips(text in any::<String>()) {
+            if let Ok(bytes) = parse_size(&text) {
+                prop_assert_eq!(parse_size(&format_size(bytes)), Ok(bytes));
+            }
+        }
+
+        #[test]
+        fn every_device_within_the_limits_is_accepted_as_written(
+            devices in prop::collection::vec(valid_device(), 1..4)
+        ) {
+            let text: String = devices.iter().map(|(text, _)| text.as_str()).collect();
+            let expected: Vec<DeviceSpec> = devices.into_iter().map(|(_, spec)| spec).collect();
+            let config = Config::parse(&text, "gen.toml");
+            prop_assert_eq!(config.map(|c| c.devices).map_err(|e| e.to_string()), Ok(expected));
+        }
+
+        #[test]
+        fn parse_on_tomlish_text_never_panics_and_accepts_only_valid_devices(
+            text in tomlish()
+        ) {
+            match Config::parse(&text, "fuzz.toml") {
+                Ok(config) => {
+                    for device in &config.devices {
+                        prop_assert_eq!(device.validate(), Ok(()));
+                    }
+                    prop_assert_eq!(config.defaults.validate(), Ok(()));
+                }
+                Err(error) => {
+                    let message = error.to_string();
+                    prop_assert!(message.starts_with("fuzz.toml: "), "{}", message);
+                }
+            }
+        }
+    }
+}
