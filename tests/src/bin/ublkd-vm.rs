@@ -1,0 +1,133 @@
+//! `ublkd-vm`: runs commands inside ublkd's test VM (Debian sid's 7.x cloud kernel with
+//! ublk, under qemu), also as a cargo runner. See the `ublkd_tests` crate docs.
+
+use std::ffi::OsString;
+use std::io::IsTerminal as _;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use ublkd_tests::cache::Cache;
+use ublkd_tests::vm::{self, Accel, RunOptions};
+use ublkd_tests::{check, exit, initramfs, kernel, script};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ublkd-vm",
+    about = "Run commands inside ublkd's test VM: Debian sid's 7.x cloud kernel with ublk, under qemu.",
+    after_help = exit::HELP
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Download (if not cached) the newest Debian sid cloud kernel >= 7.0 (linux-binary,
+    /// -modules, -base) and linux-libc-dev into the cache; make it the kernel `run` boots.
+    Fetch,
+    /// Print the include directory with the kernel's uapi headers (linux/ublk_cmd.h),
+    /// fetching first if needed.
+    UapiInclude,
+    /// Boot the VM, run CMD inside it (host root read-only, same cwd, forwarded env),
+    /// stream its console to stdout, and exit with CMD's status.
+    #[command(after_help = exit::HELP)]
+    Run {
+        /// Whole-run timeout in seconds [default: $UBLKD_VM_TIMEOUT, else 900].
+        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+        timeout: Option<u64>,
+        /// Guest memory in MB.
+        #[arg(long, value_name = "MB", default_value_t = vm::DEFAULT_MEM_MB,
+              value_parser = clap::value_parser!(u32).range(256..))]
+        mem: u32,
+        /// Number of vCPUs.
+        #[arg(long, value_name = "N", default_value_t = vm::DEFAULT_CPUS,
+              value_parser = clap::value_parser!(u32).range(1..=64))]
+        cpus: u32,
+        /// The command and its arguments (after `--`).
+        #[arg(last = true, required = true, value_name = "CMD")]
+        cmd: Vec<OsString>,
+    },
+    /// (Run by the guest before CMD.) Print the kernel's ublk feature mask; fail if it
+    /// lacks UBLK_F_BATCH_IO.
+    GuestCheck,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Fetch => match Cache::from_env().map_err(Into::into).and_then(|c| kernel::fetch(&c)) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => fail_kernel(e),
+        },
+        Cmd::UapiInclude => {
+            match Cache::from_env().map_err(Into::into).and_then(|c| kernel::current_or_fetch(&c)) {
+                Ok(k) => {
+                    println!("{}", k.include_dir.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail_kernel(e),
+            }
+        }
+        Cmd::GuestCheck => ExitCode::from(check::guest_check()),
+        Cmd::Run { timeout, mem, cpus, cmd } => run(timeout, mem, cpus, cmd),
+    }
+}
+
+fn run(timeout: Option<u64>, mem_mb: u32, cpus: u32, argv: Vec<OsString>) -> ExitCode {
+    let setup = || -> anyhow::Result<(RunOptions, Cache)> {
+        let timeout = match timeout {
+            Some(secs) => Duration::from_secs(secs),
+            None => match std::env::var(vm::ENV_TIMEOUT) {
+                Ok(v) if !v.is_empty() => {
+                    v.parse().ok().filter(|&s: &u64| s > 0).map(Duration::from_secs).with_context(
+                        || format!("{}={v:?} is not a positive number of seconds", vm::ENV_TIMEOUT),
+                    )?
+                }
+                _ => vm::DEFAULT_TIMEOUT,
+            },
+        };
+        let mut env = script::forwarded_env(std::env::vars_os());
+        script::fit_term(&mut env, std::io::stdout().is_terminal());
+        let opts = RunOptions {
+            argv,
+            cwd: std::env::current_dir().context("could not read the current directory")?,
+            env,
+            timeout,
+            mem_mb,
+            cpus,
+            accel: Accel::from_env()?,
+            check_bin: std::env::current_exe()
+                .context("could not find the path of the running ublkd-vm binary")?,
+        };
+        Ok((opts, Cache::from_env()?))
+    };
+    let (opts, cache) = match setup() {
+        Ok(v) => v,
+        Err(e) => return fail(exit::SETUP_FAILED, &e),
+    };
+    let kernel = match kernel::current_or_fetch(&cache) {
+        Ok(k) => k,
+        Err(e) => return fail_kernel(e),
+    };
+    let initrd = match initramfs::ensure(&cache, &kernel) {
+        Ok(p) => p,
+        Err(e) => return fail(exit::SETUP_FAILED, &e.into()),
+    };
+    match vm::run(&cache, &kernel, &initrd, &opts) {
+        Ok(status) => ExitCode::from(status),
+        Err(e) => fail(e.exit_code(), &e.into()),
+    }
+}
+
+fn fail_kernel(e: kernel::KernelError) -> ExitCode {
+    let code = if e.is_refusal() { exit::KERNEL_REFUSED } else { exit::SETUP_FAILED };
+    fail(code, &e.into())
+}
+
+fn fail(code: u8, e: &anyhow::Error) -> ExitCode {
+    eprintln!("[vm] error: {e:#}");
+    ExitCode::from(code)
+}

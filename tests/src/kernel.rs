@@ -1,0 +1,624 @@
+//! The guest kernel: Debian sid's newest `*-cloud-amd64` kernel ≥ 7.0, fetched with apt
+//! into the [`Cache`] without installing anything.
+//!
+//! [`fetch`] asks apt (`apt-cache search --names-only`) for every `linux-binary-<abi>`
+//! with a cloud ABI, picks the newest, refuses it if it is older than 7.0, and — unless
+//! that ABI is cached already — `apt-get download`s `linux-binary-<abi>`,
+//! `linux-modules-<abi>`, `linux-base-<abi>` (the config) and `linux-libc-dev` from sid,
+//! unpacks them with `dpkg-deb -x`
+//! and keeps only what the VM needs, decompressed: `vmlinuz`, `config`, `ublk_drv.ko`
+//! (no module dependencies) and `overlay.ko`, plus the unpacked uapi headers. The kernel
+//! is refused if its config lacks `CONFIG_BLK_DEV_UBLK`.
+//!
+//! [`current_or_fetch`] is what `run` uses: the kernel the last `fetch` chose (no apt
+//! call, so a run is quick and does not change kernel under a test suite), or a fetch
+//! if there is none. `ublkd-vm fetch` moves on to a newer sid kernel after
+//! `apt-get update`.
+
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use crate::cache::{Cache, CacheError};
+use crate::progress;
+
+/// The oldest kernel release accepted: `UBLK_F_BATCH_IO` is new in 7.0.
+pub const MIN_RELEASE: [u32; 2] = [7, 0];
+/// The kernel flavour the VM boots (virtio drivers built in, small).
+pub const FLAVOUR_SUFFIX: &str = "-cloud-amd64";
+const BINARY_PREFIX: &str = "linux-binary-";
+const SEARCH_PATTERN: &str = "^linux-binary-[0-9].*-cloud-amd64$";
+const HEADERS_PACKAGE: &str = "linux-libc-dev";
+const MANIFEST: &str = "manifest";
+
+/// Errors of fetching and loading the guest kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// The cache directory failed.
+    #[error("the kernel cache is unusable")]
+    Cache(#[from] CacheError),
+    /// A host tool could not be started.
+    #[error("could not run `{0}` (is it installed? see tests/vm/install-host-deps.sh)")]
+    Spawn(String, #[source] io::Error),
+    /// A host tool failed.
+    #[error("`{cmd}` failed ({status}): {stderr}")]
+    ToolFailed {
+        /// The command line.
+        cmd: String,
+        /// Its exit status.
+        status: std::process::ExitStatus,
+        /// The end of its stderr.
+        stderr: String,
+    },
+    /// apt knows no cloud kernel at all.
+    #[error(
+        "apt knows no linux-binary-*{FLAVOUR_SUFFIX} package; run tests/vm/install-host-deps.sh (it adds Debian sid) and apt-get update"
+    )]
+    NoCloudKernel,
+    /// The newest cloud kernel is older than 7.0.
+    #[error(
+        "the newest Debian sid cloud kernel is {0}, but ublkd's tests need Linux ≥ 7.0 (UBLK_F_BATCH_IO)"
+    )]
+    TooOld(String),
+    /// The kernel's config lacks ublk.
+    #[error(
+        "kernel {0}'s config lacks CONFIG_BLK_DEV_UBLK (ublk is neither built in nor a module)"
+    )]
+    NoUblk(String),
+    /// `apt-cache show PKG/sid` listed nothing.
+    #[error("apt-cache lists no {0} in Debian sid")]
+    NotInSid(String),
+    /// An unpacked package lacks a file the VM needs.
+    #[error("the unpacked packages of kernel {abi} have no {what}")]
+    MissingFile {
+        /// The kernel ABI.
+        abi: String,
+        /// What is missing.
+        what: String,
+    },
+    /// A file operation in the cache failed.
+    #[error("could not {0} {1:?}")]
+    Io(&'static str, PathBuf, #[source] io::Error),
+    /// A cached kernel's manifest is unreadable.
+    #[error("the cached kernel manifest {0:?} is malformed; delete its directory and fetch again")]
+    BadManifest(PathBuf),
+}
+
+impl KernelError {
+    /// Whether this is the kernel refusing (too old, no ublk) rather than a setup failure.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Self::NoCloudKernel | Self::TooOld(_) | Self::NoUblk(_))
+    }
+}
+
+/// The version in a kernel ABI string such as `7.2.13+deb14-cloud-amd64`, ordered so
+/// that newer is greater: release numbers, then final release above `-rcN`, then the
+/// Debian ABI revision numbers.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AbiVersion {
+    release: Vec<u32>,
+    is_final: bool,
+    revision: Vec<u32>,
+}
+
+impl AbiVersion {
+    /// Parses the part of `abi` before the flavour (`7.2.13+deb14`, `6.1.0-28`,
+    /// `7.3-rc5+deb14`). `None` if it does not start with a dotted release number.
+    pub fn parse(abi: &str) -> Option<Self> {
+        let end = abi.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(abi.len());
+        let (release_text, rest) = abi.split_at(end);
+        let release =
+            release_text.split('.').map(|n| n.parse().ok()).collect::<Option<Vec<u32>>>()?;
+        let is_final = !rest.contains("-rc") && !rest.contains("~rc");
+        let revision = rest
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|n| !n.is_empty())
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        Some(Self { release, is_final, revision })
+    }
+
+    /// Whether the release is at least `major.minor`.
+    pub fn at_least(&self, [major, minor]: [u32; 2]) -> bool {
+        self.release.as_slice() >= [major, minor].as_slice()
+    }
+}
+
+/// A kernel apt offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// `linux-binary-<abi>`.
+    pub package: String,
+    /// `7.2.13+deb14-cloud-amd64`.
+    pub abi: String,
+    /// The parsed version of `abi`.
+    pub version: AbiVersion,
+}
+
+/// The cloud kernels in `apt-cache search --names-only` output (`NAME - description`
+/// lines). Other flavours and `linux-binary-unsigned-*` are ignored.
+pub fn cloud_candidates(search_output: &str) -> Vec<Candidate> {
+    search_output
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .filter_map(|package| {
+            let abi = package.strip_prefix(BINARY_PREFIX)?;
+            if !abi.ends_with(FLAVOUR_SUFFIX) || !abi.starts_with(|c: char| c.is_ascii_digit()) {
+                return None;
+            }
+            Some(Candidate {
+                package: package.to_owned(),
+                abi: abi.to_owned(),
+                version: AbiVersion::parse(abi)?,
+            })
+        })
+        .collect()
+}
+
+/// The newest cloud kernel in `search_output`, refused if it is older than
+/// [`MIN_RELEASE`].
+pub fn select_kernel(search_output: &str) -> Result<Candidate, KernelError> {
+    let newest = cloud_candidates(search_output)
+        .into_iter()
+        .max_by(|a, b| a.version.cmp(&b.version).then_with(|| a.abi.cmp(&b.abi)))
+        .ok_or(KernelError::NoCloudKernel)?;
+    if !newest.version.at_least(MIN_RELEASE) {
+        return Err(KernelError::TooOld(newest.abi));
+    }
+    Ok(newest)
+}
+
+/// How a kernel config has ublk: `Some('y')`, `Some('m')`, or `None`.
+pub fn config_ublk(config: &str) -> Option<char> {
+    config.lines().find_map(|line| match line.trim().strip_prefix("CONFIG_BLK_DEV_UBLK=")? {
+        "y" => Some('y'),
+        "m" => Some('m'),
+        _ => None,
+    })
+}
+
+/// One stanza of `apt-cache show`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackageInfo {
+    /// Package name.
+    pub package: String,
+    /// Debian version (`7.2.13-1`).
+    pub version: String,
+    /// Size of the .deb in bytes.
+    pub size: u64,
+}
+
+/// Parses `apt-cache show` output into its stanzas (those with all three fields).
+pub fn parse_show(output: &str) -> Vec<PackageInfo> {
+    output
+        .split("\n\n")
+        .filter_map(|stanza| {
+            let field = |name: &str| {
+                stanza.lines().find_map(|l| {
+                    l.strip_prefix(name).and_then(|v| v.strip_prefix(':')).map(str::trim)
+                })
+            };
+            Some(PackageInfo {
+                package: field("Package")?.to_owned(),
+                version: field("Version")?.to_owned(),
+                size: field("Size")?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// A cached guest kernel.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    /// `7.2.13+deb14-cloud-amd64`.
+    pub abi: String,
+    /// Debian version of the packages (`7.2.13-1`).
+    pub version: String,
+    /// `<cache>/kernel/<abi>`.
+    pub dir: PathBuf,
+    /// `<cache>/headers/<version>/usr/include` (has `linux/ublk_cmd.h`).
+    pub include_dir: PathBuf,
+}
+
+impl Kernel {
+    /// The kernel image.
+    pub fn vmlinuz(&self) -> PathBuf {
+        self.dir.join("vmlinuz")
+    }
+
+    /// The kernel's config.
+    pub fn config(&self) -> PathBuf {
+        self.dir.join("config")
+    }
+
+    /// `ublk_drv.ko`, or `None` if ublk is built in.
+    pub fn ublk_module(&self) -> Option<PathBuf> {
+        Some(self.dir.join("ublk_drv.ko")).filter(|p| p.exists())
+    }
+
+    /// `overlay.ko`, if the kernel has overlayfs as a module.
+    pub fn overlay_module(&self) -> Option<PathBuf> {
+        Some(self.dir.join("overlay.ko")).filter(|p| p.exists())
+    }
+
+    /// The cached kernel `abi`, or `None` if it is not (completely) cached.
+    pub fn load(cache: &Cache, abi: &str) -> Result<Option<Self>, KernelError> {
+        let dir = cache.kernels().join(abi);
+        let manifest = dir.join(MANIFEST);
+        let text = match fs::read_to_string(&manifest) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(KernelError::Io("read", manifest, e)),
+        };
+        let field = |name: &str| {
+            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix('=')).map(str::to_owned)
+        };
+        let (Some(version), Some(headers)) = (field("version"), field("headers")) else {
+            return Err(KernelError::BadManifest(manifest));
+        };
+        if field("abi").as_deref() != Some(abi) {
+            return Err(KernelError::BadManifest(manifest));
+        }
+        let kernel = Self {
+            abi: abi.to_owned(),
+            version,
+            include_dir: cache.headers().join(headers).join("usr/include"),
+            dir,
+        };
+        let complete =
+            kernel.vmlinuz().exists() && kernel.include_dir.join("linux/ublk_cmd.h").exists();
+        Ok(complete.then_some(kernel))
+    }
+}
+
+/// The kernel the last [`fetch`] chose, or a [`fetch`] if none is cached.
+pub fn current_or_fetch(cache: &Cache) -> Result<Kernel, KernelError> {
+    if let Ok(abi) = fs::read_to_string(cache.current())
+        && let Some(kernel) = Kernel::load(cache, abi.trim())?
+    {
+        return Ok(kernel);
+    }
+    fetch(cache)
+}
+
+/// Resolves the newest sid cloud kernel ≥ 7.0 and makes sure it and its headers are
+/// cached; records it as the current kernel.
+pub fn fetch(cache: &Cache) -> Result<Kernel, KernelError> {
+    let search =
+        run_tool(Command::new("apt-cache").args(["search", "--names-only", SEARCH_PATTERN]))?;
+    let candidate = select_kernel(&search)?;
+    if let Some(kernel) = Kernel::load(cache, &candidate.abi)? {
+        set_current(cache, &kernel)?;
+        progress!("kernel cached: {} ({})", kernel.abi, kernel.dir.display());
+        return Ok(kernel);
+    }
+
+    let _lock = cache.lock()?;
+    // Another ublkd-vm may have fetched it while this one waited for the lock.
+    if let Some(kernel) = Kernel::load(cache, &candidate.abi)? {
+        set_current(cache, &kernel)?;
+        progress!("kernel cached: {} ({})", kernel.abi, kernel.dir.display());
+        return Ok(kernel);
+    }
+    let started = Instant::now();
+    let tmp = cache.tmp().join(format!("fetch-{}", std::process::id()));
+    remove_dir_if_exists(&tmp)?;
+    cache.create_dir(&tmp)?;
+    let result = download_and_unpack(cache, &candidate, &tmp);
+    let cleanup = remove_dir_if_exists(&tmp);
+    let kernel = result?;
+    cleanup?;
+    set_current(cache, &kernel)?;
+    progress!(
+        "kernel cached: {} ({}, fetched in {:.1} s)",
+        kernel.abi,
+        kernel.dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(kernel)
+}
+
+fn download_and_unpack(
+    cache: &Cache,
+    candidate: &Candidate,
+    tmp: &Path,
+) -> Result<Kernel, KernelError> {
+    let abi = &candidate.abi;
+    let modules_package = format!("linux-modules-{abi}");
+    let base_package = format!("linux-base-{abi}");
+    let wanted = [
+        candidate.package.as_str(),
+        modules_package.as_str(),
+        base_package.as_str(),
+        HEADERS_PACKAGE,
+    ];
+    let show = run_tool(
+        Command::new("apt-cache").arg("show").args(wanted.iter().map(|p| format!("{p}/sid"))),
+    )?;
+    let infos = parse_show(&show);
+    let info = |name: &str| {
+        infos
+            .iter()
+            .find(|i| i.package == name)
+            .cloned()
+            .ok_or_else(|| KernelError::NotInSid(name.to_owned()))
+    };
+    let (binary, modules, base, headers) =
+        (info(wanted[0])?, info(wanted[1])?, info(wanted[2])?, info(wanted[3])?);
+    if headers.version != binary.version {
+        progress!(
+            "warning: sid's {HEADERS_PACKAGE} is {}, kernel {abi} is {}; using the headers anyway",
+            headers.version,
+            binary.version
+        );
+    }
+
+    let root = tmp.join("root");
+    for package in [&binary, &modules, &base] {
+        let deb = download(package, tmp)?;
+        unpack(&deb, &root)?;
+    }
+    let headers_dir = cache.headers().join(&headers.version);
+    if !headers_dir.join("usr/include/linux/ublk_cmd.h").exists() {
+        let deb = download(&headers, tmp)?;
+        let unpacked = tmp.join("headers");
+        unpack(&deb, &unpacked)?;
+        if !unpacked.join("usr/include/linux/ublk_cmd.h").exists() {
+            return Err(KernelError::MissingFile {
+                abi: abi.clone(),
+                what: format!(
+                    "usr/include/linux/ublk_cmd.h in {HEADERS_PACKAGE} {}",
+                    headers.version
+                ),
+            });
+        }
+        cache.create_dir(&cache.headers())?;
+        remove_dir_if_exists(&headers_dir)?;
+        rename(&unpacked, &headers_dir)?;
+    }
+
+    let missing = |what: &str| KernelError::MissingFile { abi: abi.clone(), what: what.to_owned() };
+    let moddir = [root.join("usr/lib/modules").join(abi), root.join("lib/modules").join(abi)]
+        .into_iter()
+        .find(|d| d.is_dir())
+        .ok_or_else(|| missing("modules directory"))?;
+    let vmlinuz = [moddir.join("vmlinuz"), root.join(format!("boot/vmlinuz-{abi}"))]
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| missing("vmlinuz"))?;
+    let config = [moddir.join("config"), root.join(format!("boot/config-{abi}"))]
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| missing("kernel config"))?;
+    let config_text =
+        fs::read_to_string(&config).map_err(|e| KernelError::Io("read", config.clone(), e))?;
+    let ublk = config_ublk(&config_text).ok_or_else(|| KernelError::NoUblk(abi.clone()))?;
+
+    let out = tmp.join("kernel");
+    cache.create_dir(&out)?;
+    copy(&vmlinuz, &out.join("vmlinuz"))?;
+    copy(&config, &out.join("config"))?;
+    if ublk == 'm' {
+        let ko = find_module(&moddir, "ublk_drv")?.ok_or_else(|| missing("ublk_drv.ko"))?;
+        decompress_module(&ko, &out.join("ublk_drv.ko"))?;
+    }
+    if let Some(ko) = find_module(&moddir, "overlay")? {
+        decompress_module(&ko, &out.join("overlay.ko"))?;
+    }
+    let mut manifest = String::new();
+    let _ = writeln!(manifest, "abi={abi}");
+    let _ = writeln!(manifest, "version={}", binary.version);
+    let _ = writeln!(manifest, "headers={}", headers.version);
+    let _ = writeln!(manifest, "ublk={ublk}");
+    write(&out.join(MANIFEST), manifest.as_bytes())?;
+
+    let dir = cache.kernels().join(abi);
+    cache.create_dir(&cache.kernels())?;
+    remove_dir_if_exists(&dir)?;
+    rename(&out, &dir)?;
+    Kernel::load(cache, abi)?.ok_or_else(|| missing("complete cache entry after unpacking"))
+}
+
+/// `apt-get download NAME/sid` into `dir`; returns the .deb's path.
+fn download(package: &PackageInfo, dir: &Path) -> Result<PathBuf, KernelError> {
+    progress!(
+        "downloading {} {} ({:.1} MB)",
+        package.package,
+        package.version,
+        package.size as f64 / 1e6
+    );
+    run_tool(
+        Command::new("apt-get")
+            .current_dir(dir)
+            .args(["download", "-q", "-o", "APT::Sandbox::User=root"])
+            .arg(format!("{}/sid", package.package)),
+    )?;
+    let prefix = format!("{}_", package.package);
+    let entries = fs::read_dir(dir).map_err(|e| KernelError::Io("list", dir.into(), e))?;
+    entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".deb"))
+        })
+        .ok_or_else(|| KernelError::MissingFile {
+            abi: package.package.clone(),
+            what: format!("{prefix}*.deb after apt-get download"),
+        })
+}
+
+fn unpack(deb: &Path, into: &Path) -> Result<(), KernelError> {
+    run_tool(Command::new("dpkg-deb").arg("-x").arg(deb).arg(into)).map(drop)
+}
+
+/// Finds `<name>.ko.xz` or `<name>.ko` under `dir`.
+fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>, KernelError> {
+    let entries = fs::read_dir(dir).map_err(|e| KernelError::Io("list", dir.into(), e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| KernelError::Io("list", dir.into(), e))?;
+        let path = entry.path();
+        let file_type = entry.file_type().map_err(|e| KernelError::Io("stat", path.clone(), e))?;
+        if file_type.is_dir() {
+            if let Some(found) = find_module(&path, name)? {
+                return Ok(Some(found));
+            }
+        } else if [format!("{name}.ko.xz"), format!("{name}.ko")]
+            .iter()
+            .any(|n| entry.file_name() == n.as_str())
+        {
+            return Ok(Some(path));
+        }
+    }
+    Ok(None)
+}
+
+fn decompress_module(ko: &Path, to: &Path) -> Result<(), KernelError> {
+    if ko.extension().is_some_and(|e| e == "xz") {
+        let out = File::create(to).map_err(|e| KernelError::Io("create", to.into(), e))?;
+        run_tool(Command::new("xz").arg("-dc").arg(ko).stdout(out)).map(drop)
+    } else {
+        copy(ko, to)
+    }
+}
+
+fn set_current(cache: &Cache, kernel: &Kernel) -> Result<(), KernelError> {
+    let current = cache.current();
+    if fs::read_to_string(&current).is_ok_and(|c| c.trim() == kernel.abi) {
+        return Ok(());
+    }
+    cache.create_dir(cache.root())?;
+    let tmp = current.with_extension(format!("tmp-{}", std::process::id()));
+    write(&tmp, format!("{}\n", kernel.abi).as_bytes())?;
+    rename(&tmp, &current)
+}
+
+/// Runs a host tool, returning its stdout; a failure carries the end of its stderr.
+fn run_tool(cmd: &mut Command) -> Result<String, KernelError> {
+    let line = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let output = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| KernelError::Spawn(line.clone(), e))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
+        return Err(KernelError::ToolFailed {
+            cmd: line,
+            status: output.status,
+            stderr: tail.into_iter().rev().collect::<Vec<_>>().join(" / "),
+        });
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn remove_dir_if_exists(dir: &Path) -> Result<(), KernelError> {
+    match fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            Err(KernelError::Io("remove", dir.into(), e))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn rename(from: &Path, to: &Path) -> Result<(), KernelError> {
+    fs::rename(from, to).map_err(|e| KernelError::Io("rename into place", to.into(), e))
+}
+
+fn copy(from: &Path, to: &Path) -> Result<(), KernelError> {
+    fs::copy(from, to).map(drop).map_err(|e| KernelError::Io("copy", from.into(), e))
+}
+
+fn write(path: &Path, data: &[u8]) -> Result<(), KernelError> {
+    fs::write(path, data).map_err(|e| KernelError::Io("write", path.into(), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEARCH: &str = "\
+linux-binary-unsigned-7.2.13+deb14-cloud-amd64 - Linux 7.2.13 for x86-64 cloud (unsigned kernel image)
+linux-binary-7.2.13+deb14-cloud-amd64 - Linux 7.2.13 for x86-64 cloud (kernel image)
+linux-binary-7.3.1+deb14-amd64 - Linux 7.3.1 for 64-bit PCs (kernel image)
+linux-binary-7.3.1+deb14-rt-amd64 - Linux 7.3.1 for 64-bit PCs (kernel image)
+linux-binary-7.10.2+deb14-cloud-amd64 - Linux 7.10.2 for x86-64 cloud (kernel image)
+linux-binary-7.9.20+deb14-cloud-amd64 - Linux 7.9.20 for x86-64 cloud (kernel image)
+";
+
+    #[test]
+    fn newest_cloud_kernel_wins_numerically() {
+        let chosen = select_kernel(SEARCH).unwrap();
+        assert_eq!(chosen.abi, "7.10.2+deb14-cloud-amd64");
+        assert_eq!(chosen.package, "linux-binary-7.10.2+deb14-cloud-amd64");
+    }
+
+    #[test]
+    fn other_flavours_and_unsigned_images_are_ignored() {
+        let abis: Vec<String> = cloud_candidates(SEARCH).into_iter().map(|c| c.abi).collect();
+        assert_eq!(
+            abis,
+            ["7.2.13+deb14-cloud-amd64", "7.10.2+deb14-cloud-amd64", "7.9.20+deb14-cloud-amd64"]
+        );
+    }
+
+    #[test]
+    fn only_kernel_older_than_7_is_refused_naming_it() {
+        let search = "linux-binary-6.19.4+deb14-cloud-amd64 - Linux\n\
+                      linux-binary-7.1.0+deb14-amd64 - Linux (not cloud)\n";
+        let err = select_kernel(search).unwrap_err();
+        assert!(matches!(&err, KernelError::TooOld(abi) if abi == "6.19.4+deb14-cloud-amd64"));
+        assert!(err.to_string().contains("6.19.4+deb14-cloud-amd64"));
+        assert!(err.is_refusal());
+    }
+
+    #[test]
+    fn no_cloud_kernel_at_all_is_refused() {
+        let err = select_kernel("linux-binary-7.2.13+deb14-amd64 - Linux\n").unwrap_err();
+        assert!(matches!(err, KernelError::NoCloudKernel));
+    }
+
+    #[test]
+    fn seven_point_zero_is_accepted() {
+        let search = "linux-binary-7.0.1+deb14-cloud-amd64 - Linux\n";
+        assert_eq!(select_kernel(search).unwrap().abi, "7.0.1+deb14-cloud-amd64");
+    }
+
+    #[test]
+    fn final_release_is_newer_than_its_rc_and_revisions_order() {
+        let v = |s| AbiVersion::parse(s).unwrap();
+        assert!(v("7.3-rc5+deb14-cloud-amd64") < v("7.3+deb14-cloud-amd64"));
+        assert!(v("7.3-rc5+deb14-cloud-amd64") < v("7.3-rc6+deb14-cloud-amd64"));
+        assert!(v("6.1.0-28-cloud-amd64") < v("6.1.0-30-cloud-amd64"));
+        assert!(v("7.2.13+deb14-cloud-amd64") < v("7.2.13+deb15-cloud-amd64"));
+        assert!(AbiVersion::parse("cloud-amd64").is_none());
+    }
+
+    #[test]
+    fn config_ublk_reads_module_builtin_and_absent() {
+        assert_eq!(config_ublk("CONFIG_A=y\nCONFIG_BLK_DEV_UBLK=m\n"), Some('m'));
+        assert_eq!(config_ublk("CONFIG_BLK_DEV_UBLK=y\n"), Some('y'));
+        assert_eq!(config_ublk("# CONFIG_BLK_DEV_UBLK is not set\n"), None);
+        assert_eq!(config_ublk("CONFIG_BLK_DEV_UBLK_LEGACY_OPCODES=y\n"), None);
+    }
+
+    #[test]
+    fn apt_cache_show_stanzas_are_parsed() {
+        let out = "Package: linux-libc-dev\nSource: linux\nVersion: 7.2.13-1\nSize: 2034488\n\n\
+                   Package: linux-binary-7.2.13+deb14-cloud-amd64\nVersion: 7.2.13-1\nSize: 13717736\n";
+        let infos = parse_show(out);
+        assert_eq!(infos.len(), 2);
+        assert_eq!(infos[1].package, "linux-binary-7.2.13+deb14-cloud-amd64");
+        assert_eq!(infos[1].size, 13_717_736);
+        assert_eq!(infos[0].version, "7.2.13-1");
+    }
+}

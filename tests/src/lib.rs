@@ -1,0 +1,45 @@
+//! ublkd's test VM: boots Debian sid's 7.x cloud kernel (which has ublk) under qemu and
+//! runs a host program inside it, so that kernel-dependent tests run on hosts whose own
+//! kernel has no ublk driver.
+//!
+//! The design, measured in `/work/shared/notes/vm.md`:
+//!
+//! - [`kernel`]: `apt-get download`s the newest sid `linux-binary-<abi>` /
+//!   `linux-modules-<abi>` for a `*-cloud-amd64` ABI ≥ 7.0 and sid's `linux-libc-dev`, and
+//!   unpacks them into the [`cache`] with `dpkg-deb -x` (nothing is installed).
+//! - [`initramfs`]: a small cpio with static busybox, `ublk_drv.ko` and an `/init` that
+//!   loads ublk, mounts the host's root read-only over virtiofs, chroots into it and runs
+//!   the command.
+//! - [`script`]: what the guest runs: the command, its cwd and the forwarded environment,
+//!   written as a shell script into a per-run directory the guest sees through virtiofs.
+//! - [`console`]: the guest's serial console, split into program output and the
+//!   harness's marker lines (which carry a per-run nonce and are matched only as whole
+//!   lines, because kernel warnings interleave with program output).
+//! - [`vm`]: one run — virtiofsd, qemu, timeouts, one retry of a failed boot, cleanup.
+//! - [`check`]: `ublkd-vm guest-check`, run inside the guest before the command: the
+//!   kernel must offer `UBLK_F_BATCH_IO`.
+//! - [`exit`]: the exit codes of `ublkd-vm`'s own failures.
+//!
+//! `ublkd-vm run -- CMD` is also a cargo runner:
+//! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="target/debug/ublkd-vm run --" cargo test`
+//! runs every test binary inside the VM (the host paths are valid in the guest).
+
+pub mod cache;
+pub mod check;
+pub mod console;
+pub mod exit;
+pub mod initramfs;
+pub mod kernel;
+pub mod script;
+pub mod vm;
+
+/// Prints one `[vm] …` progress line on stderr.
+pub(crate) fn print_progress(msg: std::fmt::Arguments<'_>) {
+    eprintln!("[vm] {msg}");
+}
+
+/// `progress!("…", args)`: one `[vm] …` line on stderr.
+macro_rules! progress {
+    ($($arg:tt)*) => { $crate::print_progress(format_args!($($arg)*)) };
+}
+pub(crate) use progress;
