@@ -47,11 +47,11 @@ pub enum MsgError {
 pub enum TargetSetup {
     /// Completes every I/O at once; reads return zeroes.
     Null,
-    /// RAM: a memfd of `size` bytes, owned by the supervisor.
-    Memory { size: u64 },
-    /// A file or block device of `size` bytes, opened by the supervisor (O_DIRECT if
-    /// `direct`).
-    Loop { size: u64, direct: bool },
+    /// RAM: a memfd of the device's size, owned by the supervisor.
+    Memory,
+    /// A file or block device at least the device's size, opened by the supervisor
+    /// (O_DIRECT if `direct`).
+    Loop { direct: bool },
 }
 
 impl TargetSetup {
@@ -59,7 +59,7 @@ impl TargetSetup {
     pub const fn target_fds(&self) -> usize {
         match self {
             TargetSetup::Null => 0,
-            TargetSetup::Memory { .. } | TargetSetup::Loop { .. } => 1,
+            TargetSetup::Memory | TargetSetup::Loop { .. } => 1,
         }
     }
 }
@@ -69,6 +69,8 @@ impl TargetSetup {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerSetup {
     pub dev_id: u32,
+    /// The device's size in bytes.
+    pub size_bytes: u64,
     pub nr_queues: u16,
     pub queue_depth: u16,
     /// The largest request in bytes (each tag's buffer size).
@@ -318,12 +320,13 @@ mod tests {
         let (a, b) = seqpacket_pair();
         let setup = WorkerSetup {
             dev_id: 3,
+            size_bytes: 1 << 20,
             nr_queues: 2,
             queue_depth: 64,
             max_io_buf_bytes: 1 << 19,
             nr_threads: 2,
             generation: 1,
-            target: TargetSetup::Memory { size: 1 << 20 },
+            target: TargetSetup::Memory,
             block_size: 4096,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();

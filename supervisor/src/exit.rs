@@ -11,3 +11,9 @@ pub const NO_UBLK: i32 = 3;
 pub const MISSING_FEATURE: i32 = 4;
 /// Not permitted (not root / no CAP_SYS_ADMIN).
 pub const PERMISSION: i32 = 5;
+/// The config file is invalid (systemd: `RestartPreventExitStatus=6`).
+pub const CONFIG: i32 = 6;
+/// The control socket is taken by a running ublkd, or cannot be created.
+pub const SOCKET: i32 = 7;
+/// `ublkctl` cannot reach the daemon.
+pub const NO_DAEMON: i32 = 8;

@@ -1,8 +1,16 @@
 //! The supervisor crate: `ublkd`, which owns every ublk device's lifecycle, and
 //! `ublkctl`, the operator's CLI.
 //!
-//! - [`features`]: rendering the kernel's ublk feature mask for `ublkctl features`.
+//! - [`daemon`]: the running supervisor: devices, the control socket, signals.
+//! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
+//! - [`worker`]: starting, talking to and reaping worker processes.
+//! - [`features`]: rendering the kernel's ublk feature mask.
+//! - [`render`]: `ublkctl`'s output formats.
 //! - [`exit`]: the exit codes of both binaries.
 
+pub mod daemon;
+pub mod device;
 pub mod exit;
 pub mod features;
+pub mod render;
+pub mod worker;

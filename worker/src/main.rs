@@ -1,17 +1,213 @@
-//! `ublkd-worker`: serves one ublk device's queues in a sandboxed process, started by
-//! `ublkd` with the device's file descriptors. It is not meant to be run by hand.
+//! `ublkd-worker`: serves one ublk device's queues, started by `ublkd` (never by hand)
+//! with a control socket on the fd given by `--control-fd`.
 //!
-//! The data path (batched multishot PREP/FETCH/COMMIT) arrives with the end-to-end
-//! issue; until then the binary only refuses to run, so nothing mistakes it for a
-//! working server.
+//! Life of a worker: receive [`WorkerSetup`] and its fds (`/dev/ublkcN`, the shared
+//! region, the target's fd); map the descriptor arrays and the region; start the queue
+//! threads, which PREP every tag; report [`FromWorker::Ready`]; serve until the kernel
+//! closes the queues (device stopped) or the supervisor says [`ToWorker::Shutdown`].
+//!
+//! Exit codes (see [`exit`]) tell the supervisor why a worker ended.
 
+mod bufring;
+mod device;
+mod queue_loop;
+mod target;
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::process::ExitCode;
+use std::sync::{Arc, Barrier, mpsc};
+
+use ublkd_proto::msg::{self, FromWorker, ToWorker, WorkerSetup};
+use ublkd_proto::shm::{Geometry, ShmRegion};
+
+use crate::device::{DescArray, Device, TagBuffers};
+use crate::queue_loop::{QueueThread, plan};
+
+/// Exit codes, one per cause.
+mod exit {
+    /// The device's queues were closed by the kernel, or the supervisor asked.
+    pub const CLEAN: u8 = 0;
+    /// Bad arguments or a malformed setup message: a supervisor/worker mismatch.
+    pub const PROTOCOL: u8 = 64;
+    /// Setting the device up failed (mapping, PREP, the target's fd).
+    pub const SETUP: u8 = 65;
+    /// The kernel refused a COMMIT or sent a malformed FETCH: recover the device.
+    pub const DATA_PATH: u8 = 70;
+    /// The supervisor went away.
+    pub const ORPHANED: u8 = 71;
+}
 
 fn main() -> ExitCode {
-    if std::env::args().any(|a| a == "--version" || a == "-V") {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("UBLKD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--version" || a == "-V") {
         println!("ublkd-worker {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
     }
-    eprintln!("ublkd-worker: started by ublkd only, and its data path is not built yet");
-    ExitCode::from(2)
+    let Some(fd) = control_fd(&args) else {
+        eprintln!("ublkd-worker: started by ublkd only (usage: ublkd-worker --control-fd N)");
+        return ExitCode::from(exit::PROTOCOL);
+    };
+    // SAFETY: the supervisor placed the control socket at this fd for us alone; it is
+    // not otherwise owned in this process.
+    let control = unsafe { OwnedFd::from_raw_fd(fd) };
+    ExitCode::from(run(control))
+}
+
+fn control_fd(args: &[String]) -> Option<i32> {
+    let at = args.iter().position(|a| a == "--control-fd")?;
+    args.get(at + 1)?.parse().ok().filter(|fd| *fd >= 3)
+}
+
+fn fail(control: BorrowedFd<'_>, code: u8, reason: String) -> u8 {
+    tracing::error!("{reason}");
+    let _ = msg::send_packet(control, &FromWorker::Failed { reason }, &[]);
+    code
+}
+
+fn run(control: OwnedFd) -> u8 {
+    let (setup, mut fds) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
+        Ok((ToWorker::Setup(setup), fds)) => (setup, fds),
+        Ok((other, _)) => {
+            return fail(control.as_fd(), exit::PROTOCOL, format!("expected Setup, got {other:?}"));
+        }
+        Err(e) => return fail(control.as_fd(), exit::PROTOCOL, format!("no setup message: {e}")),
+    };
+    if fds.len() != setup.fd_count() {
+        let reason = format!("setup came with {} fds, expected {}", fds.len(), setup.fd_count());
+        return fail(control.as_fd(), exit::PROTOCOL, reason);
+    }
+    let target_fds = fds.split_off(2);
+    let shm_fd = fds.pop().expect("two fds");
+    let ublkc = fds.pop().expect("one fd");
+    let dev = match build_device(&setup, ublkc.as_fd(), shm_fd.as_fd(), target_fds) {
+        Ok(dev) => Arc::new(dev),
+        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+    };
+    tracing::info!(
+        dev_id = setup.dev_id,
+        queues = setup.nr_queues,
+        depth = setup.queue_depth,
+        threads = setup.nr_threads,
+        "serving"
+    );
+
+    let plans = plan(setup.nr_threads, setup.nr_queues);
+    let barrier = Arc::new(Barrier::new(plans.len() + 1));
+    let (prepped_tx, prepped_rx) = mpsc::channel::<Result<(), String>>();
+    let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
+    for p in plans {
+        let (dev, barrier, prepped_tx, done_tx) =
+            (Arc::clone(&dev), Arc::clone(&barrier), prepped_tx.clone(), done_tx.clone());
+        let ublkc_raw = ublkc.as_raw_fd();
+        let index = p.index;
+        let spawned = std::thread::Builder::new().name(format!("ublk-q{index}")).spawn(move || {
+            let thread = QueueThread::new(dev, p, ublkc_raw).and_then(|mut t| t.prep().map(|()| t));
+            match thread {
+                Ok(t) => {
+                    let _ = prepped_tx.send(Ok(()));
+                    let _ = done_tx.send(t.run(&barrier).map_err(|e| e.to_string()));
+                }
+                Err(e) => {
+                    let _ = prepped_tx.send(Err(e.to_string()));
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            return fail(control.as_fd(), exit::SETUP, format!("cannot start thread {index}: {e}"));
+        }
+    }
+    drop((prepped_tx, done_tx));
+    for _ in 0..setup.nr_threads {
+        match prepped_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => return fail(control.as_fd(), exit::SETUP, reason),
+            Err(_) => return fail(control.as_fd(), exit::SETUP, "a queue thread died".into()),
+        }
+    }
+    // Every tag is PREPed; FETCH is armed right after the barrier, before the
+    // supervisor's START_DEV can let I/O in.
+    barrier.wait();
+    if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Ready, &[]) {
+        tracing::error!("cannot report ready: {e}");
+        return exit::ORPHANED;
+    }
+
+    // The supervisor's word, or the queues closing, ends the worker.
+    let control_raw = control.as_raw_fd();
+    std::thread::spawn(move || {
+        // SAFETY: `control` outlives the process's main flow (it is only closed at
+        // exit), so borrowing its fd in this thread is sound.
+        let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
+        let code = match msg::recv_packet::<ToWorker>(control) {
+            Ok((ToWorker::Shutdown, _)) => exit::CLEAN,
+            Ok(_) => exit::PROTOCOL,
+            Err(_) => exit::ORPHANED,
+        };
+        std::process::exit(i32::from(code));
+    });
+    for _ in 0..setup.nr_threads {
+        match done_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => {
+                tracing::error!("data path failed: {reason}");
+                return exit::DATA_PATH;
+            }
+            Err(_) => return exit::DATA_PATH,
+        }
+    }
+    tracing::info!(dev_id = setup.dev_id, "queues closed, exiting");
+    exit::CLEAN
+}
+
+fn build_device(
+    setup: &WorkerSetup,
+    ublkc: BorrowedFd<'_>,
+    shm_fd: BorrowedFd<'_>,
+    target_fds: Vec<OwnedFd>,
+) -> Result<Device, String> {
+    if setup.nr_queues == 0 || setup.queue_depth == 0 || setup.nr_threads == 0 {
+        return Err(format!("setup has a zero dimension: {setup:?}"));
+    }
+    let page = device::page_size();
+    let buf_bytes = setup.max_io_buf_bytes as usize;
+    if buf_bytes == 0 || !buf_bytes.is_multiple_of(page) {
+        return Err(format!("max_io_buf_bytes {buf_bytes} is not a positive multiple of the page"));
+    }
+    let geometry = Geometry {
+        dev_id: setup.dev_id,
+        nr_queues: setup.nr_queues,
+        queue_depth: setup.queue_depth,
+        nr_threads: setup.nr_threads,
+    };
+    let shm = ShmRegion::open(shm_fd, geometry).map_err(|e| e.to_string())?;
+    let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
+    for q_id in 0..setup.nr_queues {
+        descs.push(
+            DescArray::map(ublkc, q_id, setup.queue_depth)
+                .map_err(|e| format!("cannot map queue {q_id}'s descriptors: {e}"))?,
+        );
+    }
+    let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes)
+        .map_err(|e| format!("cannot allocate tag buffers: {e}"))?;
+    let target =
+        target::build(&setup.target, setup.size_bytes, target_fds).map_err(|e| e.to_string())?;
+    Ok(Device {
+        dev_id: setup.dev_id,
+        nr_queues: setup.nr_queues,
+        depth: setup.queue_depth,
+        size_bytes: setup.size_bytes,
+        descs,
+        bufs,
+        shm,
+        target,
+        generation: setup.generation,
+    })
 }

@@ -1,21 +1,82 @@
 //! `ublkctl`: the operator's CLI for ublkd.
 
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_supervisor::{exit, features};
+use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, TargetKind};
+use ublkd_supervisor::{exit, features, render};
 
 /// Control ublkd, the ublk block device server.
+///
+/// Every error is one line on stderr naming what failed, with a non-zero exit.
 #[derive(Debug, Parser)]
 #[command(name = "ublkctl", version)]
 struct Cli {
+    /// ublkd's control socket.
+    #[arg(long, global = true, env = "UBLKD_SOCKET", default_value = ublkd_config::DEFAULT_SOCKET)]
+    socket: PathBuf,
+
     #[command(subcommand)]
     command: Command,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Target {
+    Null,
+    Memory,
+    Loop,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Add a device; prints its id.
+    Add {
+        /// What serves the device.
+        #[arg(short, long, value_enum)]
+        target: Target,
+        /// Backing file or block device (loop).
+        #[arg(short, long)]
+        file: Option<PathBuf>,
+        /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's size.
+        #[arg(short, long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Hardware queues.
+        #[arg(short, long)]
+        queues: Option<u16>,
+        /// Requests in flight per queue.
+        #[arg(short = 'd', long = "depth")]
+        depth: Option<u16>,
+        /// Worker threads serving the device's queues.
+        #[arg(long)]
+        threads: Option<u16>,
+        /// Device id (default: the kernel picks one).
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+    },
+    /// Delete a device (-n ID) or all of them (-a).
+    Del {
+        #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
+        id: Option<u32>,
+        #[arg(short, long)]
+        all: bool,
+    },
+    /// List devices in the kernel selftests' two-line format.
+    List {
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+    },
+    /// Devices' state, worker and I/O counters.
+    Status {
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+        /// One JSON object: {"devices":[…]}.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the ublk features this kernel supports, one per line (no daemon needed).
     Features {
         /// Print one JSON object: {"mask":"0x…","features":[…]}.
@@ -24,17 +85,118 @@ enum Command {
     },
 }
 
+fn parse_size(s: &str) -> Result<u64, String> {
+    ublkd_config::parse_size(s).map_err(|e| e.to_string())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
-        Command::Features { json } => cmd_features(json),
+    let request = match cli.command {
+        Command::Features { json } => return cmd_features(json),
+        Command::Add { target, file, size, queues, depth, threads, id } => {
+            let file = match file.map(|f| absolute(&f)).transpose() {
+                Ok(f) => f,
+                Err(e) => return fail(exit::FAILURE, &e),
+            };
+            CtlRequest::Add(AddRequest {
+                id,
+                target: match target {
+                    Target::Null => TargetKind::Null,
+                    Target::Memory => TargetKind::Memory,
+                    Target::Loop => TargetKind::Loop,
+                },
+                file,
+                size,
+                queues,
+                queue_depth: depth,
+                threads,
+            })
+        }
+        Command::Del { id, all: _ } => CtlRequest::Del { id },
+        Command::List { id } => CtlRequest::List { id },
+        Command::Status { id, json } => {
+            return match call(&cli.socket, &CtlRequest::Status { id }) {
+                Ok(CtlResponse::Status(devs)) => {
+                    if json {
+                        println!("{}", render::status_json(&devs));
+                    } else {
+                        print!("{}", render::status_text(&devs));
+                    }
+                    ExitCode::SUCCESS
+                }
+                Ok(other) => unexpected(other),
+                Err(code) => code,
+            };
+        }
+    };
+    match call(&cli.socket, &request) {
+        Ok(CtlResponse::Added { id }) => println!("{id}"),
+        Ok(CtlResponse::Deleted { ids }) => {
+            for id in ids {
+                eprintln!("deleted device {id}");
+            }
+        }
+        Ok(CtlResponse::List(devs)) => devs.iter().for_each(|d| print!("{}", render::listing(d))),
+        Ok(other) => return unexpected(other),
+        Err(code) => return code,
     }
+    ExitCode::SUCCESS
+}
+
+/// The daemon runs elsewhere: relative paths are made absolute here.
+fn absolute(path: &Path) -> Result<PathBuf, String> {
+    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Sends one request and returns the response, or the exit code of a failure (after
+/// printing it).
+fn call(socket: &Path, req: &CtlRequest) -> Result<CtlResponse, ExitCode> {
+    let mut stream = UnixStream::connect(socket).map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+                " (is ublkd running? start it with `ublkd` or `systemctl start ublkd`)"
+            }
+            std::io::ErrorKind::PermissionDenied => " (ublkctl needs root)",
+            _ => "",
+        };
+        fail(exit::NO_DAEMON, &format!("cannot reach ublkd at {}: {e}{hint}", socket.display()))
+    })?;
+    // Adding a device waits for its worker to PREP every tag; allow for a slow machine.
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
+    msg::write_frame(&mut stream, req)
+        .map_err(|e| fail(exit::FAILURE, &format!("sending the request: {e}")))?;
+    match msg::read_frame::<CtlResponse>(&mut stream) {
+        Ok(CtlResponse::Error { message }) => Err(fail(exit::FAILURE, &message)),
+        Ok(resp) => Ok(resp),
+        Err(e) => Err(fail(exit::FAILURE, &format!("reading ublkd's answer: {e}"))),
+    }
+}
+
+fn unexpected(resp: CtlResponse) -> ExitCode {
+    fail(exit::FAILURE, &format!("ublkd answered with something unexpected: {resp:?}"))
+}
+
+fn fail(code: i32, message: &str) -> ExitCode {
+    eprintln!("ublkctl: {message}");
+    ExitCode::from(code as u8)
 }
 
 fn cmd_features(json: bool) -> ExitCode {
     let mask = match CtrlClient::open().and_then(|c| c.get_features()) {
         Ok(mask) => mask,
-        Err(e) => return fail(&e),
+        Err(e) => {
+            let code = match &e {
+                CtrlError::NoDriver { .. } => exit::NO_UBLK,
+                CtrlError::Open { source, .. }
+                    if source.kind() == std::io::ErrorKind::PermissionDenied =>
+                {
+                    exit::PERMISSION
+                }
+                CtrlError::Kernel { errno, .. } if errno.0 == libc::EPERM => exit::PERMISSION,
+                _ => exit::FAILURE,
+            };
+            return fail(code, &e.to_string());
+        }
     };
     if json {
         println!("{}", features::render_json(mask));
@@ -42,17 +204,4 @@ fn cmd_features(json: bool) -> ExitCode {
         print!("{}", features::render_text(mask));
     }
     ExitCode::SUCCESS
-}
-
-fn fail(err: &CtrlError) -> ExitCode {
-    eprintln!("ublkctl: {err}");
-    let code = match err {
-        CtrlError::NoDriver { .. } => exit::NO_UBLK,
-        CtrlError::Open { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
-            exit::PERMISSION
-        }
-        CtrlError::Kernel { errno, .. } if errno.0 == libc::EPERM => exit::PERMISSION,
-        _ => exit::FAILURE,
-    };
-    ExitCode::from(code as u8)
 }

@@ -1,46 +1,121 @@
 //! `ublkd`: the privileged supervisor of ublk devices.
-//!
-//! For now it checks that the kernel can host ublkd's devices (a ublk driver with
-//! every feature ublkd needs) and says so; creating and serving devices is the next
-//! step (the end-to-end data path issue).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use ublkd_proto::ctrl::{CtrlClient, CtrlError};
+use ublkd_config::Config;
+use ublkd_proto::ctrl::CtrlClient;
+use ublkd_supervisor::daemon::Daemon;
 use ublkd_supervisor::{exit, features};
 
 /// ublkd: serve ublk block devices from sandboxed worker processes.
+///
+/// With no arguments it runs on built-in defaults (socket /run/ublkd/ublkd.sock, state
+/// dir /run/ublkd) with no devices, ready for `ublkctl add`. SIGTERM or SIGINT stops
+/// and deletes every device, then exits 0.
 #[derive(Debug, Parser)]
 #[command(name = "ublkd", version)]
 struct Cli {
+    /// The config file: daemon settings and the devices to create at start.
+    #[arg(short, long, value_name = "FILE")]
+    config: Option<PathBuf>,
+
     /// Only check that this kernel's ublk driver has every feature ublkd needs, then exit.
     #[arg(long)]
     check_kernel: bool,
+
+    /// More logging (-v: debug, -vv: trace); UBLKD_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("UBLKD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
+        )
+        .init();
+
+    if cli.check_kernel {
+        return check_kernel();
+    }
+    let config = match &cli.config {
+        Some(path) => match Config::load(path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("ublkd: {}", error_chain(&e));
+                return code(exit::CONFIG);
+            }
+        },
+        None => Config::default(),
+    };
+    let mut daemon = match Daemon::start(config) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("ublkd: {}", error_chain(&e));
+            return code(e.exit_code());
+        }
+    };
+    let failed = daemon.create_configured();
+    if failed > 0 {
+        tracing::error!("{failed} configured device(s) could not be created (see above)");
+    }
+    match daemon.run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ublkd: {}", error_chain(&e));
+            code(e.exit_code())
+        }
+    }
+}
+
+fn check_kernel() -> ExitCode {
     let mask = match CtrlClient::open().and_then(|c| c.get_features()) {
         Ok(mask) => mask,
-        Err(e @ CtrlError::NoDriver { .. }) => {
-            eprintln!("ublkd: {e}");
-            return ExitCode::from(exit::NO_UBLK as u8);
-        }
         Err(e) => {
             eprintln!("ublkd: {e}");
-            return ExitCode::from(exit::FAILURE as u8);
+            let c = if matches!(e, ublkd_proto::ctrl::CtrlError::NoDriver { .. }) {
+                exit::NO_UBLK
+            } else {
+                exit::FAILURE
+            };
+            return code(c);
         }
     };
     let missing = features::missing_required(mask);
     if !missing.is_empty() {
         eprintln!("ublkd: this kernel's ublk driver lacks {}", missing.join(", "));
-        return ExitCode::from(exit::MISSING_FEATURE as u8);
+        return code(exit::MISSING_FEATURE);
     }
-    if cli.check_kernel {
-        println!("ublkd: kernel ublk features {mask:#x}: everything ublkd needs is there");
-        return ExitCode::SUCCESS;
+    println!("ublkd: kernel ublk features {mask:#x}: everything ublkd needs is there");
+    ExitCode::SUCCESS
+}
+
+/// An error and its sources, as one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        let text = src.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        cur = src.source();
     }
-    eprintln!("ublkd: serving devices is not built yet (see the end-to-end data path issue)");
-    ExitCode::from(exit::FAILURE as u8)
+    s
+}
+
+fn code(c: i32) -> ExitCode {
+    ExitCode::from(c as u8)
 }

@@ -1,0 +1,482 @@
+//! The running supervisor: its devices, the `ublkctl` socket and the signals it obeys.
+//!
+//! One thread does everything, in one `poll` loop over the control socket and a
+//! self-pipe that signal handlers write to. Devices change only on that thread, so the
+//! device table needs no lock, and workers are spawned from the thread that lives as
+//! long as the process (which `PR_SET_PDEATHSIG` requires).
+
+use std::collections::BTreeMap;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use ublkd_config::{Config, DeviceSpec, TargetSpec};
+use ublkd_proto::ctrl::{CtrlClient, CtrlError};
+use ublkd_proto::msg::{
+    self, AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, TargetKind,
+};
+use ublkd_proto::uapi::DevState;
+
+use crate::device::{Device, DeviceError};
+use crate::{exit, features};
+
+/// Fatal errors of the daemon, each with its exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Ctrl(#[from] CtrlError),
+    #[error("this kernel's ublk driver lacks {0}")]
+    MissingFeatures(String),
+    #[error("cannot find the worker binary: {0}")]
+    WorkerBinary(#[source] io::Error),
+    #[error("cannot create {}: {source}", path.display())]
+    Dir { path: PathBuf, source: io::Error },
+    #[error("another ublkd is already serving {}", path.display())]
+    AlreadyRunning { path: PathBuf },
+    #[error("cannot listen on {}: {source}", path.display())]
+    Listen { path: PathBuf, source: io::Error },
+    #[error("cannot set up signal handling: {0}")]
+    Signals(#[source] io::Error),
+}
+
+impl DaemonError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DaemonError::Ctrl(CtrlError::NoDriver { .. }) => exit::NO_UBLK,
+            DaemonError::Ctrl(e) if e.errno() == Some(libc::EPERM) => exit::PERMISSION,
+            DaemonError::Ctrl(CtrlError::Open { source, .. })
+                if source.kind() == io::ErrorKind::PermissionDenied =>
+            {
+                exit::PERMISSION
+            }
+            DaemonError::MissingFeatures(_) => exit::MISSING_FEATURE,
+            DaemonError::AlreadyRunning { .. } | DaemonError::Listen { .. } => exit::SOCKET,
+            _ => exit::FAILURE,
+        }
+    }
+}
+
+/// Signals, as flags the loop checks after the self-pipe wakes it.
+#[derive(Debug)]
+struct Signals {
+    terminate: Arc<AtomicBool>,
+    child: Arc<AtomicBool>,
+    wake: UnixStream,
+}
+
+impl Signals {
+    fn install() -> io::Result<Signals> {
+        let (wake, wake_writer) = UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        let terminate = Arc::new(AtomicBool::new(false));
+        let child = Arc::new(AtomicBool::new(false));
+        for (sig, flag) in
+            [(libc::SIGTERM, &terminate), (libc::SIGINT, &terminate), (libc::SIGCHLD, &child)]
+        {
+            signal_hook::flag::register(sig, Arc::clone(flag))?;
+            signal_hook::low_level::pipe::register(sig, wake_writer.try_clone()?)?;
+        }
+        Ok(Signals { terminate, child, wake })
+    }
+
+    fn drain(&self) {
+        let mut buf = [0u8; 64];
+        while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+/// The daemon's state.
+#[derive(Debug)]
+pub struct Daemon {
+    config: Config,
+    ctrl: CtrlClient,
+    worker_binary: PathBuf,
+    devices: BTreeMap<u32, Device>,
+    listener: UnixListener,
+    signals: Signals,
+}
+
+impl Daemon {
+    /// Checks the kernel, prepares the state dir and socket, installs signal handling.
+    pub fn start(config: Config) -> Result<Daemon, DaemonError> {
+        let ctrl = CtrlClient::open()?;
+        let missing = features::missing_required(ctrl.get_features()?);
+        if !missing.is_empty() {
+            return Err(DaemonError::MissingFeatures(missing.join(", ")));
+        }
+        let worker_binary =
+            config.daemon.worker_binary_path().map_err(DaemonError::WorkerBinary)?;
+        make_dir(&config.daemon.state_dir, 0o700)?;
+        let listener = listen(&config.daemon.socket)?;
+        let signals = Signals::install().map_err(DaemonError::Signals)?;
+        tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
+        Ok(Daemon { config, ctrl, worker_binary, devices: BTreeMap::new(), listener, signals })
+    }
+
+    /// Creates the configured devices; one that fails is reported and skipped.
+    pub fn create_configured(&mut self) -> usize {
+        let mut failed = 0;
+        for spec in self.config.devices.clone() {
+            if let Err(e) = self.add(&spec) {
+                tracing::error!("configured device {}: {e}", describe(&spec));
+                failed += 1;
+            }
+        }
+        failed
+    }
+
+    fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
+        let dev = Device::create(&self.ctrl, spec, &self.worker_binary)?;
+        let id = dev.id;
+        self.devices.insert(id, dev);
+        Ok(id)
+    }
+
+    /// Serves until SIGTERM or SIGINT, then stops and deletes every device.
+    pub fn run(mut self) -> Result<(), DaemonError> {
+        loop {
+            let mut fds = [
+                libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd {
+                    fd: self.signals.wake.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                continue; // EINTR: a signal; its flag is checked below.
+            }
+            self.signals.drain();
+            if self.signals.child.swap(false, Ordering::Relaxed) {
+                for dev in self.devices.values_mut() {
+                    dev.check_worker();
+                }
+            }
+            if self.signals.terminate.load(Ordering::Relaxed) {
+                break;
+            }
+            if fds[0].revents & libc::POLLIN != 0 {
+                match self.listener.accept() {
+                    Ok((stream, _)) => self.serve_client(stream),
+                    Err(e) => tracing::warn!("accept on the control socket failed: {e}"),
+                }
+            }
+        }
+        tracing::info!("stopping: deleting {} device(s)", self.devices.len());
+        self.delete_all();
+        let _ = std::fs::remove_file(&self.config.daemon.socket);
+        Ok(())
+    }
+
+    fn delete_all(&mut self) -> Vec<u32> {
+        let ids: Vec<u32> = self.devices.keys().copied().collect();
+        for id in &ids {
+            if let Some(dev) = self.devices.remove(id)
+                && let Err(e) = dev.destroy(&self.ctrl)
+            {
+                tracing::error!(dev_id = id, "delete failed: {e}");
+            }
+        }
+        ids
+    }
+
+    fn serve_client(&mut self, mut stream: UnixStream) {
+        // A client that stalls must not stall the daemon.
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
+        let response = match peer_allowed(&stream) {
+            Err(message) => CtlResponse::Error { message },
+            Ok(()) => match msg::read_frame::<CtlRequest>(&mut stream) {
+                Ok(req) => self.handle(req),
+                Err(e) => CtlResponse::Error { message: format!("bad request: {e}") },
+            },
+        };
+        if let Err(e) = msg::write_frame(&mut stream, &response) {
+            tracing::warn!("cannot answer a ublkctl client: {e}");
+        }
+    }
+
+    fn handle(&mut self, req: CtlRequest) -> CtlResponse {
+        let result = match req {
+            CtlRequest::Add(add) => self.handle_add(&add).map(|id| CtlResponse::Added { id }),
+            CtlRequest::Del { id } => self.handle_del(id).map(|ids| CtlResponse::Deleted { ids }),
+            CtlRequest::List { id } => self.selected(id).map(|ids| {
+                CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
+            }),
+            CtlRequest::Status { id } => self.selected(id).map(|ids| {
+                CtlResponse::Status(ids.iter().filter_map(|id| self.status(*id)).collect())
+            }),
+            CtlRequest::Recover { id } => Err(format!(
+                "recover device {id}: crash recovery is not built yet (see the crash recovery issue)"
+            )),
+        };
+        result.unwrap_or_else(|message| CtlResponse::Error { message })
+    }
+
+    fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
+        match id {
+            None => Ok(self.devices.keys().copied().collect()),
+            Some(id) if self.devices.contains_key(&id) => Ok(vec![id]),
+            Some(id) => Err(self.unknown(id)),
+        }
+    }
+
+    fn unknown(&self, id: u32) -> String {
+        let ids: Vec<String> = self.devices.keys().map(u32::to_string).collect();
+        if ids.is_empty() {
+            format!("no device {id}: ublkd serves no devices")
+        } else {
+            format!("no device {id}: ublkd serves {}", ids.join(", "))
+        }
+    }
+
+    fn handle_add(&mut self, add: &AddRequest) -> Result<u32, String> {
+        let spec = spec_from_request(add, &self.config.defaults)?;
+        if let Some(id) = spec.id
+            && self.devices.contains_key(&id)
+        {
+            return Err(format!("device {id} already exists"));
+        }
+        if let TargetSpec::Loop { file, .. } = &spec.target {
+            let in_use = self
+                .devices
+                .values()
+                .any(|d| matches!(&d.spec.target, TargetSpec::Loop { file: f, .. } if f == file));
+            if in_use {
+                return Err(format!("{} already backs another device", file.display()));
+            }
+        }
+        self.add(&spec).map_err(|e| e.to_string())
+    }
+
+    fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {
+        match id {
+            None => Ok(self.delete_all()),
+            Some(id) => {
+                let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
+                dev.destroy(&self.ctrl).map_err(|e| e.to_string())?;
+                Ok(vec![id])
+            }
+        }
+    }
+
+    fn listing(&self, id: u32) -> Option<DevListing> {
+        let dev = self.devices.get(&id)?;
+        let info = self.ctrl.get_dev_info(id).ok()?;
+        let params = self.ctrl.get_params(id).ok()?;
+        Some(DevListing {
+            id,
+            nr_hw_queues: info.nr_hw_queues,
+            queue_depth: info.queue_depth,
+            block_size: 1 << params.basic.logical_bs_shift.min(31),
+            dev_capacity: params.basic.dev_sectors,
+            max_rq_size: info.max_io_buf_bytes,
+            daemon_pid: info.ublksrv_pid,
+            flags: info.flags,
+            state: DevState::from_raw(info.state).to_string(),
+        })
+        .filter(|_| dev.id == id)
+    }
+
+    fn status(&self, id: u32) -> Option<DevStatus> {
+        let dev = self.devices.get(&id)?;
+        let state = match self.ctrl.get_dev_info(id) {
+            Ok(info) => DevState::from_raw(info.state).to_string(),
+            Err(e) => format!("UNKNOWN ({e})"),
+        };
+        // The region is validated before anything in it is believed.
+        let counters = match dev.shm().validate() {
+            Ok(()) => dev.shm().counters().snapshot(),
+            Err(e) => {
+                tracing::warn!(dev_id = id, "shared region failed validation: {e}");
+                Default::default()
+            }
+        };
+        Some(DevStatus {
+            id,
+            state,
+            target: dev.spec.target.name().to_string(),
+            worker_pid: dev.worker.as_ref().map(|w| w.pid()),
+            size_bytes: dev.spec.size_bytes,
+            queues: dev.spec.queues,
+            queue_depth: dev.spec.queue_depth,
+            threads: dev.spec.threads,
+            recoveries: dev.recoveries,
+            counters,
+            note: dev.note.clone(),
+        })
+    }
+}
+
+/// A device spec from `ublkctl add`, with the daemon's defaults, validated like the
+/// config file's devices. Errors name the command-line flag.
+pub fn spec_from_request(
+    add: &AddRequest,
+    defaults: &ublkd_config::DeviceDefaults,
+) -> Result<DeviceSpec, String> {
+    let target = match add.target {
+        TargetKind::Null => TargetSpec::Null,
+        TargetKind::Memory => TargetSpec::Memory,
+        TargetKind::Loop => {
+            let file = add.file.clone().ok_or("a loop device needs a backing file (-f FILE)")?;
+            TargetSpec::Loop { file, direct: true }
+        }
+    };
+    if add.file.is_some() && add.target != TargetKind::Loop {
+        return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
+    }
+    let block_size = defaults.block_size;
+    let size_bytes = match (add.size, &target) {
+        (Some(size), _) => size,
+        (None, TargetSpec::Loop { file, .. }) => {
+            DeviceSpec::loop_size_from_file(file, block_size).map_err(|e| flag_error(&e))?
+        }
+        (None, _) => {
+            return Err(format!(
+                "a {} device needs a size (-s SIZE, e.g. -s 1G)",
+                add.target.name()
+            ));
+        }
+    };
+    let spec = DeviceSpec {
+        id: add.id,
+        target,
+        size_bytes,
+        queues: add.queues.unwrap_or(defaults.queues),
+        queue_depth: add.queue_depth.unwrap_or(defaults.queue_depth),
+        block_size,
+        threads: add.threads.unwrap_or(defaults.threads),
+        sandbox: defaults.sandbox,
+    };
+    spec.validate().map_err(|e| flag_error(&e))?;
+    Ok(spec)
+}
+
+/// A config-key error restated with the `ublkctl add` flag for that key.
+fn flag_error(e: &ublkd_config::FieldError) -> String {
+    let flag = match e.field {
+        "size" => "-s/--size",
+        "queues" => "-q/--queues",
+        "queue_depth" => "-d/--depth",
+        "threads" => "--threads",
+        "id" => "-n/--id",
+        "file" => "-f/--file",
+        other => other,
+    };
+    format!("{flag}: {}", e.problem)
+}
+
+fn describe(spec: &DeviceSpec) -> String {
+    match spec.id {
+        Some(id) => format!("{} (id {id})", spec.target.name()),
+        None => spec.target.name().to_string(),
+    }
+}
+
+fn make_dir(path: &Path, mode: u32) -> Result<(), DaemonError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(path)
+        .map_err(|source| DaemonError::Dir { path: path.to_path_buf(), source })
+}
+
+/// Binds the control socket (root-only), replacing a stale one but never a live one.
+fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
+    if let Some(parent) = path.parent() {
+        make_dir(parent, 0o755)?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(DaemonError::AlreadyRunning { path: path.to_path_buf() });
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let listen_err = |source| DaemonError::Listen { path: path.to_path_buf(), source };
+    let listener = UnixListener::bind(path).map_err(listen_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(listen_err)?;
+    Ok(listener)
+}
+
+/// Only root (or the daemon's own user) may command the daemon.
+fn peer_allowed(stream: &UnixStream) -> Result<(), String> {
+    let cred =
+        nix::sys::socket::getsockopt(&stream.as_fd(), nix::sys::socket::sockopt::PeerCredentials)
+            .map_err(|e| format!("cannot read the client's credentials: {e}"))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid() == 0 || cred.uid() == me {
+        Ok(())
+    } else {
+        Err(format!("permission denied: uid {} may not control ublkd (root only)", cred.uid()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ublkd_config::DeviceDefaults;
+
+    fn defaults() -> DeviceDefaults {
+        Config::default().defaults
+    }
+
+    fn add(target: TargetKind) -> AddRequest {
+        AddRequest {
+            id: None,
+            target,
+            file: None,
+            size: None,
+            queues: None,
+            queue_depth: None,
+            threads: None,
+        }
+    }
+
+    #[test]
+    fn memory_without_size_names_the_flag() {
+        let err = spec_from_request(&add(TargetKind::Memory), &defaults()).unwrap_err();
+        assert_eq!(err, "a memory device needs a size (-s SIZE, e.g. -s 1G)");
+    }
+
+    #[test]
+    fn loop_without_file_names_the_flag() {
+        let err = spec_from_request(&add(TargetKind::Loop), &defaults()).unwrap_err();
+        assert!(err.contains("-f FILE"), "{err}");
+    }
+
+    #[test]
+    fn file_on_a_non_loop_target_is_refused() {
+        let mut a = add(TargetKind::Null);
+        a.file = Some("/tmp/x".into());
+        a.size = Some(1 << 20);
+        assert!(spec_from_request(&a, &defaults()).unwrap_err().starts_with("-f/--file"));
+    }
+
+    #[test]
+    fn bad_depth_is_reported_with_its_flag() {
+        let mut a = add(TargetKind::Null);
+        a.size = Some(1 << 20);
+        a.queue_depth = Some(0);
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert!(err.starts_with("-d/--depth: "), "{err}");
+    }
+
+    #[test]
+    fn defaults_fill_what_the_request_leaves_out() {
+        let mut a = add(TargetKind::Memory);
+        a.size = Some(64 << 20);
+        a.queues = Some(2);
+        let spec = spec_from_request(&a, &defaults()).unwrap();
+        assert_eq!(spec.queues, 2);
+        assert_eq!(spec.queue_depth, defaults().queue_depth);
+        assert_eq!(spec.size_bytes, 64 << 20);
+    }
+}

@@ -1,0 +1,158 @@
+//! The state every thread of a worker shares: the device's geometry, the kernel's
+//! descriptor arrays, the tags' data buffers, the shared region and the target.
+//!
+//! Data-copy mode: kernel copy (`UBLK_BATCH_F_HAS_BUF_ADDR`). Each tag has a fixed
+//! buffer in the worker, given to the kernel at PREP and again at each COMMIT; the
+//! kernel copies WRITE data into it before delivering the tag and copies READ data out
+//! of it while processing the COMMIT. Why this mode:
+//! - crash recovery: the buffers are plain worker memory, lost with the worker; the
+//!   kernel requeues (REISSUE) every request the dead worker owned, so nothing depends
+//!   on buffer contents surviving. USER_COPY or zero copy would not change that.
+//! - sandbox: no extra fds, syscalls or io_uring opcodes beyond the batch commands;
+//!   USER_COPY needs pread/pwrite on `/dev/ublkcN` per I/O, and zero copy needs
+//!   buffer-table registration and fixed-buffer opcodes allowed in the ring.
+//! - simplicity first: the loop target can move to zero copy later (the benchmarks
+//!   issue), where it saves a copy for large I/O.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+
+use ublkd_proto::shm::ShmRegion;
+use ublkd_proto::uapi::{self, UblksrvIoDesc};
+
+use crate::target::Target;
+
+/// A read-only mapping of one queue's descriptor array (kernel-written).
+#[derive(Debug)]
+pub struct DescArray {
+    base: NonNull<UblksrvIoDesc>,
+    depth: u16,
+}
+
+// SAFETY: the mapping is read-only and lives for the process; reading it from any
+// thread is as safe as from one (each read is a volatile copy).
+unsafe impl Send for DescArray {}
+// SAFETY: as above.
+unsafe impl Sync for DescArray {}
+
+impl DescArray {
+    /// Maps queue `q_id`'s descriptors from `/dev/ublkcN`. The mapping is never
+    /// unmapped: it must stay valid for the process's life (the kernel accepts one mm
+    /// per incarnation, and the worker is that incarnation).
+    pub fn map(ublkc: BorrowedFd<'_>, q_id: u16, depth: u16) -> io::Result<DescArray> {
+        let page = page_size();
+        let len = uapi::queue_desc_bytes(depth, page);
+        let offset = uapi::queue_desc_offset(q_id, page);
+        // SAFETY: a new shared read-only mapping of the ublk char device at the offset
+        // the driver defines for this queue; no existing memory is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                ublkc.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(ptr.cast::<UblksrvIoDesc>()).expect("mmap never returns null");
+        Ok(DescArray { base, depth })
+    }
+
+    /// A copy of tag `tag`'s descriptor, or `None` past the queue's depth.
+    pub fn get(&self, tag: u16) -> Option<UblksrvIoDesc> {
+        if tag >= self.depth {
+            return None;
+        }
+        // SAFETY: `tag` < depth, so the descriptor lies inside the mapping (the mapping
+        // covers `depth` descriptors rounded up to a page); the kernel writes it before
+        // delivering the tag, and a volatile read copies whatever is there without
+        // assuming it is stable.
+        Some(unsafe { std::ptr::read_volatile(self.base.as_ptr().wrapping_add(usize::from(tag))) })
+    }
+}
+
+/// The tags' data buffers: one anonymous mapping, `buf_bytes` per tag, page aligned
+/// (O_DIRECT needs it), populated lazily by the kernel on first touch.
+#[derive(Debug)]
+pub struct TagBuffers {
+    base: NonNull<u8>,
+    depth: u16,
+    nr_queues: u16,
+    buf_bytes: usize,
+}
+
+// SAFETY: the mapping lives for the process; each tag's buffer is used by one thread
+// at a time (the thread that fetched the tag), handed over through the kernel.
+unsafe impl Send for TagBuffers {}
+// SAFETY: as above.
+unsafe impl Sync for TagBuffers {}
+
+impl TagBuffers {
+    pub fn new(nr_queues: u16, depth: u16, buf_bytes: usize) -> io::Result<TagBuffers> {
+        let total = usize::from(nr_queues) * usize::from(depth) * buf_bytes;
+        // SAFETY: a new anonymous private mapping; no existing memory is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null");
+        Ok(TagBuffers { base, depth, nr_queues, buf_bytes })
+    }
+
+    pub fn buf_bytes(&self) -> usize {
+        self.buf_bytes
+    }
+
+    /// The buffer of tag `tag` of queue `q_id`, or `None` outside the geometry.
+    pub fn get(&self, q_id: u16, tag: u16) -> Option<*mut u8> {
+        if q_id >= self.nr_queues || tag >= self.depth {
+            return None;
+        }
+        let index = usize::from(q_id) * usize::from(self.depth) + usize::from(tag);
+        Some(self.base.as_ptr().wrapping_add(index * self.buf_bytes))
+    }
+}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page).unwrap_or(4096)
+}
+
+/// Everything the queue threads share.
+pub struct Device {
+    pub dev_id: u32,
+    pub nr_queues: u16,
+    pub depth: u16,
+    pub size_bytes: u64,
+    pub descs: Vec<DescArray>,
+    pub bufs: TagBuffers,
+    pub shm: ShmRegion,
+    pub target: Box<dyn Target>,
+    pub generation: u64,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("dev_id", &self.dev_id)
+            .field("nr_queues", &self.nr_queues)
+            .field("depth", &self.depth)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,605 @@
+//! One worker thread's io_uring loop: PREP its queues, keep a multishot FETCH armed on
+//! each queue it serves, run the target for every delivered tag, and COMMIT results in
+//! batches (one COMMIT per queue per loop turn).
+//!
+//! Any thread may serve any tag: with fewer threads than queues each thread serves a
+//! set of queues; with more, several threads arm FETCH on the same queue and the kernel
+//! hands each batch of tags to one of them. A tag is handled start to finish by the
+//! thread that fetched it, so no per-tag state is shared between threads.
+//!
+//! A COMMIT the kernel refuses (even partly) means the worker and the kernel disagree
+//! about who owns a tag. The loop does not guess: it fails, the worker exits, and the
+//! supervisor recovers the device, whose in-flight I/O the kernel reissues (REISSUE) to
+//! the next worker, so no I/O fails.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use ublkd_proto::batch::{self, BatchElem, ElemBuf, ElemFormat};
+use ublkd_proto::shm::{TagRecord, tag_state};
+use ublkd_proto::uapi::{self, AsBytes, UblkBatchIo};
+
+use crate::bufring::BufRing;
+use crate::device::Device;
+use crate::target::{IoReq, Step};
+
+/// Errors that end a thread (and so the worker).
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error("cannot set up thread {thread}'s io_uring: {source}")]
+    Ring { thread: usize, source: std::io::Error },
+    #[error("PREP of queue {q_id} failed: {}", ublkd_proto::errno::Errno(-res))]
+    Prep { q_id: u16, res: i32 },
+    #[error("the kernel refused a COMMIT on queue {q_id} (tag {tag}): {what}")]
+    Commit { q_id: u16, tag: u16, what: String },
+    #[error("FETCH on queue {q_id} delivered a malformed batch: {source}")]
+    Fetch { q_id: u16, source: batch::BatchError },
+    #[error("io_uring wait failed in thread {thread}: {source}")]
+    Wait { thread: usize, source: std::io::Error },
+}
+
+/// Which queues a thread serves, and which of them it PREPs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadPlan {
+    pub index: usize,
+    pub queues: Vec<u16>,
+    /// Each queue is PREPed by exactly one thread (its lowest-numbered server).
+    pub prep_queues: Vec<u16>,
+}
+
+/// Spreads `nr_queues` over `nr_threads`: round robin, every queue served by at least
+/// one thread and every thread serving at least one queue.
+pub fn plan(nr_threads: u16, nr_queues: u16) -> Vec<ThreadPlan> {
+    let (t, q) = (usize::from(nr_threads.max(1)), nr_queues.max(1));
+    (0..t)
+        .map(|index| {
+            let queues: Vec<u16> = if t <= usize::from(q) {
+                (0..q).filter(|qid| usize::from(*qid) % t == index).collect()
+            } else {
+                vec![(index % usize::from(q)) as u16]
+            };
+            // The lowest thread serving a queue: with t <= q that is the only one;
+            // with t > q it is thread number qid.
+            let prep_queues = queues
+                .iter()
+                .copied()
+                .filter(|qid| t <= usize::from(q) || usize::from(*qid) == index)
+                .collect();
+            ThreadPlan { index, queues, prep_queues }
+        })
+        .collect()
+}
+
+// user_data: kind in bits 56..64, queue in 32..48, a per-kind index in 0..32.
+const KIND_PREP: u64 = 1;
+const KIND_FETCH: u64 = 2;
+const KIND_COMMIT: u64 = 3;
+const KIND_TARGET: u64 = 4;
+
+fn user_data(kind: u64, q_id: u16, low: u32) -> u64 {
+    (kind << 56) | (u64::from(q_id) << 32) | u64::from(low)
+}
+
+fn split(ud: u64) -> (u64, u16, u32) {
+    (ud >> 56, (ud >> 32) as u16, ud as u32)
+}
+
+/// The commit format of kernel-copy mode: header plus the tag's buffer address.
+const COMMIT_FORMAT: ElemFormat = ElemFormat::WITH_BUF_ADDR;
+
+struct QueueState {
+    q_id: u16,
+    bufring: BufRing,
+    fetch_armed: bool,
+    /// The device is going away: FETCH ended for good.
+    closed: bool,
+    pending: ElemBuf,
+}
+
+/// One thread's loop state. `ring` is declared first so it drops first.
+pub struct QueueThread {
+    ring: IoUring<squeue::Entry, cqueue::Entry>,
+    dev: Arc<Device>,
+    plan: ThreadPlan,
+    queues: Vec<QueueState>,
+    /// Per tag of every queue (only this thread's tags are used): the request and the
+    /// bytes done so far.
+    reqs: Vec<Option<(IoReq, u32)>>,
+    commit_slots: Vec<Option<(u16, ElemBuf)>>,
+    spare: Vec<ElemBuf>,
+    inflight: u32,
+    started: Instant,
+    cqes: Vec<(u64, i32, u32)>,
+}
+
+impl QueueThread {
+    /// Creates the ring, registers the files and the FETCH buffer rings.
+    pub fn new(
+        dev: Arc<Device>,
+        plan: ThreadPlan,
+        ublkc: std::os::fd::RawFd,
+    ) -> Result<Self, LoopError> {
+        let thread = plan.index;
+        let ring_err = |source| LoopError::Ring { thread, source };
+        let tags = plan.queues.len() * usize::from(dev.depth);
+        // One slot per tag (target I/O) plus a FETCH and a COMMIT per queue, with room.
+        let entries = (tags + 4 * plan.queues.len() + 8).next_power_of_two().min(4096) as u32;
+        let ring = IoUring::<squeue::Entry, cqueue::Entry>::builder()
+            .setup_cqsize(entries * 4)
+            .build(entries)
+            .map_err(ring_err)?;
+        let mut files = vec![ublkc];
+        if let Some(f) = dev.target.fixed_file() {
+            files.push(std::os::fd::AsRawFd::as_raw_fd(&f));
+        }
+        ring.submitter().register_files(&files).map_err(ring_err)?;
+        let mut queues = Vec::with_capacity(plan.queues.len());
+        for (i, &q_id) in plan.queues.iter().enumerate() {
+            let bufring =
+                BufRing::register(&ring, i as u16, usize::from(dev.depth)).map_err(ring_err)?;
+            queues.push(QueueState {
+                q_id,
+                bufring,
+                fetch_armed: false,
+                closed: false,
+                pending: ElemBuf::new(COMMIT_FORMAT, dev.depth),
+            });
+        }
+        let nr_tags = usize::from(dev.nr_queues) * usize::from(dev.depth);
+        Ok(QueueThread {
+            ring,
+            plan,
+            queues,
+            reqs: vec![None; nr_tags],
+            commit_slots: Vec::new(),
+            spare: Vec::new(),
+            inflight: 0,
+            started: Instant::now(),
+            cqes: Vec::with_capacity(entries as usize * 4),
+            dev,
+        })
+    }
+
+    fn push(&mut self, sqe: &squeue::Entry) -> Result<(), LoopError> {
+        loop {
+            // SAFETY: every SQE this loop builds references memory that outlives its
+            // completion: tag buffers and descriptor arrays (process-lifetime mappings),
+            // FETCH buffer rings (leaked), and COMMIT/PREP element buffers, which stay
+            // in `commit_slots` (or the PREP call's frame, which waits) until their CQE.
+            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
+                return Ok(());
+            }
+            self.ring
+                .submit()
+                .map_err(|source| LoopError::Wait { thread: self.plan.index, source })?;
+        }
+    }
+
+    fn tag_buf(&self, q_id: u16, tag: u16) -> u64 {
+        self.dev.bufs.get(q_id, tag).map_or(0, |p| p as u64)
+    }
+
+    /// PREPs every tag of this thread's PREP queues and waits until the kernel took them.
+    pub fn prep(&mut self) -> Result<(), LoopError> {
+        let mut bufs = Vec::new();
+        for q_id in self.plan.prep_queues.clone() {
+            let mut elems = ElemBuf::new(COMMIT_FORMAT, self.dev.depth);
+            for tag in 0..self.dev.depth {
+                let buf_addr = self.tag_buf(q_id, tag);
+                elems
+                    .push(BatchElem { tag, buf_addr, ..BatchElem::default() })
+                    .expect("capacity is the depth");
+            }
+            let sqe = batch_sqe(uapi::UBLK_U_IO_PREP_IO_CMDS, elems.header(q_id), elems.as_bytes())
+                .user_data(user_data(KIND_PREP, q_id, 0));
+            self.push(&sqe)?;
+            bufs.push(elems);
+        }
+        let mut left = bufs.len();
+        while left > 0 {
+            self.ring
+                .submit_and_wait(1)
+                .map_err(|source| LoopError::Wait { thread: self.plan.index, source })?;
+            let done: Vec<(u64, i32)> =
+                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            for (ud, res) in done {
+                let (_, q_id, _) = split(ud);
+                if res != 0 {
+                    return Err(LoopError::Prep { q_id, res });
+                }
+                left -= 1;
+            }
+        }
+        drop(bufs);
+        Ok(())
+    }
+
+    fn arm_fetch(&mut self, qi: usize) -> Result<(), LoopError> {
+        let q = &self.queues[qi];
+        if q.fetch_armed || q.closed {
+            return Ok(());
+        }
+        let header = UblkBatchIo {
+            q_id: q.q_id,
+            flags: 0,
+            nr_elem: self.dev.depth.min(batch::MAX_TAGS_PER_FETCH as u16),
+            elem_bytes: 2,
+            ..UblkBatchIo::default()
+        };
+        let sqe =
+            fetch_sqe(header, q.bufring.bgid()).user_data(user_data(KIND_FETCH, q.q_id, qi as u32));
+        self.push(&sqe)?;
+        self.queues[qi].fetch_armed = true;
+        Ok(())
+    }
+
+    /// Runs until every queue this thread serves is closed by the kernel and nothing
+    /// is left in flight.
+    pub fn run(mut self, barrier: &Barrier) -> Result<(), LoopError> {
+        barrier.wait();
+        let slot_index = self.plan.index;
+        if let Some(slot) = self.dev.shm.thread(slot_index) {
+            // SAFETY: gettid has no preconditions.
+            let tid = unsafe { libc::gettid() };
+            slot.tid.store(tid as u32, Ordering::Relaxed);
+            slot.generation.store(self.dev.generation, Ordering::Relaxed);
+        }
+        for qi in 0..self.queues.len() {
+            self.arm_fetch(qi)?;
+        }
+        loop {
+            self.flush_commits()?;
+            let open = self.queues.iter().any(|q| !q.closed);
+            if !open && self.inflight == 0 && self.commit_slots.iter().all(Option::is_none) {
+                return Ok(());
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(source) => return Err(LoopError::Wait { thread: self.plan.index, source }),
+            }
+            let mut cqes = std::mem::take(&mut self.cqes);
+            cqes.clear();
+            cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
+            for &(ud, res, flags) in &cqes {
+                self.handle_cqe(ud, res, flags)?;
+            }
+            self.cqes = cqes;
+            if let Some(slot) = self.dev.shm.thread(slot_index) {
+                slot.heartbeat.fetch_add(1, Ordering::Relaxed);
+                slot.inflight.store(self.inflight, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn handle_cqe(&mut self, ud: u64, res: i32, flags: u32) -> Result<(), LoopError> {
+        let (kind, q_id, low) = split(ud);
+        match kind {
+            KIND_FETCH => self.on_fetch(low as usize, res, flags),
+            KIND_TARGET => self.on_target(q_id, low as u16, res),
+            KIND_COMMIT => self.on_commit(low as usize, res),
+            _ => Ok(()),
+        }
+    }
+
+    fn on_fetch(&mut self, qi: usize, res: i32, flags: u32) -> Result<(), LoopError> {
+        let Some(q) = self.queues.get_mut(qi) else { return Ok(()) };
+        let q_id = q.q_id;
+        if !cqueue::more(flags) {
+            q.fetch_armed = false;
+        }
+        if res < 0 {
+            if res != -libc::ENOBUFS {
+                // -ENODEV (device stopping or the fd going away) or a cancel: no more I/O
+                // will come on this queue for this worker.
+                q.closed = true;
+                tracing::debug!(q_id, res, "FETCH ended");
+            }
+        } else if let Some(bid) = cqueue::buffer_select(flags) {
+            let mut tags = [0u16; batch::MAX_TAGS_PER_FETCH];
+            let count = {
+                let bytes = q.bufring.filled(bid, res as usize).ok_or(LoopError::Fetch {
+                    q_id,
+                    source: batch::BatchError::FetchTooMany(res as usize / 2),
+                })?;
+                let fetched = batch::decode_fetched_tags(bytes, self.dev.depth)
+                    .map_err(|source| LoopError::Fetch { q_id, source })?;
+                let n = fetched.len();
+                for (slot, tag) in tags.iter_mut().zip(fetched) {
+                    *slot = tag;
+                }
+                n
+            };
+            q.bufring.recycle(bid);
+            for &tag in &tags[..count] {
+                self.on_tag(q_id, tag)?;
+            }
+        }
+        if !self.queues[qi].fetch_armed && !self.queues[qi].closed {
+            self.arm_fetch(qi)?;
+        }
+        Ok(())
+    }
+
+    fn on_tag(&mut self, q_id: u16, tag: u16) -> Result<(), LoopError> {
+        let dev = Arc::clone(&self.dev);
+        let Some(desc) = dev.descs.get(usize::from(q_id)).and_then(|d| d.get(tag)) else {
+            return Ok(());
+        };
+        let op = desc.op();
+        let len_bytes = u64::from(desc.nr_sectors) << 9;
+        let offset = desc.start_sector.saturating_mul(512);
+        let buf = dev.bufs.get(q_id, tag).unwrap_or(std::ptr::null_mut());
+        self.inflight += 1;
+        if let Some(slot) = dev.shm.tag(q_id, tag) {
+            slot.write(&TagRecord {
+                state: tag_state::IN_TARGET,
+                op: u32::from(op),
+                nr_sectors: desc.nr_sectors,
+                start_sector: desc.start_sector,
+                since_ms: self.started.elapsed().as_millis() as u64,
+            });
+        }
+        // Checked here once so targets can trust the request.
+        let valid = match op {
+            uapi::UBLK_IO_OP_READ | uapi::UBLK_IO_OP_WRITE => {
+                len_bytes <= dev.bufs.buf_bytes() as u64
+                    && offset.checked_add(len_bytes).is_some_and(|end| end <= dev.size_bytes)
+            }
+            uapi::UBLK_IO_OP_DISCARD | uapi::UBLK_IO_OP_WRITE_ZEROES => {
+                offset.checked_add(len_bytes).is_some_and(|end| end <= dev.size_bytes)
+                    && len_bytes <= u64::from(u32::MAX)
+            }
+            uapi::UBLK_IO_OP_FLUSH => true,
+            _ => false,
+        };
+        if !valid {
+            tracing::warn!(
+                q_id,
+                tag,
+                op,
+                offset,
+                len_bytes,
+                "request outside the device or unsupported"
+            );
+            let res = if matches!(op, uapi::UBLK_IO_OP_READ | uapi::UBLK_IO_OP_WRITE) {
+                -libc::EIO
+            } else {
+                -libc::EOPNOTSUPP
+            };
+            return self.complete(q_id, tag, op, res);
+        }
+        let req = IoReq { op, flags: desc.flags(), offset, len: len_bytes as u32, buf };
+        let step = dev.target.start(&req);
+        let index = self.tag_index(q_id, tag);
+        self.reqs[index] = Some((req, 0));
+        self.step(q_id, tag, step)
+    }
+
+    fn tag_index(&self, q_id: u16, tag: u16) -> usize {
+        usize::from(q_id) * usize::from(self.dev.depth) + usize::from(tag)
+    }
+
+    fn step(&mut self, q_id: u16, tag: u16, step: Step) -> Result<(), LoopError> {
+        match step {
+            Step::Done(res) => {
+                let index = self.tag_index(q_id, tag);
+                let op = self.reqs[index].take().map_or(0, |(r, _)| r.op);
+                self.complete(q_id, tag, op, res)
+            }
+            Step::Submit(sqe) => {
+                let sqe = sqe.user_data(user_data(KIND_TARGET, q_id, u32::from(tag)));
+                self.push(&sqe)
+            }
+        }
+    }
+
+    fn on_target(&mut self, q_id: u16, tag: u16, res: i32) -> Result<(), LoopError> {
+        let index = self.tag_index(q_id, tag);
+        let Some((req, mut done)) = self.reqs.get(index).copied().flatten() else {
+            return Ok(());
+        };
+        let step = self.dev.target.on_cqe(&req, res, &mut done);
+        self.reqs[index] = Some((req, done));
+        self.step(q_id, tag, step)
+    }
+
+    /// Records a finished request and queues its COMMIT element.
+    fn complete(&mut self, q_id: u16, tag: u16, op: u8, res: i32) -> Result<(), LoopError> {
+        let c = self.dev.shm.counters();
+        let counter = match op {
+            uapi::UBLK_IO_OP_READ => Some(&c.reads),
+            uapi::UBLK_IO_OP_WRITE => Some(&c.writes),
+            uapi::UBLK_IO_OP_FLUSH => Some(&c.flushes),
+            uapi::UBLK_IO_OP_DISCARD => Some(&c.discards),
+            uapi::UBLK_IO_OP_WRITE_ZEROES => Some(&c.write_zeroes),
+            _ => None,
+        };
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        if res < 0 {
+            c.errors.fetch_add(1, Ordering::Relaxed);
+        } else if op == uapi::UBLK_IO_OP_READ {
+            c.bytes_read.fetch_add(res as u64, Ordering::Relaxed);
+        } else if op == uapi::UBLK_IO_OP_WRITE {
+            c.bytes_written.fetch_add(res as u64, Ordering::Relaxed);
+        }
+        if let Some(slot) = self.dev.shm.tag(q_id, tag) {
+            slot.set_state(tag_state::COMMITTING);
+        }
+        self.inflight = self.inflight.saturating_sub(1);
+        let buf_addr = self.tag_buf(q_id, tag);
+        let Some(q) = self.queues.iter_mut().find(|q| q.q_id == q_id) else { return Ok(()) };
+        q.pending
+            .push(BatchElem { tag, result: res, buf_addr, ..BatchElem::default() })
+            .map_err(|e| LoopError::Commit { q_id, tag, what: e.to_string() })
+    }
+
+    /// Submits one COMMIT per queue with finished requests.
+    fn flush_commits(&mut self) -> Result<(), LoopError> {
+        for qi in 0..self.queues.len() {
+            if self.queues[qi].pending.is_empty() {
+                continue;
+            }
+            let depth = self.dev.depth;
+            let fresh = self.spare.pop().unwrap_or_else(|| ElemBuf::new(COMMIT_FORMAT, depth));
+            let elems = std::mem::replace(&mut self.queues[qi].pending, fresh);
+            let q_id = self.queues[qi].q_id;
+            for i in 0..elems.len() {
+                if let Some(e) = elems.get(i)
+                    && let Some(slot) = self.dev.shm.tag(q_id, e.tag)
+                {
+                    slot.set_state(tag_state::IDLE);
+                }
+            }
+            let slot = match self.commit_slots.iter().position(Option::is_none) {
+                Some(free) => free,
+                None => {
+                    self.commit_slots.push(None);
+                    self.commit_slots.len() - 1
+                }
+            };
+            let sqe =
+                batch_sqe(uapi::UBLK_U_IO_COMMIT_IO_CMDS, elems.header(q_id), elems.as_bytes())
+                    .user_data(user_data(KIND_COMMIT, q_id, slot as u32));
+            // The element buffer's heap storage does not move when the ElemBuf moves
+            // into its slot, so the address in the SQE stays valid.
+            self.commit_slots[slot] = Some((q_id, elems));
+            self.push(&sqe)?;
+        }
+        Ok(())
+    }
+
+    fn on_commit(&mut self, slot: usize, res: i32) -> Result<(), LoopError> {
+        let Some((q_id, mut elems)) = self.commit_slots.get_mut(slot).and_then(Option::take) else {
+            return Ok(());
+        };
+        let sent = elems.len();
+        let first = elems.get(0).map_or(0, |e| e.tag);
+        if res < 0 {
+            return Err(LoopError::Commit {
+                q_id,
+                tag: first,
+                what: ublkd_proto::errno::Errno(-res).to_string(),
+            });
+        }
+        let done = elems.consume_committed(res as usize).map_err(|e| LoopError::Commit {
+            q_id,
+            tag: first,
+            what: e.to_string(),
+        })?;
+        if done != sent {
+            let tag = elems.get(0).map_or(0, |e| e.tag);
+            return Err(LoopError::Commit {
+                q_id,
+                tag,
+                what: format!("only {done} of {sent} elements were taken"),
+            });
+        }
+        elems.clear();
+        self.spare.push(elems);
+        Ok(())
+    }
+}
+
+/// A PREP or COMMIT SQE: the batch header in the command area, the elements at `addr`.
+fn batch_sqe(cmd_op: u32, header: UblkBatchIo, elems: &[u8]) -> squeue::Entry {
+    let mut cmd = [0u8; 16];
+    cmd.copy_from_slice(header.as_bytes());
+    opcode::UringCmd16::new(types::Fixed(0), cmd_op)
+        .cmd(cmd)
+        .addr(Some(elems.as_ptr() as u64))
+        .build()
+}
+
+// The SQE's layout (`struct io_uring_sqe`), for the two fields the `io-uring` crate
+// cannot set on a URING_CMD: `uring_cmd_flags` and `buf_group`.
+const SQE_URING_CMD_FLAGS: usize = 28;
+const SQE_BUF_GROUP: usize = 40;
+const _: () = assert!(size_of::<squeue::Entry>() == 64);
+
+/// A multishot FETCH SQE selecting buffers from group `bgid`.
+fn fetch_sqe(header: UblkBatchIo, bgid: u16) -> squeue::Entry {
+    let mut cmd = [0u8; 16];
+    cmd.copy_from_slice(header.as_bytes());
+    let entry = opcode::UringCmd16::new(types::Fixed(0), uapi::UBLK_U_IO_FETCH_IO_CMDS)
+        .cmd(cmd)
+        .build()
+        .flags(squeue::Flags::BUFFER_SELECT);
+    // SAFETY: `squeue::Entry` is a `#[repr(C)]` wrapper of the kernel's 64-byte
+    // `io_uring_sqe` (size asserted above), made of integers and unions of integers:
+    // every byte is initialised and any byte pattern is a valid value, so it can be
+    // viewed as bytes and back.
+    let mut raw: [u8; 64] = unsafe { std::mem::transmute(entry) };
+    let flags = u32::from_ne_bytes(
+        raw[SQE_URING_CMD_FLAGS..SQE_URING_CMD_FLAGS + 4].try_into().expect("4 bytes"),
+    ) | uapi::IORING_URING_CMD_MULTISHOT;
+    raw[SQE_URING_CMD_FLAGS..SQE_URING_CMD_FLAGS + 4].copy_from_slice(&flags.to_ne_bytes());
+    raw[SQE_BUF_GROUP..SQE_BUF_GROUP + 2].copy_from_slice(&bgid.to_ne_bytes());
+    // SAFETY: as above.
+    unsafe { std::mem::transmute::<[u8; 64], squeue::Entry>(raw) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fewer_threads_than_queues_split_queues_round_robin() {
+        let p = plan(2, 4);
+        assert_eq!(p[0].queues, [0, 2]);
+        assert_eq!(p[1].queues, [1, 3]);
+        assert_eq!(p[0].prep_queues, [0, 2]);
+        assert_eq!(p[1].prep_queues, [1, 3]);
+    }
+
+    #[test]
+    fn more_threads_than_queues_share_queues_and_prep_once() {
+        let p = plan(4, 2);
+        let served: Vec<Vec<u16>> = p.iter().map(|t| t.queues.clone()).collect();
+        assert_eq!(served, [vec![0], vec![1], vec![0], vec![1]]);
+        let preps: Vec<u16> = p.iter().flat_map(|t| t.prep_queues.clone()).collect();
+        assert_eq!(preps, [0, 1]);
+    }
+
+    #[test]
+    fn every_queue_is_prepped_exactly_once() {
+        for threads in 1..=9u16 {
+            for queues in 1..=9u16 {
+                let mut preps: Vec<u16> =
+                    plan(threads, queues).iter().flat_map(|t| t.prep_queues.clone()).collect();
+                preps.sort_unstable();
+                assert_eq!(
+                    preps,
+                    (0..queues).collect::<Vec<_>>(),
+                    "{threads} threads, {queues} queues"
+                );
+                assert!(plan(threads, queues).iter().all(|t| !t.queues.is_empty()));
+            }
+        }
+    }
+
+    #[test]
+    fn user_data_round_trips() {
+        assert_eq!(split(user_data(KIND_COMMIT, 513, 77)), (KIND_COMMIT, 513, 77));
+    }
+
+    #[test]
+    fn fetch_sqe_sets_multishot_and_buffer_group() {
+        let e = fetch_sqe(UblkBatchIo { q_id: 3, elem_bytes: 2, ..Default::default() }, 9);
+        // SAFETY: see fetch_sqe.
+        let raw: [u8; 64] = unsafe { std::mem::transmute(e) };
+        assert_eq!(raw[0], opcode::UringCmd16::CODE);
+        assert_eq!(
+            u32::from_ne_bytes(raw[28..32].try_into().unwrap()),
+            uapi::IORING_URING_CMD_MULTISHOT
+        );
+        assert_eq!(u16::from_ne_bytes([raw[40], raw[41]]), 9);
+        assert_ne!(raw[1] & (1 << 5), 0, "IOSQE_BUFFER_SELECT");
+        assert_eq!(u16::from_ne_bytes([raw[48], raw[49]]), 3, "q_id in the command area");
+    }
+}

@@ -1,0 +1,96 @@
+//! Targets: what a device's I/O is served from.
+//!
+//! The interface is small on purpose: a target starts a request and either finishes it
+//! at once or asks the queue loop to submit one io_uring SQE for it, and is told that
+//! SQE's result. Adding a target (an NBD client, say) means adding a module here and a
+//! `TargetSetup` variant in proto; the queue loop does not change.
+
+mod loopback;
+mod memory;
+mod null;
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use io_uring::squeue;
+use ublkd_proto::msg::TargetSetup;
+
+pub use loopback::LoopTarget;
+pub use memory::MemoryTarget;
+pub use null::NullTarget;
+
+/// Index of the target's file in each ring's registered files (0 is `/dev/ublkcN`).
+pub const TARGET_FIXED_FD: u32 = 1;
+
+/// One request, validated by the queue loop: `offset + len` is inside the device and
+/// `len` fits the tag's buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct IoReq {
+    /// `UBLK_IO_OP_*`.
+    pub op: u8,
+    /// `UBLK_IO_F_*`.
+    pub flags: u32,
+    /// Byte offset on the device.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u32,
+    /// The tag's buffer, `len` bytes valid (at least): WRITE data is in it, READ data
+    /// goes into it.
+    pub buf: *mut u8,
+}
+
+/// What to do next with a request.
+#[derive(Debug)]
+pub enum Step {
+    /// Finished: commit this result (bytes, or `-errno`).
+    Done(i32),
+    /// Submit this SQE (the loop sets its user data) and call `on_cqe` with its result.
+    Submit(squeue::Entry),
+}
+
+/// A device's backend.
+pub trait Target: Send + Sync {
+    /// Starts `req`.
+    fn start(&self, req: &IoReq) -> Step;
+
+    /// The SQE of `req` completed with `res`; `done` is the bytes finished before it
+    /// (for resubmitting the rest of a short transfer), kept by the loop per tag.
+    fn on_cqe(&self, req: &IoReq, res: i32, done: &mut u32) -> Step;
+
+    /// The file to register at [`TARGET_FIXED_FD`] in every ring, if any.
+    fn fixed_file(&self) -> Option<BorrowedFd<'_>>;
+}
+
+/// Errors setting a target up.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("target {target} needs {want} file descriptor(s), got {got}")]
+    Fds { target: &'static str, want: usize, got: usize },
+    #[error("the memory target's memfd is {got} bytes, smaller than the device's {want}")]
+    MemoryTooSmall { got: u64, want: u64 },
+    #[error("the loop target's backing file is {got} bytes, smaller than the device's {want}")]
+    LoopTooSmall { got: u64, want: u64 },
+    #[error("cannot map or inspect the target's file: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Builds the target `setup` describes from the fds that came with it.
+pub fn build(
+    setup: &TargetSetup,
+    size: u64,
+    mut fds: Vec<OwnedFd>,
+) -> Result<Box<dyn Target>, TargetError> {
+    let want = setup.target_fds();
+    if fds.len() != want {
+        let target = match setup {
+            TargetSetup::Null => "null",
+            TargetSetup::Memory => "memory",
+            TargetSetup::Loop { .. } => "loop",
+        };
+        return Err(TargetError::Fds { target, want, got: fds.len() });
+    }
+    Ok(match *setup {
+        TargetSetup::Null => Box::new(NullTarget),
+        TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
+        TargetSetup::Loop { direct: _ } => Box::new(LoopTarget::new(fds.remove(0), size)?),
+    })
+}
