@@ -64,8 +64,11 @@ impl TargetSetup {
     }
 }
 
-/// Everything a worker needs to serve a device. Sent with fds, in this order:
-/// `/dev/ublkcN`, the shared-memory region, then the target's fd if it has one.
+/// Everything a worker needs to get ready to serve a device, sent (with the shared
+/// region's fd, then the target's fd if it has one) to a freshly started worker. The
+/// worker maps what it can and answers [`FromWorker::Standby`]; it gets the device
+/// itself (`/dev/ublkcN`) only with [`ToWorker::Activate`], so a standby worker can
+/// wait, warm, until a device needs it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerSetup {
     pub dev_id: u32,
@@ -76,29 +79,33 @@ pub struct WorkerSetup {
     /// The largest request in bytes (each tag's buffer size).
     pub max_io_buf_bytes: u32,
     pub nr_threads: u16,
-    /// The shared region's generation this worker serves.
-    pub generation: u64,
     pub target: TargetSetup,
     /// Logical block size in bytes (the target may use it to align).
     pub block_size: u32,
 }
 
 impl WorkerSetup {
-    /// How many fds come with this message.
+    /// How many fds come with the setup message.
     pub const fn fd_count(&self) -> usize {
-        2 + self.target.target_fds()
+        1 + self.target.target_fds()
     }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ToWorker {
+    /// Get ready (fds: the shared region, the target's).
     Setup(WorkerSetup),
+    /// Serve the device now (fd: `/dev/ublkcN`): PREP every tag, arm FETCH, answer
+    /// Ready. `generation` is the shared region's generation for this incarnation.
+    Activate { generation: u64 },
     /// Stop serving and exit (the device is being stopped).
     Shutdown,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FromWorker {
+    /// Set up and waiting for Activate.
+    Standby,
     /// Every tag of every queue is PREPed and FETCH is armed: ready for START_DEV or
     /// END_USER_RECOVERY.
     Ready,
@@ -251,6 +258,10 @@ pub struct DevStatus {
     pub queue_depth: u16,
     pub threads: u16,
     pub recoveries: u64,
+    /// The last recovery's stall, from the death's detection to LIVE.
+    pub last_recovery_ms: Option<u64>,
+    pub last_recovery_reason: Option<String>,
+    pub standby_pid: Option<u32>,
     pub counters: CounterSnapshot,
     /// Why the device is not LIVE, if it is not.
     pub note: Option<String>,
@@ -325,19 +336,12 @@ mod tests {
             queue_depth: 64,
             max_io_buf_bytes: 1 << 19,
             nr_threads: 2,
-            generation: 1,
             target: TargetSetup::Memory,
             block_size: 4096,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();
         let f2 = std::fs::File::open("/dev/zero").unwrap();
-        let f3 = std::fs::File::open("/proc/self/stat").unwrap();
-        send_packet(
-            a.as_fd(),
-            &ToWorker::Setup(setup.clone()),
-            &[f1.as_fd(), f2.as_fd(), f3.as_fd()],
-        )
-        .unwrap();
+        send_packet(a.as_fd(), &ToWorker::Setup(setup.clone()), &[f1.as_fd(), f2.as_fd()]).unwrap();
         let (msg, fds): (ToWorker, _) = recv_packet(b.as_fd()).unwrap();
         assert_eq!(msg, ToWorker::Setup(setup.clone()));
         assert_eq!(fds.len(), setup.fd_count());

@@ -264,10 +264,9 @@ pub struct ShmRegion {
 }
 
 impl ShmRegion {
-    /// Creates a new region (a sealed-size memfd) for `geometry` and writes its header.
+    /// Creates a new region in a fresh memfd for `geometry` and writes its header.
     /// Returns the region and the fd to hand to workers.
     pub fn create(geometry: Geometry) -> Result<(ShmRegion, OwnedFd), ShmError> {
-        geometry.check()?;
         let name = c"ublkd-device-shm";
         // SAFETY: `name` is a valid NUL-terminated string; memfd_create has no other
         // memory-safety preconditions.
@@ -277,7 +276,15 @@ impl ShmRegion {
         }
         // SAFETY: `raw` was just returned by memfd_create and is owned by nothing else.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let file = File::from(fd);
+        Self::create_in(File::from(fd), geometry)
+    }
+
+    /// Makes `file` (empty or stale) a new region for `geometry`: sizes it, clears it
+    /// and writes the header. A file on tmpfs outlives the supervisor, which is how a
+    /// restarted supervisor finds a device's region again.
+    pub fn create_in(file: File, geometry: Geometry) -> Result<(ShmRegion, OwnedFd), ShmError> {
+        geometry.check()?;
+        file.set_len(0).map_err(ShmError::Create)?;
         file.set_len(geometry.region_bytes() as u64).map_err(ShmError::Create)?;
         let map = MmapRaw::map_raw(&file).map_err(ShmError::Map)?;
         let region = ShmRegion { map, geometry };

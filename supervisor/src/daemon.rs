@@ -1,9 +1,15 @@
 //! The running supervisor: its devices, the `ublkctl` socket and the signals it obeys.
 //!
-//! One thread does everything, in one `poll` loop over the control socket and a
-//! self-pipe that signal handlers write to. Devices change only on that thread, so the
-//! device table needs no lock, and workers are spawned from the thread that lives as
-//! long as the process (which `PR_SET_PDEATHSIG` requires).
+//! One thread does everything, in one `poll` loop over the control socket, a self-pipe
+//! that signal handlers write to, and a pidfd per worker (readable the moment it dies).
+//! Devices change only on that thread, so the device table needs no lock, and workers
+//! are spawned from the thread that lives as long as the process (which
+//! `PR_SET_PDEATHSIG` requires). While any device is served the loop also wakes a few
+//! times per hung-worker timeout to compare heartbeats.
+//!
+//! A worker's death starts a recovery at once, within the device's restart budget;
+//! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
+//! status` says why until an operator runs `ublkctl recover`.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -22,7 +28,8 @@ use ublkd_proto::msg::{
 };
 use ublkd_proto::uapi::DevState;
 
-use crate::device::{Device, DeviceError};
+use crate::device::{Context, Device, DeviceError};
+use crate::state::StateDir;
 use crate::{exit, features};
 
 /// Fatal errors of the daemon, each with its exit code.
@@ -94,8 +101,7 @@ impl Signals {
 #[derive(Debug)]
 pub struct Daemon {
     config: Config,
-    ctrl: CtrlClient,
-    worker_binary: PathBuf,
+    ctx: Context,
     devices: BTreeMap<u32, Device>,
     listener: UnixListener,
     signals: Signals,
@@ -115,13 +121,69 @@ impl Daemon {
         let listener = listen(&config.daemon.socket)?;
         let signals = Signals::install().map_err(DaemonError::Signals)?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
-        Ok(Daemon { config, ctrl, worker_binary, devices: BTreeMap::new(), listener, signals })
+        let state = StateDir::new(&config.daemon.state_dir);
+        let ctx = Context { ctrl, worker_binary, state };
+        Ok(Daemon { config, ctx, devices: BTreeMap::new(), listener, signals })
     }
 
-    /// Creates the configured devices; one that fails is reported and skipped.
+    /// Adopts the devices a previous ublkd left in the state dir (after a crash, its
+    /// workers died with it and the devices wait QUIESCED). Devices whose record is
+    /// missing or whose kernel tag is not ublkd's are never touched.
+    pub fn adopt_previous(&mut self) -> usize {
+        let mut adopted = 0;
+        for rec in self.ctx.state.records() {
+            let rec = match rec {
+                Ok(rec) => rec,
+                Err(e) => {
+                    tracing::error!("not adopting: {e}");
+                    continue;
+                }
+            };
+            let id = rec.id;
+            match Device::adopt(&self.ctx, &rec) {
+                Ok(dev) => {
+                    tracing::info!(dev_id = id, "adopted the device of a previous ublkd");
+                    self.devices.insert(id, dev);
+                    adopted += 1;
+                }
+                Err(DeviceError::NotOurs { id, why }) => {
+                    tracing::warn!(
+                        dev_id = id,
+                        "forgetting the record of a device that is not ublkd's: {why}"
+                    );
+                    self.ctx.state.remove(id);
+                }
+                Err(DeviceError::Ctrl(e)) if e.errno() == Some(libc::ENODEV) => {
+                    tracing::info!(
+                        dev_id = id,
+                        "the recorded device no longer exists; forgetting it"
+                    );
+                    self.ctx.state.remove(id);
+                }
+                Err(e) => tracing::error!(dev_id = id, "cannot adopt: {e}"),
+            }
+        }
+        adopted
+    }
+
+    /// Creates the configured devices; one that fails is reported and skipped. A
+    /// configured device that was adopted from a previous ublkd (same description, and
+    /// the same id if the config gives one) is not created again.
     pub fn create_configured(&mut self) -> usize {
         let mut failed = 0;
+        let mut adopted: Vec<DeviceSpec> = self.devices.values().map(|d| d.spec.clone()).collect();
         for spec in self.config.devices.clone() {
+            let same = |a: &DeviceSpec| {
+                let mut a = a.clone();
+                if spec.id.is_none() {
+                    a.id = None;
+                }
+                a == spec
+            };
+            if let Some(at) = adopted.iter().position(same) {
+                adopted.remove(at);
+                continue;
+            }
             if let Err(e) = self.add(&spec) {
                 tracing::error!("configured device {}: {e}", describe(&spec));
                 failed += 1;
@@ -131,7 +193,7 @@ impl Daemon {
     }
 
     fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
-        let dev = Device::create(&self.ctrl, spec, &self.worker_binary)?;
+        let dev = Device::create(&self.ctx, spec)?;
         let id = dev.id;
         self.devices.insert(id, dev);
         Ok(id)
@@ -139,8 +201,11 @@ impl Daemon {
 
     /// Serves until SIGTERM or SIGINT, then stops and deletes every device.
     pub fn run(mut self) -> Result<(), DaemonError> {
+        let hung_timeout = self.config.recovery.hung_timeout;
+        // Heartbeats are compared a few times per timeout.
+        let tick = (hung_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
         loop {
-            let mut fds = [
+            let mut fds = vec![
                 libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd {
                     fd: self.signals.wake.as_raw_fd(),
@@ -148,20 +213,29 @@ impl Daemon {
                     revents: 0,
                 },
             ];
-            // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-            if n < 0 {
-                continue; // EINTR: a signal; its flag is checked below.
-            }
-            self.signals.drain();
-            if self.signals.child.swap(false, Ordering::Relaxed) {
-                for dev in self.devices.values_mut() {
-                    dev.check_worker();
+            for dev in self.devices.values() {
+                for w in [&dev.worker, &dev.standby].into_iter().flatten() {
+                    fds.push(libc::pollfd {
+                        fd: w.pidfd().as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
                 }
             }
+            let timeout = if self.devices.is_empty() { -1 } else { tick.as_millis() as i32 };
+            // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+            if n < 0 {
+                continue; // EINTR: a signal; its flag is checked on the next turn.
+            }
+            self.signals.drain();
+            self.signals.child.store(false, Ordering::Relaxed);
             if self.signals.terminate.load(Ordering::Relaxed) {
                 break;
             }
+            // Deaths first (pidfds), then hangs, then clients.
+            self.handle_deaths();
+            self.handle_hangs(hung_timeout);
             if fds[0].revents & libc::POLLIN != 0 {
                 match self.listener.accept() {
                     Ok((stream, _)) => self.serve_client(stream),
@@ -175,11 +249,64 @@ impl Daemon {
         Ok(())
     }
 
+    /// Recovers every device whose worker died, within its restart budget.
+    fn handle_deaths(&mut self) {
+        let ids: Vec<u32> = self.devices.keys().copied().collect();
+        for id in ids {
+            let Some(dev) = self.devices.get_mut(&id) else { continue };
+            if let Some(how) = dev.standby_exited() {
+                tracing::warn!(dev_id = id, "{how}; starting another");
+                dev.refill_standby(&self.ctx);
+            }
+            let Some(how) = dev.worker_exited() else { continue };
+            tracing::error!(dev_id = id, "{how}");
+            let reason = dev.note.take().unwrap_or(how);
+            self.recover_within_budget(id, &reason);
+        }
+    }
+
+    fn recover_within_budget(&mut self, id: u32, reason: &str) {
+        let rc = &self.config.recovery;
+        let Some(dev) = self.devices.get_mut(&id) else { return };
+        if !rc.automatic_recovery() || !dev.take_restart(rc.restart_max, rc.restart_window) {
+            let note = format!(
+                "not recovered: {} recoveries within {} s reached the restart limit \
+                 (last cause: {reason}); the device waits QUIESCED (its I/O is held, \
+                 not failed): fix the cause, then run `ublkctl recover {id}`",
+                dev.recent_restarts(),
+                rc.restart_window.as_secs()
+            );
+            tracing::error!(dev_id = id, "{note}");
+            dev.note = Some(note);
+            return;
+        }
+        if let Err(e) = dev.recover(&self.ctx, reason) {
+            tracing::error!(dev_id = id, "recovery failed: {e}");
+            dev.note = Some(format!("recovery failed: {e} (after: {reason})"));
+        }
+    }
+
+    /// Kills workers that hold I/O and make no progress; their death is then handled
+    /// like any other.
+    fn handle_hangs(&mut self, timeout: Duration) {
+        for (id, dev) in &mut self.devices {
+            if let Some(stuck) = dev.hung_for(timeout) {
+                let reason = format!(
+                    "worker hung: I/O in flight and no progress for {:.1} s",
+                    stuck.as_secs_f64()
+                );
+                tracing::error!(dev_id = id, "{reason}; killing it");
+                dev.note = Some(reason);
+                dev.kill_worker();
+            }
+        }
+    }
+
     fn delete_all(&mut self) -> Vec<u32> {
         let ids: Vec<u32> = self.devices.keys().copied().collect();
         for id in &ids {
             if let Some(dev) = self.devices.remove(id)
-                && let Err(e) = dev.destroy(&self.ctrl)
+                && let Err(e) = dev.destroy(&self.ctx)
             {
                 tracing::error!(dev_id = id, "delete failed: {e}");
             }
@@ -213,9 +340,9 @@ impl Daemon {
             CtlRequest::Status { id } => self.selected(id).map(|ids| {
                 CtlResponse::Status(ids.iter().filter_map(|id| self.status(*id)).collect())
             }),
-            CtlRequest::Recover { id } => Err(format!(
-                "recover device {id}: crash recovery is not built yet (see the crash recovery issue)"
-            )),
+            CtlRequest::Recover { id } => {
+                self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
+            }
         };
         result.unwrap_or_else(|message| CtlResponse::Error { message })
     }
@@ -261,16 +388,31 @@ impl Daemon {
             None => Ok(self.delete_all()),
             Some(id) => {
                 let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
-                dev.destroy(&self.ctrl).map_err(|e| e.to_string())?;
+                dev.destroy(&self.ctx).map_err(|e| e.to_string())?;
                 Ok(vec![id])
             }
         }
     }
 
+    /// `ublkctl recover`: recovers the device now and resets its restart budget.
+    fn handle_recover(&mut self, id: u32) -> Result<String, String> {
+        let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
+        let dev =
+            self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
+        dev.reset_restarts();
+        if state.as_ref().is_ok_and(|s| *s == DevState::Live) && dev.worker.is_some() {
+            return Ok(format!("device {id} is LIVE: nothing to recover"));
+        }
+        let stall = dev
+            .recover(&self.ctx, "ublkctl recover")
+            .map_err(|e| format!("recover device {id}: {e}"))?;
+        Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
+    }
+
     fn listing(&self, id: u32) -> Option<DevListing> {
         let dev = self.devices.get(&id)?;
-        let info = self.ctrl.get_dev_info(id).ok()?;
-        let params = self.ctrl.get_params(id).ok()?;
+        let info = self.ctx.ctrl.get_dev_info(id).ok()?;
+        let params = self.ctx.ctrl.get_params(id).ok()?;
         Some(DevListing {
             id,
             nr_hw_queues: info.nr_hw_queues,
@@ -287,7 +429,7 @@ impl Daemon {
 
     fn status(&self, id: u32) -> Option<DevStatus> {
         let dev = self.devices.get(&id)?;
-        let state = match self.ctrl.get_dev_info(id) {
+        let state = match self.ctx.ctrl.get_dev_info(id) {
             Ok(info) => DevState::from_raw(info.state).to_string(),
             Err(e) => format!("UNKNOWN ({e})"),
         };
@@ -304,6 +446,9 @@ impl Daemon {
             state,
             target: dev.spec.target.name().to_string(),
             worker_pid: dev.worker.as_ref().map(|w| w.pid()),
+            standby_pid: dev.standby.as_ref().map(|w| w.pid()),
+            last_recovery_ms: dev.last_recovery_ms,
+            last_recovery_reason: dev.last_recovery_reason.clone(),
             size_bytes: dev.spec.size_bytes,
             queues: dev.spec.queues,
             queue_depth: dev.spec.queue_depth,

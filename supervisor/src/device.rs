@@ -1,22 +1,31 @@
 //! One ublk device's lifecycle: ADD_DEV → SET_PARAMS → shared region and target →
-//! worker (PREP) → START_DEV, and STOP_DEV → worker exit → DEL_DEV.
+//! worker (PREP) → START_DEV; recovery when its worker dies or hangs
+//! (START_USER_RECOVERY → a warm standby worker → END_USER_RECOVERY); adoption by a
+//! restarted supervisor; STOP_DEV → worker exit → DEL_DEV.
 //!
 //! The supervisor opens `/dev/ublkcN` only to hand it to the worker and closes its own
 //! copy at once: any copy it kept would keep the kernel from ever starting a recovery.
+//! Because the supervisor is the opener, the kernel records the supervisor's pid as the
+//! device's server, and START_DEV / END_USER_RECOVERY carry that pid.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
 use ublkd_proto::msg::{TargetSetup, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
-use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlDevInfo};
+use ublkd_proto::uapi::{
+    self, DevState, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlDevInfo,
+};
 
+use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
 use crate::worker::{Worker, WorkerError};
 
 /// The largest request, and so each tag's buffer in the worker.
@@ -26,10 +35,12 @@ pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
 pub const DEVICE_FLAGS: u64 =
     uapi::UBLK_F_BATCH_IO | uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
 
-/// How long a worker may take to PREP every tag.
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a worker may take to get set up, or to PREP every tag.
+const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a worker may take to exit when asked.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long the kernel may take to release a dead worker's `/dev/ublkcN`.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Errors in a device's lifecycle. Each names the device.
 #[derive(Debug, thiserror::Error)]
@@ -38,113 +49,181 @@ pub enum DeviceError {
     Ctrl(#[from] CtrlError),
     #[error("device {id}: {source}")]
     Shm { id: u32, source: ShmError },
-    #[error("device {id}: cannot create its memory target ({size} bytes): {source}")]
-    Memory { id: u32, size: u64, source: io::Error },
+    #[error("device {id}: {source}")]
+    State { id: u32, source: StateError },
     #[error("device {id}: cannot open its backing file {}: {source}", path.display())]
     Backing { id: u32, path: PathBuf, source: io::Error },
     #[error("device {id}: {} did not appear: {source}", path.display())]
     CharDev { id: u32, path: PathBuf, source: io::Error },
     #[error("device {id}: {source}")]
     Worker { id: u32, source: WorkerError },
+    #[error(
+        "device {id}: the kernel did not release the old worker's /dev/ublkc{id} within {secs} s"
+    )]
+    NotReleased { id: u32, secs: u64 },
+    #[error("device {id} is not ublkd's: {why}")]
+    NotOurs { id: u32, why: String },
 }
 
-/// A device ublkd created and serves.
+/// What every device operation needs from the daemon.
+#[derive(Debug)]
+pub struct Context {
+    pub ctrl: CtrlClient,
+    pub worker_binary: PathBuf,
+    pub state: StateDir,
+}
+
+/// Watches for a hung worker: I/O in flight and no heartbeat for too long.
+#[derive(Debug)]
+struct HangWatch {
+    beats: u64,
+    since: Instant,
+}
+
+/// A device ublkd created (or adopted) and serves.
 #[derive(Debug)]
 pub struct Device {
     pub id: u32,
     pub spec: DeviceSpec,
     shm: ShmRegion,
     shm_fd: OwnedFd,
-    /// The memory target's memfd or the loop target's file, held so it outlives workers.
+    /// The memory target's data file or the loop target's file, held so workers can
+    /// be given it again.
     target_fd: Option<OwnedFd>,
     /// Whether the loop file really is O_DIRECT (a filesystem may refuse it).
     direct: bool,
     pub worker: Option<Worker>,
+    /// Set up and waiting, so a recovery does not wait for a process to start.
+    pub standby: Option<Worker>,
     /// Why the device is not being served, when it is not.
     pub note: Option<String>,
     pub recoveries: u64,
+    pub last_recovery_ms: Option<u64>,
+    pub last_recovery_reason: Option<String>,
+    /// When recent recoveries happened, for the restart budget.
+    restarts: VecDeque<Instant>,
+    hang: HangWatch,
 }
 
 impl Device {
     /// Creates, hands over and starts a device described by `spec` (already validated).
-    pub fn create(
-        ctrl: &CtrlClient,
-        spec: &DeviceSpec,
-        worker_binary: &Path,
-    ) -> Result<Device, DeviceError> {
+    pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
         let info = UblksrvCtrlDevInfo {
             nr_hw_queues: spec.queues,
             queue_depth: spec.queue_depth,
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
             dev_id: spec.id.unwrap_or(AUTO_DEV_ID),
             flags: DEVICE_FLAGS,
+            ublksrv_flags: OWNER_TAG,
             ..UblksrvCtrlDevInfo::default()
         };
-        let added = ctrl.add_dev(&info)?;
+        let added = ctx.ctrl.add_dev(&info)?;
         let id = added.dev_id;
         // From here on, a failure deletes the half-made device.
-        match Self::finish_create(ctrl, id, spec, worker_binary) {
+        match Self::finish_create(ctx, id, spec) {
             Ok(dev) => Ok(dev),
             Err(e) => {
-                if let Err(del) = ctrl.del_dev(id) {
+                if let Err(del) = ctx.ctrl.del_dev(id) {
                     tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
                 }
+                ctx.state.remove(id);
                 Err(e)
             }
         }
     }
 
-    fn finish_create(
-        ctrl: &CtrlClient,
-        id: u32,
-        spec: &DeviceSpec,
-        worker_binary: &Path,
-    ) -> Result<Device, DeviceError> {
-        ctrl.set_params(id, &params(spec))?;
+    fn finish_create(ctx: &Context, id: u32, spec: &DeviceSpec) -> Result<Device, DeviceError> {
+        let state_err = |source| DeviceError::State { id, source };
+        let mut spec = spec.clone();
+        spec.id = Some(id);
+        ctx.state.write_record(&DeviceRecord::new(id, &spec)).map_err(state_err)?;
+        ctx.ctrl.set_params(id, &params(&spec))?;
+        let mut dev = Self::open(ctx, id, spec, true)?;
+        dev.spawn_standby(ctx)?;
+        let worker = dev.activate(ctx)?;
+        ctx.ctrl.start_dev(id, std::process::id() as i32)?;
+        tracing::info!(
+            dev_id = id,
+            worker_pid = worker.pid(),
+            target = dev.spec.target.name(),
+            "device LIVE"
+        );
+        dev.worker = Some(worker);
+        dev.refill_standby(ctx);
+        Ok(dev)
+    }
+
+    /// The device's state from its record: region, target data.
+    fn open(ctx: &Context, id: u32, spec: DeviceSpec, fresh: bool) -> Result<Device, DeviceError> {
+        let state_err = |source| DeviceError::State { id, source };
         let geometry = Geometry {
             dev_id: id,
             nr_queues: spec.queues,
             queue_depth: spec.queue_depth,
             nr_threads: spec.threads,
         };
-        let (shm, shm_fd) =
-            ShmRegion::create(geometry).map_err(|source| DeviceError::Shm { id, source })?;
-        let (target_fd, direct) = open_target(id, spec)?;
-        let mut dev = Device {
+        let shm_file = ctx.state.shm_file(id).map_err(state_err)?;
+        let (shm, shm_fd) = if fresh {
+            ShmRegion::create_in(shm_file, geometry)
+        } else {
+            // An adopted device keeps its region (counters, generation) if it is sound.
+            let fd: OwnedFd = shm_file.into();
+            match ShmRegion::open(fd.as_fd(), geometry) {
+                Ok(region) => Ok((region, fd)),
+                Err(e) => {
+                    tracing::warn!(dev_id = id, "rebuilding the shared region: {e}");
+                    ShmRegion::create_in(File::from(fd), geometry)
+                }
+            }
+        }
+        .map_err(|source| DeviceError::Shm { id, source })?;
+        let (target_fd, direct) = open_target(ctx, id, &spec)?;
+        Ok(Device {
             id,
-            spec: spec.clone(),
+            spec,
             shm,
             shm_fd,
             target_fd,
             direct,
             worker: None,
+            standby: None,
             note: None,
             recoveries: 0,
-        };
-        let worker = dev.hand_over(worker_binary)?;
-        // The kernel records the process that opened /dev/ublkcN (the supervisor, which
-        // then handed the fd over) as the device's server and checks START_DEV's pid
-        // against it. The worker's pid is reported separately (`ublkctl status`).
-        ctrl.start_dev(id, std::process::id() as i32)?;
-        tracing::info!(
-            dev_id = id,
-            worker_pid = worker.pid(),
-            target = spec.target.name(),
-            "device LIVE"
-        );
-        dev.worker = Some(worker);
+            last_recovery_ms: None,
+            last_recovery_reason: None,
+            restarts: VecDeque::new(),
+            hang: HangWatch { beats: 0, since: Instant::now() },
+        })
+    }
+
+    /// Adopts a device a previous supervisor left: checks that the kernel's device is
+    /// ours and matches the record, then recovers it with a new worker.
+    pub fn adopt(ctx: &Context, rec: &DeviceRecord) -> Result<Device, DeviceError> {
+        let id = rec.id;
+        let info = ctx.ctrl.get_dev_info(id)?;
+        let not_ours = |why: String| DeviceError::NotOurs { id, why };
+        if info.ublksrv_flags != OWNER_TAG {
+            return Err(not_ours(format!("its ublksrv_flags are {:#x}", info.ublksrv_flags)));
+        }
+        if (info.nr_hw_queues, info.queue_depth) != (rec.queues, rec.queue_depth) {
+            return Err(not_ours("its queues differ from ublkd's record".into()));
+        }
+        let spec = rec.spec().map_err(not_ours)?;
+        let mut dev = Self::open(ctx, id, spec, false)?;
+        if DevState::from_raw(info.state) == DevState::Dead {
+            // Created but never started: the previous supervisor died mid-create.
+            return Err(not_ours("it was never started (left over from a failed create)".into()));
+        }
+        dev.recover(ctx, "the supervisor restarted")?;
         Ok(dev)
     }
 
-    /// Starts a worker, gives it the device, and waits until it has PREPed every tag.
-    /// The supervisor's copy of `/dev/ublkcN` is closed before this returns.
-    fn hand_over(&mut self, worker_binary: &Path) -> Result<Worker, DeviceError> {
+    /// Starts a standby worker and sets it up (region and target mapped, buffers
+    /// allocated), without giving it the device.
+    fn spawn_standby(&mut self, ctx: &Context) -> Result<(), DeviceError> {
         let id = self.id;
-        let generation = self.shm.bump_generation();
-        self.shm.reset_worker_state();
-        let ublkc = open_char_dev(id)?;
-        let mut worker = Worker::spawn(worker_binary, id)
-            .map_err(|source| DeviceError::Worker { id, source })?;
+        let worker_err = |source| DeviceError::Worker { id, source };
+        let mut worker = Worker::spawn(&ctx.worker_binary, id).map_err(worker_err)?;
         let setup = WorkerSetup {
             dev_id: id,
             size_bytes: self.spec.size_bytes,
@@ -152,7 +231,6 @@ impl Device {
             queue_depth: self.spec.queue_depth,
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
             nr_threads: self.spec.threads,
-            generation,
             target: match &self.spec.target {
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
@@ -160,34 +238,136 @@ impl Device {
             },
             block_size: self.spec.block_size,
         };
-        let mut fds: Vec<BorrowedFd<'_>> = vec![ublkc.as_fd(), self.shm_fd.as_fd()];
+        let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = &self.target_fd {
             fds.push(fd.as_fd());
         }
-        let sent = worker.send_setup(&setup, &fds);
+        if let Err(source) = worker.setup(&setup, &fds, WORKER_TIMEOUT) {
+            let how = worker.reap(Duration::from_millis(100));
+            tracing::error!(dev_id = id, "standby worker failed ({how}): {source}");
+            return Err(worker_err(source));
+        }
+        self.standby = Some(worker);
+        Ok(())
+    }
+
+    /// Starts a new standby if there is none; a failure is logged (the next recovery
+    /// starts a worker itself).
+    pub fn refill_standby(&mut self, ctx: &Context) {
+        if self.standby.is_none()
+            && let Err(e) = self.spawn_standby(ctx)
+        {
+            tracing::warn!(dev_id = self.id, "no standby worker: {e}");
+        }
+    }
+
+    /// Gives the device to the standby worker and waits until it has PREPed every tag.
+    /// The supervisor's copy of `/dev/ublkcN` is closed before this returns.
+    fn activate(&mut self, ctx: &Context) -> Result<Worker, DeviceError> {
+        let id = self.id;
+        if self.standby.is_none() {
+            self.spawn_standby(ctx)?;
+        }
+        let mut worker = self.standby.take().expect("a standby was just ensured");
+        self.shm.reset_worker_state();
+        let generation = self.shm.bump_generation();
+        let ublkc = open_char_dev(id)?;
+        let ready = worker.activate(generation, ublkc.as_fd(), WORKER_TIMEOUT);
         // Close our copy now: only the worker may hold /dev/ublkcN.
-        drop(fds);
         drop(ublkc);
-        let ready = sent.and_then(|()| worker.wait_ready(READY_TIMEOUT));
         if let Err(source) = ready {
             let how = worker.reap(Duration::from_millis(100));
             tracing::error!(dev_id = id, "worker failed ({how}): {source}");
             return Err(DeviceError::Worker { id, source });
         }
+        self.hang = HangWatch { beats: self.heartbeats(), since: Instant::now() };
         Ok(worker)
     }
 
-    /// Stops and deletes the device: STOP_DEV, the worker's exit, DEL_DEV (which waits
-    /// for `/dev/ublkcN` to be released).
-    pub fn destroy(mut self, ctrl: &CtrlClient) -> Result<(), DeviceError> {
+    /// Recovers the device: waits for the kernel to release the old worker's file
+    /// (START_USER_RECOVERY answers EBUSY until then), activates the standby, and ends
+    /// the recovery. Returns the stall, from the call to LIVE.
+    pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Duration, DeviceError> {
         let id = self.id;
-        let stopped = ctrl.stop_dev(id);
-        if let Some(worker) = self.worker.take() {
+        let started = Instant::now();
+        if let Some(mut old) = self.worker.take() {
+            // A live worker (a hung one, or an operator's recover) must go first.
+            old.kill();
+            old.reap(STOP_GRACE);
+        }
+        let mut delay = Duration::from_micros(200);
+        loop {
+            match ctx.ctrl.start_user_recovery(id) {
+                Ok(()) => break,
+                Err(e) if e.errno() == Some(libc::EBUSY) => {
+                    if started.elapsed() > RELEASE_TIMEOUT {
+                        return Err(DeviceError::NotReleased {
+                            id,
+                            secs: RELEASE_TIMEOUT.as_secs(),
+                        });
+                    }
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let worker = self.activate(ctx)?;
+        ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
+        let stall = started.elapsed();
+        self.recoveries += 1;
+        self.last_recovery_ms = Some(stall.as_millis() as u64);
+        self.last_recovery_reason = Some(reason.to_string());
+        self.note = None;
+        tracing::info!(
+            dev_id = id,
+            worker_pid = worker.pid(),
+            stall_ms = stall.as_millis() as u64,
+            "device recovered ({reason})"
+        );
+        self.worker = Some(worker);
+        self.refill_standby(ctx);
+        Ok(stall)
+    }
+
+    /// Records a recovery attempt against the budget of `max` in `window`; false when
+    /// the budget is spent.
+    pub fn take_restart(&mut self, max: u32, window: Duration) -> bool {
+        let now = Instant::now();
+        while self.restarts.front().is_some_and(|t| now.duration_since(*t) > window) {
+            self.restarts.pop_front();
+        }
+        if self.restarts.len() >= max as usize {
+            return false;
+        }
+        self.restarts.push_back(now);
+        true
+    }
+
+    /// Forgets past recoveries (an operator fixed the cause).
+    pub fn reset_restarts(&mut self) {
+        self.restarts.clear();
+    }
+
+    /// How many recoveries the budget holds now.
+    pub fn recent_restarts(&self) -> usize {
+        self.restarts.len()
+    }
+
+    /// Stops and deletes the device: STOP_DEV, the workers' exit, DEL_DEV (which waits
+    /// for `/dev/ublkcN` to be released), and its state.
+    pub fn destroy(mut self, ctx: &Context) -> Result<(), DeviceError> {
+        let id = self.id;
+        let stopped = ctx.ctrl.stop_dev(id);
+        for worker in [self.worker.take(), self.standby.take()].into_iter().flatten() {
             let pid = worker.pid();
             let how = worker.stop(STOP_GRACE);
             tracing::info!(dev_id = id, worker_pid = pid, "worker ended: {how}");
         }
-        let deleted = ctrl.del_dev(id);
+        let deleted = ctx.ctrl.del_dev(id);
+        if deleted.is_ok() {
+            ctx.state.remove(id);
+        }
         stopped?;
         deleted?;
         tracing::info!(dev_id = id, "device deleted");
@@ -198,14 +378,56 @@ impl Device {
         &self.shm
     }
 
-    /// Whether the worker exited, reaping it and recording why.
-    pub fn check_worker(&mut self) {
-        if let Some(w) = &mut self.worker
-            && let Some(how) = w.exited()
-        {
-            tracing::error!(dev_id = self.id, worker_pid = w.pid(), "worker exited: {how}");
-            self.note = Some(format!("worker {} exited ({how})", w.pid()));
-            self.worker = None;
+    /// If the active worker exited, reaps it and says how.
+    pub fn worker_exited(&mut self) -> Option<String> {
+        let w = self.worker.as_mut()?;
+        let how = w.exited()?;
+        let pid = w.pid();
+        self.worker = None;
+        Some(format!("worker {pid} {how}"))
+    }
+
+    /// If the standby exited, reaps it and says how.
+    pub fn standby_exited(&mut self) -> Option<String> {
+        let w = self.standby.as_mut()?;
+        let how = w.exited()?;
+        let pid = w.pid();
+        self.standby = None;
+        Some(format!("standby worker {pid} {how}"))
+    }
+
+    fn heartbeats(&self) -> u64 {
+        (0..usize::from(self.spec.threads))
+            .filter_map(|t| self.shm.thread(t))
+            .fold(0u64, |sum, slot| sum.wrapping_add(slot.heartbeat.load(Ordering::Relaxed)))
+    }
+
+    /// Requests of this device in flight in the kernel's block layer (the supervisor's
+    /// own view, not the worker's word).
+    fn kernel_inflight(&self) -> u64 {
+        let path = format!("/sys/block/ublkb{}/inflight", self.id);
+        std::fs::read_to_string(path)
+            .map(|s| s.split_whitespace().filter_map(|n| n.parse::<u64>().ok()).sum())
+            .unwrap_or(0)
+    }
+
+    /// Whether the worker is hung: I/O in flight and no heartbeat for `timeout`. An
+    /// idle worker (nothing in flight) is never hung, however long it sleeps.
+    pub fn hung_for(&mut self, timeout: Duration) -> Option<Duration> {
+        self.worker.as_ref()?;
+        let beats = self.heartbeats();
+        if beats != self.hang.beats || self.kernel_inflight() == 0 {
+            self.hang = HangWatch { beats, since: Instant::now() };
+            return None;
+        }
+        let stuck = self.hang.since.elapsed();
+        (stuck >= timeout).then_some(stuck)
+    }
+
+    /// Kills the active worker (its death is then handled like any other).
+    pub fn kill_worker(&mut self) {
+        if let Some(w) = &mut self.worker {
+            w.kill();
         }
     }
 }
@@ -213,7 +435,7 @@ impl Device {
 /// The kernel parameters for `spec`.
 pub fn params(spec: &DeviceSpec) -> UblkParams {
     let bs_shift = spec.block_size.trailing_zeros() as u8;
-    let mut types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
+    let types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
     // A loop file has a write-back cache (the page cache, or the disk's own): FLUSH and
     // FUA must reach the target. RAM and null have nothing to flush.
     let attrs = match spec.target {
@@ -221,17 +443,6 @@ pub fn params(spec: &DeviceSpec) -> UblkParams {
         TargetSpec::Null | TargetSpec::Memory => 0,
     };
     let max_sectors = MAX_IO_BUF_BYTES >> 9;
-    let discard = UblkParamDiscard {
-        discard_alignment: 0,
-        discard_granularity: spec.block_size,
-        max_discard_sectors: max_sectors,
-        max_write_zeroes_sectors: max_sectors,
-        max_discard_segments: 1,
-        reserved0: 0,
-    };
-    if discard.max_discard_sectors == 0 {
-        types &= !uapi::UBLK_PARAM_TYPE_DISCARD;
-    }
     UblkParams {
         len: 0,
         types,
@@ -246,56 +457,62 @@ pub fn params(spec: &DeviceSpec) -> UblkParams {
             dev_sectors: spec.size_bytes >> 9,
             virt_boundary_mask: 0,
         },
-        discard,
+        discard: UblkParamDiscard {
+            discard_alignment: 0,
+            discard_granularity: spec.block_size,
+            max_discard_sectors: max_sectors,
+            max_write_zeroes_sectors: max_sectors,
+            max_discard_segments: 1,
+            reserved0: 0,
+        },
         ..UblkParams::default()
     }
 }
 
-/// Opens the target's data: a sized memfd for `memory`, the backing file for `loop`
-/// (O_DIRECT when asked and the filesystem allows it). Returns the fd and whether the
-/// file is in direct mode.
-fn open_target(id: u32, spec: &DeviceSpec) -> Result<(Option<OwnedFd>, bool), DeviceError> {
+/// Opens the target's data: the memory file in the state dir for `memory`, the
+/// backing file for `loop` (O_DIRECT when asked and the filesystem allows it). Returns
+/// the fd and whether the file is in direct mode.
+fn open_target(
+    ctx: &Context,
+    id: u32,
+    spec: &DeviceSpec,
+) -> Result<(Option<OwnedFd>, bool), DeviceError> {
     match &spec.target {
         TargetSpec::Null => Ok((None, false)),
         TargetSpec::Memory => {
-            let size = spec.size_bytes;
-            let memory_err = |source| DeviceError::Memory { id, size, source };
-            let name = c"ublkd-memory-target";
-            // SAFETY: `name` is NUL-terminated; memfd_create has no other preconditions.
-            let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-            if raw < 0 {
-                return Err(memory_err(io::Error::last_os_error()));
-            }
-            // SAFETY: `raw` was just created and is owned by nothing else.
-            let file = File::from(unsafe { OwnedFd::from_raw_fd(raw) });
-            file.set_len(size).map_err(memory_err)?;
+            let file = ctx
+                .state
+                .memory_file(id, spec.size_bytes)
+                .map_err(|source| DeviceError::State { id, source })?;
             Ok((Some(file.into()), false))
         }
-        TargetSpec::Loop { file, direct } => {
-            let open = |flags: i32| {
-                OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .custom_flags(flags | libc::O_CLOEXEC)
-                    .open(file)
-            };
-            let backing_err = |source| DeviceError::Backing { id, path: file.clone(), source };
-            if *direct {
-                match open(libc::O_DIRECT) {
-                    Ok(f) => return Ok((Some(f.into()), true)),
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                        tracing::warn!(
-                            dev_id = id,
-                            file = %file.display(),
-                            "the filesystem refuses O_DIRECT; using buffered I/O"
-                        );
-                    }
-                    Err(e) => return Err(backing_err(e)),
-                }
+        TargetSpec::Loop { file, direct } => open_backing(id, file, *direct),
+    }
+}
+
+fn open_backing(
+    id: u32,
+    file: &Path,
+    direct: bool,
+) -> Result<(Option<OwnedFd>, bool), DeviceError> {
+    let open = |flags: i32| {
+        OpenOptions::new().read(true).write(true).custom_flags(flags | libc::O_CLOEXEC).open(file)
+    };
+    let backing_err = |source| DeviceError::Backing { id, path: file.to_path_buf(), source };
+    if direct {
+        match open(libc::O_DIRECT) {
+            Ok(f) => return Ok((Some(f.into()), true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::warn!(
+                    dev_id = id,
+                    file = %file.display(),
+                    "the filesystem refuses O_DIRECT; using buffered I/O"
+                );
             }
-            Ok((Some(open(0).map_err(backing_err)?.into()), false))
+            Err(e) => return Err(backing_err(e)),
         }
     }
+    Ok((Some(open(0).map_err(backing_err)?.into()), false))
 }
 
 /// Opens `/dev/ublkcN`, waiting briefly for the node to appear (udev or devtmpfs).

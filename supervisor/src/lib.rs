@@ -6,6 +6,7 @@
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`features`]: rendering the kernel's ublk feature mask.
 //! - [`render`]: `ublkctl`'s output formats.
+//! - [`state`]: what survives a supervisor crash (device records, regions, memory data).
 //! - [`exit`]: the exit codes of both binaries.
 
 pub mod daemon;
@@ -13,4 +14,5 @@ pub mod device;
 pub mod exit;
 pub mod features;
 pub mod render;
+pub mod state;
 pub mod worker;

@@ -31,7 +31,10 @@ struct DeviceJson<'a> {
     state: &'a str,
     target: &'a str,
     worker_pid: Option<u32>,
+    standby_pid: Option<u32>,
     recoveries: u64,
+    last_recovery_ms: Option<u64>,
+    last_recovery_reason: Option<&'a str>,
     ios: u64,
     errors: u64,
     reads: u64,
@@ -57,7 +60,10 @@ pub fn status_json(devs: &[DevStatus]) -> String {
             state: &d.state,
             target: &d.target,
             worker_pid: d.worker_pid,
+            standby_pid: d.standby_pid,
             recoveries: d.recoveries,
+            last_recovery_ms: d.last_recovery_ms,
+            last_recovery_reason: d.last_recovery_reason.as_deref(),
             ios: d.counters.ios(),
             errors: d.counters.errors,
             reads: d.counters.reads,
@@ -134,6 +140,9 @@ mod tests {
             queue_depth: 8,
             threads: 1,
             recoveries: 0,
+            last_recovery_ms: None,
+            last_recovery_reason: None,
+            standby_pid: Some(10),
             counters: CounterSnapshot { reads: 2, writes: 3, errors: 1, ..Default::default() },
             note: None,
         };
@@ -144,6 +153,8 @@ mod tests {
         assert_eq!(dev["target"], "loop");
         assert_eq!(dev["worker_pid"], 9);
         assert_eq!(dev["recoveries"], 0);
+        assert_eq!(dev["standby_pid"], 10);
+        assert!(dev["last_recovery_ms"].is_null());
         assert_eq!(dev["ios"], 5);
         assert_eq!(dev["errors"], 1);
     }

@@ -33,10 +33,12 @@ pub enum WorkerError {
     Failed { pid: u32, reason: String },
     #[error("worker {pid} exited before it was ready ({status})")]
     Died { pid: u32, status: String },
-    #[error("worker {pid} sent something other than Ready: {what}")]
+    #[error("worker {pid} broke the protocol: {what}")]
     Protocol { pid: u32, what: String },
-    #[error("worker {pid} was not ready within {secs} s")]
+    #[error("worker {pid} did not answer within {secs} s")]
     Timeout { pid: u32, secs: u64 },
+    #[error("cannot watch worker {pid} (pidfd_open): {source}")]
+    Pidfd { pid: u32, source: io::Error },
 }
 
 /// A running worker.
@@ -44,6 +46,9 @@ pub enum WorkerError {
 pub struct Worker {
     child: Child,
     control: OwnedFd,
+    /// Readable once the worker has exited: how the supervisor learns of a death at
+    /// once, without polling (and without the races of pids being reused).
+    pidfd: OwnedFd,
 }
 
 impl Worker {
@@ -82,11 +87,28 @@ impl Worker {
                 Ok(())
             });
         }
-        let child = cmd
+        let mut child = cmd
             .spawn()
             .map_err(|source| WorkerError::Spawn { binary: binary.to_path_buf(), source })?;
         drop(theirs);
-        Ok(Worker { child, control: ours })
+        // The child is ours and not yet reaped, so its pid cannot have been reused.
+        let pid = child.id();
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if raw < 0 {
+            let source = io::Error::last_os_error();
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(WorkerError::Pidfd { pid, source });
+        }
+        // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
+        let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+        Ok(Worker { child, control: ours, pidfd })
+    }
+
+    /// Readable when the worker has exited.
+    pub fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
     }
 
     pub fn pid(&self) -> u32 {
@@ -97,18 +119,34 @@ impl Worker {
         self.control.as_fd()
     }
 
-    /// Sends the setup with its fds (`/dev/ublkcN`, the shared region, the target's).
-    pub fn send_setup(
-        &self,
+    /// Sends the setup (fds: the shared region, the target's) and waits until the
+    /// worker stands by.
+    pub fn setup(
+        &mut self,
         setup: &WorkerSetup,
         fds: &[BorrowedFd<'_>],
+        timeout: Duration,
     ) -> Result<(), WorkerError> {
         msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds)
-            .map_err(WorkerError::Send)
+            .map_err(WorkerError::Send)?;
+        self.expect(FromWorker::Standby, timeout)
     }
 
-    /// Waits for the worker's Ready (every tag PREPed, FETCH armed).
-    pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), WorkerError> {
+    /// Hands the worker the device (`/dev/ublkcN`) and waits until it has PREPed every
+    /// tag and armed FETCH.
+    pub fn activate(
+        &mut self,
+        generation: u64,
+        ublkc: BorrowedFd<'_>,
+        timeout: Duration,
+    ) -> Result<(), WorkerError> {
+        msg::send_packet(self.control(), &ToWorker::Activate { generation }, &[ublkc])
+            .map_err(WorkerError::Send)?;
+        self.expect(FromWorker::Ready, timeout)
+    }
+
+    /// Waits for `want` from the worker.
+    fn expect(&mut self, want: FromWorker, timeout: Duration) -> Result<(), WorkerError> {
         let pid = self.pid();
         let mut pfd =
             libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -126,8 +164,12 @@ impl Worker {
             }
         }
         match msg::recv_packet::<FromWorker>(self.control()) {
-            Ok((FromWorker::Ready, _)) => Ok(()),
+            Ok((got, _)) if got == want => Ok(()),
             Ok((FromWorker::Failed { reason }, _)) => Err(WorkerError::Failed { pid, reason }),
+            Ok((other, _)) => Err(WorkerError::Protocol {
+                pid,
+                what: format!("expected {want:?}, got {other:?}"),
+            }),
             Err(MsgError::Closed) => {
                 let status = self.reap(Duration::from_secs(2));
                 Err(WorkerError::Died { pid, status })
@@ -142,25 +184,46 @@ impl Worker {
         self.reap(grace)
     }
 
-    /// Waits up to `grace` for the worker to exit, killing it after that.
+    /// Waits up to `grace` for the worker to exit (on its pidfd), killing it after that.
     pub fn reap(&mut self, grace: Duration) -> String {
-        let deadline = Instant::now() + grace;
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(status)) => return status.to_string(),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(10))
-                }
-                _ => {
-                    let _ = self.child.kill();
-                    return self.child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
-                }
-            }
+        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = grace.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+        let exited = unsafe { libc::poll(&mut pfd, 1, ms) } > 0;
+        if !exited {
+            let _ = self.child.kill();
         }
+        self.child.wait().map_or_else(|e| e.to_string(), |s| describe_exit(&s))
     }
 
-    /// Whether the worker has exited (reaping it if so).
+    /// Sends SIGKILL (the worker is then reaped through its pidfd like any death).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+    }
+
+    /// Whether the worker has exited (reaping it if so), and how.
     pub fn exited(&mut self) -> Option<String> {
-        self.child.try_wait().ok().flatten().map(|s| s.to_string())
+        self.child.try_wait().ok().flatten().map(|s| describe_exit(&s))
+    }
+}
+
+/// How a worker ended, in words an operator can act on.
+pub fn describe_exit(status: &std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(sig) = status.signal() {
+        // SAFETY: strsignal returns a pointer to a static or thread-local string.
+        let name = unsafe { std::ffi::CStr::from_ptr(libc::strsignal(sig)) };
+        return format!("killed by signal {sig} ({})", name.to_string_lossy());
+    }
+    match status.code() {
+        Some(0) => "exited cleanly".into(),
+        Some(64) => "exited 64 (protocol mismatch with the supervisor)".into(),
+        Some(65) => "exited 65 (device setup failed)".into(),
+        Some(70) => {
+            "exited 70 (data path error: the kernel refused a COMMIT or sent a bad FETCH)".into()
+        }
+        Some(71) => "exited 71 (lost its supervisor)".into(),
+        Some(c) => format!("exited {c}"),
+        None => "ended".into(),
     }
 }

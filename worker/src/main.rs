@@ -1,10 +1,13 @@
 //! `ublkd-worker`: serves one ublk device's queues, started by `ublkd` (never by hand)
 //! with a control socket on the fd given by `--control-fd`.
 //!
-//! Life of a worker: receive [`WorkerSetup`] and its fds (`/dev/ublkcN`, the shared
-//! region, the target's fd); map the descriptor arrays and the region; start the queue
-//! threads, which PREP every tag; report [`FromWorker::Ready`]; serve until the kernel
-//! closes the queues (device stopped) or the supervisor says [`ToWorker::Shutdown`].
+//! Life of a worker: receive [`WorkerSetup`] and its fds (the shared region, the
+//! target's fd); map the region and the target, allocate the tags' buffers, and report
+//! [`FromWorker::Standby`]. A standby waits, warm, until the supervisor activates it
+//! with the device (`/dev/ublkcN`): then it maps the descriptor arrays, starts the
+//! queue threads, which PREP every tag, reports [`FromWorker::Ready`], and serves until
+//! the kernel closes the queues (device stopped) or the supervisor says
+//! [`ToWorker::Shutdown`].
 //!
 //! Exit codes (see [`exit`]) tell the supervisor why a worker ended.
 
@@ -84,10 +87,31 @@ fn run(control: OwnedFd) -> u8 {
         let reason = format!("setup came with {} fds, expected {}", fds.len(), setup.fd_count());
         return fail(control.as_fd(), exit::PROTOCOL, reason);
     }
-    let target_fds = fds.split_off(2);
-    let shm_fd = fds.pop().expect("two fds");
-    let ublkc = fds.pop().expect("one fd");
-    let dev = match build_device(&setup, ublkc.as_fd(), shm_fd.as_fd(), target_fds) {
+    let target_fds = fds.split_off(1);
+    let shm_fd = fds.pop().expect("one fd");
+    // Everything that does not need the device itself is done now, while standing by.
+    let standby = match Standby::prepare(&setup, shm_fd.as_fd(), target_fds) {
+        Ok(s) => s,
+        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+    };
+    drop(shm_fd);
+    if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Standby, &[]) {
+        tracing::error!("cannot report standby: {e}");
+        return exit::ORPHANED;
+    }
+    let (generation, ublkc) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
+        Ok((ToWorker::Activate { generation }, mut fds)) if fds.len() == 1 => {
+            (generation, fds.pop().expect("one fd"))
+        }
+        Ok((ToWorker::Shutdown, _)) => return exit::CLEAN,
+        Ok((other, fds)) => {
+            let reason = format!("expected Activate with 1 fd, got {other:?} with {}", fds.len());
+            return fail(control.as_fd(), exit::PROTOCOL, reason);
+        }
+        // The supervisor let a standby go (or died): nothing to do.
+        Err(_) => return exit::ORPHANED,
+    };
+    let dev = match standby.activate(ublkc.as_fd(), generation) {
         Ok(dev) => Arc::new(dev),
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
@@ -167,47 +191,65 @@ fn run(control: OwnedFd) -> u8 {
     exit::CLEAN
 }
 
-fn build_device(
-    setup: &WorkerSetup,
-    ublkc: BorrowedFd<'_>,
-    shm_fd: BorrowedFd<'_>,
-    target_fds: Vec<OwnedFd>,
-) -> Result<Device, String> {
-    if setup.nr_queues == 0 || setup.queue_depth == 0 || setup.nr_threads == 0 {
-        return Err(format!("setup has a zero dimension: {setup:?}"));
+/// A worker set up for a device but not yet serving it.
+struct Standby {
+    setup: WorkerSetup,
+    shm: ShmRegion,
+    bufs: TagBuffers,
+    target: Box<dyn target::Target>,
+}
+
+impl Standby {
+    fn prepare(
+        setup: &WorkerSetup,
+        shm_fd: BorrowedFd<'_>,
+        target_fds: Vec<OwnedFd>,
+    ) -> Result<Standby, String> {
+        if setup.nr_queues == 0 || setup.queue_depth == 0 || setup.nr_threads == 0 {
+            return Err(format!("setup has a zero dimension: {setup:?}"));
+        }
+        let page = device::page_size();
+        let buf_bytes = setup.max_io_buf_bytes as usize;
+        if buf_bytes == 0 || !buf_bytes.is_multiple_of(page) {
+            return Err(format!(
+                "max_io_buf_bytes {buf_bytes} is not a positive multiple of the page"
+            ));
+        }
+        let geometry = Geometry {
+            dev_id: setup.dev_id,
+            nr_queues: setup.nr_queues,
+            queue_depth: setup.queue_depth,
+            nr_threads: setup.nr_threads,
+        };
+        let shm = ShmRegion::open(shm_fd, geometry).map_err(|e| e.to_string())?;
+        let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes)
+            .map_err(|e| format!("cannot allocate tag buffers: {e}"))?;
+        let target = target::build(&setup.target, setup.size_bytes, target_fds)
+            .map_err(|e| e.to_string())?;
+        Ok(Standby { setup: setup.clone(), shm, bufs, target })
     }
-    let page = device::page_size();
-    let buf_bytes = setup.max_io_buf_bytes as usize;
-    if buf_bytes == 0 || !buf_bytes.is_multiple_of(page) {
-        return Err(format!("max_io_buf_bytes {buf_bytes} is not a positive multiple of the page"));
+
+    /// Maps the device's descriptor arrays: from here on this process is the
+    /// device's server (the kernel lets one address space map them per incarnation).
+    fn activate(self, ublkc: BorrowedFd<'_>, generation: u64) -> Result<Device, String> {
+        let setup = &self.setup;
+        let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
+        for q_id in 0..setup.nr_queues {
+            descs.push(
+                DescArray::map(ublkc, q_id, setup.queue_depth)
+                    .map_err(|e| format!("cannot map queue {q_id}'s descriptors: {e}"))?,
+            );
+        }
+        Ok(Device {
+            dev_id: setup.dev_id,
+            nr_queues: setup.nr_queues,
+            depth: setup.queue_depth,
+            size_bytes: setup.size_bytes,
+            descs,
+            bufs: self.bufs,
+            shm: self.shm,
+            target: self.target,
+            generation,
+        })
     }
-    let geometry = Geometry {
-        dev_id: setup.dev_id,
-        nr_queues: setup.nr_queues,
-        queue_depth: setup.queue_depth,
-        nr_threads: setup.nr_threads,
-    };
-    let shm = ShmRegion::open(shm_fd, geometry).map_err(|e| e.to_string())?;
-    let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
-    for q_id in 0..setup.nr_queues {
-        descs.push(
-            DescArray::map(ublkc, q_id, setup.queue_depth)
-                .map_err(|e| format!("cannot map queue {q_id}'s descriptors: {e}"))?,
-        );
-    }
-    let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes)
-        .map_err(|e| format!("cannot allocate tag buffers: {e}"))?;
-    let target =
-        target::build(&setup.target, setup.size_bytes, target_fds).map_err(|e| e.to_string())?;
-    Ok(Device {
-        dev_id: setup.dev_id,
-        nr_queues: setup.nr_queues,
-        depth: setup.queue_depth,
-        size_bytes: setup.size_bytes,
-        descs,
-        bufs,
-        shm,
-        target,
-        generation: setup.generation,
-    })
 }

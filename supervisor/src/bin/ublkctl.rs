@@ -77,6 +77,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Recover a device now (after fixing what made its worker fail), resetting its
+    /// restart budget; on a LIVE device it says so and does nothing.
+    Recover {
+        /// The device id.
+        #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]
+        id: Option<u32>,
+        /// The device id (same as the positional ID).
+        #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID")]
+        id_flag: Option<u32>,
+    },
     /// List the ublk features this kernel supports, one per line (no daemon needed).
     Features {
         /// Print one JSON object: {"mask":"0x…","features":[…]}.
@@ -113,6 +123,9 @@ fn main() -> ExitCode {
             })
         }
         Command::Del { id, all: _ } => CtlRequest::Del { id },
+        Command::Recover { id, id_flag } => {
+            CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
+        }
         Command::List { id } => CtlRequest::List { id },
         Command::Status { id, json } => {
             return match call(&cli.socket, &CtlRequest::Status { id }) {
@@ -137,6 +150,7 @@ fn main() -> ExitCode {
             }
         }
         Ok(CtlResponse::List(devs)) => devs.iter().for_each(|d| print!("{}", render::listing(d))),
+        Ok(CtlResponse::Recovered { message, .. }) => println!("{message}"),
         Ok(other) => return unexpected(other),
         Err(code) => return code,
     }

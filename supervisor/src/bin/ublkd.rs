@@ -66,6 +66,10 @@ fn main() -> ExitCode {
             return code(e.exit_code());
         }
     };
+    let adopted = daemon.adopt_previous();
+    if adopted > 0 {
+        tracing::info!("adopted {adopted} device(s) from a previous ublkd");
+    }
     let failed = daemon.create_configured();
     if failed > 0 {
         tracing::error!("{failed} configured device(s) could not be created (see above)");
