@@ -35,9 +35,11 @@ pub const MAX_SIZE_BYTES: u64 = 1 << 63;
 /// What serves a device's I/O.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum TargetSpec {
-    /// Completes every request at once; reads return zeroes, writes are dropped.
+    /// Completes every request at once: writes are dropped, reads return undefined
+    /// data (the target touches no data, so it measures the server alone).
     Null,
-    /// A RAM disk, private to the worker, lost when the device goes away.
+    /// A RAM disk whose data lives in the state dir, so it outlives workers and ublkd
+    /// restarts; it is gone when the device is deleted.
     Memory,
     /// A backing file or block device.
     Loop {

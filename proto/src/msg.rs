@@ -102,10 +102,22 @@ pub enum ToWorker {
     Shutdown,
 }
 
+/// What a worker says its sandbox achieved (informational: the supervisor checks
+/// what it can itself, from `/proc`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxReport {
+    /// The namespaces it entered.
+    pub namespaces: Vec<String>,
+    /// Why it has none, if the kernel refused them.
+    pub namespaces_note: Option<String>,
+    /// The Landlock ABI enforced, or `None` where the kernel lacks Landlock.
+    pub landlock_abi: Option<u8>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FromWorker {
-    /// Set up and waiting for Activate.
-    Standby,
+    /// Set up and waiting for Activate; `sandbox` is `None` for an unsandboxed worker.
+    Standby { sandbox: Option<SandboxReport> },
     /// Every tag of every queue is PREPed and FETCH is armed: ready for START_DEV or
     /// END_USER_RECOVERY.
     Ready,
@@ -246,6 +258,23 @@ pub struct DevListing {
     pub state: String,
 }
 
+/// A worker's sandbox as the supervisor sees it from `/proc/<pid>` (uid, namespaces,
+/// seccomp, capabilities, no_new_privs), plus the Landlock ABI the worker reported.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxStatus {
+    pub uid: u32,
+    pub gid: u32,
+    /// Namespaces the worker does not share with the supervisor.
+    pub namespaces: Vec<String>,
+    /// `filter`, `strict` or `disabled`.
+    pub seccomp: String,
+    pub no_new_privs: bool,
+    /// Effective capabilities, as the kernel prints them (hex).
+    pub capabilities: String,
+    /// `ABI n`, or `unsupported`.
+    pub landlock: String,
+}
+
 /// One device as `ublkctl status` reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DevStatus {
@@ -262,6 +291,8 @@ pub struct DevStatus {
     pub last_recovery_ms: Option<u64>,
     pub last_recovery_reason: Option<String>,
     pub standby_pid: Option<u32>,
+    /// `None`: the device's worker runs without a sandbox (or has none running).
+    pub sandbox: Option<SandboxStatus>,
     pub counters: CounterSnapshot,
     /// Why the device is not LIVE, if it is not.
     pub note: Option<String>,

@@ -30,6 +30,7 @@ use ublkd_proto::uapi::DevState;
 
 use crate::device::{Context, Device, DeviceError};
 use crate::state::StateDir;
+use crate::worker::WorkerIdentity;
 use crate::{exit, features};
 
 /// Fatal errors of the daemon, each with its exit code.
@@ -49,6 +50,10 @@ pub enum DaemonError {
     Listen { path: PathBuf, source: io::Error },
     #[error("cannot set up signal handling: {0}")]
     Signals(#[source] io::Error),
+    #[error(
+        "the worker user {0:?} does not exist: create it (the package does) or set daemon.worker_user"
+    )]
+    NoWorkerUser(String),
 }
 
 impl DaemonError {
@@ -117,12 +122,15 @@ impl Daemon {
         }
         let worker_binary =
             config.daemon.worker_binary_path().map_err(DaemonError::WorkerBinary)?;
+        let worker_identity = worker_identity(config.daemon.worker_user.as_deref())?;
         make_dir(&config.daemon.state_dir, 0o700)?;
-        let listener = listen(&config.daemon.socket)?;
+        // Signals first: a SIGTERM that arrives once the socket exists must stop ublkd
+        // cleanly, not kill it.
         let signals = Signals::install().map_err(DaemonError::Signals)?;
+        let listener = listen(&config.daemon.socket)?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
         let state = StateDir::new(&config.daemon.state_dir);
-        let ctx = Context { ctrl, worker_binary, state };
+        let ctx = Context { ctrl, worker_binary, state, worker_identity };
         Ok(Daemon { config, ctx, devices: BTreeMap::new(), listener, signals })
     }
 
@@ -447,6 +455,11 @@ impl Daemon {
             target: dev.spec.target.name().to_string(),
             worker_pid: dev.worker.as_ref().map(|w| w.pid()),
             standby_pid: dev.standby.as_ref().map(|w| w.pid()),
+            sandbox: dev
+                .worker
+                .as_ref()
+                .filter(|w| w.sandbox.is_some())
+                .and_then(|w| crate::inspect::sandbox_of(w.pid(), w.sandbox.as_ref())),
             last_recovery_ms: dev.last_recovery_ms,
             last_recovery_reason: dev.last_recovery_reason.clone(),
             size_bytes: dev.spec.size_bytes,
@@ -459,6 +472,34 @@ impl Daemon {
         })
     }
 }
+
+/// The user sandboxed workers run as: `daemon.worker_user`, else `ublkd-worker` (which
+/// the package creates), else `nobody` with a warning (a source build run by hand).
+fn worker_identity(configured: Option<&str>) -> Result<WorkerIdentity, DaemonError> {
+    let lookup = |name: &str| {
+        nix::unistd::User::from_name(name)
+            .ok()
+            .flatten()
+            .map(|u| WorkerIdentity { uid: u.uid.as_raw(), gid: u.gid.as_raw() })
+    };
+    if let Some(name) = configured {
+        return lookup(name).ok_or_else(|| DaemonError::NoWorkerUser(name.to_string()));
+    }
+    if let Some(id) = lookup(DEFAULT_WORKER_USER) {
+        return Ok(id);
+    }
+    let nobody =
+        lookup("nobody").ok_or_else(|| DaemonError::NoWorkerUser(DEFAULT_WORKER_USER.into()))?;
+    tracing::warn!(
+        "the worker user {DEFAULT_WORKER_USER} does not exist (the package creates it); \
+         sandboxed workers run as nobody (uid {})",
+        nobody.uid
+    );
+    Ok(nobody)
+}
+
+/// The dedicated user of sandboxed workers, created by the package.
+pub const DEFAULT_WORKER_USER: &str = "ublkd-worker";
 
 /// A device spec from `ublkctl add`, with the daemon's defaults, validated like the
 /// config file's devices. Errors name the command-line flag.

@@ -26,7 +26,7 @@ use ublkd_proto::uapi::{
 };
 
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
-use crate::worker::{Worker, WorkerError};
+use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
@@ -71,6 +71,8 @@ pub struct Context {
     pub ctrl: CtrlClient,
     pub worker_binary: PathBuf,
     pub state: StateDir,
+    /// Who sandboxed workers run as.
+    pub worker_identity: WorkerIdentity,
 }
 
 /// Watches for a hung worker: I/O in flight and no heartbeat for too long.
@@ -119,8 +121,21 @@ impl Device {
         };
         let added = ctx.ctrl.add_dev(&info)?;
         let id = added.dev_id;
+        let mut spec = spec.clone();
+        if added.nr_hw_queues != spec.queues {
+            // The kernel gives a device at most one queue per CPU.
+            tracing::info!(
+                dev_id = id,
+                "{} queues asked, the kernel gives {} (one per CPU)",
+                spec.queues,
+                added.nr_hw_queues
+            );
+            spec.queues = added.nr_hw_queues;
+            let slots = spec.queues.saturating_mul(spec.queue_depth).max(1);
+            spec.threads = spec.threads.min(slots);
+        }
         // From here on, a failure deletes the half-made device.
-        match Self::finish_create(ctx, id, spec) {
+        match Self::finish_create(ctx, id, &spec) {
             Ok(dev) => Ok(dev),
             Err(e) => {
                 if let Err(del) = ctx.ctrl.del_dev(id) {
@@ -223,7 +238,8 @@ impl Device {
     fn spawn_standby(&mut self, ctx: &Context) -> Result<(), DeviceError> {
         let id = self.id;
         let worker_err = |source| DeviceError::Worker { id, source };
-        let mut worker = Worker::spawn(&ctx.worker_binary, id).map_err(worker_err)?;
+        let sandbox = self.spec.sandbox.then_some(ctx.worker_identity);
+        let mut worker = Worker::spawn(&ctx.worker_binary, id, sandbox).map_err(worker_err)?;
         let setup = WorkerSetup {
             dev_id: id,
             size_bytes: self.spec.size_bytes,

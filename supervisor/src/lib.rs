@@ -5,6 +5,7 @@
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`features`]: rendering the kernel's ublk feature mask.
+//! - [`inspect`]: a worker's sandbox as `/proc` shows it.
 //! - [`render`]: `ublkctl`'s output formats.
 //! - [`state`]: what survives a supervisor crash (device records, regions, memory data).
 //! - [`exit`]: the exit codes of both binaries.
@@ -13,6 +14,7 @@ pub mod daemon;
 pub mod device;
 pub mod exit;
 pub mod features;
+pub mod inspect;
 pub mod render;
 pub mod state;
 pub mod worker;

@@ -49,6 +49,7 @@ struct DeviceJson<'a> {
     queue_depth: u16,
     threads: u16,
     note: Option<&'a str>,
+    sandbox: Option<&'a ublkd_proto::msg::SandboxStatus>,
 }
 
 /// `ublkctl status --json`: `{"devices":[{"id":N,"state":"LIVE",…}]}`.
@@ -78,6 +79,7 @@ pub fn status_json(devs: &[DevStatus]) -> String {
             queue_depth: d.queue_depth,
             threads: d.threads,
             note: d.note.as_deref(),
+            sandbox: d.sandbox.as_ref(),
         })
         .collect();
     serde_json::to_string(&StatusJson { devices }).expect("plain data always serializes")
@@ -143,6 +145,7 @@ mod tests {
             last_recovery_ms: None,
             last_recovery_reason: None,
             standby_pid: Some(10),
+            sandbox: None,
             counters: CounterSnapshot { reads: 2, writes: 3, errors: 1, ..Default::default() },
             note: None,
         };

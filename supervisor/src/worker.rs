@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-use ublkd_proto::msg::{self, FromWorker, MsgError, ToWorker, WorkerSetup};
+use ublkd_proto::msg::{self, FromWorker, MsgError, SandboxReport, ToWorker, WorkerSetup};
 
 /// The fd number at which a worker finds its control socket.
 pub const WORKER_CONTROL_FD: i32 = 3;
@@ -41,19 +41,32 @@ pub enum WorkerError {
     Pidfd { pid: u32, source: io::Error },
 }
 
+/// Who a sandboxed worker runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerIdentity {
+    pub uid: u32,
+    pub gid: u32,
+}
+
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
     child: Child,
     control: OwnedFd,
+    /// What the worker said its sandbox achieved (`None`: not sandboxed).
+    pub sandbox: Option<SandboxReport>,
     /// Readable once the worker has exited: how the supervisor learns of a death at
     /// once, without polling (and without the races of pids being reused).
     pidfd: OwnedFd,
 }
 
 impl Worker {
-    /// Starts `binary` for device `dev_id`.
-    pub fn spawn(binary: &Path, dev_id: u32) -> Result<Worker, WorkerError> {
+    /// Starts `binary` for device `dev_id`, sandboxed as `sandbox` if given.
+    pub fn spawn(
+        binary: &Path,
+        dev_id: u32,
+        sandbox: Option<WorkerIdentity>,
+    ) -> Result<Worker, WorkerError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(WorkerError::Socket)?;
@@ -65,6 +78,17 @@ impl Worker {
             .arg("--dev-id")
             .arg(dev_id.to_string())
             .stdin(Stdio::null());
+        match sandbox {
+            Some(id) => {
+                cmd.arg("--sandbox-uid")
+                    .arg(id.uid.to_string())
+                    .arg("--sandbox-gid")
+                    .arg(id.gid.to_string());
+            }
+            None => {
+                cmd.arg("--no-sandbox");
+            }
+        }
         // SAFETY: the closure runs in the forked child before exec and calls only
         // async-signal-safe functions (dup2, fcntl, prctl, getppid, _exit) on values
         // captured by copy; it allocates nothing and takes no locks.
@@ -103,7 +127,7 @@ impl Worker {
         }
         // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
         let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-        Ok(Worker { child, control: ours, pidfd })
+        Ok(Worker { child, control: ours, sandbox: None, pidfd })
     }
 
     /// Readable when the worker has exited.
@@ -129,7 +153,13 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds)
             .map_err(WorkerError::Send)?;
-        self.expect(FromWorker::Standby, timeout)
+        match self.receive(timeout)? {
+            FromWorker::Standby { sandbox } => {
+                self.sandbox = sandbox;
+                Ok(())
+            }
+            other => self.unexpected("Standby", other),
+        }
     }
 
     /// Hands the worker the device (`/dev/ublkcN`) and waits until it has PREPed every
@@ -142,11 +172,24 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         msg::send_packet(self.control(), &ToWorker::Activate { generation }, &[ublkc])
             .map_err(WorkerError::Send)?;
-        self.expect(FromWorker::Ready, timeout)
+        match self.receive(timeout)? {
+            FromWorker::Ready => Ok(()),
+            other => self.unexpected("Ready", other),
+        }
     }
 
-    /// Waits for `want` from the worker.
-    fn expect(&mut self, want: FromWorker, timeout: Duration) -> Result<(), WorkerError> {
+    fn unexpected(&self, want: &str, got: FromWorker) -> Result<(), WorkerError> {
+        let pid = self.pid();
+        match got {
+            FromWorker::Failed { reason } => Err(WorkerError::Failed { pid, reason }),
+            other => {
+                Err(WorkerError::Protocol { pid, what: format!("expected {want}, got {other:?}") })
+            }
+        }
+    }
+
+    /// Waits for the worker's next message.
+    fn receive(&mut self, timeout: Duration) -> Result<FromWorker, WorkerError> {
         let pid = self.pid();
         let mut pfd =
             libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -164,12 +207,7 @@ impl Worker {
             }
         }
         match msg::recv_packet::<FromWorker>(self.control()) {
-            Ok((got, _)) if got == want => Ok(()),
-            Ok((FromWorker::Failed { reason }, _)) => Err(WorkerError::Failed { pid, reason }),
-            Ok((other, _)) => Err(WorkerError::Protocol {
-                pid,
-                what: format!("expected {want:?}, got {other:?}"),
-            }),
+            Ok((got, _)) => Ok(got),
             Err(MsgError::Closed) => {
                 let status = self.reap(Duration::from_secs(2));
                 Err(WorkerError::Died { pid, status })

@@ -19,7 +19,7 @@ use crate::kernel::Kernel;
 pub const BUSYBOX: &str = "/bin/busybox";
 
 /// Bump when the image layout changes in a way the hashed inputs do not show.
-const LAYOUT_VERSION: u32 = 1;
+const LAYOUT_VERSION: u32 = 2;
 
 /// The guest's `/init` (busybox `sh`).
 ///
@@ -74,14 +74,27 @@ CHECK_BIN=
 . "$H$RUN/params"
 [ -n "$CHECK_BIN" ] || fail "no CHECK_BIN in $RUN/params"
 
-echo; echo "$M:READY:$(uname -r)"
-chroot $H "$CHECK_BIN" guest-check </dev/null
-rc=$?
-if [ $rc -ne 0 ]; then echo; echo "$M:CHECK-FAILED:$rc"; off; fi
-chroot $H /bin/sh "$RUN/cmd.sh" </dev/null
-rc=$?
-echo; echo "$M:EXIT:$rc"
+# The host's root becomes the real root (switch_root moves it over / and chroots
+# there), not a chroot beside it: the kernel refuses user namespaces (which the
+# worker sandbox creates) to a chrooted process. Stage two runs from /run (tmpfs) with
+# a copy of busybox, since switch_root empties the initramfs.
+S=/run/ublkd-vm
+mkdir -p $H$S || fail "mkdir $H$S"
+cp /bin/busybox $H$S/busybox || fail "copy busybox to $H$S"
+cat > $H$S/stage2 <<STAGE2 || fail "write $H$S/stage2"
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+off() { $S/busybox poweroff -f; while :; do $S/busybox sleep 1; done; }
+echo; echo "$M:READY:\$($S/busybox uname -r)"
+"$CHECK_BIN" guest-check </dev/null
+rc=\$?
+if [ \$rc -ne 0 ]; then echo; echo "$M:CHECK-FAILED:\$rc"; off; fi
+/bin/sh "$RUN/cmd.sh" </dev/null
+rc=\$?
+echo; echo "$M:EXIT:\$rc"
 off
+STAGE2
+exec switch_root $H $S/busybox sh $S/stage2
+fail "switch_root"
 "#;
 
 /// Errors of building the initramfs.

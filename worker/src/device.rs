@@ -145,6 +145,8 @@ pub struct Device {
     pub shm: ShmRegion,
     pub target: Box<dyn Target>,
     pub generation: u64,
+    /// Rings are created restricted (see `sandbox::restrict_ring`).
+    pub sandboxed: bool,
 }
 
 impl std::fmt::Debug for Device {

@@ -11,9 +11,12 @@
 //!
 //! Exit codes (see [`exit`]) tell the supervisor why a worker ended.
 
+#[cfg(feature = "test-hooks")]
+mod attack;
 mod bufring;
 mod device;
 mod queue_loop;
+mod sandbox;
 mod target;
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -58,10 +61,56 @@ fn main() -> ExitCode {
         eprintln!("ublkd-worker: started by ublkd only (usage: ublkd-worker --control-fd N)");
         return ExitCode::from(exit::PROTOCOL);
     };
+    let identity = match sandbox_identity(&args) {
+        Ok(id) => id,
+        Err(e) => {
+            eprintln!("ublkd-worker: {e}");
+            return ExitCode::from(exit::PROTOCOL);
+        }
+    };
     // SAFETY: the supervisor placed the control socket at this fd for us alone; it is
     // not otherwise owned in this process.
     let control = unsafe { OwnedFd::from_raw_fd(fd) };
-    ExitCode::from(run(control))
+    #[cfg(feature = "test-hooks")]
+    // SAFETY: getppid has no preconditions (read before the sandbox forbids it).
+    let supervisor = unsafe { libc::getppid() };
+    // The sandbox goes up before the worker reads a single message.
+    let report = match identity.map(|id| sandbox::apply(id, fd)).transpose() {
+        Ok(report) => report,
+        Err(e) => return ExitCode::from(fail(control.as_fd(), exit::SETUP, e.to_string())),
+    };
+    #[cfg(feature = "test-hooks")]
+    if let Some(name) = attack::requested() {
+        ATTACK.get_or_init(|| (name, supervisor));
+    }
+    ExitCode::from(run(control, report))
+}
+
+/// The test-only attack to make once Ready (see `attack`).
+#[cfg(feature = "test-hooks")]
+static ATTACK: std::sync::OnceLock<(String, i32)> = std::sync::OnceLock::new();
+
+/// `--sandbox-uid U --sandbox-gid G`, or `--no-sandbox`.
+fn sandbox_identity(args: &[String]) -> Result<Option<sandbox::Identity>, String> {
+    let value = |flag: &str| -> Result<Option<u32>, String> {
+        match args.iter().position(|a| a == flag) {
+            None => Ok(None),
+            Some(at) => args
+                .get(at + 1)
+                .and_then(|v| v.parse().ok())
+                .map(Some)
+                .ok_or_else(|| format!("{flag} needs a number")),
+        }
+    };
+    match (
+        value("--sandbox-uid")?,
+        value("--sandbox-gid")?,
+        args.iter().any(|a| a == "--no-sandbox"),
+    ) {
+        (Some(uid), Some(gid), false) => Ok(Some(sandbox::Identity { uid, gid })),
+        (None, None, true) => Ok(None),
+        _ => Err("give --sandbox-uid and --sandbox-gid, or --no-sandbox".into()),
+    }
 }
 
 fn control_fd(args: &[String]) -> Option<i32> {
@@ -75,7 +124,8 @@ fn fail(control: BorrowedFd<'_>, code: u8, reason: String) -> u8 {
     code
 }
 
-fn run(control: OwnedFd) -> u8 {
+fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
+    let sandboxed = sandbox_report.is_some();
     let (setup, mut fds) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
         Ok((ToWorker::Setup(setup), fds)) => (setup, fds),
         Ok((other, _)) => {
@@ -95,7 +145,8 @@ fn run(control: OwnedFd) -> u8 {
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
     drop(shm_fd);
-    if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Standby, &[]) {
+    let standby_msg = FromWorker::Standby { sandbox: sandbox_report };
+    if let Err(e) = msg::send_packet(control.as_fd(), &standby_msg, &[]) {
         tracing::error!("cannot report standby: {e}");
         return exit::ORPHANED;
     }
@@ -111,7 +162,7 @@ fn run(control: OwnedFd) -> u8 {
         // The supervisor let a standby go (or died): nothing to do.
         Err(_) => return exit::ORPHANED,
     };
-    let dev = match standby.activate(ublkc.as_fd(), generation) {
+    let dev = match standby.activate(ublkc.as_fd(), generation, sandboxed) {
         Ok(dev) => Arc::new(dev),
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
@@ -156,15 +207,8 @@ fn run(control: OwnedFd) -> u8 {
             Err(_) => return fail(control.as_fd(), exit::SETUP, "a queue thread died".into()),
         }
     }
-    // Every tag is PREPed; FETCH is armed right after the barrier, before the
-    // supervisor's START_DEV can let I/O in.
-    barrier.wait();
-    if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Ready, &[]) {
-        tracing::error!("cannot report ready: {e}");
-        return exit::ORPHANED;
-    }
-
-    // The supervisor's word, or the queues closing, ends the worker.
+    // The supervisor's word, or the queues closing, ends the worker. This is the last
+    // thread the worker starts.
     let control_raw = control.as_raw_fd();
     std::thread::spawn(move || {
         // SAFETY: `control` outlives the process's main flow (it is only closed at
@@ -177,6 +221,23 @@ fn run(control: OwnedFd) -> u8 {
         };
         std::process::exit(i32::from(code));
     });
+    // Every ring and thread exists: from here on, none can be created (all threads).
+    if sandboxed && let Err(e) = sandbox::lock_down() {
+        return fail(control.as_fd(), exit::SETUP, e.to_string());
+    }
+    // Every tag is PREPed; FETCH is armed right after the barrier, before the
+    // supervisor's START_DEV can let I/O in.
+    barrier.wait();
+    if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Ready, &[]) {
+        tracing::error!("cannot report ready: {e}");
+        return exit::ORPHANED;
+    }
+    #[cfg(feature = "test-hooks")]
+    if let Some((name, supervisor)) = ATTACK.get()
+        && generation == 1
+    {
+        attack::run(name, *supervisor);
+    }
     for _ in 0..setup.nr_threads {
         match done_rx.recv() {
             Ok(Ok(())) => {}
@@ -231,7 +292,12 @@ impl Standby {
 
     /// Maps the device's descriptor arrays: from here on this process is the
     /// device's server (the kernel lets one address space map them per incarnation).
-    fn activate(self, ublkc: BorrowedFd<'_>, generation: u64) -> Result<Device, String> {
+    fn activate(
+        self,
+        ublkc: BorrowedFd<'_>,
+        generation: u64,
+        sandboxed: bool,
+    ) -> Result<Device, String> {
         let setup = &self.setup;
         let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
         for q_id in 0..setup.nr_queues {
@@ -250,6 +316,7 @@ impl Standby {
             shm: self.shm,
             target: self.target,
             generation,
+            sandboxed,
         })
     }
 }

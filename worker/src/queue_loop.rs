@@ -77,6 +77,8 @@ const KIND_PREP: u64 = 1;
 const KIND_FETCH: u64 = 2;
 const KIND_COMMIT: u64 = 3;
 const KIND_TARGET: u64 = 4;
+#[cfg(feature = "test-hooks")]
+const KIND_ATTACK: u64 = 5;
 
 fn user_data(kind: u64, q_id: u16, low: u32) -> u64 {
     (kind << 56) | (u64::from(q_id) << 32) | u64::from(low)
@@ -126,10 +128,13 @@ impl QueueThread {
         let tags = plan.queues.len() * usize::from(dev.depth);
         // One slot per tag (target I/O) plus a FETCH and a COMMIT per queue, with room.
         let entries = (tags + 4 * plan.queues.len() + 8).next_power_of_two().min(4096) as u32;
-        let ring = IoUring::<squeue::Entry, cqueue::Entry>::builder()
-            .setup_cqsize(entries * 4)
-            .build(entries)
-            .map_err(ring_err)?;
+        let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
+        builder.setup_cqsize(entries * 4);
+        if dev.sandboxed {
+            // Restricted before it can run anything (see `sandbox::restrict_ring`).
+            builder.setup_r_disabled();
+        }
+        let ring = builder.build(entries).map_err(ring_err)?;
         let mut files = vec![ublkc];
         if let Some(f) = dev.target.fixed_file() {
             files.push(std::os::fd::AsRawFd::as_raw_fd(&f));
@@ -146,6 +151,9 @@ impl QueueThread {
                 closed: false,
                 pending: ElemBuf::new(COMMIT_FORMAT, dev.depth),
             });
+        }
+        if dev.sandboxed {
+            crate::sandbox::restrict_ring(&ring).map_err(ring_err)?;
         }
         let nr_tags = usize::from(dev.nr_queues) * usize::from(dev.depth);
         Ok(QueueThread {
@@ -249,6 +257,18 @@ impl QueueThread {
         for qi in 0..self.queues.len() {
             self.arm_fetch(qi)?;
         }
+        #[cfg(feature = "test-hooks")]
+        if crate::attack::requested().as_deref() == Some(crate::attack::URING_OPENAT)
+            && self.dev.generation == 1
+            && self.plan.index == 0
+        {
+            // Ask the ring to open a host file: its restrictions must refuse.
+            let path = c"/etc/passwd";
+            let sqe = opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), path.as_ptr())
+                .build()
+                .user_data(user_data(KIND_ATTACK, 0, 0));
+            self.push(&sqe)?;
+        }
         loop {
             self.flush_commits()?;
             let open = self.queues.iter().any(|q| !q.closed);
@@ -281,6 +301,17 @@ impl QueueThread {
             KIND_FETCH => self.on_fetch(low as usize, res, flags),
             KIND_TARGET => self.on_target(q_id, low as u16, res),
             KIND_COMMIT => self.on_commit(low as usize, res),
+            #[cfg(feature = "test-hooks")]
+            KIND_ATTACK => {
+                if res < 0 {
+                    let err = std::io::Error::from_raw_os_error(-res);
+                    eprintln!("attack {}: blocked ({err})", crate::attack::URING_OPENAT);
+                } else {
+                    eprintln!("attack {}: ESCAPED (fd {res})", crate::attack::URING_OPENAT);
+                    std::process::exit(99);
+                }
+                Ok(())
+            }
             _ => Ok(()),
         }
     }

@@ -100,6 +100,9 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 fn main() -> ExitCode {
+    // Like any CLI, end quietly when the reader of our output goes away (`| head`).
+    // SAFETY: restoring the default action of SIGPIPE before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     let request = match cli.command {
         Command::Features { json } => return cmd_features(json),

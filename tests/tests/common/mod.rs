@@ -1,0 +1,448 @@
+//! Plumbing for the system tests that drive the real binaries inside the test VM: a
+//! `ublkd` per test with its own socket, `ublkctl`, fio, and what the kernel and `/proc`
+//! say is left behind. Every helper panics with the output of the command that failed.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ublkd_proto::ctrl::CtrlClient;
+
+/// How long `ublkd` may take to stop and delete its devices after SIGTERM.
+const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A workspace binary: they sit two levels above this test binary (target/debug/deps).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe.parent().unwrap().parent().unwrap().join(name);
+    assert!(path.is_file(), "{} is missing: build the workspace first", path.display());
+    path
+}
+
+/// Runs `cmd`, returning its output; panics only if it cannot be started.
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
+}
+
+/// Runs `cmd` and asserts it exits 0; returns its stdout.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = run(cmd);
+    assert!(out.status.success(), "{cmd:?} failed ({}):\n{}", out.status, describe(&out));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A command's stdout and stderr, for failure messages.
+pub fn describe(out: &Output) -> String {
+    format!(
+        "--- stdout\n{}--- stderr\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A running `ublkd` with its own config, socket and state dir under `/run`.
+///
+/// [`Ublkd::stop`] is the normal end: SIGTERM, exit 0, and nothing left behind. If a
+/// test fails first, `Drop` stops it anyway (SIGTERM, then SIGKILL) and deletes any
+/// ublk device still in the kernel, so the next test starts clean; it also prints
+/// ublkd's log.
+#[derive(Debug)]
+pub struct Ublkd {
+    child: Option<Child>,
+    pub socket: PathBuf,
+    log: PathBuf,
+    config: PathBuf,
+}
+
+impl Ublkd {
+    /// Starts `ublkd --config` with `name`'s socket, and waits until it answers.
+    pub fn start(name: &str) -> Ublkd {
+        Self::start_with(name, "", &[])
+    }
+
+    /// Like [`Ublkd::start`], with `extra` TOML appended to the `[daemon]` table (and
+    /// any tables after it) and `env` set for ublkd (and so its workers).
+    pub fn start_with(name: &str, extra: &str, env: &[(&str, &str)]) -> Ublkd {
+        let run_dir = PathBuf::from(format!("/run/ublkd-test-{name}"));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let socket = run_dir.join("ublkd.sock");
+        let config = PathBuf::from(format!("/tmp/ublkd-test-{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[daemon]\nsocket = \"{}\"\nstate_dir = \"{}\"\n{extra}\n",
+                socket.display(),
+                run_dir.join("state").display()
+            ),
+        )
+        .unwrap();
+        let log = PathBuf::from(format!("/tmp/ublkd-test-{name}.log"));
+        let log_file = File::create(&log).unwrap();
+        let child = Command::new(bin("ublkd"))
+            .envs(env.iter().copied())
+            .arg("--config")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file)
+            .spawn()
+            .expect("cannot start ublkd");
+        let mut daemon = Ublkd { child: Some(child), socket, log, config };
+        // Ready once it answers a request: it is then in its loop, signal handlers set.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !daemon.ctl(&["status"]).status.success() {
+            if let Some(status) = daemon.child().try_wait().unwrap() {
+                panic!("ublkd exited at start ({status}):\n{}", daemon.log());
+            }
+            assert!(Instant::now() < deadline, "ublkd did not listen within 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon
+    }
+
+    fn child(&mut self) -> &mut Child {
+        self.child.as_mut().expect("ublkd was already stopped")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("ublkd was already stopped").id()
+    }
+
+    /// What ublkd wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        run(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args))
+    }
+
+    /// `ublkctl ARGS…`, which must succeed; returns its stdout.
+    pub fn ctl_ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert!(
+            out.status.success(),
+            "ublkctl {} failed ({}):\n{}\n--- ublkd log\n{}",
+            args.join(" "),
+            out.status,
+            describe(&out),
+            self.log()
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// `ublkctl add ARGS…`: the new device's id, once its block device node exists.
+    pub fn add(&self, args: &[&str]) -> u32 {
+        let mut full = vec!["add"];
+        full.extend_from_slice(args);
+        let out = self.ctl_ok(&full);
+        let id: u32 =
+            out.trim().parse().unwrap_or_else(|e| panic!("`ublkctl add` printed {out:?}: {e}"));
+        wait_for_path(&block_dev(id));
+        id
+    }
+
+    /// `ublkctl del -n ID`, which must succeed.
+    pub fn del(&self, id: u32) {
+        self.ctl_ok(&["del", "-n", &id.to_string()]);
+    }
+
+    /// `ublkctl status --json`: the `devices` array.
+    pub fn status(&self) -> Vec<serde_json::Value> {
+        let out = self.ctl_ok(&["status", "--json"]);
+        let json: serde_json::Value = serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("`ublkctl status --json` is not JSON ({e}): {out}"));
+        json["devices"].as_array().unwrap_or_else(|| panic!("no devices array in {out}")).clone()
+    }
+
+    /// One device's entry in `ublkctl status --json`.
+    pub fn status_of(&self, id: u32) -> serde_json::Value {
+        self.status()
+            .into_iter()
+            .find(|d| d["id"] == id)
+            .unwrap_or_else(|| panic!("device {id} is not in `ublkctl status --json`"))
+    }
+
+    /// The worker pid `ublkctl status --json` reports for `id`.
+    pub fn worker_pid(&self, id: u32) -> u32 {
+        let dev = self.status_of(id);
+        dev["worker_pid"].as_u64().unwrap_or_else(|| panic!("device {id} has no worker: {dev}"))
+            as u32
+    }
+
+    /// SIGTERM, then waits for the exit (at most [`STOP_TIMEOUT`]).
+    fn terminate(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        // SAFETY: kill(2) on the pid of our own unreaped child: it cannot have been reused.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Stops ublkd with SIGTERM and asserts it exits 0 leaving no device, no device node,
+    /// no worker process and no ublkd process behind.
+    pub fn stop(mut self) {
+        let pid = self.pid();
+        let status = self.terminate();
+        let log = self.log();
+        match status {
+            Some(s) => assert!(s.success(), "ublkd exited with {s} after SIGTERM:\n{log}"),
+            None => panic!("ublkd did not exit within {STOP_TIMEOUT:?} of SIGTERM:\n{log}"),
+        }
+        assert!(!pid_exists(pid), "ublkd (pid {pid}) is still there after it exited");
+        assert_eq!(ublk_nodes(), BTreeSet::new(), "device nodes left after ublkd exited:\n{log}");
+        assert_eq!(kernel_devices(), BTreeSet::new(), "ublk devices left in the kernel:\n{log}");
+        assert_eq!(worker_pids(), Vec::<u32>::new(), "ublkd-worker processes left:\n{log}");
+        assert!(!self.socket.exists(), "ublkd left its socket {}", self.socket.display());
+    }
+}
+
+impl Drop for Ublkd {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- ublkd log ({})\n{}", self.log.display(), self.log());
+        }
+        if self.child.is_some() && self.terminate().is_none() {
+            eprintln!("ublkd did not stop on SIGTERM; killed it");
+        }
+        // A ublkd that was killed leaves its devices in the kernel: delete them, so a
+        // failing test does not fail the ones after it.
+        if !kernel_devices().is_empty()
+            && let Ok(ctrl) = CtrlClient::open()
+        {
+            for id in kernel_devices() {
+                let _ = ctrl.stop_dev(id);
+                let _ = ctrl.del_dev(id);
+            }
+        }
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// `/dev/ublkbN`.
+pub fn block_dev(id: u32) -> PathBuf {
+    PathBuf::from(format!("/dev/ublkb{id}"))
+}
+
+/// Waits (at most 10 s) for `path` to appear: devtmpfs creates nodes asynchronously.
+pub fn wait_for_path(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !path.exists() {
+        assert!(Instant::now() < deadline, "{} did not appear within 10 s", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The `/dev/ublkb*` and `/dev/ublkc*` nodes there are now.
+pub fn ublk_nodes() -> BTreeSet<String> {
+    std::fs::read_dir("/dev")
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.starts_with("ublkb") || n.starts_with("ublkc"))
+        .collect()
+}
+
+/// The ids of the ublk devices the kernel has now.
+pub fn kernel_devices() -> BTreeSet<u32> {
+    std::fs::read_dir("/sys/class/ublk-char")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("ublkc")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+pub fn pid_exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The pids of every process whose name is `ublkd-worker`.
+pub fn worker_pids() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.trim_end() == "ublkd-worker")
+        })
+        .collect()
+}
+
+/// Where process `pid`'s open fds point (`readlink /proc/PID/fd/*`), sorted.
+pub fn fd_targets(pid: u32) -> Vec<String> {
+    let mut targets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    targets.sort();
+    targets
+}
+
+/// The pids of every process that has `path` open.
+pub fn holders(path: &Path) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+                fds.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok()).any(|t| t == path)
+            })
+        })
+        .collect()
+}
+
+/// A sparse file of `size` bytes (a loop device's backing file).
+pub fn sparse_file(path: &Path, size: u64) {
+    let _ = std::fs::remove_file(path);
+    File::create(path).unwrap().set_len(size).unwrap();
+}
+
+/// `len` pseudo-random bytes from `seed` (xorshift64*): reproducible, incompressible.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+pub fn write_file(path: &Path, data: &[u8]) {
+    let mut f = File::create(path).unwrap();
+    f.write_all(data).unwrap();
+}
+
+/// The sha256 of a file (or a whole block device), by `sha256sum`.
+pub fn sha256(path: &Path) -> String {
+    let out = run_ok(Command::new("sha256sum").arg(path));
+    out.split_whitespace().next().unwrap().to_string()
+}
+
+/// A mounted filesystem, unmounted (lazily, if need be) when dropped.
+#[derive(Debug)]
+pub struct Mount {
+    pub dir: PathBuf,
+    mounted: bool,
+}
+
+impl Mount {
+    pub fn new(dev: &Path, dir: &Path) -> Mount {
+        std::fs::create_dir_all(dir).unwrap();
+        run_ok(Command::new("mount").args(["-t", "ext4"]).arg(dev).arg(dir));
+        Mount { dir: dir.to_path_buf(), mounted: true }
+    }
+
+    pub fn umount(mut self) {
+        run_ok(Command::new("umount").arg(&self.dir));
+        self.mounted = false;
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if self.mounted {
+            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+    }
+}
+
+/// One job of a fio run, from `--output-format=json`.
+#[derive(Debug)]
+pub struct FioJob {
+    pub name: String,
+    pub error: i64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+}
+
+/// Runs fio with `args` (plus `--output-format=json`), asserts it exits 0, and returns
+/// its jobs.
+pub fn fio(args: &[String]) -> Vec<FioJob> {
+    let out = run(Command::new("fio").args(args).arg("--output-format=json"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "fio {} failed ({}):\n{}",
+        args.join(" "),
+        out.status,
+        describe(&out)
+    );
+    // fio may print notes before the JSON object.
+    let json = &stdout[stdout.find('{').unwrap_or_else(|| panic!("no JSON from fio:\n{stdout}"))..];
+    let report: serde_json::Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("fio's JSON ({e}):\n{stdout}"));
+    let jobs: Vec<FioJob> = report["jobs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no jobs in fio's report:\n{stdout}"))
+        .iter()
+        .map(|j| FioJob {
+            name: j["jobname"].as_str().unwrap_or("?").to_string(),
+            error: j["error"].as_i64().unwrap_or(-1),
+            read_bytes: j["read"]["io_bytes"].as_u64().unwrap_or(0),
+            write_bytes: j["write"]["io_bytes"].as_u64().unwrap_or(0),
+        })
+        .collect();
+    assert!(!jobs.is_empty(), "fio reported no jobs:\n{stdout}");
+    jobs
+}
+
+/// Asserts every job finished without error and both read and wrote something.
+pub fn assert_fio_clean(jobs: &[FioJob], expected_jobs: usize) {
+    assert_eq!(jobs.len(), expected_jobs, "fio jobs: {jobs:?}");
+    for job in jobs {
+        assert_eq!(job.error, 0, "fio job {} failed: {job:?}", job.name);
+        assert!(job.read_bytes > 0, "fio job {} read nothing: {job:?}", job.name);
+        assert!(job.write_bytes > 0, "fio job {} wrote nothing: {job:?}", job.name);
+    }
+}
+
+/// fio's arguments for `jobs` jobs of `rw` on `dev` with the I/O shape (4k–128k
+/// blocks, depth 32, direct, io_uring), each job on its own `region` bytes, so that
+/// jobs never overwrite each other's verified data, and each on its own CPU as far as
+/// there are CPUs, so that a device's queues all get I/O.
+pub fn fio_args(name: &str, dev: &Path, rw: &str, jobs: u32, region: u64) -> Vec<String> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    [
+        format!("--name={name}"),
+        format!("--filename={}", dev.display()),
+        format!("--rw={rw}"),
+        "--bsrange=4k-128k".into(),
+        "--iodepth=32".into(),
+        format!("--numjobs={jobs}"),
+        format!("--size={region}"),
+        format!("--offset_increment={region}"),
+        "--direct=1".into(),
+        "--ioengine=io_uring".into(),
+        format!("--cpus_allowed=0-{}", cpus - 1),
+        "--cpus_allowed_policy=split".into(),
+    ]
+    .into()
+}
+
+/// [`fio_args`] plus crc32c verification of everything written, fatal on a mismatch.
+pub fn fio_verify_args(name: &str, dev: &Path, rw: &str, jobs: u32, region: u64) -> Vec<String> {
+    let mut args = fio_args(name, dev, rw, jobs, region);
+    args.extend(["--verify=crc32c", "--verify_fatal=1", "--do_verify=1"].map(String::from));
+    args
+}

@@ -1,0 +1,95 @@
+//! Test-only: attacks a sandboxed worker makes on itself, one per boundary, to prove
+//! that each boundary holds. Compiled only with the `test-hooks` feature, which no
+//! release or package build enables; the sandbox tests build a separate worker with it.
+//!
+//! `UBLKD_WORKER_ATTACK=<name>` picks the attack; the first incarnation of the worker
+//! makes it right after reporting Ready. Outcomes, on stderr (the supervisor's log):
+//! `attack <name>: blocked (<why>)` and the worker goes on serving; or the sandbox
+//! kills it (seccomp: exit 159) and the supervisor recovers the device; or
+//! `attack <name>: ESCAPED` and exit 99, which the tests treat as a failure.
+
+use std::ffi::CString;
+
+/// The attack named in the environment, if any.
+pub fn requested() -> Option<String> {
+    std::env::var("UBLKD_WORKER_ATTACK").ok().filter(|a| !a.is_empty())
+}
+
+/// Attacks the ring makes from inside a queue thread (see `queue_loop`).
+pub const URING_OPENAT: &str = "uring-openat";
+
+fn outcome(name: &str, rc: i64) {
+    if rc < 0 {
+        let err = std::io::Error::last_os_error();
+        eprintln!("attack {name}: blocked ({err})");
+    } else {
+        eprintln!("attack {name}: ESCAPED (returned {rc})");
+        std::process::exit(99);
+    }
+}
+
+/// Makes attack `name`; `supervisor` is the supervisor's pid (read before the
+/// sandbox went up).
+pub fn run(name: &str, supervisor: i32) {
+    let c = |s: &str| CString::new(s).expect("no NUL");
+    // SAFETY (all blocks below): each is a single raw syscall with valid arguments
+    // (NUL-terminated paths that live across the call, valid out-buffers); whether the
+    // kernel allows it is the question the attack asks.
+    match name {
+        "open-host-path" => {
+            let p = c("/etc/passwd");
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::open(p.as_ptr(), libc::O_RDONLY) }));
+        }
+        "stat-host-path" => {
+            let p = c("/etc/passwd");
+            // SAFETY: see above.
+            let mut st: libc::statx = unsafe { std::mem::zeroed() };
+            // SAFETY: see above.
+            let rc = unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
+            outcome(name, i64::from(rc));
+        }
+        "stat-other-device" => {
+            let p = c("/run/ublkd/devices");
+            // SAFETY: see above.
+            let mut st: libc::statx = unsafe { std::mem::zeroed() };
+            // SAFETY: see above.
+            let rc = unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
+            outcome(name, i64::from(rc));
+        }
+        "socket" => {
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) }));
+        }
+        "signal-supervisor" => {
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::kill(supervisor, libc::SIGTERM) }));
+        }
+        "ptrace-supervisor" => {
+            // SAFETY: see above.
+            let rc = unsafe { libc::ptrace(libc::PTRACE_ATTACH, supervisor, 0, 0) };
+            outcome(name, rc);
+        }
+        "exec" => {
+            let sh = c("/bin/sh");
+            let argv = [sh.as_ptr(), std::ptr::null()];
+            let envp = [std::ptr::null()];
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::execve(sh.as_ptr(), argv.as_ptr(), envp.as_ptr()) }));
+        }
+        "new-io-uring" => {
+            // SAFETY: see above.
+            let mut params: [u8; 120] = [0; 120];
+            // SAFETY: see above.
+            let rc = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+            outcome(name, rc);
+        }
+        "raise-rlimit" => {
+            let lim = libc::rlimit { rlim_cur: 1 << 20, rlim_max: 1 << 20 };
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }));
+        }
+        URING_OPENAT => {} // made by a queue thread on its own ring
+        other => eprintln!("attack {other}: unknown attack, nothing done"),
+    }
+}

@@ -1,0 +1,155 @@
+//! The worker's sandbox policy, as data: every system call and io_uring operation a
+//! sandboxed worker may use, each with the reason it needs it. A reviewer reads this
+//! file; `mod.rs` only applies it.
+//!
+//! The worker gets every file it uses as an fd from the supervisor, so nothing here
+//! opens a path: no `open`, `openat`, `execve`, `socket`, `connect`, `ptrace`, `kill`
+//! of other processes, `mount`, `setrlimit`/`prlimit64`, `setuid`, `bpf`, `unshare`.
+//! Anything not listed traps (SIGSYS): the worker reports the call and exits with
+//! [`super::EXIT_SECCOMP`], which the supervisor recognises.
+
+use io_uring::opcode;
+
+/// One allowed system call. `name` and `why` are for the reader (and the tests).
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code)]
+pub struct Allowed {
+    pub nr: libc::c_long,
+    pub name: &'static str,
+    pub why: &'static str,
+}
+
+const fn allow(nr: libc::c_long, name: &'static str, why: &'static str) -> Allowed {
+    Allowed { nr, name, why }
+}
+
+/// Allowed for the worker's whole life once sandboxed.
+pub const ALWAYS: &[Allowed] = &[
+    allow(
+        libc::SYS_read,
+        "read",
+        "reading an fd the supervisor gave (rare; kept for std's fallbacks)",
+    ),
+    allow(libc::SYS_write, "write", "log lines to stderr (the journal)"),
+    allow(libc::SYS_writev, "writev", "log lines to stderr, as the logger writes them"),
+    allow(libc::SYS_close, "close", "dropping fds it no longer needs"),
+    allow(libc::SYS_recvmsg, "recvmsg", "messages and fds from the supervisor (SCM_RIGHTS)"),
+    allow(libc::SYS_sendmsg, "sendmsg", "answers to the supervisor"),
+    allow(
+        libc::SYS_mmap,
+        "mmap",
+        "descriptor arrays, the shared region, memory target, buffers, thread stacks",
+    ),
+    allow(libc::SYS_munmap, "munmap", "freeing mappings (allocator, thread stacks)"),
+    allow(libc::SYS_mprotect, "mprotect", "guard pages of thread stacks"),
+    allow(libc::SYS_mremap, "mremap", "the allocator growing large blocks"),
+    allow(libc::SYS_madvise, "madvise", "the allocator returning memory"),
+    allow(libc::SYS_brk, "brk", "the allocator's heap"),
+    allow(libc::SYS_futex, "futex", "locks, channels and thread joins"),
+    allow(
+        libc::SYS_io_uring_enter,
+        "io_uring_enter",
+        "the data path: submit and wait on each thread's ring",
+    ),
+    allow(
+        libc::SYS_io_uring_register,
+        "io_uring_register",
+        "registering files and FETCH buffer rings (before the ring is restricted)",
+    ),
+    allow(libc::SYS_fstat, "fstat", "sizes of the target's fd and the shared region"),
+    allow(
+        libc::SYS_newfstatat,
+        "newfstatat",
+        "fstat as std issues it (with AT_EMPTY_PATH on an fd)",
+    ),
+    allow(libc::SYS_statx, "statx", "file metadata of a given fd (std's File::metadata)"),
+    allow(libc::SYS_lseek, "lseek", "size of a block device behind the loop target's fd"),
+    allow(libc::SYS_fcntl, "fcntl", "std duplicating fds with F_DUPFD_CLOEXEC"),
+    allow(libc::SYS_ppoll, "ppoll", "waiting on the control socket"),
+    allow(libc::SYS_poll, "poll", "waiting on the control socket"),
+    allow(libc::SYS_gettid, "gettid", "the thread id it reports in the shared region"),
+    allow(libc::SYS_getpid, "getpid", "logging"),
+    allow(
+        libc::SYS_clock_gettime,
+        "clock_gettime",
+        "timestamps (when the vDSO falls back to the syscall)",
+    ),
+    allow(libc::SYS_clock_nanosleep, "clock_nanosleep", "short sleeps"),
+    allow(libc::SYS_nanosleep, "nanosleep", "short sleeps"),
+    allow(libc::SYS_sched_yield, "sched_yield", "spin loops in locks"),
+    allow(libc::SYS_sched_getaffinity, "sched_getaffinity", "std asking how many CPUs there are"),
+    allow(libc::SYS_rt_sigprocmask, "rt_sigprocmask", "std masking signals around thread creation"),
+    allow(libc::SYS_rt_sigreturn, "rt_sigreturn", "returning from the SIGSYS handler's frame"),
+    allow(
+        libc::SYS_rt_sigaction,
+        "rt_sigaction",
+        "std's signal setup in new threads (dropping the SIGSYS handler only makes a trap kill the worker outright)",
+    ),
+    allow(libc::SYS_sigaltstack, "sigaltstack", "std's per-thread signal stacks"),
+    allow(libc::SYS_getrandom, "getrandom", "std's hash seeds"),
+    allow(libc::SYS_exit, "exit", "a thread ending"),
+    allow(libc::SYS_exit_group, "exit_group", "the worker ending"),
+    allow(libc::SYS_prctl, "prctl", "std naming threads (PR_SET_NAME)"),
+    allow(libc::SYS_set_robust_list, "set_robust_list", "glibc's per-thread setup"),
+    allow(libc::SYS_rseq, "rseq", "glibc's per-thread setup"),
+];
+
+/// Allowed only while the worker sets up (until its rings exist and its threads run).
+pub const SETUP_ONLY: &[Allowed] = &[
+    allow(
+        libc::SYS_io_uring_setup,
+        "io_uring_setup",
+        "one ring per queue thread, created at activation",
+    ),
+    allow(libc::SYS_clone3, "clone3", "starting the queue threads"),
+    allow(libc::SYS_clone, "clone", "starting the queue threads (older glibc)"),
+    allow(libc::SYS_seccomp, "seccomp", "installing stage 2 of this very filter"),
+];
+
+/// One allowed io_uring operation. `name` and `why` are for the reader.
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code)]
+pub struct AllowedOp {
+    pub opcode: u8,
+    pub name: &'static str,
+    pub why: &'static str,
+}
+
+/// The only SQE opcodes a worker's ring accepts (`IORING_REGISTER_RESTRICTIONS`),
+/// since io_uring runs many operations in kernel threads that seccomp never sees.
+/// OPENAT, CONNECT, SOCKET, SEND, … are not here, so a compromised worker cannot use
+/// its ring to reach files or the network.
+pub const URING_OPS: &[AllowedOp] = &[
+    AllowedOp {
+        opcode: opcode::UringCmd16::CODE,
+        name: "URING_CMD",
+        why: "ublk PREP/FETCH/COMMIT on /dev/ublkcN",
+    },
+    AllowedOp {
+        opcode: opcode::Read::CODE,
+        name: "READ",
+        why: "loop target reads from its backing fd",
+    },
+    AllowedOp {
+        opcode: opcode::Write::CODE,
+        name: "WRITE",
+        why: "loop target writes to its backing fd",
+    },
+    AllowedOp { opcode: opcode::Fsync::CODE, name: "FSYNC", why: "loop target FLUSH (fdatasync)" },
+    AllowedOp {
+        opcode: opcode::Fallocate::CODE,
+        name: "FALLOCATE",
+        why: "loop target DISCARD/WRITE_ZEROES (punch hole)",
+    },
+];
+
+/// SQE flags the ring accepts: fixed files (every fd is registered) and buffer
+/// selection (multishot FETCH).
+pub const URING_SQE_FLAGS: u8 =
+    io_uring::squeue::Flags::FIXED_FILE.bits() | io_uring::squeue::Flags::BUFFER_SELECT.bits();
+
+/// `RLIMIT_NOFILE`: the worker holds a handful of fds (control socket, device,
+/// region, target, one ring per thread).
+pub const MAX_FDS: u64 = 128;
+/// `RLIMIT_MEMLOCK`: the worker locks nothing itself; rings are charged to its cgroup.
+pub const MAX_LOCKED_BYTES: u64 = 8 << 20;
