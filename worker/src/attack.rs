@@ -18,12 +18,18 @@ pub fn requested() -> Option<String> {
 /// Attacks the ring makes from inside a queue thread (see `queue_loop`).
 pub const URING_OPENAT: &str = "uring-openat";
 
+/// Writes one line in one write, so it never interleaves with the supervisor's log.
+pub fn say(line: String) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 fn outcome(name: &str, rc: i64) {
     if rc < 0 {
         let err = std::io::Error::last_os_error();
-        eprintln!("attack {name}: blocked ({err})");
+        say(format!("attack {name}: blocked ({err})"));
     } else {
-        eprintln!("attack {name}: ESCAPED (returned {rc})");
+        say(format!("attack {name}: ESCAPED (returned {rc})"));
         std::process::exit(99);
     }
 }
@@ -46,15 +52,19 @@ pub fn run(name: &str, supervisor: i32) {
             // SAFETY: see above.
             let mut st: libc::statx = unsafe { std::mem::zeroed() };
             // SAFETY: see above.
-            let rc = unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
+            let rc =
+                unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
             outcome(name, i64::from(rc));
         }
         "stat-other-device" => {
-            let p = c("/run/ublkd/devices");
+            // Another device's shared region, whose path the test knows.
+            let path = std::env::var("UBLKD_WORKER_ATTACK_PATH").unwrap_or_default();
+            let p = c(&path);
             // SAFETY: see above.
             let mut st: libc::statx = unsafe { std::mem::zeroed() };
             // SAFETY: see above.
-            let rc = unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
+            let rc =
+                unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
             outcome(name, i64::from(rc));
         }
         "socket" => {
@@ -75,7 +85,10 @@ pub fn run(name: &str, supervisor: i32) {
             let argv = [sh.as_ptr(), std::ptr::null()];
             let envp = [std::ptr::null()];
             // SAFETY: see above.
-            outcome(name, i64::from(unsafe { libc::execve(sh.as_ptr(), argv.as_ptr(), envp.as_ptr()) }));
+            outcome(
+                name,
+                i64::from(unsafe { libc::execve(sh.as_ptr(), argv.as_ptr(), envp.as_ptr()) }),
+            );
         }
         "new-io-uring" => {
             // SAFETY: see above.
@@ -90,6 +103,6 @@ pub fn run(name: &str, supervisor: i32) {
             outcome(name, i64::from(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }));
         }
         URING_OPENAT => {} // made by a queue thread on its own ring
-        other => eprintln!("attack {other}: unknown attack, nothing done"),
+        other => say(format!("attack {other}: unknown attack, nothing done")),
     }
 }

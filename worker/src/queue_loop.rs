@@ -305,9 +305,15 @@ impl QueueThread {
             KIND_ATTACK => {
                 if res < 0 {
                     let err = std::io::Error::from_raw_os_error(-res);
-                    eprintln!("attack {}: blocked ({err})", crate::attack::URING_OPENAT);
+                    crate::attack::say(format!(
+                        "attack {}: blocked ({err})",
+                        crate::attack::URING_OPENAT
+                    ));
                 } else {
-                    eprintln!("attack {}: ESCAPED (fd {res})", crate::attack::URING_OPENAT);
+                    crate::attack::say(format!(
+                        "attack {}: ESCAPED (fd {res})",
+                        crate::attack::URING_OPENAT
+                    ));
                     std::process::exit(99);
                 }
                 Ok(())

@@ -2,6 +2,9 @@
 //! `ublkd` per test with its own socket, `ublkctl`, fio, and what the kernel and `/proc`
 //! say is left behind. Every helper panics with the output of the command that failed.
 
+// Each test binary uses a different part of these helpers.
+#![allow(dead_code)]
+
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::Write;

@@ -79,12 +79,12 @@ pub fn apply(id: Identity, keep_fd: i32) -> Result<Report, SandboxError> {
     close_other_fds(keep_fd)?;
     set_rlimits()?;
     become_user(id)?;
-    match enter_namespaces(id) {
+    match enter_namespaces(id)? {
         Ok(names) => {
             report.namespaces = names;
             pivot_to_empty_root()?;
         }
-        Err(e) => report.namespaces_note = Some(format!("no namespaces: {e}")),
+        Err(refused) => report.namespaces_note = Some(format!("no namespaces: {refused}")),
     }
     // SAFETY: prctl with PR_SET_NO_NEW_PRIVS takes integer arguments only.
     check("no_new_privs", unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
@@ -127,7 +127,9 @@ fn become_user(id: Identity) -> Result<(), SandboxError> {
     check("setresuid", unsafe { libc::setresuid(id.uid, id.uid, id.uid) })
 }
 
-fn enter_namespaces(id: Identity) -> Result<Vec<String>, SandboxError> {
+/// Enters the namespaces. `Ok(Err(why))` when the kernel refuses them (the worker
+/// goes on without); `Err` when they were entered but could not be set up.
+fn enter_namespaces(id: Identity) -> Result<Result<Vec<String>, io::Error>, SandboxError> {
     let flags = libc::CLONE_NEWUSER
         | libc::CLONE_NEWNS
         | libc::CLONE_NEWNET
@@ -136,14 +138,23 @@ fn enter_namespaces(id: Identity) -> Result<Vec<String>, SandboxError> {
         | libc::CLONE_NEWCGROUP;
     // SAFETY: unshare takes flags only; the process is single-threaded here, as
     // CLONE_NEWUSER requires.
-    check("unshare", unsafe { libc::unshare(flags) })?;
+    if unsafe { libc::unshare(flags) } < 0 {
+        return Ok(Err(io::Error::last_os_error()));
+    }
+    // Changing uid made the process non-dumpable, which leaves its /proc files to
+    // root: writable again for the maps, then closed again (another worker runs as
+    // the same user).
+    // SAFETY: integer arguments only.
+    check("set dumpable", unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) })?;
     let write = |path: &'static str, text: String| {
         std::fs::write(path, text).map_err(|source| SandboxError::Step { step: path, source })
     };
     write("/proc/self/setgroups", "deny".into())?;
     write("/proc/self/gid_map", format!("{0} {0} 1\n", id.gid))?;
     write("/proc/self/uid_map", format!("{0} {0} 1\n", id.uid))?;
-    Ok(["user", "mnt", "net", "ipc", "uts", "cgroup"].map(String::from).to_vec())
+    // SAFETY: integer arguments only.
+    check("clear dumpable", unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })?;
+    Ok(Ok(["user", "mnt", "net", "ipc", "uts", "cgroup"].map(String::from).to_vec()))
 }
 
 fn pivot_to_empty_root() -> Result<(), SandboxError> {
