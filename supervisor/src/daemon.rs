@@ -30,6 +30,7 @@ use ublkd_proto::uapi::DevState;
 
 use crate::device::{Context, Device, DeviceError};
 use crate::state::StateDir;
+use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
 use crate::{exit, features};
 
@@ -78,6 +79,7 @@ impl DaemonError {
 struct Signals {
     terminate: Arc<AtomicBool>,
     child: Arc<AtomicBool>,
+    reload: Arc<AtomicBool>,
     wake: UnixStream,
 }
 
@@ -87,13 +89,17 @@ impl Signals {
         wake.set_nonblocking(true)?;
         let terminate = Arc::new(AtomicBool::new(false));
         let child = Arc::new(AtomicBool::new(false));
-        for (sig, flag) in
-            [(libc::SIGTERM, &terminate), (libc::SIGINT, &terminate), (libc::SIGCHLD, &child)]
-        {
+        let reload = Arc::new(AtomicBool::new(false));
+        for (sig, flag) in [
+            (libc::SIGTERM, &terminate),
+            (libc::SIGINT, &terminate),
+            (libc::SIGCHLD, &child),
+            (libc::SIGHUP, &reload),
+        ] {
             signal_hook::flag::register(sig, Arc::clone(flag))?;
             signal_hook::low_level::pipe::register(sig, wake_writer.try_clone()?)?;
         }
-        Ok(Signals { terminate, child, wake })
+        Ok(Signals { terminate, child, reload, wake })
     }
 
     fn drain(&self) {
@@ -106,6 +112,12 @@ impl Signals {
 #[derive(Debug)]
 pub struct Daemon {
     config: Config,
+    /// Where the config came from, for SIGHUP (`None`: built-in defaults).
+    config_path: Option<PathBuf>,
+    /// Devices created from the config file, by the spec the file gave, for reloads.
+    configured: Vec<(DeviceSpec, u32)>,
+    notifier: Notifier,
+    last_event: Option<String>,
     ctx: Context,
     devices: BTreeMap<u32, Device>,
     listener: UnixListener,
@@ -114,7 +126,7 @@ pub struct Daemon {
 
 impl Daemon {
     /// Checks the kernel, prepares the state dir and socket, installs signal handling.
-    pub fn start(config: Config) -> Result<Daemon, DaemonError> {
+    pub fn start(config: Config, config_path: Option<PathBuf>) -> Result<Daemon, DaemonError> {
         let ctrl = CtrlClient::open()?;
         let missing = features::missing_required(ctrl.get_features()?);
         if !missing.is_empty() {
@@ -131,7 +143,17 @@ impl Daemon {
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
         let state = StateDir::new(&config.daemon.state_dir);
         let ctx = Context { ctrl, worker_binary, state, worker_identity };
-        Ok(Daemon { config, ctx, devices: BTreeMap::new(), listener, signals })
+        Ok(Daemon {
+            config,
+            config_path,
+            configured: Vec::new(),
+            notifier: Notifier::new(),
+            last_event: None,
+            ctx,
+            devices: BTreeMap::new(),
+            listener,
+            signals,
+        })
     }
 
     /// Adopts the devices a previous ublkd left in the state dir (after a crash, its
@@ -189,15 +211,120 @@ impl Daemon {
                 a == spec
             };
             if let Some(at) = adopted.iter().position(same) {
-                adopted.remove(at);
+                let adopted_spec = adopted.remove(at);
+                if let Some(id) = adopted_spec.id {
+                    self.configured.push((spec.clone(), id));
+                }
                 continue;
             }
-            if let Err(e) = self.add(&spec) {
-                tracing::error!("configured device {}: {e}", describe(&spec));
-                failed += 1;
+            self.notifier.extend_timeout(Duration::from_secs(60));
+            match self.add(&spec) {
+                Ok(id) => self.configured.push((spec.clone(), id)),
+                Err(e) => {
+                    tracing::error!("configured device {}: {e}", describe(&spec));
+                    self.last_event =
+                        Some(format!("configured device {} failed: {e}", describe(&spec)));
+                    failed += 1;
+                }
             }
         }
         failed
+    }
+
+    /// Tells systemd that startup is done (every configured device is LIVE or failed).
+    pub fn notify_ready(&mut self) {
+        let status = self.summary();
+        self.notifier.ready(&status);
+    }
+
+    fn summary(&self) -> String {
+        let waiting =
+            self.devices.values().filter(|d| d.worker.is_none() && d.note.is_some()).count();
+        let recovering =
+            self.devices.values().filter(|d| d.worker.is_none() && d.note.is_none()).count();
+        let live = self.devices.len() - waiting - recovering;
+        crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
+    }
+
+    /// SIGHUP: re-reads the config file. Devices added to it are created, devices removed
+    /// from it deleted; a changed device or daemon setting is reported as needing a
+    /// restart. A config with errors is rejected whole and nothing changes.
+    fn reload(&mut self) {
+        self.notifier.reloading();
+        let outcome = match &self.config_path {
+            None => "reload: ublkd runs on built-in defaults, without a config file".to_string(),
+            Some(path) => match Config::load(path) {
+                Err(e) => {
+                    let msg =
+                        format!("reload rejected, nothing changed: {}", crate::error_chain(&e));
+                    tracing::error!("{msg}");
+                    msg
+                }
+                Ok(new) => {
+                    let msg = self.apply_config(new);
+                    tracing::info!("{msg}");
+                    msg
+                }
+            },
+        };
+        self.last_event = Some(outcome);
+        let status = self.summary();
+        self.notifier.ready(&status);
+    }
+
+    fn apply_config(&mut self, new: Config) -> String {
+        let mut restart_needed = Vec::new();
+        if new.daemon != self.config.daemon {
+            restart_needed.push("[daemon] settings".to_string());
+        }
+        let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
+        let mut added = 0;
+        let mut removed = 0;
+        // Removed (or changed) devices.
+        for (spec, id) in std::mem::take(&mut self.configured) {
+            if new.devices.contains(&spec) {
+                self.configured.push((spec, id));
+                continue;
+            }
+            let changed = spec.id.is_some() && new.devices.iter().any(|d| d.id == spec.id);
+            if changed {
+                restart_needed.push(format!("device {id}"));
+                self.configured.push((spec, id));
+                continue;
+            }
+            if let Some(dev) = self.devices.remove(&id) {
+                match dev.destroy(&self.ctx) {
+                    Ok(()) => removed += 1,
+                    Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
+                }
+            }
+        }
+        // New devices.
+        for spec in &new.devices {
+            if old_specs.contains(spec) || spec.id.is_some_and(|id| self.devices.contains_key(&id))
+            {
+                continue;
+            }
+            match self.add(spec) {
+                Ok(id) => {
+                    self.configured.push((spec.clone(), id));
+                    added += 1;
+                }
+                Err(e) => tracing::error!("reload: configured device {}: {e}", describe(spec)),
+            }
+        }
+        let daemon = self.config.daemon.clone();
+        self.config = new;
+        // Socket, state dir and worker settings only change with a restart.
+        self.config.daemon = daemon;
+        let mut msg = format!("reloaded: {added} device(s) added, {removed} deleted");
+        if !restart_needed.is_empty() {
+            msg.push_str(&format!(
+                "; changed, applied at the next restart: {}",
+                restart_needed.join(", ")
+            ));
+        }
+        msg
     }
 
     fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
@@ -209,10 +336,15 @@ impl Daemon {
 
     /// Serves until SIGTERM or SIGINT, then stops and deletes every device.
     pub fn run(mut self) -> Result<(), DaemonError> {
-        let hung_timeout = self.config.recovery.hung_timeout;
-        // Heartbeats are compared a few times per timeout.
-        let tick = (hung_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
         loop {
+            let hung_timeout = self.config.recovery.hung_timeout;
+            // Heartbeats are compared a few times per timeout; the watchdog is fed often
+            // enough too.
+            let mut tick =
+                (hung_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+            if let Some(w) = self.notifier.watchdog_interval() {
+                tick = tick.min(w);
+            }
             let mut fds = vec![
                 libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd {
@@ -230,7 +362,8 @@ impl Daemon {
                     });
                 }
             }
-            let timeout = if self.devices.is_empty() { -1 } else { tick.as_millis() as i32 };
+            let idle = self.devices.is_empty() && self.notifier.watchdog_interval().is_none();
+            let timeout = if idle { -1 } else { tick.as_millis() as i32 };
             // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if n < 0 {
@@ -241,9 +374,16 @@ impl Daemon {
             if self.signals.terminate.load(Ordering::Relaxed) {
                 break;
             }
+            if self.signals.reload.swap(false, Ordering::Relaxed) {
+                self.reload();
+            }
             // Deaths first (pidfds), then hangs, then clients.
             self.handle_deaths();
             self.handle_hangs(hung_timeout);
+            let healthy = self.devices.values().all(|d| d.progressing(hung_timeout));
+            self.notifier.watchdog(healthy);
+            let status = self.summary();
+            self.notifier.status(&status);
             if fds[0].revents & libc::POLLIN != 0 {
                 match self.listener.accept() {
                     Ok((stream, _)) => self.serve_client(stream),
@@ -251,6 +391,7 @@ impl Daemon {
                 }
             }
         }
+        self.notifier.stopping();
         tracing::info!("stopping: deleting {} device(s)", self.devices.len());
         self.delete_all();
         let _ = std::fs::remove_file(&self.config.daemon.socket);
@@ -286,11 +427,20 @@ impl Daemon {
             );
             tracing::error!(dev_id = id, "{note}");
             dev.note = Some(note);
+            self.last_event = Some(format!("device {id} reached its restart limit"));
             return;
         }
-        if let Err(e) = dev.recover(&self.ctx, reason) {
-            tracing::error!(dev_id = id, "recovery failed: {e}");
-            dev.note = Some(format!("recovery failed: {e} (after: {reason})"));
+        self.notifier.extend_timeout(Duration::from_secs(30));
+        match dev.recover(&self.ctx, reason) {
+            Ok(stall) => {
+                self.last_event =
+                    Some(format!("device {id} recovered in {} ms", stall.as_millis()));
+            }
+            Err(e) => {
+                tracing::error!(dev_id = id, "recovery failed: {e}");
+                dev.note = Some(format!("recovery failed: {e} (after: {reason})"));
+                self.last_event = Some(format!("device {id}: recovery failed"));
+            }
         }
     }
 

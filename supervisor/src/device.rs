@@ -440,6 +440,13 @@ impl Device {
         (stuck >= timeout).then_some(stuck)
     }
 
+    /// For the watchdog: false while the worker holds I/O without progress for longer
+    /// than `limit`. Devices waiting for an operator (no worker, a note saying why) and
+    /// idle ones count as fine: they are not wedged, they are waiting.
+    pub fn progressing(&self, limit: Duration) -> bool {
+        self.worker.is_none() || self.hang.since.elapsed() <= limit
+    }
+
     /// Kills the active worker (its death is then handled like any other).
     pub fn kill_worker(&mut self) {
         if let Some(w) = &mut self.worker {

@@ -7,6 +7,7 @@
 //! - [`features`]: rendering the kernel's ublk feature mask.
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
 //! - [`render`]: `ublkctl`'s output formats.
+//! - [`systemd`]: readiness, status, reload and watchdog notifications.
 //! - [`state`]: what survives a supervisor crash (device records, regions, memory data).
 //! - [`exit`]: the exit codes of both binaries.
 
@@ -17,4 +18,20 @@ pub mod features;
 pub mod inspect;
 pub mod render;
 pub mod state;
+pub mod systemd;
 pub mod worker;
+
+/// An error and its sources, as one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(src) = cur {
+        let text = src.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        cur = src.source();
+    }
+    s
+}

@@ -7,7 +7,7 @@ use clap::Parser;
 use ublkd_config::Config;
 use ublkd_proto::ctrl::CtrlClient;
 use ublkd_supervisor::daemon::Daemon;
-use ublkd_supervisor::{exit, features};
+use ublkd_supervisor::{error_chain, exit, features};
 
 /// ublkd: serve ublk block devices from sandboxed worker processes.
 ///
@@ -59,7 +59,7 @@ fn main() -> ExitCode {
         },
         None => Config::default(),
     };
-    let mut daemon = match Daemon::start(config) {
+    let mut daemon = match Daemon::start(config, cli.config.clone()) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("ublkd: {}", error_chain(&e));
@@ -74,6 +74,7 @@ fn main() -> ExitCode {
     if failed > 0 {
         tracing::error!("{failed} configured device(s) could not be created (see above)");
     }
+    daemon.notify_ready();
     match daemon.run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -103,21 +104,6 @@ fn check_kernel() -> ExitCode {
     }
     println!("ublkd: kernel ublk features {mask:#x}: everything ublkd needs is there");
     ExitCode::SUCCESS
-}
-
-/// An error and its sources, as one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(src) = cur {
-        let text = src.to_string();
-        if !s.contains(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
-        cur = src.source();
-    }
-    s
 }
 
 fn code(c: i32) -> ExitCode {
