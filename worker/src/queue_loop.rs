@@ -129,7 +129,13 @@ impl QueueThread {
         // One slot per tag (target I/O) plus a FETCH and a COMMIT per queue, with room.
         let entries = (tags + 4 * plan.queues.len() + 8).next_power_of_two().min(4096) as u32;
         let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
-        builder.setup_cqsize(entries * 4);
+        // Only this thread submits to and reaps its ring; completions (FETCH batches,
+        // target I/O) run as task work when it waits, not by interrupting it.
+        builder
+            .setup_cqsize(entries * 4)
+            .setup_coop_taskrun()
+            .setup_single_issuer()
+            .setup_defer_taskrun();
         if dev.sandboxed {
             // Restricted before it can run anything (see `sandbox::restrict_ring`).
             builder.setup_r_disabled();

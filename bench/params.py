@@ -1,0 +1,57 @@
+# The benchmark's parameters, all in one place. `bench/run` reads this file on the
+# host and the guest half reads it inside the VM; command-line flags of `bench/run`
+# (--rounds, --runtime, --servers, --quick) override a few of them.
+
+# ---- rounds and timing -------------------------------------------------------------
+ROUNDS = 5                # each round runs every server once, in a rotated order
+RUNTIME_S = 4             # fio --runtime (time_based), per run
+RAMP_S = 1                # fio --ramp_time, per run (its I/O is excluded from fio's stats)
+IDLE_S = 2                # per server turn: the server's CPU use with its device idle; 0: skip
+# (fio itself takes ~2 s to start under TCG: a run lasts RUNTIME_S + RAMP_S + ~3 s; the
+# CPU window excludes that, see measure() in bench.py. 4 s keeps the full run < 25 min.)
+
+# ---- servers, in the order of round 1 (later rounds rotate it) -----------------------
+SERVERS = ["ublkd", "kublk-b", "kublk", "rublk"]
+RATIO_BASELINES = ["kublk-b", "rublk"]      # the table prints ublkd / each of these
+
+# ---- devices -------------------------------------------------------------------------
+QUEUES = 1
+QUEUE_DEPTH = 128
+NULL_SIZE = "1G"          # ublkd's null device; fio touches only this much on every server
+LOOP_FILE = "/tmp/ublkd-bench-loop.img"     # in the guest's tmpfs
+LOOP_FILE_MB = 512
+
+# ---- fio jobs ------------------------------------------------------------------------
+# name: (target, rw, block size, iodepth, numjobs)
+JOBS = {
+    "null-randread-qd1-j1":  ("null", "randread", "4k", 1, 1),
+    "null-randread-qd64-j1": ("null", "randread", "4k", 64, 1),
+    "null-randread-qd1-j2":  ("null", "randread", "4k", 1, 2),
+    "null-randread-qd64-j2": ("null", "randread", "4k", 64, 2),
+    "loop-randread-qd64":    ("loop", "randread", "4k", 64, 1),
+    "loop-randwrite-qd64":   ("loop", "randwrite", "4k", 64, 1),
+    "loop-seqread-128k-qd16": ("loop", "read", "128k", 16, 1),
+}
+
+# ---- --quick: a smoke check of the whole pipeline in a few minutes --------------------
+QUICK = {
+    "ROUNDS": 2,
+    "RUNTIME_S": 2,
+    "RAMP_S": 1,
+    "IDLE_S": 1,
+    "JOBS": ["null-randread-qd1-j1", "null-randread-qd64-j1", "loop-randread-qd64"],
+}
+
+# ---- peers: built at run time into CACHE_DIR, never into the repository -------------
+CACHE_DIR = "/var/cache/ublkd-bench"        # must be visible in the guest (not /tmp)
+KUBLK_SOURCE_PACKAGE = "auto"   # "auto": the newest linux-source-X.Y apt knows; or e.g. "linux-source-7.2"
+KUBLK_RELEASE = "sid"           # the apt release linux-source, linux-libc-dev and liburing-dev come from
+LIBURING_MIN = (2, 15)
+RUBLK_VERSION = None            # None: the newest on crates.io; or e.g. "0.2.15"
+RUBLK_BUILD_TIMEOUT_S = 1200
+
+# ---- the VM ---------------------------------------------------------------------------
+VM_MEM_MB = 2048
+# Seconds per fio run beyond runtime+ramp (fio start-up and exit, device add/del, the
+# idle measurement), for the time estimate and the VM timeout (1.6 * estimate + 180).
+OVERHEAD_PER_RUN_S = 4.5
