@@ -42,22 +42,9 @@ impl BufRing {
     ) -> io::Result<BufRing> {
         let entries = min_entries.clamp(2, 1 << 15).next_power_of_two();
         let ring_bytes = entries * size_of::<BufRingEntry>();
-        // SAFETY: an anonymous private mapping with no address hint has no
-        // preconditions; the result is checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                ring_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ring = NonNull::new(ptr.cast::<BufRingEntry>()).expect("mmap never returns null");
+        let ring =
+            crate::device::map_anonymous(ring_bytes, libc::MAP_POPULATE)?.cast::<BufRingEntry>();
+        let ptr = ring.as_ptr();
         // The mapping is never unmapped (see `bufs`).
         let mut this = BufRing {
             bgid,

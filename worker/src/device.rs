@@ -95,21 +95,7 @@ unsafe impl Sync for TagBuffers {}
 impl TagBuffers {
     pub fn new(nr_queues: u16, depth: u16, buf_bytes: usize) -> io::Result<TagBuffers> {
         let total = usize::from(nr_queues) * usize::from(depth) * buf_bytes;
-        // SAFETY: a new anonymous private mapping; no existing memory is affected.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                total,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let base = NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null");
+        let base = map_anonymous(total, libc::MAP_NORESERVE)?;
         Ok(TagBuffers { base, depth, nr_queues, buf_bytes })
     }
 
@@ -125,6 +111,28 @@ impl TagBuffers {
         let index = usize::from(q_id) * usize::from(self.depth) + usize::from(tag);
         Some(self.base.as_ptr().wrapping_add(index * self.buf_bytes))
     }
+}
+
+/// A new private anonymous read-write mapping of `len` bytes (page aligned), with
+/// extra `flags` (`MAP_POPULATE`, `MAP_NORESERVE`). It is never unmapped by this
+/// crate: its users live as long as the worker.
+pub fn map_anonymous(len: usize, flags: libc::c_int) -> io::Result<NonNull<u8>> {
+    // SAFETY: a new anonymous private mapping with no address hint affects no existing
+    // memory; the result is checked below.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(NonNull::new(ptr.cast::<u8>()).expect("mmap never returns null"))
 }
 
 /// The system page size.
