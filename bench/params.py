@@ -55,3 +55,21 @@ VM_MEM_MB = 2048
 # Seconds per fio run beyond runtime+ramp (fio start-up and exit, device add/del, the
 # idle measurement), for the time estimate and the VM timeout (1.6 * estimate + 180).
 OVERHEAD_PER_RUN_S = 4.5
+
+# ---- the recovery-stall benchmark: `bench/run recovery` (bench/recovery.py) ----------
+# Per server, a loop device on a tmpfs file with fio verifying on it; the server is
+# SIGKILLed RECOVERY_KILLS times, RECOVERY_INTERVAL_S after each recovery completed.
+# ublkd recovers by itself; kublk-b (kublk -b -r 1 -i 1) gets `kublk recover` at once.
+RECOVERY_SERVERS = ["ublkd", "kublk-b"]
+RECOVERY_KILLS = 24             # per server, over all rounds (the issue asks >= 20)
+RECOVERY_ROUNDS = 2             # each server's kills split into this many series, alternating
+RECOVERY_INTERVAL_S = 1.0       # pause after a recovery completed, before the next kill
+RECOVERY_POLL_S = 0.0002        # sleep between stat polls: ~0.6-1.5 ms a poll under TCG
+RECOVERY_TIMEOUT_S = 60         # a kill whose I/O does not resume within this fails
+RECOVERY_FIO_SETTLE_S = 2       # fio runs this long before the first and after the last kill
+RECOVERY_VERIFY_BACKLOG = 256   # fio verify_backlog: verify written blocks during the run
+RECOVERY_LOOP_FILE = "/tmp/ublkd-bench-recovery.img"   # in the guest's tmpfs
+RECOVERY_LOOP_FILE_MB = 256
+RECOVERY_RESTART_MAX = 1000     # ublkd's [recovery] restart_max: never the limit here
+RECOVERY_KUBLK_MAX_ATTEMPTS = 200   # `kublk recover` re-runs (e.g. -EBUSY) per kill
+RECOVERY_TARGET_RATIO = 0.25    # median stall ublkd / kublk-b must be at most this

@@ -1,0 +1,755 @@
+#!/usr/bin/env python3
+"""ublkd's recovery-stall benchmark: how long I/O stalls when the server is SIGKILLed,
+ublkd (recovers by itself from a warm standby) beside kublk (`kill -9` of its daemon,
+then at once `kublk recover`, as an operator's script would), in one VM boot.
+
+Run through `bench/run recovery` (see bench/README.md). Three halves, one file:
+
+  host    build ublkd and kublk, boot the VM, collect its records, write the results
+  guest   (inside the VM) per server: a loop device, fio verifying on it, N kills
+  report  re-print the table of an earlier results dir
+
+The stall of one kill = from the kill(2) to the first I/O the device completes after
+the killed process is gone (`/sys/block/ublkbN/stat`, reads + writes completed, polled
+every RECOVERY_POLL_S). Python 3 standard library only; parameters in bench/params.py
+(the RECOVERY_* block). Shares its helpers (peer build, VM console parsing) with bench.py.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import params as P  # noqa: E402
+import bench as B  # noqa: E402
+
+REC = "@@UBLKD-RECOVERY-REC@@ "
+META = "@@UBLKD-RECOVERY-META@@ "
+DONE = "@@UBLKD-RECOVERY-DONE@@"
+SERVERS = ("ublkd", "kublk-b")
+
+log, die, emit = B.log, B.die, B.emit
+
+
+# ======================================================================================
+# host
+# ======================================================================================
+
+def effective_params(args):
+    prm = {k: getattr(P, k) for k in dir(P) if k.startswith("RECOVERY_")}
+    prm["CACHE_DIR"] = P.CACHE_DIR
+    prm["VM_MEM_MB"] = P.VM_MEM_MB
+    if args.kills:
+        prm["RECOVERY_KILLS"] = args.kills
+    if args.rounds:
+        prm["RECOVERY_ROUNDS"] = args.rounds
+    if args.interval is not None:
+        prm["RECOVERY_INTERVAL_S"] = args.interval
+    if args.servers:
+        prm["RECOVERY_SERVERS"] = args.servers.split(",")
+    for s in prm["RECOVERY_SERVERS"]:
+        if s not in SERVERS:
+            die(f"unknown server {s!r}; known: {', '.join(SERVERS)}", 2)
+    if prm["RECOVERY_ROUNDS"] < 1 or prm["RECOVERY_KILLS"] < prm["RECOVERY_ROUNDS"]:
+        die("need rounds >= 1 and kills >= rounds", 2)
+    return prm
+
+
+def estimate_s(prm):
+    per_kill = prm["RECOVERY_INTERVAL_S"] + 3.0        # stall + status queries, TCG
+    per_series = 2 * prm["RECOVERY_FIO_SETTLE_S"] + 12  # add, fio start-up, del
+    return (len(prm["RECOVERY_SERVERS"]) * (prm["RECOVERY_KILLS"] * per_kill
+            + prm["RECOVERY_ROUNDS"] * per_series) + 30)
+
+
+def host(args):
+    if os.geteuid() != 0:
+        die("needs root (the VM harness, apt-get download, the cache dir)")
+    prm = effective_params(args)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parent = os.path.abspath(args.out or os.path.join(HERE, "results"))
+    outdir = os.path.join(parent, f"recovery-{stamp}")
+    os.makedirs(outdir)
+    cache = prm["CACHE_DIR"]
+    os.makedirs(cache, exist_ok=True)
+    t0 = time.monotonic()
+
+    log("building ublkd: cargo build --release --workspace --bins")
+    try:
+        B.run(["cargo", "build", "--release", "--workspace", "--bins"], cwd=REPO)
+    except RuntimeError as e:
+        die(f"ublkd does not build: {e}")
+    paths = {"ublkd": os.path.join(REPO, "target", "release")}
+    versions, peer_errors = {"ublkd": B.git_rev()}, {}
+    if "kublk-b" in prm["RECOVERY_SERVERS"]:
+        try:
+            paths["kublk"], versions["kublk"] = B.build_kublk(cache, args.rebuild_peers)
+            log(f"kublk: {paths['kublk']}")
+        except Exception as e:
+            peer_errors["kublk"] = str(e)
+            prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"] if s != "kublk-b"]
+            log(f"kublk unavailable, continuing without it: {e}")
+
+    plan = {"params": prm, "paths": paths, "versions": versions,
+            "peer_errors": peer_errors, "outdir": outdir}
+    plan_path = os.path.join(outdir, "plan.json")
+    with open(plan_path, "w") as f:
+        json.dump(plan, f, indent=1)
+
+    est = estimate_s(prm)
+    timeout = int(2 * est + 180)
+    log(f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
+        f"{prm['RECOVERY_ROUNDS']} rounds, ~{est / 60:.0f} min in the VM (timeout "
+        f"{timeout} s); results: {outdir}")
+    cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
+           "--mem", str(prm["VM_MEM_MB"]), "--",
+           "python3", "-u", os.path.join(HERE, "recovery.py"), "guest", plan_path]
+    records, meta, done = [], {}, False
+    console = open(os.path.join(outdir, "console.log"), "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", bufsize=1)
+    prev = B.host_sample(proc.pid)
+    try:
+        for line in proc.stdout:
+            console.write(line)
+            console.flush()
+            for marker in (REC, META):
+                i = line.find(marker)
+                if i >= 0:
+                    try:
+                        obj = json.loads(line[i + len(marker):])
+                    except ValueError:
+                        print(f"bench: a record line was garbled on the console, dropped: "
+                              f"{line.strip()[:200]}", flush=True)
+                        break
+                    if marker == REC:
+                        obj["host_load1"] = os.getloadavg()[0]
+                        cur = B.host_sample(proc.pid)
+                        if cur[2] > prev[2]:
+                            obj["host_other_cpu_pct"] = round(
+                                100 * ((cur[0] - prev[0]) - (cur[1] - prev[1]))
+                                / (cur[2] - prev[2]), 1)
+                        prev = cur
+                        records.append(obj)
+                    else:
+                        meta.update(obj)
+                    break
+            else:
+                if DONE in line:
+                    done = True
+                    continue
+                m = re.match(r"\[vm\] booting (\S+) \((\w+), (\d+) vCPU", line)
+                if m:
+                    meta.setdefault("accel", m.group(2))
+                if (line.startswith(("[bench]", "[vm]", "install-host-deps"))
+                        or "error" in line.lower() or "panic" in line.lower()):
+                    print(line.rstrip("\n"), flush=True)
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait()
+    console.close()
+
+    results = {"meta": {**meta, "date": stamp, "host_elapsed_s": round(time.monotonic() - t0),
+                        "vm_exit": rc, "complete": done},
+               "params": prm, "versions": {**versions, **meta.get("versions", {})},
+               "peer_errors": peer_errors, "records": records}
+    results["summary"] = summarize(results)
+    write_outputs(results, outdir)
+    latest = os.path.join(parent, "latest-recovery")
+    if os.path.islink(latest) or not os.path.exists(latest):
+        if os.path.islink(latest):
+            os.unlink(latest)
+        os.symlink(os.path.basename(outdir), latest)
+    if not done or rc != 0:
+        die(f"the VM run did not finish (exit {rc}; see {outdir}/console.log); "
+            f"the table above holds the {len(records)} records it got", 1)
+    bad = [r for r in records if r.get("error")]
+    if bad:
+        print(f"bench: {len(bad)} kills or series failed; see results.json", flush=True)
+        sys.exit(1)
+
+
+# ======================================================================================
+# summary and table
+# ======================================================================================
+
+def summarize(results):
+    prm, recs = results["params"], results["records"]
+    out = {}
+    for srv in prm["RECOVERY_SERVERS"]:
+        kills = [r for r in recs if r.get("kind") == "kill" and r["server"] == srv]
+        ok = [r for r in kills if not r.get("error")]
+        series = [r for r in recs if r.get("kind") == "series" and r["server"] == srv]
+        out[srv] = {
+            "kills": len(ok), "failed_kills": len(kills) - len(ok),
+            "stall_ms": B.stats([r["stall_ms"] for r in ok]),
+            "death_ms": B.stats([r.get("death_ms") for r in ok]),
+            "poll_ms": B.stats([r.get("poll_ms") for r in ok]),
+            "last_recovery_ms": B.stats([r.get("last_recovery_ms") for r in ok]),
+            "recover_cmd_ms": B.stats([r.get("recover_cmd_ms") for r in ok]),
+            "recover_attempts": B.stats([r.get("recover_attempts") for r in ok]),
+            "series": len(series),
+            "series_ok": sum(1 for r in series if not r.get("error")),
+            "fio_ios": sum(r.get("fio_ios", 0) for r in series),
+        }
+    u, k = out.get("ublkd"), out.get("kublk-b")
+    if u and k and u["stall_ms"] and k["stall_ms"] and k["stall_ms"]["median"]:
+        r = u["stall_ms"]["median"] / k["stall_ms"]["median"]
+        out["ratio_ublkd_kublk"] = r
+        out["target_met"] = r <= prm["RECOVERY_TARGET_RATIO"]
+    return out
+
+
+def fms(v):
+    return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def table(results):
+    prm, summ = results["params"], results["summary"]
+    lines = []
+    head = (f"{'server':<9} {'kills':>5}  {'stall ms: min':>13} {'median':>7} {'max':>7}   "
+            f"{'death ms':>8}  {'ublkd last_recovery_ms':>22}  {'kublk recover':>14}  "
+            f"{'fio (exit 0, 0 errors)':<24}")
+    lines.append(head)
+    lines.append("-" * len(head))
+    for srv in prm["RECOVERY_SERVERS"]:
+        s = summ[srv]
+        st = s["stall_ms"]
+        fails = f" ({s['failed_kills']} failed)" if s["failed_kills"] else ""
+        lr = fms(s["last_recovery_ms"]["median"]) + " (median)" if s["last_recovery_ms"] else "-"
+        rc = "-"
+        if s["recover_cmd_ms"]:
+            rc = (f"{fms(s['recover_cmd_ms']['median'])} ms, "
+                  f"{s['recover_attempts']['max']:.0f}x max")
+        fio = f"{s['series_ok']}/{s['series']} series ok, {s['fio_ios']} I/Os"
+        if not st:
+            lines.append(f"{srv:<9} {s['kills']:>5}  no successful kill{fails}   {fio}")
+            continue
+        death = fms(s["death_ms"]["median"]) if s["death_ms"] else "-"
+        lines.append(f"{srv:<9} {s['kills']:>5}  {fms(st['min']):>13} {fms(st['median']):>7} "
+                     f"{fms(st['max']):>7}   {death:>8}  {lr:>22}  {rc:>14}  {fio}{fails}")
+    lines.append("")
+    if "ratio_ublkd_kublk" in summ:
+        r = summ["ratio_ublkd_kublk"]
+        lines.append(f"median stall ublkd / kublk-b = {r:.3f}  (target <= "
+                     f"{prm['RECOVERY_TARGET_RATIO']}: "
+                     f"{'met' if summ['target_met'] else 'NOT met'})")
+        lines.append("")
+    m = results["meta"]
+    polls = [summ[s]["poll_ms"]["median"] for s in prm["RECOVERY_SERVERS"]
+             if summ[s]["poll_ms"]]
+    lines.append(
+        f"{prm['RECOVERY_KILLS']} kills per server in {prm['RECOVERY_ROUNDS']} rounds, "
+        f"~{prm['RECOVERY_INTERVAL_S']} s after each recovery; loop device on a "
+        f"{prm['RECOVERY_LOOP_FILE_MB']} MiB tmpfs file, -q 1 -d 128; fio randrw 4k qd32 "
+        f"direct io_uring, verify=crc32c verify_fatal=1; kernel {m.get('kernel', '?')}, "
+        f"{m.get('cpus', '?')} vCPU ({m.get('accel', 'VM')}); ublkd "
+        f"{results['versions'].get('ublkd', '?')}.")
+    lines.append("stall = kill(2) -> first I/O completed (/sys/block/ublkbN/stat reads+writes) "
+                 "after the killed process is gone; death = kill(2) -> its pidfd readable; "
+                 "stat polled every ~"
+                 + (f"{statistics.median(polls):.2f}" if polls else "?") + " ms.")
+    lines.append("ublkd: kill -9 of the device's worker, ublkd recovers by itself (warm "
+                 "standby); last_recovery_ms = its own death-detected -> LIVE figure.")
+    lines.append("kublk-b: kublk add -t loop -b -r 1 -i 1; kill -9 of its daemon, then at once "
+                 "`kublk recover -n ID` with the add's arguments, re-run until it succeeds "
+                 "(recover: kill -> the successful command's exit; Nx = attempts).")
+    other = [r["host_other_cpu_pct"] for r in results["records"] if "host_other_cpu_pct" in r]
+    if other:
+        med = statistics.median(other)
+        lines.append(f"host CPU used by other work than this VM during the run: median "
+                     f"{med:.0f}%, max {max(other):.0f}% of one CPU"
+                     + (" -- the host was busy: these numbers are noisier than usual"
+                        if med > 20 else ""))
+    for peer, err in results.get("peer_errors", {}).items():
+        lines.append(f"{peer} was left out: {err.splitlines()[0]}")
+    errs = [r for r in results["records"] if r.get("error")]
+    for r in errs[:10]:
+        what = f"kill {r['kill']}" if r.get("kind") == "kill" else f"series {r.get('round')}"
+        lines.append(f"FAILED {r['server']} {what}: {r['error'][:300]}")
+    return "\n".join(lines)
+
+
+def write_outputs(results, outdir):
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = table(results)
+    with open(os.path.join(outdir, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    print()
+    print(text)
+    print()
+    print(f"results: {outdir}/results.json, table.txt, console.log", flush=True)
+
+
+def report(args):
+    path = args.dir
+    if os.path.isdir(path):
+        path = os.path.join(path, "results.json")
+    with open(path) as f:
+        results = json.load(f)
+    results["summary"] = summarize(results)
+    write_outputs(results, os.path.dirname(os.path.abspath(path)))
+
+
+# ======================================================================================
+# guest: servers
+# ======================================================================================
+
+class Counter:
+    """Reads + writes completed of /sys/block/DEV/stat, through one open fd."""
+
+    def __init__(self, dev):
+        self.fd = os.open(f"/sys/block/{dev}/stat", os.O_RDONLY)
+
+    def read(self):
+        v = os.pread(self.fd, 512, 0).split()
+        return int(v[0]) + int(v[4])
+
+    def close(self):
+        os.close(self.fd)
+
+
+def wait_pidfd(pidfd, timeout_s):
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(int(timeout_s * 1000)))
+
+
+def watch_resume(ctr, t0, pidfd, prm, on_poll=None):
+    """After kill(2) at t0: wait until the process is gone, then poll the counter until
+    it moves. Returns (t_dead, t_io, polls); t_io None on timeout."""
+    limit = prm["RECOVERY_TIMEOUT_S"]
+    if not wait_pidfd(pidfd, limit):
+        raise RuntimeError(f"the killed process was still there after {limit} s")
+    t_dead = time.monotonic()
+    base = ctr.read()
+    polls = 0
+    poll_s = prm["RECOVERY_POLL_S"]
+    while True:
+        polls += 1
+        if ctr.read() != base:
+            return t_dead, time.monotonic(), polls
+        now = time.monotonic()
+        if now - t0 > limit:
+            return t_dead, None, polls
+        if on_poll:
+            on_poll(now)
+        time.sleep(poll_s)
+
+
+class Ublkd:
+    name = "ublkd"
+    SOCK = "/run/ublkd-bench.sock"
+    CFG = "/run/ublkd-bench-recovery.toml"
+    LOG = "/run/ublkd-bench-recovery.log"
+
+    def __init__(self, plan):
+        self.bindir = plan["paths"]["ublkd"]
+        self.prm = plan["params"]
+        self.proc = None
+
+    def ctl(self, *a):
+        return B.sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
+
+    def start(self):
+        with open(self.CFG, "w") as f:
+            f.write(f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
+                    f'worker_user = "nobody"\n\n[recovery]\n'
+                    f'restart_max = {self.prm["RECOVERY_RESTART_MAX"]}\n')
+        logf = open(self.LOG, "a")
+        self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
+                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
+        end = time.monotonic() + 20
+        while not os.path.exists(self.SOCK):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ublkd exited {self.proc.returncode} at start: "
+                                   + B.tail(self.LOG))
+            if time.monotonic() > end:
+                raise RuntimeError("ublkd's socket did not appear within 20 s")
+            time.sleep(0.05)
+
+    def add(self):
+        out = self.ctl("add", "-t", "loop", "-f", self.prm["RECOVERY_LOOP_FILE"],
+                       "-q", "1", "-d", "128").strip().splitlines()
+        return int(out[-1])
+
+    def status(self, dev_id):
+        st = json.loads(self.ctl("status", "--json"))
+        for d in st.get("devices", []):
+            if d.get("id") == dev_id:
+                return d
+        raise RuntimeError(f"device {dev_id} is not in ublkctl status")
+
+    def ready(self, dev_id, old_pid=None, recoveries=None, timeout=None):
+        """Wait until the device is LIVE, served by a worker other than old_pid, with a
+        standby waiting (and `recoveries` moved past the given count). Returns status."""
+        end = time.monotonic() + (timeout or self.prm["RECOVERY_TIMEOUT_S"])
+        last = None
+        while time.monotonic() < end:
+            d = last = self.status(dev_id)
+            if (d.get("state") == "LIVE" and d.get("worker_pid")
+                    and d.get("worker_pid") != old_pid and d.get("standby_pid")
+                    and (recoveries is None or d.get("recoveries", 0) > recoveries)):
+                return d
+            time.sleep(0.05)
+        raise RuntimeError(f"device {dev_id} not recovered with a standby within the timeout; "
+                           f"last status: {json.dumps(last)[:400]}")
+
+    def kill_once(self, dev_id, ctr):
+        d = self.ready(dev_id)
+        pid, rec0 = int(d["worker_pid"]), d.get("recoveries", 0)
+        pidfd = os.pidfd_open(pid)
+        try:
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            t_dead, t_io, polls = watch_resume(ctr, t0, pidfd, self.prm)
+        finally:
+            os.close(pidfd)
+        res = {"pid": pid, "death_ms": (t_dead - t0) * 1e3, "polls": polls}
+        if t_io is None:
+            res["error"] = (f"no I/O completed within {self.prm['RECOVERY_TIMEOUT_S']} s of "
+                            f"the kill; status: {json.dumps(self.status(dev_id))[:400]}")
+            return res
+        res["stall_ms"] = (t_io - t0) * 1e3
+        res["poll_ms"] = (t_io - t_dead) * 1e3 / polls
+        d = self.ready(dev_id, old_pid=pid, recoveries=rec0)
+        res["ready_ms"] = (time.monotonic() - t0) * 1e3
+        res["last_recovery_ms"] = d.get("last_recovery_ms")
+        res["recoveries"] = d.get("recoveries")
+        res["new_pid"] = d.get("worker_pid")
+        res["reason"] = d.get("last_recovery_reason")
+        return res
+
+    def delete(self, dev_id):
+        self.ctl("del", "-n", str(dev_id))
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError("ublkd did not stop within 20 s of SIGTERM")
+        self.proc = None
+
+    def log_problems(self):
+        if not os.path.exists(self.LOG):
+            return None
+        # the kills themselves are logged as errors: count only the other lines
+        errs = [ln for ln in open(self.LOG, errors="replace")
+                if re.search(r"\b(ERROR|WARN)\b", ln)
+                and not re.search(r"killed by signal 9\b", ln)]
+        return (len(errs), errs[-1].strip()[:300]) if errs else None
+
+
+class Kublk:
+    """kublk -b with USER_RECOVERY|REISSUE; recovery is `kublk recover` run by us."""
+    name = "kublk-b"
+
+    def __init__(self, plan):
+        self.bin = plan["paths"]["kublk"]
+        self.prm = plan["params"]
+        self.daemon = {}
+        self.outf = "/run/ublkd-bench-kublk-recover.out"
+
+    def args(self):
+        return ["-t", "loop", "-q", "1", "-d", "128", "-b", "-r", "1", "-i", "1"]
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def _parse(self, out):
+        m = re.search(r"dev id (\d+):", out)
+        p = re.search(r"daemon pid (\d+)", out)
+        if not m or not p:
+            raise RuntimeError(f"no 'dev id N:' / 'daemon pid P' in: {out.strip()[:300]}")
+        self.daemon[int(m.group(1))] = int(p.group(1))
+        return int(m.group(1))
+
+    def add(self):
+        return self._parse(B.sh([self.bin, "add", *self.args(),
+                                 self.prm["RECOVERY_LOOP_FILE"]]))
+
+    def ready(self, dev_id):
+        out = B.sh([self.bin, "list", "-n", str(dev_id)])
+        if "state LIVE" not in out:
+            raise RuntimeError(f"kublk device {dev_id} is not LIVE: {out.strip()[:300]}")
+        self._parse(out)
+
+    def recover_cmd(self, dev_id):
+        return [self.bin, "recover", *self.args(), "-n", str(dev_id),
+                self.prm["RECOVERY_LOOP_FILE"]]
+
+    def kill_once(self, dev_id, ctr):
+        pid = self.daemon[dev_id]
+        holders = B.fd_holders(f"/dev/ublkc{dev_id}")
+        if holders != {pid}:
+            raise RuntimeError(f"/dev/ublkc{dev_id} is held by {sorted(holders)}, "
+                               f"kublk's daemon pid is {pid}")
+        cmd = self.recover_cmd(dev_id)
+        state = {"proc": None, "attempts": 0, "t_ok": None, "last_err": "", "t_start": 0}
+
+        def launch():
+            state["attempts"] += 1
+            state["out"] = open(self.outf, "w")
+            state["proc"] = subprocess.Popen(cmd, stdout=state["out"],
+                                             stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL)
+
+        def check(now):
+            """Between polls: re-run a recover that failed (e.g. -EBUSY, the old
+            daemon's file not yet released), as `until kublk recover ...` would."""
+            p = state["proc"]
+            if state["t_ok"] is not None or p.poll() is None:
+                return
+            state["out"].close()
+            if p.returncode == 0:
+                state["t_ok"] = now
+                return
+            state["last_err"] = B.tail(self.outf, 3)
+            if state["attempts"] >= self.prm["RECOVERY_KUBLK_MAX_ATTEMPTS"]:
+                return
+            time.sleep(0.01)
+            launch()
+
+        pidfd = os.pidfd_open(pid)
+        try:
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            launch()
+            t_dead, t_io, polls = watch_resume(ctr, t0, pidfd, self.prm, check)
+        finally:
+            os.close(pidfd)
+        res = {"pid": pid, "death_ms": (t_dead - t0) * 1e3, "polls": polls}
+        # the recover command's exit (LIVE) may come after the first I/O
+        end = t0 + self.prm["RECOVERY_TIMEOUT_S"]
+        while state["t_ok"] is None and time.monotonic() < end:
+            p = state["proc"]
+            if p.poll() is None:
+                time.sleep(0.005)
+                continue
+            if p.returncode != 0 and state["attempts"] >= self.prm["RECOVERY_KUBLK_MAX_ATTEMPTS"]:
+                state["out"].close()
+                state["last_err"] = B.tail(self.outf, 3)
+                break
+            check(time.monotonic())
+        res["recover_attempts"] = state["attempts"]
+        if state["t_ok"] is None:
+            if state["proc"].poll() is None:
+                state["proc"].kill()
+                state["proc"].wait()
+            res["error"] = (f"`{' '.join(cmd)}` did not succeed in {state['attempts']} "
+                            f"attempts; last output: {state['last_err']}")
+            return res
+        res["recover_cmd_ms"] = (state["t_ok"] - t0) * 1e3
+        with open(self.outf) as f:
+            out = f.read()
+        try:
+            self._parse(out)
+        except RuntimeError:
+            self.ready(dev_id)
+        res["new_pid"] = self.daemon[dev_id]
+        if t_io is None:
+            res["error"] = (f"no I/O completed within {self.prm['RECOVERY_TIMEOUT_S']} s of "
+                            f"the kill (recover succeeded after {res['recover_cmd_ms']:.0f} ms)")
+            return res
+        res["stall_ms"] = (t_io - t0) * 1e3
+        res["poll_ms"] = (t_io - t_dead) * 1e3 / polls
+        return res
+
+    def delete(self, dev_id):
+        B.sh([self.bin, "del", "-n", str(dev_id)])
+
+    def log_problems(self):
+        return None
+
+
+# ======================================================================================
+# guest: the series
+# ======================================================================================
+
+FIO_STOP = "/tmp/ublkd-bench-fio-stop"
+
+
+def fio_cmd(dev, prm, runtime):
+    # Stopped by creating FIO_STOP (--trigger-file): fio then ends its jobs and exits 0
+    # (SIGINT would make it exit 128). --runtime is only a safety cap.
+    return ["fio", "--name=recovery", f"--filename=/dev/{dev}", "--rw=randrw", "--bs=4k",
+            "--ioengine=io_uring", "--direct=1", "--iodepth=32", "--verify=crc32c",
+            "--verify_fatal=1", f"--verify_backlog={prm['RECOVERY_VERIFY_BACKLOG']}",
+            "--verify_state_save=0", "--time_based", f"--runtime={runtime}",
+            f"--trigger-file={FIO_STOP}", "--output-format=json"]
+
+
+def fio_check(rc, out, err):
+    """fio's result: raises unless it exited 0 with no error; returns its I/O counts."""
+    tail = " | ".join((err or "").strip().splitlines()[-4:])
+    if rc != 0:
+        raise RuntimeError(f"fio exited {rc}: {tail}")
+    try:
+        data = json.loads(out[out.index("{"):])
+    except ValueError:
+        raise RuntimeError(f"fio printed no json: {tail} {out[:200]}")
+    jb = data["jobs"][0]
+    if jb.get("error"):
+        raise RuntimeError(f"fio job error {jb['error']}: {tail}")
+    bad = [ln for ln in (err or "").splitlines()
+           if re.search(r"verify|io_u error|error=", ln, re.I)]
+    if bad:
+        raise RuntimeError(f"fio reported: {' | '.join(bad[:4])}")
+    r, w = jb["read"]["total_ios"], jb["write"]["total_ios"]
+    if not r or not w:
+        raise RuntimeError(f"fio did {r} reads and {w} writes")
+    return {"fio_reads": r, "fio_writes": w, "fio_ios": r + w,
+            "fio_runtime_ms": jb.get("job_runtime")}
+
+
+def run_series(sname, plan, rnd, nkills, first_kill, total):
+    prm = plan["params"]
+    srv = Ublkd(plan) if sname == "ublkd" else Kublk(plan)
+    tag = f"round {rnd}/{prm['RECOVERY_ROUNDS']} {sname:<8}"
+    series = {"kind": "series", "server": sname, "round": rnd}
+    dev_id = fio = ctr = None
+    ok = 0
+    try:
+        srv.start()
+        dev_id = srv.add()
+        dev = B.wait_dev(dev_id)
+        srv.ready(dev_id)
+        ctr = Counter(dev)
+        runtime = int(nkills * (prm["RECOVERY_INTERVAL_S"] + 30) + 120)
+        c_start = ctr.read()
+        if os.path.exists(FIO_STOP):
+            os.unlink(FIO_STOP)
+        fio = subprocess.Popen(fio_cmd(dev, prm, runtime), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd="/tmp")
+        end = time.monotonic() + 120
+        while ctr.read() == c_start:
+            if fio.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("fio did no I/O on the device")
+            time.sleep(0.02)
+        time.sleep(prm["RECOVERY_FIO_SETTLE_S"])
+        log(f"{tag} /dev/{dev}: fio verifying, {nkills} kills")
+        for i in range(nkills):
+            k = first_kill + i
+            rec = {"kind": "kill", "server": sname, "round": rnd, "kill": k + 1}
+            if fio.poll() is not None:
+                raise RuntimeError(f"fio ended before kill {k + 1} (exit {fio.returncode})")
+            try:
+                rec.update(srv.kill_once(dev_id, ctr))
+            except Exception as e:
+                rec["error"] = str(e)
+            emit(REC, rec)
+            if rec.get("error"):
+                log(f"{sname:<8} kill {k + 1}/{total}: FAILED: {rec['error'][:300]}")
+                raise RuntimeError(f"kill {k + 1} failed; the series stops")
+            ok += 1
+            extra = (f"ublkd last_recovery {rec['last_recovery_ms']} ms"
+                     if sname == "ublkd" else
+                     f"recover ok after {rec['recover_cmd_ms']:.0f} ms, "
+                     f"{rec['recover_attempts']} attempt(s)")
+            log(f"{sname:<8} kill {k + 1}/{total}: pid {rec['pid']} -> {rec['new_pid']}, "
+                f"stall {rec['stall_ms']:.0f} ms (dead after {rec['death_ms']:.0f} ms), "
+                f"{extra}")
+            time.sleep(prm["RECOVERY_INTERVAL_S"])
+        time.sleep(prm["RECOVERY_FIO_SETTLE_S"])
+        if fio.poll() is not None:
+            raise RuntimeError(f"fio ended early (exit {fio.returncode})")
+        open(FIO_STOP, "w").close()
+        out, err = fio.communicate(timeout=120)
+        series.update(fio_check(fio.returncode, out, err))
+        log(f"{tag} fio: exit 0, no errors, {series['fio_reads']} reads + "
+            f"{series['fio_writes']} writes verified with crc32c")
+    except Exception as e:
+        series["error"] = str(e)
+        log(f"{tag} FAILED: {e}")
+        if fio and fio.poll() is None:
+            fio.kill()
+            fio.wait()
+    series["kills_ok"] = ok
+    if ctr:
+        ctr.close()
+    if dev_id is not None:
+        try:
+            srv.delete(dev_id)
+        except Exception as e:
+            log(f"{tag} delete failed: {e}")
+    try:
+        srv.stop()
+    except Exception as e:
+        log(f"{tag} stop failed: {e}")
+    probs = srv.log_problems()
+    if probs:
+        series["server_log_problems"] = probs[0]
+        log(f"{tag} ublkd logged {probs[0]} warnings/errors (besides the kills) so far; "
+            f"the last: {probs[1]}")
+    emit(REC, series)
+    return ok
+
+
+def guest(args):
+    with open(args.plan) as f:
+        plan = json.load(f)
+    prm = plan["params"]
+    t_start = time.monotonic()
+    emit(META, {"kernel": os.uname().release, "cpus": os.cpu_count(),
+                "fio": B.sh(["fio", "--version"]).strip()})
+    log(f"creating the loop file {prm['RECOVERY_LOOP_FILE']} "
+        f"({prm['RECOVERY_LOOP_FILE_MB']} MiB, tmpfs)")
+    B.sh(["dd", "if=/dev/zero", f"of={prm['RECOVERY_LOOP_FILE']}", "bs=1M",
+          f"count={prm['RECOVERY_LOOP_FILE_MB']}", "status=none"], timeout=600)
+    servers, rounds, total = prm["RECOVERY_SERVERS"], prm["RECOVERY_ROUNDS"], prm["RECOVERY_KILLS"]
+    done = {s: 0 for s in servers}
+    for rnd in range(rounds):
+        order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
+        for sname in order:
+            n = total * (rnd + 1) // rounds - total * rnd // rounds
+            run_series(sname, plan, rnd + 1, n, done[sname], total)
+            done[sname] += n
+    log(f"done in {time.monotonic() - t_start:.0f} s in the VM")
+    print(DONE, flush=True)
+
+
+# ======================================================================================
+
+def main():
+    ap = argparse.ArgumentParser(prog="bench/run recovery", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    h = sub.add_parser("host", help="build, run the VM, write the results (the default)")
+    h.add_argument("--kills", type=int, help="override RECOVERY_KILLS (per server)")
+    h.add_argument("--rounds", type=int, help="override RECOVERY_ROUNDS")
+    h.add_argument("--interval", type=float, help="override RECOVERY_INTERVAL_S")
+    h.add_argument("--servers", help="comma-separated subset of " + ",".join(SERVERS))
+    h.add_argument("--out", help="results parent dir (default bench/results)")
+    h.add_argument("--rebuild-peers", action="store_true", help="rebuild kublk even if cached")
+    g = sub.add_parser("guest", help="(inside the VM) run the series of a plan")
+    g.add_argument("plan")
+    r = sub.add_parser("report", help="re-print the table of a results dir")
+    r.add_argument("dir")
+    argv = sys.argv[1:]
+    if not argv or argv[0] not in ("host", "guest", "report", "-h", "--help"):
+        argv = ["host"] + argv
+    args = ap.parse_args(argv)
+    {"host": host, "guest": guest, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
