@@ -403,6 +403,7 @@ impl Daemon {
         let ids: Vec<u32> = self.devices.keys().copied().collect();
         for id in ids {
             let Some(dev) = self.devices.get_mut(&id) else { continue };
+            dev.refill_standby_if_due(&self.ctx);
             if let Some(how) = dev.standby_exited() {
                 tracing::warn!(dev_id = id, "{how}; starting another");
                 dev.refill_standby(&self.ctx);

@@ -41,6 +41,8 @@ const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// How long the kernel may take to release a dead worker's `/dev/ublkcN`.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long after a recovery the next standby worker starts.
+const STANDBY_DELAY: Duration = Duration::from_millis(300);
 
 /// Errors in a device's lifecycle. Each names the device.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +106,8 @@ pub struct Device {
     pub last_recovery_reason: Option<String>,
     /// When recent recoveries happened, for the restart budget.
     restarts: VecDeque<Instant>,
+    /// When to start the next standby (set by a recovery).
+    standby_due: Option<Instant>,
     hang: HangWatch,
 }
 
@@ -207,6 +211,7 @@ impl Device {
             last_recovery_ms: None,
             last_recovery_reason: None,
             restarts: VecDeque::new(),
+            standby_due: None,
             hang: HangWatch { beats: 0, since: Instant::now() },
         })
     }
@@ -323,7 +328,9 @@ impl Device {
                         });
                     }
                     std::thread::sleep(delay);
-                    delay = (delay * 2).min(Duration::from_millis(50));
+                    // The release usually takes tens of milliseconds: a short cap keeps
+                    // the overshoot past it small.
+                    delay = (delay * 2).min(Duration::from_millis(4));
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -342,8 +349,18 @@ impl Device {
             "device recovered ({reason})"
         );
         self.worker = Some(worker);
-        self.refill_standby(ctx);
+        // The next standby starts a little later, not while the requeued I/O is being
+        // served: on a small machine it would compete with the new worker for CPU.
+        self.standby_due = Some(Instant::now() + STANDBY_DELAY);
         Ok(stall)
+    }
+
+    /// Starts the standby a recovery left for later, once it is due.
+    pub fn refill_standby_if_due(&mut self, ctx: &Context) {
+        if self.standby_due.is_some_and(|due| Instant::now() >= due) {
+            self.standby_due = None;
+            self.refill_standby(ctx);
+        }
     }
 
     /// Records a recovery attempt against the budget of `max` in `window`; false when
