@@ -19,7 +19,7 @@ use crate::kernel::Kernel;
 pub const BUSYBOX: &str = "/bin/busybox";
 
 /// Bump when the image layout changes in a way the hashed inputs do not show.
-const LAYOUT_VERSION: u32 = 2;
+const LAYOUT_VERSION: u32 = 3;
 
 /// The guest's `/init` (busybox `sh`).
 ///
@@ -64,10 +64,23 @@ ln -sfn /proc/self/fd $H/dev/fd
 ln -sfn /proc/self/fd/0 $H/dev/stdin
 ln -sfn /proc/self/fd/1 $H/dev/stdout
 ln -sfn /proc/self/fd/2 $H/dev/stderr
-for d in /tmp /var/tmp; do
-  [ -d $H$d ] && { mount -t tmpfs -o mode=1777 tmpfs $H$d || fail "mount $H$d"; }
-done
 mount -t tmpfs -o mode=755 tmpfs $H/run || fail "mount $H/run"
+# /tmp and /var/tmp are writable in the guest. Where overlayfs loads, they show the
+# host's files under a tmpfs upper layer, so a checkout under /tmp (as a CI runner
+# may make) is still there; otherwise they are plain, empty tmpfs.
+OVL="$H$RUN/../../kernel/$(uname -r)/overlay.ko"
+[ -f "$OVL" ] && insmod "$OVL" 2>/dev/null
+for d in tmp var/tmp; do
+  [ -d $H/$d ] || continue
+  u=$H/run/ublkd-vm-overlay/$d
+  mkdir -p $u/upper $u/work && chmod 1777 $u/upper
+  if grep -qw overlay /proc/filesystems &&
+    mount -t overlay overlay -o lowerdir=$H/$d,upperdir=$u/upper,workdir=$u/work $H/$d; then
+    :
+  else
+    mount -t tmpfs -o mode=1777 tmpfs $H/$d || fail "mount $H/$d"
+  fi
+done
 ip link set lo up 2>/dev/null
 [ -f "$H$RUN/params" ] || fail "no $RUN/params in the host's root"
 CHECK_BIN=

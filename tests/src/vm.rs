@@ -57,8 +57,9 @@ pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
 pub const DEFAULT_MEM_MB: u32 = 2048;
 /// Default vCPU count (1 vCPU boots slower under TCG).
 pub const DEFAULT_CPUS: u32 = 2;
-/// Directories the guest covers with its own mounts.
-pub const GUEST_HIDDEN_DIRS: &[&str] = &["/tmp", "/var/tmp", "/run", "/proc", "/sys", "/dev"];
+/// Directories the guest covers with its own mounts. (`/tmp` and `/var/tmp` are not
+/// here: the guest overlays them, so the host's files stay visible.)
+pub const GUEST_HIDDEN_DIRS: &[&str] = &["/run", "/proc", "/sys", "/dev"];
 /// The virtiofs tag the guest mounts.
 const FS_TAG: &str = "hostfs";
 /// How long qemu may take to exit after the guest reported the command's status.
@@ -655,9 +656,10 @@ mod tests {
 
     #[test]
     fn paths_below_guest_mounts_are_hidden_but_the_mount_points_are_not() {
-        assert_eq!(hidden_in_guest(Path::new("/tmp/x/test")), Some("/tmp"));
+        // /tmp is overlaid in the guest, not covered: a checkout there stays visible.
+        assert_eq!(hidden_in_guest(Path::new("/tmp/x/test")), None);
         assert_eq!(hidden_in_guest(Path::new("/run/user/0/bin")), Some("/run"));
-        assert_eq!(hidden_in_guest(Path::new("/tmp")), None);
+        assert_eq!(hidden_in_guest(Path::new("/run")), None);
         assert_eq!(hidden_in_guest(Path::new("/tmpfoo/bin")), None);
         assert_eq!(hidden_in_guest(Path::new("/work/main/target/debug/ublkd-vm")), None);
         assert_eq!(hidden_in_guest(Path::new("uname")), None);
