@@ -4,7 +4,10 @@
 //!
 //! 1. fds: everything but stdio and the control socket is closed (`close_range`).
 //! 2. rlimits: `NOFILE`, `CORE` 0, `MEMLOCK` lowered (raising them back needs a
-//!    capability the worker no longer has).
+//!    capability the worker no longer has). `NPROC` is left alone on purpose: io_uring
+//!    starts its io-wq kernel threads (fsync, fallocate, buffered loop I/O) as the
+//!    worker's user, so a low limit would starve the data path; thread creation is
+//!    closed by seccomp stage 2 instead.
 //! 3. identity: supplementary groups cleared, then gid and uid set to the dedicated
 //!    unprivileged user, after the capability bounding set was emptied.
 //! 4. namespaces: new user, mount, network, IPC, UTS and cgroup namespaces (the user
