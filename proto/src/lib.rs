@@ -3,6 +3,7 @@
 //! - [`uapi`]: the ublk kernel interface (Linux 7.2 `include/uapi/linux/ublk_cmd.h`),
 //!   the one place the kernel's structs and constants are written down.
 //! - [`batch`]: typed encoding and decoding of `UBLK_F_BATCH_IO` element buffers.
+//! - [`sqe`]: the io_uring SQEs of the batch PREP, COMMIT and multishot FETCH.
 //! - [`ctrl`]: the control-plane client for `/dev/ublk-control`.
 //! - [`codec`]: the one wire codec for messages between processes, with size limits.
 //! - [`msg`]: the supervisor↔worker and ctl↔supervisor messages and their transport.
@@ -16,4 +17,5 @@ pub mod ctrl;
 pub mod errno;
 pub mod msg;
 pub mod shm;
+pub mod sqe;
 pub mod uapi;

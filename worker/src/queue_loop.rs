@@ -16,10 +16,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use io_uring::{IoUring, cqueue, squeue};
 use ublkd_proto::batch::{self, BatchElem, ElemBuf, ElemFormat};
 use ublkd_proto::shm::{TagRecord, tag_state};
-use ublkd_proto::uapi::{self, AsBytes, UblkBatchIo};
+use ublkd_proto::sqe;
+use ublkd_proto::uapi;
 
 use crate::bufring::BufRing;
 use crate::device::Device;
@@ -87,6 +88,9 @@ fn user_data(kind: u64, q_id: u16, low: u32) -> u64 {
 fn split(ud: u64) -> (u64, u16, u32) {
     (ud >> 56, (ud >> 32) as u16, ud as u32)
 }
+
+/// Index of `/dev/ublkcN` in each ring's registered files.
+const UBLKC_FIXED_FD: u32 = 0;
 
 /// The commit format of kernel-copy mode: header plus the tag's buffer address.
 const COMMIT_FORMAT: ElemFormat = ElemFormat::WITH_BUF_ADDR;
@@ -206,8 +210,13 @@ impl QueueThread {
                     .push(BatchElem { tag, buf_addr, ..BatchElem::default() })
                     .expect("capacity is the depth");
             }
-            let sqe = batch_sqe(uapi::UBLK_U_IO_PREP_IO_CMDS, elems.header(q_id), elems.as_bytes())
-                .user_data(user_data(KIND_PREP, q_id, 0));
+            let sqe = sqe::batch_cmd(
+                UBLKC_FIXED_FD,
+                uapi::UBLK_U_IO_PREP_IO_CMDS,
+                elems.header(q_id),
+                elems.as_bytes(),
+            )
+            .user_data(user_data(KIND_PREP, q_id, 0));
             self.push(&sqe)?;
             bufs.push(elems);
         }
@@ -235,15 +244,8 @@ impl QueueThread {
         if q.fetch_armed || q.closed {
             return Ok(());
         }
-        let header = UblkBatchIo {
-            q_id: q.q_id,
-            flags: 0,
-            nr_elem: self.dev.depth.min(batch::MAX_TAGS_PER_FETCH as u16),
-            elem_bytes: 2,
-            ..UblkBatchIo::default()
-        };
-        let sqe =
-            fetch_sqe(header, q.bufring.bgid()).user_data(user_data(KIND_FETCH, q.q_id, qi as u32));
+        let sqe = sqe::fetch(UBLKC_FIXED_FD, q.q_id, self.dev.depth, q.bufring.bgid())
+            .user_data(user_data(KIND_FETCH, q.q_id, qi as u32));
         self.push(&sqe)?;
         self.queues[qi].fetch_armed = true;
         Ok(())
@@ -270,9 +272,10 @@ impl QueueThread {
         {
             // Ask the ring to open a host file: its restrictions must refuse.
             let path = c"/etc/passwd";
-            let sqe = opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), path.as_ptr())
-                .build()
-                .user_data(user_data(KIND_ATTACK, 0, 0));
+            let sqe =
+                io_uring::opcode::OpenAt::new(io_uring::types::Fd(libc::AT_FDCWD), path.as_ptr())
+                    .build()
+                    .user_data(user_data(KIND_ATTACK, 0, 0));
             self.push(&sqe)?;
         }
         loop {
@@ -506,9 +509,13 @@ impl QueueThread {
                     self.commit_slots.len() - 1
                 }
             };
-            let sqe =
-                batch_sqe(uapi::UBLK_U_IO_COMMIT_IO_CMDS, elems.header(q_id), elems.as_bytes())
-                    .user_data(user_data(KIND_COMMIT, q_id, slot as u32));
+            let sqe = sqe::batch_cmd(
+                UBLKC_FIXED_FD,
+                uapi::UBLK_U_IO_COMMIT_IO_CMDS,
+                elems.header(q_id),
+                elems.as_bytes(),
+            )
+            .user_data(user_data(KIND_COMMIT, q_id, slot as u32));
             // The element buffer's heap storage does not move when the ElemBuf moves
             // into its slot, so the address in the SQE stays valid.
             self.commit_slots[slot] = Some((q_id, elems));
@@ -547,44 +554,6 @@ impl QueueThread {
         self.spare.push(elems);
         Ok(())
     }
-}
-
-/// A PREP or COMMIT SQE: the batch header in the command area, the elements at `addr`.
-fn batch_sqe(cmd_op: u32, header: UblkBatchIo, elems: &[u8]) -> squeue::Entry {
-    let mut cmd = [0u8; 16];
-    cmd.copy_from_slice(header.as_bytes());
-    opcode::UringCmd16::new(types::Fixed(0), cmd_op)
-        .cmd(cmd)
-        .addr(Some(elems.as_ptr() as u64))
-        .build()
-}
-
-// The SQE's layout (`struct io_uring_sqe`), for the two fields the `io-uring` crate
-// cannot set on a URING_CMD: `uring_cmd_flags` and `buf_group`.
-const SQE_URING_CMD_FLAGS: usize = 28;
-const SQE_BUF_GROUP: usize = 40;
-const _: () = assert!(size_of::<squeue::Entry>() == 64);
-
-/// A multishot FETCH SQE selecting buffers from group `bgid`.
-fn fetch_sqe(header: UblkBatchIo, bgid: u16) -> squeue::Entry {
-    let mut cmd = [0u8; 16];
-    cmd.copy_from_slice(header.as_bytes());
-    let entry = opcode::UringCmd16::new(types::Fixed(0), uapi::UBLK_U_IO_FETCH_IO_CMDS)
-        .cmd(cmd)
-        .build()
-        .flags(squeue::Flags::BUFFER_SELECT);
-    // SAFETY: `squeue::Entry` is a `#[repr(C)]` wrapper of the kernel's 64-byte
-    // `io_uring_sqe` (size asserted above), made of integers and unions of integers:
-    // every byte is initialised and any byte pattern is a valid value, so it can be
-    // viewed as bytes and back.
-    let mut raw: [u8; 64] = unsafe { std::mem::transmute(entry) };
-    let flags = u32::from_ne_bytes(
-        raw[SQE_URING_CMD_FLAGS..SQE_URING_CMD_FLAGS + 4].try_into().expect("4 bytes"),
-    ) | uapi::IORING_URING_CMD_MULTISHOT;
-    raw[SQE_URING_CMD_FLAGS..SQE_URING_CMD_FLAGS + 4].copy_from_slice(&flags.to_ne_bytes());
-    raw[SQE_BUF_GROUP..SQE_BUF_GROUP + 2].copy_from_slice(&bgid.to_ne_bytes());
-    // SAFETY: as above.
-    unsafe { std::mem::transmute::<[u8; 64], squeue::Entry>(raw) }
 }
 
 #[cfg(test)]
@@ -629,20 +598,5 @@ mod tests {
     #[test]
     fn user_data_round_trips() {
         assert_eq!(split(user_data(KIND_COMMIT, 513, 77)), (KIND_COMMIT, 513, 77));
-    }
-
-    #[test]
-    fn fetch_sqe_sets_multishot_and_buffer_group() {
-        let e = fetch_sqe(UblkBatchIo { q_id: 3, elem_bytes: 2, ..Default::default() }, 9);
-        // SAFETY: see fetch_sqe.
-        let raw: [u8; 64] = unsafe { std::mem::transmute(e) };
-        assert_eq!(raw[0], opcode::UringCmd16::CODE);
-        assert_eq!(
-            u32::from_ne_bytes(raw[28..32].try_into().unwrap()),
-            uapi::IORING_URING_CMD_MULTISHOT
-        );
-        assert_eq!(u16::from_ne_bytes([raw[40], raw[41]]), 9);
-        assert_ne!(raw[1] & (1 << 5), 0, "IOSQE_BUFFER_SELECT");
-        assert_eq!(u16::from_ne_bytes([raw[48], raw[49]]), 3, "q_id in the command area");
     }
 }
