@@ -15,7 +15,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Ublkd, block_dev, run_ok, wait_for_path};
+use common::{Ublkd, block_dev, run_ok, serial, wait_for_path};
 
 fn hooked_worker() -> PathBuf {
     // target/debug/deps/sandbox-… → target/test-hooks/debug/ublkd-worker
@@ -76,6 +76,7 @@ fn assert_device_serves(id: u32) {
 
 /// An attack the sandbox answers by killing the worker: the device is recovered.
 fn assert_killed_and_recovered(name: &str, attack: &str) {
+    let _serial = serial();
     let (ublkd, id) = attacked(name, attack);
     wait_until("the attacked worker's recovery", &ublkd, || {
         ublkd.status_of(id)["recoveries"].as_u64() == Some(1)
@@ -96,6 +97,7 @@ fn assert_killed_and_recovered(name: &str, attack: &str) {
 
 /// An attack the sandbox answers with an error: the worker reports it and serves on.
 fn assert_refused(name: &str, attack: &str, error: &str) {
+    let _serial = serial();
     let (ublkd, id) = attacked(name, attack);
     let line = format!("attack {attack}: blocked");
     wait_until("the attack's outcome", &ublkd, || {
@@ -123,6 +125,7 @@ fn a_host_path_is_not_even_visible() {
 
 #[test]
 fn another_devices_shared_region_is_not_visible() {
+    let _serial = serial();
     // Device 0's region, a file the supervisor keeps in its state dir; device 1's worker
     // (and 0's own) look for it by path and must not find it.
     let name = "sbx-other";
@@ -184,6 +187,7 @@ fn raising_an_rlimit_kills_the_worker() {
 
 #[test]
 fn status_shows_the_sandbox_in_force() {
+    let _serial = serial();
     let ublkd = Ublkd::start_with("sbx-status", "worker_user = \"nobody\"\n", &[]);
     let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
     let status = ublkd.status_of(id);

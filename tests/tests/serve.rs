@@ -10,23 +10,14 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard};
 
 use common::{
     FioJob, Mount, Ublkd, assert_fio_clean, block_dev, fd_targets, fio, fio_args, fio_verify_args,
-    holders, kernel_devices, pattern, pid_exists, run, run_ok, sha256, sparse_file, ublk_nodes,
-    worker_pids, write_file,
+    holders, kernel_devices, pattern, pid_exists, run, run_ok, serial, sha256, sparse_file,
+    ublk_nodes, worker_pids, write_file,
 };
 
 const MIB: u64 = 1 << 20;
-
-/// The tests check machine-wide state (every ublk device, every worker process), so
-/// they run one at a time even without `--test-threads=1`.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Two fio passes over `dev`, two jobs each on their own `region` bytes: random mixed
 /// reads and writes verifying what they wrote, then random writes covering each region

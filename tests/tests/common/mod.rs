@@ -17,6 +17,14 @@ use ublkd_proto::ctrl::CtrlClient;
 /// How long `ublkd` may take to stop and delete its devices after SIGTERM.
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The system tests check machine-wide state (every ublk device, every worker
+/// process): each holds this for its whole run, so a test binary's tests run one at a
+/// time even without `--test-threads=1`.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A workspace binary: they sit two levels above this test binary (target/debug/deps).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
