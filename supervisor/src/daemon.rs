@@ -569,7 +569,7 @@ impl Daemon {
     }
 
     fn listing(&self, id: u32) -> Option<DevListing> {
-        let dev = self.devices.get(&id)?;
+        self.devices.contains_key(&id).then_some(())?;
         let info = self.ctx.ctrl.get_dev_info(id).ok()?;
         let params = self.ctx.ctrl.get_params(id).ok()?;
         Some(DevListing {
@@ -583,7 +583,6 @@ impl Daemon {
             flags: info.flags,
             state: DevState::from_raw(info.state).to_string(),
         })
-        .filter(|_| dev.id == id)
     }
 
     fn status(&self, id: u32) -> Option<DevStatus> {

@@ -1,4 +1,4 @@
-//! `ublkd-vm guest-check`: run by the guest's `/init` (inside the chroot, as the host's
+//! `ublkd-vm guest-check`: run by the guest's `/init` (after the switch into the host's root, as the host's
 //! `ublkd-vm` binary) before the command. Reads the ublk feature mask with
 //! `UBLK_U_CMD_GET_FEATURES` through `ublkd-proto`'s control client, prints it, and
 //! fails if `UBLK_F_BATCH_IO` is missing — ublkd's data path needs it.

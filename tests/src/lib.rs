@@ -8,8 +8,8 @@
 //!   `linux-modules-<abi>` for a `*-cloud-amd64` ABI ≥ 7.0 and sid's `linux-libc-dev`, and
 //!   unpacks them into the [`cache`] with `dpkg-deb -x` (nothing is installed).
 //! - [`initramfs`]: a small cpio with static busybox, `ublk_drv.ko` and an `/init` that
-//!   loads ublk, mounts the host's root read-only over virtiofs, chroots into it and runs
-//!   the command.
+//!   loads ublk, mounts the host's root read-only over virtiofs (with writable overlays on
+//!   `/tmp` and `/var/tmp`), switch_roots into it and runs the command.
 //! - [`script`]: what the guest runs: the command, its cwd and the forwarded environment,
 //!   written as a shell script into a per-run directory the guest sees through virtiofs.
 //! - [`console`]: the guest's serial console, split into program output and the

@@ -1,9 +1,9 @@
 //! What the guest runs, written into the run directory (which the guest reads through
 //! virtiofs at the same path):
 //!
-//! - `params`: sourced by the guest's busybox `/init` before the chroot (`CHECK_BIN`, the
+//! - `params`: sourced by the guest's busybox `/init` before the switch into the host's root (`CHECK_BIN`, the
 //!   host path of the `ublkd-vm` binary that performs `guest-check`);
-//! - `cmd.sh`: run by the host's `/bin/sh` inside the chroot: exports the forwarded
+//! - `cmd.sh`: run by the host's `/bin/sh` inside the guest: exports the forwarded
 //!   environment and `UBLKD_VM_GUEST=1`, enters the host's cwd and `exec`s the command.
 //!
 //! Only a few variables cross into the guest ([`FORWARDED_VARS`], and the
@@ -89,7 +89,8 @@ pub struct GuestCommand {
 
 /// `cmd.sh` for `cmd`.
 pub fn command_script(cmd: &GuestCommand) -> Vec<u8> {
-    let mut s = b"# ublkd-vm: the guest command (run by /bin/sh inside the chroot)\n".to_vec();
+    let mut s =
+        b"# ublkd-vm: the guest command (run by the host's /bin/sh inside the guest)\n".to_vec();
     for (name, value) in &cmd.env {
         push_export(&mut s, name, value);
     }
