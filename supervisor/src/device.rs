@@ -165,6 +165,7 @@ impl Device {
             dev_id = id,
             worker_pid = worker.pid(),
             target = dev.spec.target.name(),
+            event = "live",
             "device LIVE"
         );
         dev.worker = Some(worker);
@@ -346,6 +347,7 @@ impl Device {
             dev_id = id,
             worker_pid = worker.pid(),
             stall_ms = stall.as_millis() as u64,
+            event = "recovered",
             "device recovered ({reason})"
         );
         self.worker = Some(worker);
@@ -403,7 +405,7 @@ impl Device {
         }
         stopped?;
         deleted?;
-        tracing::info!(dev_id = id, "device deleted");
+        tracing::info!(dev_id = id, event = "deleted", "device deleted");
         Ok(())
     }
 
