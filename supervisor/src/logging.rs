@@ -15,7 +15,10 @@
 //!
 //! work. The supervisor's fields: `DEV_ID` (the kernel device id), `WORKER_PID`,
 //! `EVENT` (a short name of what happened, on the events worth filtering for), plus
-//! `STALL_MS`, `TARGET`, `FILE`, `SOCKET` where they apply.
+//! `STALL_MS`, `FILE`, `SOCKET` where they apply. (`TARGET` is the crate's: the Rust
+//! module that logged; a device's target kind logged as `target` joins it there.)
+//! Levels map to syslog priorities as syslog means them: error 3, warn 4, info 6,
+//! debug and trace 7.
 //!
 //! The level: `UBLKD_LOG`, else `RUST_LOG` (both in `EnvFilter` syntax, e.g.
 //! `ublkd=debug`), else `info`, `debug` or `trace` for no, one or more `-v`.
@@ -23,6 +26,7 @@
 use std::io::IsTerminal;
 use std::os::fd::{AsFd, BorrowedFd};
 
+use tracing_journald::{Priority, PriorityMappings};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -46,7 +50,11 @@ pub fn init(program: &str, verbose: u8) -> Sink {
     let journal = stderr_is_journal(std::env::var("JOURNAL_STREAM").ok().as_deref())
         .then(tracing_journald::layer)
         .map(|layer| {
-            layer.map(|l| l.with_field_prefix(None).with_syslog_identifier(program.to_string()))
+            layer.map(|l| {
+                l.with_field_prefix(None)
+                    .with_syslog_identifier(program.to_string())
+                    .with_priority_mappings(priorities())
+            })
         });
     match journal {
         Some(Ok(layer)) => {
@@ -64,6 +72,19 @@ pub fn init(program: &str, verbose: u8) -> Sink {
             init_stderr(filter);
             Sink::Stderr
         }
+    }
+}
+
+/// syslog's meaning of the levels: routine events (a device LIVE, a recovery) are
+/// `info` (6), so that `journalctl -p notice` shows only what needs a look; the crate's
+/// default would log them at `notice` (5).
+fn priorities() -> PriorityMappings {
+    PriorityMappings {
+        error: Priority::Error,
+        warn: Priority::Warning,
+        info: Priority::Informational,
+        debug: Priority::Debug,
+        trace: Priority::Debug,
     }
 }
 
