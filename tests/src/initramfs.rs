@@ -403,6 +403,21 @@ mod tests {
     }
 
     #[test]
+    fn the_systemd_guest_reports_like_the_plain_one_and_masks_the_tree_walkers() {
+        let (_, systemd) = INIT_SCRIPT.split_once("if [ -n \"$SYSTEMD\" ]; then").unwrap();
+        let (systemd, _) = systemd.split_once("\nfi\n").unwrap();
+        for kind in ["READY", "CHECK-FAILED", "EXIT"] {
+            assert!(systemd.contains(&format!("echo; echo \"$M:{kind}:")), "{kind}");
+        }
+        assert!(systemd.contains("guest-check"));
+        assert!(
+            systemd.contains("exec switch_root $R /lib/systemd/systemd --unit=ublkd-vm.target")
+        );
+        assert!(systemd.contains("systemd-tmpfiles-setup.service"), "tmpfiles would clean /tmp");
+        assert!(systemd.contains("usr/sbin/policy-rc.d"), "packages could not start services");
+    }
+
+    #[test]
     fn init_prints_every_marker_on_its_own_line() {
         for kind in ["SETUP-FAILED", "READY", "CHECK-FAILED", "EXIT"] {
             assert!(INIT_SCRIPT.contains(&format!("echo; echo \"$M:{kind}:")), "{kind}");

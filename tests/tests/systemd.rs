@@ -309,7 +309,8 @@ fn journal_entry(matches: &str, what: &str) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let mut cmd = Command::new("journalctl");
-        cmd.args(["-o", "json", "-n", "1", "--no-pager", "_SYSTEMD_UNIT=ublkd.service"]);
+        // The README's form: `journalctl -u ublkd FIELD=value`.
+        cmd.args(["-u", "ublkd", "-o", "json", "-n", "1", "--no-pager"]);
         cmd.args(matches.split_whitespace());
         let out = run_ok(&mut cmd);
         if let Some(line) = out.lines().last() {
