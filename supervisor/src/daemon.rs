@@ -412,8 +412,9 @@ impl Daemon {
                 tracing::warn!(dev_id = id, "{how}; starting another");
                 dev.refill_standby(&self.ctx);
             }
+            let pid = dev.worker.as_ref().map(|w| w.pid());
             let Some(how) = dev.worker_exited() else { continue };
-            tracing::error!(dev_id = id, event = "worker_died", "{how}");
+            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{how}");
             let reason = dev.note.take().unwrap_or(how);
             self.recover_within_budget(id, &reason);
         }
@@ -458,7 +459,13 @@ impl Daemon {
                     "worker hung: I/O in flight and no progress for {:.1} s",
                     stuck.as_secs_f64()
                 );
-                tracing::error!(dev_id = id, event = "worker_hung", "{reason}; killing it");
+                let pid = dev.worker.as_ref().map(|w| w.pid());
+                tracing::error!(
+                    dev_id = id,
+                    worker_pid = pid,
+                    event = "worker_hung",
+                    "{reason}; killing it"
+                );
                 dev.note = Some(reason);
                 dev.kill_worker();
             }

@@ -146,7 +146,7 @@ fn ublkd_package_under_systemd() {
         "the watchdog fired on a worker hang ublkd handles itself"
     );
     assert_eq!(prop("ActiveState"), "active");
-    journal_entry("EVENT=worker_hung DEV_ID=7", "the hung worker");
+    journal_entry(&format!("EVENT=worker_hung DEV_ID=7 WORKER_PID={stopped}"), "the hung worker");
     fio.finish();
 
     step("5b. a SIGSTOPped ublkd: the watchdog fires, systemd restarts it");
