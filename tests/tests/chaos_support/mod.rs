@@ -47,6 +47,8 @@ pub struct Recovery {
     pub hung_timeout_secs: u32,
     pub restart_max: u32,
     pub restart_window_secs: u32,
+    /// `on_restart_limit = "fail-io"` instead of the default `"quiesce"`.
+    pub fail_io: bool,
 }
 
 /// `ublkctl --socket S …` for one daemon. Cloneable and panic-free, so that the killer
@@ -125,13 +127,15 @@ impl Daemon {
         let _ = std::fs::remove_dir_all(&run_dir);
         let socket = run_dir.join("ublkd.sock");
         let config = PathBuf::from(format!("/tmp/ublkd-chaos-{name}.toml"));
-        let Recovery { hung_timeout_secs, restart_max, restart_window_secs } = recovery;
+        let Recovery { hung_timeout_secs, restart_max, restart_window_secs, fail_io } = recovery;
+        let on_limit = if fail_io { "fail-io" } else { "quiesce" };
         std::fs::write(
             &config,
             format!(
                 "[daemon]\nsocket = \"{}\"\nstate_dir = \"{}\"\n\n[recovery]\n\
                  hung_timeout_secs = {hung_timeout_secs}\nrestart_max = {restart_max}\n\
-                 restart_window_secs = {restart_window_secs}\n",
+                 restart_window_secs = {restart_window_secs}\n\
+                 on_restart_limit = \"{on_limit}\"\n",
                 socket.display(),
                 run_dir.join("state").display()
             ),
