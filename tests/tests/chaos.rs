@@ -357,16 +357,8 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     let started = Instant::now();
     const SIZE: u64 = 32 * MIB;
     const RESTART_MAX: u64 = 3;
-    let recovery = Recovery {
-        hung_timeout_secs: 10,
-        restart_max: RESTART_MAX as u32,
-        restart_window_secs: 60,
-        fail_io: false,
-    };
-    let daemon = Daemon::start("budget", recovery);
-    let device = TestDevice::add(&daemon, Target::Memory, "budget", SIZE);
+    let (daemon, device) = budgeted_device("budget", RESTART_MAX, false, SIZE);
     let id = device.id;
-    prefill(&device.dev(), SIZE);
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_on_panic = SetOnDrop(Arc::clone(&stop));
     let fio = spawn_passes(&device, SIZE, 0xb0d6e7, &stop);
@@ -434,6 +426,21 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     println!("budget: took {:.1} s", started.elapsed().as_secs_f64());
 }
 
+/// A daemon whose devices may be recovered `restart_max` times a minute, past which
+/// they quiesce or (`fail_io`) fail their I/O, and a prefilled memory device on it.
+fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (Daemon, TestDevice) {
+    let recovery = Recovery {
+        hung_timeout_secs: 10,
+        restart_max: restart_max as u32,
+        restart_window_secs: 60,
+        fail_io,
+    };
+    let daemon = Daemon::start(name, recovery);
+    let device = TestDevice::add(&daemon, Target::Memory, name, size);
+    prefill(&device.dev(), size);
+    (daemon, device)
+}
+
 /// Kills every new worker of the device until its restart budget is spent; returns the
 /// device's status then and the pids killed.
 fn kill_until_restart_limit(daemon: &Daemon, id: u32) -> (serde_json::Value, Vec<u32>) {
@@ -470,16 +477,8 @@ fn restart_limit_with_fail_io_fails_io_fast_until_ublkctl_recover() {
     let started = Instant::now();
     const SIZE: u64 = 16 * MIB;
     const RESTART_MAX: u64 = 2;
-    let recovery = Recovery {
-        hung_timeout_secs: 10,
-        restart_max: RESTART_MAX as u32,
-        restart_window_secs: 60,
-        fail_io: true,
-    };
-    let daemon = Daemon::start("failio", recovery);
-    let device = TestDevice::add(&daemon, Target::Memory, "failio", SIZE);
+    let (daemon, device) = budgeted_device("failio", RESTART_MAX, true, SIZE);
     let id = device.id;
-    prefill(&device.dev(), SIZE);
     let (dev, killed) = kill_until_restart_limit(&daemon, id);
 
     // LIVE, served by a worker that fails everything, and the status says so.
