@@ -21,10 +21,11 @@
 //! run one at a time even without `--test-threads=1`.
 
 mod chaos_support;
+mod common;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -33,12 +34,7 @@ use chaos_support::{
     fio_running, kernel_state, pauses, prefill, randrw_passes, signal, sparse_file, strike,
     timed_randrw_args, verify_region, wait_for, wait_for_io, worker_pids,
 };
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+use common::serial;
 
 /// The region fio works on in a device under chaos (the whole device).
 const VICTIM_SIZE: u64 = 64 * MIB;
