@@ -2,15 +2,17 @@
 //! with a control socket on the fd given by `--control-fd`.
 //!
 //! Life of a worker: receive [`WorkerSetup`] and its fds (the shared region, the
-//! target's fd); map the region and the target, allocate the tags' buffers, start the
-//! queue threads, each with its ring (created disabled), lock the sandbox down, and
-//! report [`FromWorker::Standby`]. A standby waits, warm, until the supervisor
-//! activates it with the device (`/dev/ublkcN`): then it maps the descriptor arrays,
-//! each thread registers the device in its ring, enables it and PREPs its tags, the
-//! worker reports [`FromWorker::Ready`], and it serves until the kernel closes the
-//! queues (device stopped) or the supervisor says [`ToWorker::Shutdown`]. Everything
-//! that can be done before the device is known is, so a recovery waits only for the
-//! activation.
+//! target's fd); map the region and the target, allocate the tags' buffers, make every
+//! queue thread's ring (created disabled; the main thread is the first queue thread),
+//! lock the sandbox down, and report [`FromWorker::Standby`]. A standby waits, warm,
+//! until the supervisor activates it with the device (`/dev/ublkcN`): then it maps the
+//! descriptor arrays, each thread registers the device in its ring, enables it and
+//! PREPs its tags, the worker reports [`FromWorker::Ready`], and it serves until the
+//! kernel closes the queues (device stopped) or the supervisor says
+//! [`ToWorker::Shutdown`] (a control thread listens from then on). Everything that
+//! can be done before the device is known is, and the main thread does the
+//! activation itself, so a recovery waits for no process, thread or ring to start and
+//! for no thread hand-off.
 //!
 //! Exit codes (see [`exit`]) tell the supervisor why a worker ended.
 
@@ -30,7 +32,7 @@ use ublkd_proto::msg::{self, FromWorker, ToWorker, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmRegion};
 
 use crate::device::{DescArray, Device, TagBuffers};
-use crate::queue_loop::{StandbyRing, plan};
+use crate::queue_loop::{QueueThread, StandbyRing, plan};
 
 /// Exit codes, one per cause.
 mod exit {
@@ -149,7 +151,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
     drop(shm_fd);
-    let threads = match ThreadSet::start(&setup, standby.target.fixed_file()) {
+    let threads = match ThreadSet::start(&setup, standby.target.fixed_file(), &control) {
         Ok(t) => t,
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
@@ -180,9 +182,10 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
     let mapped = activating.elapsed();
-    if let Err(reason) = threads.activate(&dev, ublkc.as_raw_fd()) {
-        return fail(control.as_fd(), exit::SETUP, reason);
-    }
+    let (own, running) = match threads.activate(&dev, ublkc.as_raw_fd()) {
+        Ok(t) => t,
+        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+    };
     tracing::info!(
         dev_id = setup.dev_id,
         queues = setup.nr_queues,
@@ -196,41 +199,55 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         tracing::error!("cannot report ready: {e}");
         return exit::ORPHANED;
     }
-    #[cfg(feature = "test-hooks")]
-    if let Some((name, supervisor)) = ATTACK.get()
-        && generation == 1
-    {
-        attack::run(name, *supervisor);
-    }
-    // The supervisor's word ends the worker (or the queues closing: see ThreadSet).
-    match msg::recv_packet::<ToWorker>(control.as_fd()) {
-        Ok((ToWorker::Shutdown, _)) => exit::CLEAN,
-        Ok(_) => exit::PROTOCOL,
-        Err(_) => exit::ORPHANED,
+    // From here the control thread listens to the supervisor.
+    let _ = running.control_go.send(generation);
+    // The main thread serves the first plan's queues itself: no thread hand-off on the
+    // way from the supervisor's Activate to Ready.
+    let result = own.run(&running.barrier).map_err(|e| e.to_string());
+    let _ = running.done.send(result);
+    // The end thread exits the process once every queue thread is done.
+    loop {
+        std::thread::park();
     }
 }
 
-/// The queue threads, started while standing by, each with its ring made and waiting
-/// for the device.
+/// The queue threads (the main thread serves the first plan itself), started while
+/// standing by, each with its ring made and waiting for the device.
 struct ThreadSet {
+    own: StandbyRing,
     activate: Vec<mpsc::Sender<(Arc<Device>, RawFd)>>,
     prepped: mpsc::Receiver<Result<(), String>>,
+    running: Running,
+}
+
+/// What the main thread needs once it serves.
+struct Running {
     barrier: Arc<Barrier>,
+    done: mpsc::Sender<Result<(), String>>,
+    /// Tells the control thread (with the generation) that the device is being served.
+    control_go: mpsc::Sender<u64>,
 }
 
 impl ThreadSet {
-    /// Starts one thread per plan entry, waits until each has its ring, and starts the
-    /// thread that ends the worker when the queue threads end (the queues closed, or
+    /// Makes the main thread's ring, starts one thread per other plan entry and waits
+    /// until each has its ring, starts the control thread (idle until activation), and
+    /// the thread that ends the worker when the queue threads end (the queues closed, or
     /// the data path failed).
-    fn start(setup: &WorkerSetup, target_file: Option<BorrowedFd<'_>>) -> Result<Self, String> {
-        let plans = plan(setup.nr_threads, setup.nr_queues);
+    fn start(
+        setup: &WorkerSetup,
+        target_file: Option<BorrowedFd<'_>>,
+        control: &OwnedFd,
+    ) -> Result<Self, String> {
+        let mut plans = plan(setup.nr_threads, setup.nr_queues);
         let nr_threads = plans.len();
-        let barrier = Arc::new(Barrier::new(nr_threads + 1));
+        let barrier = Arc::new(Barrier::new(nr_threads));
         let target_fd = target_file.map(|f| f.as_raw_fd());
         let (ring_tx, ring_rx) = mpsc::channel::<Result<(), String>>();
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
         let (nr_queues, depth) = (setup.nr_queues, setup.queue_depth);
+        let own = StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd)
+            .map_err(|e| e.to_string())?;
         let mut activate = Vec::with_capacity(nr_threads);
         for p in plans {
             let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
@@ -263,8 +280,8 @@ impl ThreadSet {
                 })
                 .map_err(|e| format!("cannot start thread {index}: {e}"))?;
         }
-        drop((ring_tx, prepped_tx, done_tx));
-        for _ in 0..nr_threads {
+        drop((ring_tx, prepped_tx));
+        for _ in 1..nr_threads {
             match ring_rx.recv() {
                 Ok(Ok(())) => {}
                 Ok(Err(reason)) => return Err(reason),
@@ -289,16 +306,50 @@ impl ThreadSet {
                 std::process::exit(i32::from(exit::CLEAN));
             })
             .map_err(|e| format!("cannot start the worker's end thread: {e}"))?;
-        Ok(ThreadSet { activate, prepped, barrier })
+        let (control_go, go) = mpsc::channel::<u64>();
+        let control_raw = control.as_raw_fd();
+        std::thread::Builder::new()
+            .name("ublk-control".into())
+            .spawn(move || {
+                // A standby that is let go never gets here: the main thread reads the
+                // socket until activation, then hands it over.
+                let Ok(generation) = go.recv() else { return };
+                #[cfg(feature = "test-hooks")]
+                if let Some((name, supervisor)) = ATTACK.get()
+                    && generation == 1
+                {
+                    attack::run(name, *supervisor);
+                }
+                #[cfg(not(feature = "test-hooks"))]
+                let _ = generation;
+                // SAFETY: the control socket is owned by `main`'s frame, which never
+                // returns while the worker serves (it parks), so the fd stays open.
+                let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
+                let code = match msg::recv_packet::<ToWorker>(control) {
+                    Ok((ToWorker::Shutdown, _)) => exit::CLEAN,
+                    Ok(_) => exit::PROTOCOL,
+                    Err(_) => exit::ORPHANED,
+                };
+                std::process::exit(i32::from(code));
+            })
+            .map_err(|e| format!("cannot start the worker's control thread: {e}"))?;
+        Ok(ThreadSet {
+            own,
+            activate,
+            prepped,
+            running: Running { barrier, done: done_tx, control_go },
+        })
     }
 
-    /// Gives every thread the device, waits until each has PREPed its queues, and lets
-    /// them arm FETCH (before the supervisor's START_DEV or END_USER_RECOVERY can let
-    /// I/O in).
-    fn activate(self, dev: &Arc<Device>, ublkc: RawFd) -> Result<(), String> {
+    /// Gives every thread the device, activates and PREPs the main thread's own ring,
+    /// and waits until every other thread has PREPed its queues. Returns the main
+    /// thread's loop, to run once Ready is sent.
+    fn activate(self, dev: &Arc<Device>, ublkc: RawFd) -> Result<(QueueThread, Running), String> {
         for tx in &self.activate {
             tx.send((Arc::clone(dev), ublkc)).map_err(|_| "a queue thread died".to_string())?;
         }
+        let mut own = self.own.activate(Arc::clone(dev), ublkc).map_err(|e| e.to_string())?;
+        own.prep().map_err(|e| e.to_string())?;
         for _ in 0..self.activate.len() {
             match self.prepped.recv() {
                 Ok(Ok(())) => {}
@@ -306,8 +357,7 @@ impl ThreadSet {
                 Err(_) => return Err("a queue thread died".into()),
             }
         }
-        self.barrier.wait();
-        Ok(())
+        Ok((own, self.running))
     }
 }
 
