@@ -45,20 +45,23 @@ pub enum MsgError {
 /// (memory pages, backing file) arrives as an fd, never as a path.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TargetSetup {
-    /// Completes every I/O at once; reads return zeroes.
+    /// Completes every I/O at once, touching no data.
     Null,
     /// RAM: a memfd of the device's size, owned by the supervisor.
     Memory,
     /// A file or block device at least the device's size, opened by the supervisor
     /// (O_DIRECT if `direct`).
     Loop { direct: bool },
+    /// Fails every I/O with EIO, touching no backend: what a device serves once its
+    /// restart budget is spent and `recovery.on_restart_limit` is `"fail-io"`.
+    FailIo,
 }
 
 impl TargetSetup {
     /// How many fds follow the fixed ones for this target.
     pub const fn target_fds(&self) -> usize {
         match self {
-            TargetSetup::Null => 0,
+            TargetSetup::Null | TargetSetup::FailIo => 0,
             TargetSetup::Memory | TargetSetup::Loop { .. } => 1,
         }
     }
@@ -294,8 +297,11 @@ pub struct DevStatus {
     /// `None`: the device's worker runs without a sandbox (or has none running).
     pub sandbox: Option<SandboxStatus>,
     pub counters: CounterSnapshot,
-    /// Why the device is not LIVE, if it is not.
+    /// Why the device is not LIVE (or not served by its target), if so.
     pub note: Option<String>,
+    /// LIVE, but every I/O fails with EIO: the restart budget is spent and the config
+    /// says `on_restart_limit = "fail-io"` (see `note`).
+    pub failing_io: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,9 +19,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use ublkd_config::{Config, DeviceSpec, TargetSpec};
+use ublkd_config::{Config, DeviceSpec, OnRestartLimit, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 use ublkd_proto::msg::{
     self, AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, TargetKind,
@@ -365,6 +365,17 @@ impl Daemon {
                         revents: 0,
                     });
                 }
+                // A starting standby answers (or hangs up) on its control socket.
+                if let Some(w) = &dev.starting {
+                    fds.push(libc::pollfd {
+                        fd: w.control().as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                }
+                if let Some(due) = dev.standby_due() {
+                    tick = tick.min(due.saturating_duration_since(Instant::now()));
+                }
             }
             let idle = self.devices.is_empty() && self.notifier.watchdog_interval().is_none();
             let timeout = if idle { -1 } else { tick.as_millis() as i32 };
@@ -407,6 +418,7 @@ impl Daemon {
         let ids: Vec<u32> = self.devices.keys().copied().collect();
         for id in ids {
             let Some(dev) = self.devices.get_mut(&id) else { continue };
+            dev.standby_progress();
             dev.refill_standby_if_due(&self.ctx);
             if let Some(how) = dev.standby_exited() {
                 tracing::warn!(dev_id = id, "{how}; starting another");
@@ -424,13 +436,28 @@ impl Daemon {
         let rc = &self.config.recovery;
         let Some(dev) = self.devices.get_mut(&id) else { return };
         if !rc.automatic_recovery() || !dev.take_restart(rc.restart_max, rc.restart_window) {
-            let note = format!(
+            let limit = format!(
                 "not recovered: {} recoveries within {} s reached the restart limit \
-                 (last cause: {reason}); the device waits QUIESCED (its I/O is held, \
-                 not failed): fix the cause, then run `ublkctl recover {id}`",
+                 (last cause: {reason})",
                 dev.recent_restarts(),
                 rc.restart_window.as_secs()
             );
+            let fix = format!("fix the cause, then run `ublkctl recover {id}`");
+            let note = match rc.on_restart_limit {
+                OnRestartLimit::Quiesce => format!(
+                    "{limit}; the device waits QUIESCED (its I/O is held, not failed): {fix}"
+                ),
+                OnRestartLimit::FailIo => match dev.recover_failing_io(&self.ctx, reason) {
+                    Ok(_) => format!(
+                        "{limit}; every I/O fails with EIO (on_restart_limit = \"fail-io\"): \
+                         {fix}"
+                    ),
+                    Err(e) => format!(
+                        "{limit}; failing its I/O did not work ({e}), so the device waits \
+                         QUIESCED (its I/O is held): {fix}"
+                    ),
+                },
+            };
             tracing::error!(dev_id = id, event = "restart_limit", "{note}");
             dev.note = Some(note);
             self.last_event = Some(format!("device {id} reached its restart limit"));
@@ -570,7 +597,8 @@ impl Daemon {
         let dev =
             self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
         dev.reset_restarts();
-        if state.as_ref().is_ok_and(|s| *s == DevState::Live) && dev.worker.is_some() {
+        let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
+        if live && dev.worker.is_some() && !dev.failing_io {
             return Ok(format!("device {id} is LIVE: nothing to recover"));
         }
         let stall = dev
@@ -630,6 +658,7 @@ impl Daemon {
             recoveries: dev.recoveries,
             counters,
             note: dev.note.clone(),
+            failing_io: dev.failing_io,
         })
     }
 }

@@ -43,6 +43,8 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long after a recovery the next standby worker starts.
 const STANDBY_DELAY: Duration = Duration::from_millis(300);
+/// After a standby failed to start, the next try waits this long (no tight loop).
+const STANDBY_RETRY: Duration = Duration::from_secs(2);
 
 /// Errors in a device's lifecycle. Each names the device.
 #[derive(Debug, thiserror::Error)]
@@ -99,8 +101,13 @@ pub struct Device {
     pub worker: Option<Worker>,
     /// Set up and waiting, so a recovery does not wait for a process to start.
     pub standby: Option<Worker>,
+    /// A standby on its way: sent its setup, not yet standing by. The poll loop
+    /// watches its control socket, so starting one never blocks the supervisor.
+    pub starting: Option<Worker>,
     /// Why the device is not being served, when it is not.
     pub note: Option<String>,
+    /// Served by a worker that fails every I/O (see [`Self::recover_failing_io`]).
+    pub failing_io: bool,
     pub recoveries: u64,
     pub last_recovery_ms: Option<u64>,
     pub last_recovery_reason: Option<String>,
@@ -158,8 +165,8 @@ impl Device {
         ctx.state.write_record(&DeviceRecord::new(id, &spec)).map_err(state_err)?;
         ctx.ctrl.set_params(id, &params(&spec))?;
         let mut dev = Self::open(ctx, id, spec, true)?;
-        dev.spawn_standby(ctx)?;
-        let worker = dev.activate(ctx)?;
+        let standby = dev.ensure_standby(ctx)?;
+        let worker = dev.activate(standby)?;
         ctx.ctrl.start_dev(id, std::process::id() as i32)?;
         tracing::info!(
             dev_id = id,
@@ -207,7 +214,9 @@ impl Device {
             direct,
             worker: None,
             standby: None,
+            starting: None,
             note: None,
+            failing_io: false,
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
@@ -239,9 +248,9 @@ impl Device {
         Ok(dev)
     }
 
-    /// Starts a standby worker and sets it up (region and target mapped, buffers
-    /// allocated), without giving it the device.
-    fn spawn_standby(&mut self, ctx: &Context) -> Result<(), DeviceError> {
+    /// Starts a worker and sends it its setup (region and target to map, buffers and
+    /// rings to make), without waiting for it to stand by.
+    fn spawn_worker(&self, ctx: &Context, fail_io: bool) -> Result<Worker, DeviceError> {
         let id = self.id;
         let worker_err = |source| DeviceError::Worker { id, source };
         let sandbox = self.spec.sandbox.then_some(ctx.worker_identity);
@@ -254,6 +263,7 @@ impl Device {
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
             nr_threads: self.spec.threads,
             target: match &self.spec.target {
+                _ if fail_io => TargetSetup::FailIo,
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
                 TargetSpec::Loop { .. } => TargetSetup::Loop { direct: self.direct },
@@ -261,36 +271,88 @@ impl Device {
             block_size: self.spec.block_size,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
-        if let Some(fd) = &self.target_fd {
+        if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {
             fds.push(fd.as_fd());
         }
-        if let Err(source) = worker.setup(&setup, &fds, WORKER_TIMEOUT) {
+        if let Err(source) = worker.send_setup(&setup, &fds) {
             let how = worker.reap(Duration::from_millis(100));
-            tracing::error!(dev_id = id, "standby worker failed ({how}): {source}");
+            tracing::error!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                "worker failed ({how}): {source}"
+            );
             return Err(worker_err(source));
         }
-        self.standby = Some(worker);
-        Ok(())
+        Ok(worker)
     }
 
-    /// Starts a new standby if there is none; a failure is logged (the next recovery
-    /// starts a worker itself).
-    pub fn refill_standby(&mut self, ctx: &Context) {
-        if self.standby.is_none()
-            && let Err(e) = self.spawn_standby(ctx)
-        {
-            tracing::warn!(dev_id = self.id, "no standby worker: {e}");
-        }
-    }
-
-    /// Gives the device to the standby worker and waits until it has PREPed every tag.
-    /// The supervisor's copy of `/dev/ublkcN` is closed before this returns.
-    fn activate(&mut self, ctx: &Context) -> Result<Worker, DeviceError> {
+    /// Waits up to `timeout` for a worker sent its setup to stand by.
+    fn await_standby(&self, mut worker: Worker, timeout: Duration) -> Result<Worker, DeviceError> {
         let id = self.id;
-        if self.standby.is_none() {
-            self.spawn_standby(ctx)?;
+        if let Err(source) = worker.standby_answer(timeout) {
+            let how = worker.reap(Duration::from_millis(100));
+            tracing::error!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                "standby worker failed ({how}): {source}"
+            );
+            return Err(DeviceError::Worker { id, source });
         }
-        let mut worker = self.standby.take().expect("a standby was just ensured");
+        Ok(worker)
+    }
+
+    /// A standby now, waiting for it if need be: the one standing by, else the one on
+    /// its way, else a new one.
+    fn ensure_standby(&mut self, ctx: &Context) -> Result<Worker, DeviceError> {
+        if let Some(worker) = self.standby.take() {
+            return Ok(worker);
+        }
+        let worker = match self.starting.take() {
+            Some(w) => w,
+            None => self.spawn_worker(ctx, false)?,
+        };
+        self.await_standby(worker, WORKER_TIMEOUT)
+    }
+
+    /// Starts a new standby if there is none, without waiting for it (see
+    /// [`Self::standby_progress`]). A failure is logged and retried later; a recovery
+    /// meanwhile starts a worker itself.
+    pub fn refill_standby(&mut self, ctx: &Context) {
+        if self.standby.is_some() || self.starting.is_some() {
+            return;
+        }
+        match self.spawn_worker(ctx, false) {
+            Ok(worker) => self.starting = Some(worker),
+            Err(e) => {
+                tracing::warn!(dev_id = self.id, "no standby worker: {e}");
+                self.standby_due = Some(Instant::now() + STANDBY_RETRY);
+            }
+        }
+    }
+
+    /// Moves a starting standby on once it has answered: standing by, or failed (logged,
+    /// retried later).
+    pub fn standby_progress(&mut self) {
+        if !self.starting.as_ref().is_some_and(Worker::has_answered) {
+            return;
+        }
+        let worker = self.starting.take().expect("checked above");
+        match self.await_standby(worker, Duration::from_millis(100)) {
+            Ok(worker) => {
+                tracing::debug!(dev_id = self.id, worker_pid = worker.pid(), "standby ready");
+                self.standby = Some(worker);
+            }
+            Err(e) => {
+                tracing::warn!(dev_id = self.id, "no standby worker: {e}");
+                self.standby_due = Some(Instant::now() + STANDBY_RETRY);
+            }
+        }
+    }
+
+    /// Gives the device to `worker` (standing by) and waits until it has PREPed every
+    /// tag. The supervisor's copy of `/dev/ublkcN` is closed before this returns.
+    fn activate(&mut self, mut worker: Worker) -> Result<Worker, DeviceError> {
+        let id = self.id;
         self.shm.reset_worker_state();
         let generation = self.shm.bump_generation();
         let ublkc = open_char_dev(id)?;
@@ -310,6 +372,27 @@ impl Device {
     /// (START_USER_RECOVERY answers EBUSY until then), activates the standby, and ends
     /// the recovery. Returns the stall, from the call to LIVE.
     pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Duration, DeviceError> {
+        self.recover_with(ctx, reason, false)
+    }
+
+    /// Recovers the device with a worker that fails every request with EIO: what
+    /// `on_restart_limit = "fail-io"` asks for once the restart budget is spent. The
+    /// device stays (LIVE, failing fast) for `ublkctl recover`, which puts a real
+    /// worker back. Not counted as a recovery.
+    pub fn recover_failing_io(
+        &mut self,
+        ctx: &Context,
+        reason: &str,
+    ) -> Result<Duration, DeviceError> {
+        self.recover_with(ctx, reason, true)
+    }
+
+    fn recover_with(
+        &mut self,
+        ctx: &Context,
+        reason: &str,
+        fail_io: bool,
+    ) -> Result<Duration, DeviceError> {
         let id = self.id;
         let started = Instant::now();
         if let Some(mut old) = self.worker.take() {
@@ -336,9 +419,24 @@ impl Device {
                 Err(e) => return Err(e.into()),
             }
         }
-        let worker = self.activate(ctx)?;
+        let released = started.elapsed();
+        let next = if fail_io {
+            let starting = self.spawn_worker(ctx, true)?;
+            self.await_standby(starting, WORKER_TIMEOUT)?
+        } else {
+            self.ensure_standby(ctx)?
+        };
+        let worker = self.activate(next)?;
+        let activated = started.elapsed();
         ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
         let stall = started.elapsed();
+        self.failing_io = fail_io;
+        self.worker = Some(worker);
+        if fail_io {
+            tracing::warn!(dev_id = id, "device LIVE, failing every I/O with EIO ({reason})");
+            return Ok(stall);
+        }
+        let worker = self.worker.as_ref().expect("just set");
         self.recoveries += 1;
         self.last_recovery_ms = Some(stall.as_millis() as u64);
         self.last_recovery_reason = Some(reason.to_string());
@@ -347,14 +445,23 @@ impl Device {
             dev_id = id,
             worker_pid = worker.pid(),
             stall_ms = stall.as_millis() as u64,
+            // Where the stall went: the kernel releasing the old file, the standby
+            // mapping and PREPing, the kernel going LIVE.
+            release_us = released.as_micros() as u64,
+            activate_us = (activated - released).as_micros() as u64,
+            end_us = (stall - activated).as_micros() as u64,
             event = "recovered",
             "device recovered ({reason})"
         );
-        self.worker = Some(worker);
         // The next standby starts a little later, not while the requeued I/O is being
         // served: on a small machine it would compete with the new worker for CPU.
         self.standby_due = Some(Instant::now() + STANDBY_DELAY);
         Ok(stall)
+    }
+
+    /// When the next standby is due to start, if one waits.
+    pub fn standby_due(&self) -> Option<Instant> {
+        self.standby_due
     }
 
     /// Starts the standby a recovery left for later, once it is due.
@@ -394,7 +501,8 @@ impl Device {
     pub fn destroy(mut self, ctx: &Context) -> Result<(), DeviceError> {
         let id = self.id;
         let stopped = ctx.ctrl.stop_dev(id);
-        for worker in [self.worker.take(), self.standby.take()].into_iter().flatten() {
+        let workers = [self.worker.take(), self.standby.take(), self.starting.take()];
+        for worker in workers.into_iter().flatten() {
             let pid = worker.pid();
             let how = worker.stop(STOP_GRACE);
             tracing::info!(dev_id = id, worker_pid = pid, "worker ended: {how}");

@@ -49,6 +49,7 @@ struct DeviceJson<'a> {
     queue_depth: u16,
     threads: u16,
     note: Option<&'a str>,
+    failing_io: bool,
     sandbox: Option<&'a ublkd_proto::msg::SandboxStatus>,
 }
 
@@ -79,6 +80,7 @@ pub fn status_json(devs: &[DevStatus]) -> String {
             queue_depth: d.queue_depth,
             threads: d.threads,
             note: d.note.as_deref(),
+            failing_io: d.failing_io,
             sandbox: d.sandbox.as_ref(),
         })
         .collect();
@@ -148,6 +150,7 @@ mod tests {
             sandbox: None,
             counters: CounterSnapshot { reads: 2, writes: 3, errors: 1, ..Default::default() },
             note: None,
+            failing_io: false,
         };
         let v: serde_json::Value = serde_json::from_str(&status_json(&[d])).unwrap();
         let dev = &v["devices"][0];
@@ -156,6 +159,7 @@ mod tests {
         assert_eq!(dev["target"], "loop");
         assert_eq!(dev["worker_pid"], 9);
         assert_eq!(dev["recoveries"], 0);
+        assert_eq!(dev["failing_io"], false);
         assert_eq!(dev["standby_pid"], 10);
         assert!(dev["last_recovery_ms"].is_null());
         assert_eq!(dev["ios"], 5);

@@ -151,8 +151,23 @@ impl Worker {
         fds: &[BorrowedFd<'_>],
         timeout: Duration,
     ) -> Result<(), WorkerError> {
+        self.send_setup(setup, fds)?;
+        self.standby_answer(timeout)
+    }
+
+    /// Sends the setup without waiting: the worker answers on [`Self::control`] when it
+    /// stands by (or fails), to be read with [`Self::standby_answer`].
+    pub fn send_setup(
+        &mut self,
+        setup: &WorkerSetup,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(), WorkerError> {
         msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds)
-            .map_err(WorkerError::Send)?;
+            .map_err(WorkerError::Send)
+    }
+
+    /// Waits up to `timeout` for the answer to the setup: standing by, or why not.
+    pub fn standby_answer(&mut self, timeout: Duration) -> Result<(), WorkerError> {
         match self.receive(timeout)? {
             FromWorker::Standby { sandbox } => {
                 self.sandbox = sandbox;
@@ -160,6 +175,14 @@ impl Worker {
             }
             other => self.unexpected("Standby", other),
         }
+    }
+
+    /// Whether the worker has something to say (a message, or its end) right now.
+    pub fn has_answered(&self) -> bool {
+        let mut pfd =
+            libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
     }
 
     /// Hands the worker the device (`/dev/ublkcN`) and waits until it has PREPed every

@@ -21,10 +21,11 @@
 //! run one at a time even without `--test-threads=1`.
 
 mod chaos_support;
+mod common;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -33,12 +34,7 @@ use chaos_support::{
     fio_running, kernel_state, pauses, prefill, randrw_passes, signal, sparse_file, strike,
     timed_randrw_args, verify_region, wait_for, wait_for_io, worker_pids,
 };
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+use common::serial;
 
 /// The region fio works on in a device under chaos (the whole device).
 const VICTIM_SIZE: u64 = 64 * MIB;
@@ -162,7 +158,8 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
     let name = format!("{}-{}", if blow == Blow::Kill { "kill" } else { "stop" }, target.name());
     println!("{name}: seed {seed}");
     let hung_timeout_secs = if blow == Blow::Stop { 1 } else { 10 };
-    let recovery = Recovery { hung_timeout_secs, restart_max: 1000, restart_window_secs: 60 };
+    let recovery =
+        Recovery { hung_timeout_secs, restart_max: 1000, restart_window_secs: 60, fail_io: false };
     let daemon = Daemon::start(&name, recovery);
     let victim = TestDevice::add(&daemon, target, &name, VICTIM_SIZE);
     let bystander = (blow == Blow::Kill)
@@ -289,7 +286,7 @@ fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
     const SIZE: u64 = 64 * MIB;
     let mut daemon = Daemon::start(
         "adopt",
-        Recovery { hung_timeout_secs: 10, restart_max: 5, restart_window_secs: 60 },
+        Recovery { hung_timeout_secs: 10, restart_max: 5, restart_window_secs: 60, fail_io: false },
     );
     let devices = [
         TestDevice::add(&daemon, Target::Memory, "adopt", SIZE),
@@ -356,36 +353,15 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     let started = Instant::now();
     const SIZE: u64 = 32 * MIB;
     const RESTART_MAX: u64 = 3;
-    let recovery = Recovery {
-        hung_timeout_secs: 10,
-        restart_max: RESTART_MAX as u32,
-        restart_window_secs: 60,
-    };
-    let daemon = Daemon::start("budget", recovery);
-    let device = TestDevice::add(&daemon, Target::Memory, "budget", SIZE);
+    let (daemon, device) = budgeted_device("budget", RESTART_MAX, false, SIZE);
     let id = device.id;
-    prefill(&device.dev(), SIZE);
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_on_panic = SetOnDrop(Arc::clone(&stop));
     let fio = spawn_passes(&device, SIZE, 0xb0d6e7, &stop);
     wait_for_io(&daemon.ctl, &[id]);
 
     // Kill every new worker as soon as it shows, until ublkd gives up.
-    let mut killed = Vec::new();
-    let dev = wait_for("the restart limit", Duration::from_secs(60), || {
-        let dev = daemon.ctl.device(id)?;
-        if dev["note"].as_str().is_some_and(|n| n.contains("restart limit")) {
-            return Ok(Some(dev));
-        }
-        if let Some(pid) = dev["worker_pid"].as_u64().map(|p| p as u32)
-            && !killed.contains(&pid)
-            && signal(pid, libc::SIGKILL)
-        {
-            killed.push(pid);
-        }
-        Ok(None)
-    })
-    .unwrap();
+    let (dev, killed) = kill_until_restart_limit(&daemon, id);
 
     // The device waits QUIESCED with fio's I/O held, and says what to do.
     let note = dev["note"].as_str().unwrap();
@@ -444,4 +420,92 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     println!("budget: recover of a LIVE device: {}; of 77: {}", live.trim(), stderr.trim());
     daemon.stop();
     println!("budget: took {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// A daemon whose devices may be recovered `restart_max` times a minute, past which
+/// they quiesce or (`fail_io`) fail their I/O, and a prefilled memory device on it.
+fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (Daemon, TestDevice) {
+    let recovery = Recovery {
+        hung_timeout_secs: 10,
+        restart_max: restart_max as u32,
+        restart_window_secs: 60,
+        fail_io,
+    };
+    let daemon = Daemon::start(name, recovery);
+    let device = TestDevice::add(&daemon, Target::Memory, name, size);
+    prefill(&device.dev(), size);
+    (daemon, device)
+}
+
+/// Kills every new worker of the device until its restart budget is spent; returns the
+/// device's status then and the pids killed.
+fn kill_until_restart_limit(daemon: &Daemon, id: u32) -> (serde_json::Value, Vec<u32>) {
+    let mut killed = Vec::new();
+    let dev = wait_for("the restart limit", Duration::from_secs(60), || {
+        let dev = daemon.ctl.device(id)?;
+        if dev["note"].as_str().is_some_and(|n| n.contains("restart limit")) {
+            return Ok(Some(dev));
+        }
+        if let Some(pid) = dev["worker_pid"].as_u64().map(|p| p as u32)
+            && !killed.contains(&pid)
+            && signal(pid, libc::SIGKILL)
+        {
+            killed.push(pid);
+        }
+        Ok(None)
+    })
+    .unwrap();
+    (dev, killed)
+}
+
+/// One direct 4 KiB read at the start of device `id`: dd's outcome.
+fn direct_read(id: u32) -> std::process::Output {
+    std::process::Command::new("dd")
+        .arg(format!("if={}", block_dev(id).display()))
+        .args(["of=/dev/null", "bs=4k", "count=1", "iflag=direct"])
+        .output()
+        .expect("dd runs")
+}
+
+#[test]
+fn restart_limit_with_fail_io_fails_io_fast_until_ublkctl_recover() {
+    let _serial = serial();
+    let started = Instant::now();
+    const SIZE: u64 = 16 * MIB;
+    const RESTART_MAX: u64 = 2;
+    let (daemon, device) = budgeted_device("failio", RESTART_MAX, true, SIZE);
+    let id = device.id;
+    let (dev, killed) = kill_until_restart_limit(&daemon, id);
+
+    // LIVE, served by a worker that fails everything, and the status says so.
+    let note = dev["note"].as_str().unwrap();
+    assert!(note.contains("fails with EIO") && note.contains("fail-io"), "{note}");
+    assert!(note.contains(&format!("ublkctl recover {id}")), "{note}");
+    assert_eq!(killed.len() as u64, RESTART_MAX + 1, "workers killed: {killed:?}");
+    assert_eq!(dev["state"], "LIVE", "{dev}");
+    assert_eq!(dev["failing_io"], true, "{dev}");
+    assert!(dev["worker_pid"].as_u64().is_some(), "{dev}");
+    let asked = Instant::now();
+    let out = direct_read(id);
+    let took = asked.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a read succeeded on a failing device: {}", describe(&out));
+    assert!(stderr.contains("Input/output error"), "{stderr}");
+    assert!(took < Duration::from_secs(5), "the read took {took:?} to fail");
+    println!("failio: after {} kills, a read failed in {took:?}: {}", killed.len(), note);
+
+    // `ublkctl recover` puts a real worker back: reads work and the data is intact.
+    let out = daemon.ctl.run(&["recover", &id.to_string()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ublkctl recover failed:\n{}", describe(&out));
+    assert!(stdout.contains(&format!("device {id} recovered")), "{stdout}");
+    let dev = daemon.device(id);
+    assert_eq!(dev["state"], "LIVE", "{dev}");
+    assert_eq!(dev["failing_io"], false, "{dev}");
+    assert!(dev["note"].is_null(), "{dev}");
+    let out = direct_read(id);
+    assert!(out.status.success(), "read after recover: {}", describe(&out));
+    verify_region(&device.dev(), SIZE).unwrap();
+    daemon.stop();
+    println!("failio: took {:.1} s", started.elapsed().as_secs_f64());
 }

@@ -2,12 +2,17 @@
 //! with a control socket on the fd given by `--control-fd`.
 //!
 //! Life of a worker: receive [`WorkerSetup`] and its fds (the shared region, the
-//! target's fd); map the region and the target, allocate the tags' buffers, and report
-//! [`FromWorker::Standby`]. A standby waits, warm, until the supervisor activates it
-//! with the device (`/dev/ublkcN`): then it maps the descriptor arrays, starts the
-//! queue threads, which PREP every tag, reports [`FromWorker::Ready`], and serves until
-//! the kernel closes the queues (device stopped) or the supervisor says
-//! [`ToWorker::Shutdown`].
+//! target's fd); map the region and the target, allocate the tags' buffers, make every
+//! queue thread's ring (created disabled; the main thread is the first queue thread),
+//! lock the sandbox down, and report [`FromWorker::Standby`]. A standby waits, warm,
+//! until the supervisor activates it with the device (`/dev/ublkcN`): then it maps the
+//! descriptor arrays, each thread registers the device in its ring, enables it and
+//! PREPs its tags, the worker reports [`FromWorker::Ready`], and it serves until the
+//! kernel closes the queues (device stopped) or the supervisor says
+//! [`ToWorker::Shutdown`] (a control thread listens from then on). Everything that
+//! can be done before the device is known is, and the main thread does the
+//! activation itself, so a recovery waits for no process, thread or ring to start and
+//! for no thread hand-off.
 //!
 //! Exit codes (see [`exit`]) tell the supervisor why a worker ended.
 
@@ -19,7 +24,7 @@ mod queue_loop;
 mod sandbox;
 mod target;
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier, mpsc};
 
@@ -27,7 +32,7 @@ use ublkd_proto::msg::{self, FromWorker, ToWorker, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmRegion};
 
 use crate::device::{DescArray, Device, TagBuffers};
-use crate::queue_loop::{QueueThread, plan};
+use crate::queue_loop::{QueueThread, StandbyRing, plan};
 
 /// Exit codes, one per cause.
 mod exit {
@@ -139,12 +144,21 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
     }
     let target_fds = fds.split_off(1);
     let shm_fd = fds.pop().expect("one fd");
-    // Everything that does not need the device itself is done now, while standing by.
+    // Everything that does not need the device itself is done now, while standing by:
+    // mappings, the target, every thread and its ring.
     let standby = match Standby::prepare(&setup, shm_fd.as_fd(), target_fds) {
         Ok(s) => s,
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
     drop(shm_fd);
+    let threads = match ThreadSet::start(&setup, standby.target.fixed_file(), &control) {
+        Ok(t) => t,
+        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+    };
+    // Every ring and thread exists: from here on, none can be created (all threads).
+    if sandboxed && let Err(e) = sandbox::lock_down() {
+        return fail(control.as_fd(), exit::SETUP, e.to_string());
+    }
     let standby_msg = FromWorker::Standby { sandbox: sandbox_report };
     if let Err(e) = msg::send_packet(control.as_fd(), &standby_msg, &[]) {
         tracing::error!("cannot report standby: {e}");
@@ -162,8 +176,14 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         // The supervisor let a standby go (or died): nothing to do.
         Err(_) => return exit::ORPHANED,
     };
+    let activating = std::time::Instant::now();
     let dev = match standby.activate(ublkc.as_fd(), generation, sandboxed) {
         Ok(dev) => Arc::new(dev),
+        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+    };
+    let mapped = activating.elapsed();
+    let (own, running) = match threads.activate(&dev, ublkc.as_raw_fd()) {
+        Ok(t) => t,
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
     tracing::info!(
@@ -171,85 +191,174 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         queues = setup.nr_queues,
         depth = setup.queue_depth,
         threads = setup.nr_threads,
+        map_us = mapped.as_micros() as u64,
+        prep_us = (activating.elapsed() - mapped).as_micros() as u64,
         "serving"
     );
-
-    let plans = plan(setup.nr_threads, setup.nr_queues);
-    let barrier = Arc::new(Barrier::new(plans.len() + 1));
-    let (prepped_tx, prepped_rx) = mpsc::channel::<Result<(), String>>();
-    let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
-    for p in plans {
-        let (dev, barrier, prepped_tx, done_tx) =
-            (Arc::clone(&dev), Arc::clone(&barrier), prepped_tx.clone(), done_tx.clone());
-        let ublkc_raw = ublkc.as_raw_fd();
-        let index = p.index;
-        let spawned = std::thread::Builder::new().name(format!("ublk-q{index}")).spawn(move || {
-            let thread = QueueThread::new(dev, p, ublkc_raw).and_then(|mut t| t.prep().map(|()| t));
-            match thread {
-                Ok(t) => {
-                    let _ = prepped_tx.send(Ok(()));
-                    let _ = done_tx.send(t.run(&barrier).map_err(|e| e.to_string()));
-                }
-                Err(e) => {
-                    let _ = prepped_tx.send(Err(e.to_string()));
-                }
-            }
-        });
-        if let Err(e) = spawned {
-            return fail(control.as_fd(), exit::SETUP, format!("cannot start thread {index}: {e}"));
-        }
-    }
-    drop((prepped_tx, done_tx));
-    for _ in 0..setup.nr_threads {
-        match prepped_rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(reason)) => return fail(control.as_fd(), exit::SETUP, reason),
-            Err(_) => return fail(control.as_fd(), exit::SETUP, "a queue thread died".into()),
-        }
-    }
-    // The supervisor's word, or the queues closing, ends the worker. This is the last
-    // thread the worker starts.
-    let control_raw = control.as_raw_fd();
-    std::thread::spawn(move || {
-        // SAFETY: `control` outlives the process's main flow (it is only closed at
-        // exit), so borrowing its fd in this thread is sound.
-        let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
-        let code = match msg::recv_packet::<ToWorker>(control) {
-            Ok((ToWorker::Shutdown, _)) => exit::CLEAN,
-            Ok(_) => exit::PROTOCOL,
-            Err(_) => exit::ORPHANED,
-        };
-        std::process::exit(i32::from(code));
-    });
-    // Every ring and thread exists: from here on, none can be created (all threads).
-    if sandboxed && let Err(e) = sandbox::lock_down() {
-        return fail(control.as_fd(), exit::SETUP, e.to_string());
-    }
-    // Every tag is PREPed; FETCH is armed right after the barrier, before the
-    // supervisor's START_DEV can let I/O in.
-    barrier.wait();
     if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Ready, &[]) {
         tracing::error!("cannot report ready: {e}");
         return exit::ORPHANED;
     }
-    #[cfg(feature = "test-hooks")]
-    if let Some((name, supervisor)) = ATTACK.get()
-        && generation == 1
-    {
-        attack::run(name, *supervisor);
+    // From here the control thread listens to the supervisor.
+    let _ = running.control_go.send(generation);
+    // The main thread serves the first plan's queues itself: no thread hand-off on the
+    // way from the supervisor's Activate to Ready.
+    let result = own.run(&running.barrier).map_err(|e| e.to_string());
+    let _ = running.done.send(result);
+    // The end thread exits the process once every queue thread is done.
+    loop {
+        std::thread::park();
     }
-    for _ in 0..setup.nr_threads {
-        match done_rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(reason)) => {
-                tracing::error!("data path failed: {reason}");
-                return exit::DATA_PATH;
-            }
-            Err(_) => return exit::DATA_PATH,
+}
+
+/// The queue threads (the main thread serves the first plan itself), started while
+/// standing by, each with its ring made and waiting for the device.
+struct ThreadSet {
+    own: StandbyRing,
+    activate: Vec<mpsc::Sender<(Arc<Device>, RawFd)>>,
+    prepped: mpsc::Receiver<Result<(), String>>,
+    running: Running,
+}
+
+/// What the main thread needs once it serves.
+struct Running {
+    barrier: Arc<Barrier>,
+    done: mpsc::Sender<Result<(), String>>,
+    /// Tells the control thread (with the generation) that the device is being served.
+    control_go: mpsc::Sender<u64>,
+}
+
+impl ThreadSet {
+    /// Makes the main thread's ring, starts one thread per other plan entry and waits
+    /// until each has its ring, starts the control thread (idle until activation), and
+    /// the thread that ends the worker when the queue threads end (the queues closed, or
+    /// the data path failed).
+    fn start(
+        setup: &WorkerSetup,
+        target_file: Option<BorrowedFd<'_>>,
+        control: &OwnedFd,
+    ) -> Result<Self, String> {
+        let mut plans = plan(setup.nr_threads, setup.nr_queues);
+        let nr_threads = plans.len();
+        let barrier = Arc::new(Barrier::new(nr_threads));
+        let target_fd = target_file.map(|f| f.as_raw_fd());
+        let (ring_tx, ring_rx) = mpsc::channel::<Result<(), String>>();
+        let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
+        let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
+        let (nr_queues, depth) = (setup.nr_queues, setup.queue_depth);
+        let own = StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd)
+            .map_err(|e| e.to_string())?;
+        let mut activate = Vec::with_capacity(nr_threads);
+        for p in plans {
+            let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
+            activate.push(activate_tx);
+            let (barrier, ring_tx, prepped_tx, done_tx) =
+                (Arc::clone(&barrier), ring_tx.clone(), prepped_tx.clone(), done_tx.clone());
+            let index = p.index;
+            std::thread::Builder::new()
+                .name(format!("ublk-q{index}"))
+                .spawn(move || {
+                    let standby = match StandbyRing::new(p, nr_queues, depth, target_fd) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = ring_tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    let _ = ring_tx.send(Ok(()));
+                    // No device: the standby was let go and the process is exiting.
+                    let Ok((dev, ublkc)) = activate_rx.recv() else { return };
+                    match standby.activate(dev, ublkc).and_then(|mut t| t.prep().map(|()| t)) {
+                        Ok(t) => {
+                            let _ = prepped_tx.send(Ok(()));
+                            let _ = done_tx.send(t.run(&barrier).map_err(|e| e.to_string()));
+                        }
+                        Err(e) => {
+                            let _ = prepped_tx.send(Err(e.to_string()));
+                        }
+                    }
+                })
+                .map_err(|e| format!("cannot start thread {index}: {e}"))?;
         }
+        drop((ring_tx, prepped_tx));
+        for _ in 1..nr_threads {
+            match ring_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(reason)) => return Err(reason),
+                Err(_) => return Err("a queue thread died".into()),
+            }
+        }
+        let dev_id = setup.dev_id;
+        std::thread::Builder::new()
+            .name("ublk-end".into())
+            .spawn(move || {
+                for _ in 0..nr_threads {
+                    match done_rx.recv() {
+                        Ok(Ok(())) => {}
+                        Ok(Err(reason)) => {
+                            tracing::error!("data path failed: {reason}");
+                            std::process::exit(i32::from(exit::DATA_PATH));
+                        }
+                        Err(_) => std::process::exit(i32::from(exit::DATA_PATH)),
+                    }
+                }
+                tracing::info!(dev_id, "queues closed, exiting");
+                std::process::exit(i32::from(exit::CLEAN));
+            })
+            .map_err(|e| format!("cannot start the worker's end thread: {e}"))?;
+        let (control_go, go) = mpsc::channel::<u64>();
+        let control_raw = control.as_raw_fd();
+        std::thread::Builder::new()
+            .name("ublk-control".into())
+            .spawn(move || {
+                // A standby that is let go never gets here: the main thread reads the
+                // socket until activation, then hands it over.
+                let Ok(generation) = go.recv() else { return };
+                #[cfg(feature = "test-hooks")]
+                if let Some((name, supervisor)) = ATTACK.get()
+                    && generation == 1
+                {
+                    attack::run(name, *supervisor);
+                }
+                #[cfg(not(feature = "test-hooks"))]
+                let _ = generation;
+                // SAFETY: the control socket is owned by `main`'s frame, which never
+                // returns while the worker serves (it parks), so the fd stays open.
+                let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
+                let code = match msg::recv_packet::<ToWorker>(control) {
+                    Ok((ToWorker::Shutdown, _)) => exit::CLEAN,
+                    Ok(_) => exit::PROTOCOL,
+                    Err(_) => exit::ORPHANED,
+                };
+                std::process::exit(i32::from(code));
+            })
+            .map_err(|e| format!("cannot start the worker's control thread: {e}"))?;
+        Ok(ThreadSet {
+            own,
+            activate,
+            prepped,
+            running: Running { barrier, done: done_tx, control_go },
+        })
     }
-    tracing::info!(dev_id = setup.dev_id, "queues closed, exiting");
-    exit::CLEAN
+
+    /// Gives every thread the device, activates and PREPs the main thread's own ring,
+    /// and waits until every other thread has PREPed its queues. Returns the main
+    /// thread's loop, to run once Ready is sent.
+    fn activate(self, dev: &Arc<Device>, ublkc: RawFd) -> Result<(QueueThread, Running), String> {
+        for tx in &self.activate {
+            tx.send((Arc::clone(dev), ublkc)).map_err(|_| "a queue thread died".to_string())?;
+        }
+        let mut own = self.own.activate(Arc::clone(dev), ublkc).map_err(|e| e.to_string())?;
+        own.prep().map_err(|e| e.to_string())?;
+        for _ in 0..self.activate.len() {
+            match self.prepped.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(reason)) => return Err(reason),
+                Err(_) => return Err("a queue thread died".into()),
+            }
+        }
+        Ok((own, self.running))
+    }
 }
 
 /// A worker set up for a device but not yet serving it.

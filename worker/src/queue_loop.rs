@@ -24,7 +24,7 @@ use ublkd_proto::uapi;
 
 use crate::bufring::BufRing;
 use crate::device::Device;
-use crate::target::{IoReq, Step};
+use crate::target::{IoReq, Step, TARGET_FIXED_FD};
 
 /// Errors that end a thread (and so the worker).
 #[derive(Debug, thiserror::Error)]
@@ -120,66 +120,98 @@ pub struct QueueThread {
     cqes: Vec<(u64, i32, u32)>,
 }
 
-impl QueueThread {
-    /// Creates the ring, registers the files and the FETCH buffer rings.
+/// A thread's ring made while the worker stands by: created disabled, with the
+/// target's file and the FETCH buffer rings registered and a free file slot for
+/// `/dev/ublkcN`, which the worker only gets when it is activated. Activation is then
+/// one file update, the ring's restrictions, enabling it, and PREP: a recovery does not
+/// wait for rings to be created.
+pub struct StandbyRing {
+    ring: IoUring<squeue::Entry, cqueue::Entry>,
+    plan: ThreadPlan,
+    queues: Vec<QueueState>,
+    nr_tags: usize,
+    entries: u32,
+}
+
+impl StandbyRing {
+    /// Creates the ring (disabled) for a device of `nr_queues` queues of `depth` tags,
+    /// registering `target_file` (if the target has one) at [`TARGET_FIXED_FD`] and one
+    /// buffer ring per queue the thread serves.
     pub fn new(
-        dev: Arc<Device>,
         plan: ThreadPlan,
-        ublkc: std::os::fd::RawFd,
+        nr_queues: u16,
+        depth: u16,
+        target_file: Option<std::os::fd::RawFd>,
     ) -> Result<Self, LoopError> {
         let thread = plan.index;
         let ring_err = |source| LoopError::Ring { thread, source };
-        let tags = plan.queues.len() * usize::from(dev.depth);
+        let tags = plan.queues.len() * usize::from(depth);
         // One slot per tag (target I/O) plus a FETCH and a COMMIT per queue, with room.
         let entries = (tags + 4 * plan.queues.len() + 8).next_power_of_two().min(4096) as u32;
         let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
         // Only this thread submits to and reaps its ring; completions (FETCH batches,
-        // target I/O) run as task work when it waits, not by interrupting it.
+        // target I/O) run as task work when it waits, not by interrupting it. Disabled
+        // until activation: its restrictions can only be registered before it runs
+        // anything, and its single issuer is whoever enables it (this thread).
         builder
             .setup_cqsize(entries * 4)
             .setup_coop_taskrun()
             .setup_single_issuer()
-            .setup_defer_taskrun();
-        if dev.sandboxed {
-            // Restricted before it can run anything (see `sandbox::restrict_ring`).
-            builder.setup_r_disabled();
-        }
+            .setup_defer_taskrun()
+            .setup_r_disabled();
         let ring = builder.build(entries).map_err(ring_err)?;
-        let mut files = vec![ublkc];
-        if let Some(f) = dev.target.fixed_file() {
-            files.push(std::os::fd::AsRawFd::as_raw_fd(&f));
+        ring.submitter().register_files_sparse(2).map_err(ring_err)?;
+        if let Some(fd) = target_file {
+            ring.submitter().register_files_update(TARGET_FIXED_FD, &[fd]).map_err(ring_err)?;
         }
-        ring.submitter().register_files(&files).map_err(ring_err)?;
         let mut queues = Vec::with_capacity(plan.queues.len());
         for (i, &q_id) in plan.queues.iter().enumerate() {
             let bufring =
-                BufRing::register(&ring, i as u16, usize::from(dev.depth)).map_err(ring_err)?;
+                BufRing::register(&ring, i as u16, usize::from(depth)).map_err(ring_err)?;
             queues.push(QueueState {
                 q_id,
                 bufring,
                 fetch_armed: false,
                 closed: false,
-                pending: ElemBuf::new(COMMIT_FORMAT, dev.depth),
+                pending: ElemBuf::new(COMMIT_FORMAT, depth),
             });
         }
+        let nr_tags = usize::from(nr_queues) * usize::from(depth);
+        Ok(StandbyRing { ring, plan, queues, nr_tags, entries })
+    }
+
+    /// Registers `/dev/ublkcN` at [`UBLKC_FIXED_FD`], restricts the ring when the
+    /// device is sandboxed (see `sandbox::restrict_ring`) and enables it.
+    pub fn activate(
+        self,
+        dev: Arc<Device>,
+        ublkc: std::os::fd::RawFd,
+    ) -> Result<QueueThread, LoopError> {
+        let thread = self.plan.index;
+        let ring_err = |source| LoopError::Ring { thread, source };
+        let ring = self.ring;
+        ring.submitter().register_files_update(UBLKC_FIXED_FD, &[ublkc]).map_err(ring_err)?;
         if dev.sandboxed {
             crate::sandbox::restrict_ring(&ring).map_err(ring_err)?;
+        } else {
+            ring.submitter().register_enable_rings().map_err(ring_err)?;
         }
-        let nr_tags = usize::from(dev.nr_queues) * usize::from(dev.depth);
         Ok(QueueThread {
             ring,
-            plan,
-            queues,
-            reqs: vec![None; nr_tags],
+            plan: self.plan,
+            queues: self.queues,
+            reqs: vec![None; self.nr_tags],
             commit_slots: Vec::new(),
             spare: Vec::new(),
             inflight: 0,
             started: Instant::now(),
-            cqes: Vec::with_capacity(entries as usize * 4),
+            cqes: Vec::with_capacity(self.entries as usize * 4),
             dev,
         })
     }
+}
 
+impl QueueThread {
     fn push(&mut self, sqe: &squeue::Entry) -> Result<(), LoopError> {
         loop {
             // SAFETY: every SQE this loop builds references memory that outlives its

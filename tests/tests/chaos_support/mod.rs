@@ -13,6 +13,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use ublkd_proto::ctrl::CtrlClient;
+
+pub use crate::common::{
+    bin, block_dev, describe, kernel_devices, signal, sparse_file, terminate, worker_pids,
+};
 use ublkd_proto::uapi::DevState;
 
 pub const MIB: u64 = 1 << 20;
@@ -24,29 +28,14 @@ const RECOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `ublkd` may take to stop and delete its devices after SIGTERM.
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A workspace binary: they sit two levels above this test binary (target/debug/deps).
-pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(path.is_file(), "{} is missing: build the workspace first", path.display());
-    path
-}
-
-/// A command's stdout and stderr, for failure messages.
-pub fn describe(out: &Output) -> String {
-    format!(
-        "--- stdout\n{}--- stderr\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
 /// The `[recovery]` section of the test's config.
 #[derive(Debug, Clone, Copy)]
 pub struct Recovery {
     pub hung_timeout_secs: u32,
     pub restart_max: u32,
     pub restart_window_secs: u32,
+    /// `on_restart_limit = "fail-io"` instead of the default `"quiesce"`.
+    pub fail_io: bool,
 }
 
 /// `ublkctl --socket S …` for one daemon. Cloneable and panic-free, so that the killer
@@ -125,13 +114,15 @@ impl Daemon {
         let _ = std::fs::remove_dir_all(&run_dir);
         let socket = run_dir.join("ublkd.sock");
         let config = PathBuf::from(format!("/tmp/ublkd-chaos-{name}.toml"));
-        let Recovery { hung_timeout_secs, restart_max, restart_window_secs } = recovery;
+        let Recovery { hung_timeout_secs, restart_max, restart_window_secs, fail_io } = recovery;
+        let on_limit = if fail_io { "fail-io" } else { "quiesce" };
         std::fs::write(
             &config,
             format!(
                 "[daemon]\nsocket = \"{}\"\nstate_dir = \"{}\"\n\n[recovery]\n\
                  hung_timeout_secs = {hung_timeout_secs}\nrestart_max = {restart_max}\n\
-                 restart_window_secs = {restart_window_secs}\n",
+                 restart_window_secs = {restart_window_secs}\n\
+                 on_restart_limit = \"{on_limit}\"\n",
                 socket.display(),
                 run_dir.join("state").display()
             ),
@@ -222,22 +213,7 @@ impl Daemon {
 
     /// SIGTERM, then waits for the exit (at most [`STOP_TIMEOUT`]).
     fn terminate(&mut self) -> Option<ExitStatus> {
-        let mut child = self.child.take()?;
-        signal(child.id(), libc::SIGTERM);
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return Some(status),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return None;
-                }
-            }
-        }
+        terminate(self.child.take()?, STOP_TIMEOUT)
     }
 
     /// Stops ublkd with SIGTERM and asserts it exits 0 leaving no device and no worker.
@@ -283,50 +259,10 @@ impl Drop for Daemon {
     }
 }
 
-/// Sends `sig` to `pid`; true if it was delivered to a process that existed.
-pub fn signal(pid: u32, sig: libc::c_int) -> bool {
-    // SAFETY: kill(2) has no memory-safety preconditions; the pid is a process this test
-    // started (ublkd, a worker ublkd reported, or fio).
-    unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
-}
-
-/// `/dev/ublkbN`.
-pub fn block_dev(id: u32) -> PathBuf {
-    PathBuf::from(format!("/dev/ublkb{id}"))
-}
-
-/// The ids of the ublk devices the kernel has now.
-pub fn kernel_devices() -> BTreeSet<u32> {
-    std::fs::read_dir("/sys/class/ublk-char")
-        .map(|dir| {
-            dir.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("ublkc")?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// The kernel's state of device `id` (`LIVE`, `QUIESCED`, …).
 pub fn kernel_state(id: u32) -> String {
     let info = CtrlClient::open().unwrap().get_dev_info(id).unwrap();
     DevState::from_raw(info.state).to_string()
-}
-
-/// The pids of every process named exactly `ublkd-worker`.
-pub fn worker_pids() -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|comm| comm.trim_end() == "ublkd-worker")
-        })
-        .collect()
-}
-
-/// A sparse file of `size` bytes (a loop device's backing file).
-pub fn sparse_file(path: &Path, size: u64) {
-    let _ = std::fs::remove_file(path);
-    File::create(path).unwrap().set_len(size).unwrap();
 }
 
 /// Polls `check` every 50 ms until it yields a value or fails, at most `timeout`.

@@ -187,23 +187,7 @@ impl Ublkd {
 
     /// SIGTERM, then waits for the exit (at most [`STOP_TIMEOUT`]).
     fn terminate(&mut self) -> Option<ExitStatus> {
-        let mut child = self.child.take()?;
-        // SAFETY: kill(2) on the pid of our own unreaped child: it cannot have been reused.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return Some(status),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return None;
-                }
-            }
-        }
+        terminate(self.child.take()?, STOP_TIMEOUT)
     }
 
     /// Stops ublkd with SIGTERM and asserts it exits 0 leaving no device, no device node,
@@ -277,6 +261,31 @@ pub fn kernel_devices() -> BTreeSet<u32> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Sends SIGTERM to `child` and waits up to `timeout` for its exit status; past that,
+/// SIGKILL and `None`.
+pub fn terminate(mut child: Child, timeout: Duration) -> Option<ExitStatus> {
+    signal(child.id(), libc::SIGTERM);
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}
+
+/// Sends `sig` to `pid`; true if it was delivered to a process that existed.
+pub fn signal(pid: u32, sig: libc::c_int) -> bool {
+    // SAFETY: kill(2) has no memory-safety preconditions; the pid is a process this test
+    // started (ublkd, a worker ublkd reported, or fio).
+    unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
 }
 
 pub fn pid_exists(pid: u32) -> bool {

@@ -54,7 +54,7 @@ pub const ALWAYS: &[Allowed] = &[
     allow(
         libc::SYS_io_uring_register,
         "io_uring_register",
-        "registering files and FETCH buffer rings (before the ring is restricted)",
+        "registering files, FETCH buffer rings and restrictions (before a ring is enabled)",
     ),
     allow(libc::SYS_fstat, "fstat", "sizes of the target's fd and the shared region"),
     allow(
@@ -99,7 +99,7 @@ pub const SETUP_ONLY: &[Allowed] = &[
     allow(
         libc::SYS_io_uring_setup,
         "io_uring_setup",
-        "one ring per queue thread, created at activation",
+        "one ring per queue thread, created while standing by",
     ),
     allow(libc::SYS_clone3, "clone3", "starting the queue threads"),
     allow(libc::SYS_clone, "clone", "starting the queue threads (older glibc)"),

@@ -5,6 +5,7 @@
 //! SQE's result. Adding a target (an NBD client, say) means adding a module here and a
 //! `TargetSetup` variant in proto; the queue loop does not change.
 
+mod fail;
 mod loopback;
 mod memory;
 mod null;
@@ -14,6 +15,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use io_uring::squeue;
 use ublkd_proto::msg::TargetSetup;
 
+pub use fail::FailTarget;
 pub use loopback::LoopTarget;
 pub use memory::MemoryTarget;
 pub use null::NullTarget;
@@ -85,6 +87,7 @@ pub fn build(
             TargetSetup::Null => "null",
             TargetSetup::Memory => "memory",
             TargetSetup::Loop { .. } => "loop",
+            TargetSetup::FailIo => "fail-io",
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
     }
@@ -92,5 +95,6 @@ pub fn build(
         TargetSetup::Null => Box::new(NullTarget),
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
         TargetSetup::Loop { direct: _ } => Box::new(LoopTarget::new(fds.remove(0), size)?),
+        TargetSetup::FailIo => Box::new(FailTarget),
     })
 }
