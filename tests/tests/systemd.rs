@@ -6,7 +6,7 @@
 //!
 //! 1. the package: files, the `ublkd-worker` user, the unit enabled and started on the
 //!    packaged config; `systemd-analyze verify` and `security` on the installed unit;
-//! 2. start: `systemctl restart` returns only once the configured device is LIVE;
+//! 2. start: `systemctl start` returns only once the configured device is LIVE;
 //!    the journal carries the structured fields (DEV_ID, WORKER_PID, EVENT);
 //! 3. reload: a device added to the config appears; a broken config is rejected,
 //!    the running devices untouched and the reason in STATUS= and the journal;
@@ -78,12 +78,14 @@ fn ublkd_package_under_systemd() {
     std::fs::write(DROP_IN, format!("[Service]\nWatchdogSec={WATCHDOG_SECS}s\n")).unwrap();
     std::fs::write(CONFIG, config(&[(7, "64M")])).unwrap();
     systemctl(&["daemon-reload"]);
-    systemctl(&["restart", "ublkd"]);
-    // Right when `restart` returns (Type=notify: after READY=1) the device is LIVE.
+    systemctl(&["stop", "ublkd"]);
+    assert_eq!(prop("ActiveState"), "inactive");
+    systemctl(&["start", "ublkd"]);
+    // Right when `start` returns (Type=notify: after READY=1) the device is LIVE.
     let listing = run_ok(Command::new("ublkctl").arg("list"));
     assert!(
         listing.contains("dev id 7:") && listing.contains("state LIVE"),
-        "device 7 is not LIVE when `systemctl restart` returned:\n{listing}"
+        "device 7 is not LIVE when `systemctl start` returned:\n{listing}"
     );
     assert_eq!(prop("ActiveState"), "active");
     assert_eq!(prop("SubState"), "running");
