@@ -59,6 +59,9 @@ pub const DEFAULT_STATE_DIR: &str = "/run/ublkd";
 /// The worker executable's file name, looked up next to the ublkd executable when
 /// `daemon.worker_binary` is not set.
 pub const DEFAULT_WORKER_NAME: &str = "ublkd-worker";
+/// Where the Debian package installs the worker (not on `PATH`: only ublkd runs it).
+/// Used when `daemon.worker_binary` is not set and there is no worker next to ublkd.
+pub const PACKAGED_WORKER_BINARY: &str = "/usr/libexec/ublkd/ublkd-worker";
 /// Longest unix socket path: `sun_path` is 108 bytes including the terminating NUL.
 pub const MAX_SOCKET_PATH_BYTES: usize = 107;
 /// Longest `daemon.worker_user`: the usual limit of `useradd`.
@@ -109,7 +112,9 @@ impl Default for DaemonConfig {
 
 impl DaemonConfig {
     /// The worker executable: `worker_binary` if set, else [`DEFAULT_WORKER_NAME`] in
-    /// the directory of the running executable.
+    /// the directory of the running executable (a build tree), else the packaged
+    /// [`PACKAGED_WORKER_BINARY`] if it exists; else the path next to the executable
+    /// again, so that the error names where a source build expects it.
     pub fn worker_binary_path(&self) -> io::Result<PathBuf> {
         if let Some(path) = &self.worker_binary {
             return Ok(path.clone());
@@ -118,8 +123,13 @@ impl DaemonConfig {
         let dir = exe
             .parent()
             .ok_or_else(|| io::Error::other("the running executable has no parent directory"))?;
-        Ok(dir.join(DEFAULT_WORKER_NAME))
+        Ok(pick_worker(dir.join(DEFAULT_WORKER_NAME), Path::new(PACKAGED_WORKER_BINARY)))
     }
+}
+
+/// `beside` (next to ublkd) if it exists, else `packaged` if that exists, else `beside`.
+fn pick_worker(beside: PathBuf, packaged: &Path) -> PathBuf {
+    if !beside.exists() && packaged.exists() { packaged.to_path_buf() } else { beside }
 }
 
 /// `[recovery]`: when a worker counts as hung, and how often a device may recover.
@@ -1329,6 +1339,20 @@ mod tests {
         assert_eq!(path.file_name(), Some(DEFAULT_WORKER_NAME.as_ref()));
         let set = DaemonConfig { worker_binary: Some("/opt/w".into()), ..DaemonConfig::default() };
         assert_eq!(set.worker_binary_path().ok(), Some(PathBuf::from("/opt/w")));
+    }
+
+    #[test]
+    fn a_worker_next_to_ublkd_wins_over_the_packaged_one_which_wins_over_nothing() {
+        let dir = std::env::temp_dir().join(format!("ublkd-pick-worker-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let beside = dir.join("beside");
+        let packaged = dir.join("packaged");
+        assert_eq!(pick_worker(beside.clone(), &packaged), beside, "neither: name the build's");
+        std::fs::write(&packaged, "").unwrap();
+        assert_eq!(pick_worker(beside.clone(), &packaged), packaged);
+        std::fs::write(&beside, "").unwrap();
+        assert_eq!(pick_worker(beside.clone(), &packaged), beside);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Every key the schema knows, by section.

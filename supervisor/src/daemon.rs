@@ -172,7 +172,11 @@ impl Daemon {
             let id = rec.id;
             match Device::adopt(&self.ctx, &rec) {
                 Ok(dev) => {
-                    tracing::info!(dev_id = id, "adopted the device of a previous ublkd");
+                    tracing::info!(
+                        dev_id = id,
+                        event = "adopted",
+                        "adopted the device of a previous ublkd"
+                    );
                     self.devices.insert(id, dev);
                     adopted += 1;
                 }
@@ -257,12 +261,12 @@ impl Daemon {
                 Err(e) => {
                     let msg =
                         format!("reload rejected, nothing changed: {}", crate::error_chain(&e));
-                    tracing::error!("{msg}");
+                    tracing::error!(event = "reload_rejected", "{msg}");
                     msg
                 }
                 Ok(new) => {
                     let msg = self.apply_config(new);
-                    tracing::info!("{msg}");
+                    tracing::info!(event = "reloaded", "{msg}");
                     msg
                 }
             },
@@ -420,8 +424,9 @@ impl Daemon {
                 tracing::warn!(dev_id = id, "{how}; starting another");
                 dev.refill_standby(&self.ctx);
             }
+            let pid = dev.worker.as_ref().map(|w| w.pid());
             let Some(how) = dev.worker_exited() else { continue };
-            tracing::error!(dev_id = id, "{how}");
+            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{how}");
             let reason = dev.note.take().unwrap_or(how);
             self.recover_within_budget(id, &reason);
         }
@@ -453,7 +458,7 @@ impl Daemon {
                     ),
                 },
             };
-            tracing::error!(dev_id = id, "{note}");
+            tracing::error!(dev_id = id, event = "restart_limit", "{note}");
             dev.note = Some(note);
             self.last_event = Some(format!("device {id} reached its restart limit"));
             return;
@@ -465,7 +470,7 @@ impl Daemon {
                     Some(format!("device {id} recovered in {} ms", stall.as_millis()));
             }
             Err(e) => {
-                tracing::error!(dev_id = id, "recovery failed: {e}");
+                tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
                 dev.note = Some(format!("recovery failed: {e} (after: {reason})"));
                 self.last_event = Some(format!("device {id}: recovery failed"));
             }
@@ -481,7 +486,13 @@ impl Daemon {
                     "worker hung: I/O in flight and no progress for {:.1} s",
                     stuck.as_secs_f64()
                 );
-                tracing::error!(dev_id = id, "{reason}; killing it");
+                let pid = dev.worker.as_ref().map(|w| w.pid());
+                tracing::error!(
+                    dev_id = id,
+                    worker_pid = pid,
+                    event = "worker_hung",
+                    "{reason}; killing it"
+                );
                 dev.note = Some(reason);
                 dev.kill_worker();
             }

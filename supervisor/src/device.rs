@@ -172,6 +172,7 @@ impl Device {
             dev_id = id,
             worker_pid = worker.pid(),
             target = dev.spec.target.name(),
+            event = "live",
             "device LIVE"
         );
         dev.worker = Some(worker);
@@ -449,6 +450,7 @@ impl Device {
             release_us = released.as_micros() as u64,
             activate_us = (activated - released).as_micros() as u64,
             end_us = (stall - activated).as_micros() as u64,
+            event = "recovered",
             "device recovered ({reason})"
         );
         // The next standby starts a little later, not while the requeued I/O is being
@@ -511,7 +513,7 @@ impl Device {
         }
         stopped?;
         deleted?;
-        tracing::info!(dev_id = id, "device deleted");
+        tracing::info!(dev_id = id, event = "deleted", "device deleted");
         Ok(())
     }
 

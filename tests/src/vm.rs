@@ -18,6 +18,9 @@
 //! The run directory is removed afterwards except for the logs of failed boots; one left
 //! behind by a SIGKILLed `ublkd-vm` is removed by the next run, failure logs after a week.
 //!
+//! With [`RunOptions::systemd`] the guest boots the host's systemd instead, on a writable
+//! overlay of the host's root, and the command runs as its `ublkd-vm.service`.
+//!
 //! The guest covers `/tmp`, `/var/tmp` and `/run` with its own tmpfs, so a command,
 //! cwd or `ublkd-vm` binary below those is refused up front.
 
@@ -207,6 +210,9 @@ pub struct RunOptions {
     pub accel: Option<Accel>,
     /// The `ublkd-vm` binary the guest runs `guest-check` with.
     pub check_bin: PathBuf,
+    /// Boot the host's systemd as PID 1 on a writable overlay of the host's root and
+    /// run the command as a service of it (see [`crate::initramfs::INIT_SCRIPT`]).
+    pub systemd: bool,
 }
 
 /// The guest directory `path` is hidden by, if any.
@@ -498,16 +504,18 @@ impl Boot<'_> {
             .arg(self.initrd)
             .arg("-append")
             .arg(format!(
-                "{KERNEL_APPEND} ublkd.run={} ublkd.nonce={nonce}",
-                run_dir.path.display()
+                "{KERNEL_APPEND} ublkd.run={} ublkd.nonce={nonce}{}",
+                run_dir.path.display(),
+                if self.opts.systemd { " ublkd.systemd=1" } else { "" }
             ))
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
         progress!(
-            "booting {} ({}, {} vCPU, {mem} MB)",
+            "booting {} ({}, {} vCPU, {mem} MB{})",
             self.kernel.abi,
             self.accel.name(),
-            self.opts.cpus
+            self.opts.cpus,
+            if self.opts.systemd { ", systemd as PID 1" } else { "" }
         );
         let started = Instant::now();
         let mut qemu = spawn_tied(&mut qemu_cmd, "qemu-system-x86_64")?;

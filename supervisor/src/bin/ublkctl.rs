@@ -5,105 +5,18 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::Parser;
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, TargetKind};
-use ublkd_supervisor::{exit, features, render};
-
-/// Control ublkd, the ublk block device server.
-///
-/// Every error is one line on stderr naming what failed, with a non-zero exit.
-#[derive(Debug, Parser)]
-#[command(name = "ublkctl", version)]
-struct Cli {
-    /// ublkd's control socket.
-    #[arg(long, global = true, env = "UBLKD_SOCKET", default_value = ublkd_config::DEFAULT_SOCKET)]
-    socket: PathBuf,
-
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Target {
-    Null,
-    Memory,
-    Loop,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Add a device; prints its id.
-    Add {
-        /// What serves the device.
-        #[arg(short, long, value_enum)]
-        target: Target,
-        /// Backing file or block device (loop).
-        #[arg(short, long)]
-        file: Option<PathBuf>,
-        /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's size.
-        #[arg(short, long, value_parser = parse_size)]
-        size: Option<u64>,
-        /// Hardware queues.
-        #[arg(short, long)]
-        queues: Option<u16>,
-        /// Requests in flight per queue.
-        #[arg(short = 'd', long = "depth")]
-        depth: Option<u16>,
-        /// Worker threads serving the device's queues.
-        #[arg(long)]
-        threads: Option<u16>,
-        /// Device id (default: the kernel picks one).
-        #[arg(short = 'n', long = "id")]
-        id: Option<u32>,
-    },
-    /// Delete a device (-n ID) or all of them (-a).
-    Del {
-        #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
-        id: Option<u32>,
-        #[arg(short, long)]
-        all: bool,
-    },
-    /// List devices in the kernel selftests' two-line format.
-    List {
-        #[arg(short = 'n', long = "id")]
-        id: Option<u32>,
-    },
-    /// Devices' state, worker and I/O counters.
-    Status {
-        #[arg(short = 'n', long = "id")]
-        id: Option<u32>,
-        /// One JSON object: {"devices":[…]}.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Recover a device now (after fixing what made its worker fail), resetting its
-    /// restart budget; on a LIVE device it says so and does nothing.
-    Recover {
-        /// The device id.
-        #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]
-        id: Option<u32>,
-        /// The device id (same as the positional ID).
-        #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID")]
-        id_flag: Option<u32>,
-    },
-    /// List the ublk features this kernel supports, one per line (no daemon needed).
-    Features {
-        /// Print one JSON object: {"mask":"0x…","features":[…]}.
-        #[arg(long)]
-        json: bool,
-    },
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    ublkd_config::parse_size(s).map_err(|e| e.to_string())
-}
+use ublkd_supervisor::cli::{Target, UblkctlCli, UblkctlCommand as Command};
+use ublkd_supervisor::{exit, features, logging, render};
 
 fn main() -> ExitCode {
     // Like any CLI, end quietly when the reader of our output goes away (`| head`).
     // SAFETY: restoring the default action of SIGPIPE before any thread exists.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    let cli = Cli::parse();
+    let cli = UblkctlCli::parse();
+    logging::init("ublkctl", cli.verbose);
     let request = match cli.command {
         Command::Features { json } => return cmd_features(json),
         Command::Add { target, file, size, queues, depth, threads, id } => {

@@ -1,50 +1,17 @@
 //! `ublkd`: the privileged supervisor of ublk devices.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
 use ublkd_config::Config;
 use ublkd_proto::ctrl::CtrlClient;
+use ublkd_supervisor::cli::UblkdCli;
 use ublkd_supervisor::daemon::Daemon;
-use ublkd_supervisor::{error_chain, exit, features};
-
-/// ublkd: serve ublk block devices from sandboxed worker processes.
-///
-/// With no arguments it runs on built-in defaults (socket /run/ublkd/ublkd.sock, state
-/// dir /run/ublkd) with no devices, ready for `ublkctl add`. SIGTERM or SIGINT stops
-/// and deletes every device, then exits 0.
-#[derive(Debug, Parser)]
-#[command(name = "ublkd", version)]
-struct Cli {
-    /// The config file: daemon settings and the devices to create at start.
-    #[arg(short, long, value_name = "FILE")]
-    config: Option<PathBuf>,
-
-    /// Only check that this kernel's ublk driver has every feature ublkd needs, then exit.
-    #[arg(long)]
-    check_kernel: bool,
-
-    /// More logging (-v: debug, -vv: trace); UBLKD_LOG overrides.
-    #[arg(short, long, action = clap::ArgAction::Count)]
-    verbose: u8,
-}
+use ublkd_supervisor::{error_chain, exit, features, logging};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let level = match cli.verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("UBLKD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
-        )
-        .init();
+    let cli = UblkdCli::parse();
+    let sink = logging::init("ublkd", cli.verbose);
 
     if cli.check_kernel {
         return check_kernel();
@@ -53,7 +20,7 @@ fn main() -> ExitCode {
         Some(path) => match Config::load(path) {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("ublkd: {}", error_chain(&e));
+                fatal(sink, &error_chain(&e));
                 return code(exit::CONFIG);
             }
         },
@@ -62,7 +29,7 @@ fn main() -> ExitCode {
     let mut daemon = match Daemon::start(config, cli.config.clone()) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("ublkd: {}", error_chain(&e));
+            fatal(sink, &error_chain(&e));
             return code(e.exit_code());
         }
     };
@@ -78,7 +45,7 @@ fn main() -> ExitCode {
     match daemon.run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ublkd: {}", error_chain(&e));
+            fatal(sink, &error_chain(&e));
             code(e.exit_code())
         }
     }
@@ -104,6 +71,15 @@ fn check_kernel() -> ExitCode {
     }
     println!("ublkd: kernel ublk features {mask:#x}: everything ublkd needs is there");
     ExitCode::SUCCESS
+}
+
+/// Why ublkd cannot go on: an error in the journal (so that `systemctl status` shows it
+/// as one), else a plain line on stderr.
+fn fatal(sink: logging::Sink, message: &str) {
+    match sink {
+        logging::Sink::Journal => tracing::error!(event = "fatal", "{message}"),
+        logging::Sink::Stderr => eprintln!("ublkd: {message}"),
+    }
 }
 
 fn code(c: i32) -> ExitCode {

@@ -46,6 +46,11 @@ enum Cmd {
         #[arg(long, value_name = "N", default_value_t = vm::DEFAULT_CPUS,
               value_parser = clap::value_parser!(u32).range(1..=64))]
         cpus: u32,
+        /// Boot the host's systemd as PID 1 (on a writable overlay of the host's root,
+        /// changes kept in guest RAM) and run CMD as its ublkd-vm.service, after
+        /// basic.target; CMD sees UBLKD_VM_SYSTEMD=1.
+        #[arg(long)]
+        systemd: bool,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true, value_name = "CMD")]
         cmd: Vec<OsString>,
@@ -72,11 +77,17 @@ fn main() -> ExitCode {
             }
         }
         Cmd::GuestCheck => ExitCode::from(check::guest_check()),
-        Cmd::Run { timeout, mem, cpus, cmd } => run(timeout, mem, cpus, cmd),
+        Cmd::Run { timeout, mem, cpus, systemd, cmd } => run(timeout, mem, cpus, systemd, cmd),
     }
 }
 
-fn run(timeout: Option<u64>, mem_mb: u32, cpus: u32, argv: Vec<OsString>) -> ExitCode {
+fn run(
+    timeout: Option<u64>,
+    mem_mb: u32,
+    cpus: u32,
+    systemd: bool,
+    argv: Vec<OsString>,
+) -> ExitCode {
     let setup = || -> anyhow::Result<(RunOptions, Cache)> {
         let timeout = match timeout {
             Some(secs) => Duration::from_secs(secs),
@@ -101,6 +112,7 @@ fn run(timeout: Option<u64>, mem_mb: u32, cpus: u32, argv: Vec<OsString>) -> Exi
             accel: Accel::from_env()?,
             check_bin: std::env::current_exe()
                 .context("could not find the path of the running ublkd-vm binary")?,
+            systemd,
         };
         Ok((opts, Cache::from_env()?))
     };

@@ -1,0 +1,170 @@
+//! The command lines of `ublkd` and `ublkctl`, in the library so that their man pages
+//! are generated from the very definitions the binaries parse (`cargo xtask man`).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Exit codes, files and environment: the end of both `--help` texts and man pages.
+const UBLKD_AFTER_HELP: &str = "\
+Exit status: 0 success, 1 failure, 2 usage, 3 no ublk driver, 4 a required kernel feature \
+is missing, 5 permission denied, 6 bad config file, 7 the control socket is taken or cannot \
+be created.
+
+Files: /etc/ublkd/ublkd.toml (the packaged config; every key is documented in it), \
+/run/ublkd/ (the state dir and the control socket).
+
+Environment: UBLKD_LOG, else RUST_LOG: the log filter (e.g. debug, ublkd=trace). Under \
+systemd (stderr is the journal, as JOURNAL_STREAM says) the log goes to the journal with \
+the fields DEV_ID, WORKER_PID and EVENT: `journalctl -u ublkd DEV_ID=3`.
+
+Signals: SIGTERM or SIGINT stop and delete every device, then exit 0; SIGHUP reloads the \
+config file (`systemctl reload ublkd`): devices added to it are created, devices removed \
+are deleted, a file with errors is rejected whole.";
+
+const UBLKCTL_AFTER_HELP: &str = "\
+Exit status: 0 success, 1 failure, 2 usage, 3 no ublk driver, 5 permission denied, \
+8 ublkd is not reachable.
+
+Environment: UBLKD_SOCKET: the control socket (default /run/ublkd/ublkd.sock).";
+
+/// ublkd: serve ublk block devices from sandboxed worker processes.
+///
+/// With no arguments it runs on built-in defaults (socket /run/ublkd/ublkd.sock, state
+/// dir /run/ublkd) with no devices, ready for `ublkctl add`. SIGTERM or SIGINT stops
+/// and deletes every device, then exits 0.
+#[derive(Debug, Parser)]
+#[command(name = "ublkd", version, after_help = UBLKD_AFTER_HELP)]
+pub struct UblkdCli {
+    /// The config file: daemon settings and the devices to create at start.
+    #[arg(short, long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Only check that this kernel's ublk driver has every feature ublkd needs, then exit.
+    #[arg(long)]
+    pub check_kernel: bool,
+
+    /// More logging (-v: debug, -vv: trace); UBLKD_LOG or RUST_LOG override.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+}
+
+/// Control ublkd, the ublk block device server.
+///
+/// Every error is one line on stderr naming what failed, with a non-zero exit.
+#[derive(Debug, Parser)]
+#[command(name = "ublkctl", version, after_help = UBLKCTL_AFTER_HELP)]
+pub struct UblkctlCli {
+    /// ublkd's control socket.
+    #[arg(long, global = true, env = "UBLKD_SOCKET", default_value = ublkd_config::DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+
+    /// More logging (-v: debug, -vv: trace); UBLKD_LOG or RUST_LOG override.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: UblkctlCommand,
+}
+
+/// What serves a device added with `ublkctl add`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Target {
+    /// Completes every request at once (writes are discarded).
+    Null,
+    /// A RAM disk whose data survives worker and ublkd restarts.
+    Memory,
+    /// A backing file or block device.
+    Loop,
+}
+
+/// `ublkctl`'s subcommands.
+#[derive(Debug, Subcommand)]
+pub enum UblkctlCommand {
+    /// Add a device; prints its id.
+    Add {
+        /// What serves the device.
+        #[arg(short, long, value_enum)]
+        target: Target,
+        /// Backing file or block device (loop).
+        #[arg(short, long)]
+        file: Option<PathBuf>,
+        /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's size.
+        #[arg(short, long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Hardware queues.
+        #[arg(short, long)]
+        queues: Option<u16>,
+        /// Requests in flight per queue.
+        #[arg(short = 'd', long = "depth")]
+        depth: Option<u16>,
+        /// Worker threads serving the device's queues.
+        #[arg(long)]
+        threads: Option<u16>,
+        /// Device id (default: the kernel picks one).
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+    },
+    /// Delete a device (-n ID) or all of them (-a).
+    Del {
+        /// The device id.
+        #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
+        id: Option<u32>,
+        /// Every device ublkd serves.
+        #[arg(short, long)]
+        all: bool,
+    },
+    /// List devices in the kernel selftests' two-line format.
+    List {
+        /// Only this device.
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+    },
+    /// Devices' state, worker and I/O counters.
+    Status {
+        /// Only this device.
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+        /// One JSON object: {"devices":[…]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Recover a device now (after fixing what made its worker fail), resetting its
+    /// restart budget; on a LIVE device it says so and does nothing.
+    Recover {
+        /// The device id.
+        #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]
+        id: Option<u32>,
+        /// The device id (same as the positional ID).
+        #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID")]
+        id_flag: Option<u32>,
+    },
+    /// List the ublk features this kernel supports, one per line (no daemon needed).
+    Features {
+        /// Print one JSON object: {"mask":"0x…","features":[…]}.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    ublkd_config::parse_size(s).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn both_command_lines_are_consistent() {
+        UblkdCli::command().debug_assert();
+        UblkctlCli::command().debug_assert();
+    }
+
+    #[test]
+    fn ublkctl_takes_verbose_after_the_subcommand_too() {
+        let cli = UblkctlCli::try_parse_from(["ublkctl", "list", "-vv"]).unwrap();
+        assert_eq!(cli.verbose, 2);
+    }
+}
