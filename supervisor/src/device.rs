@@ -171,7 +171,7 @@ impl Device {
         tracing::info!(
             dev_id = id,
             worker_pid = worker.pid(),
-            target = dev.spec.target.name(),
+            backend = dev.spec.target.name(),
             event = "live",
             "device LIVE"
         );
