@@ -246,7 +246,12 @@ impl ThreadSet {
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
         let (nr_queues, depth) = (setup.nr_queues, setup.queue_depth);
-        let own = StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd)
+        // Each queue thread on its own CPU, spread by device and thread number.
+        let cpus = queue_loop::allowed_cpus();
+        let cpu_of = |thread: usize| -> Option<usize> {
+            (!cpus.is_empty()).then(|| cpus[(setup.dev_id as usize + thread) % cpus.len()])
+        };
+        let own = StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd, cpu_of(0))
             .map_err(|e| e.to_string())?;
         let mut activate = Vec::with_capacity(nr_threads);
         for p in plans {
@@ -255,10 +260,11 @@ impl ThreadSet {
             let (barrier, ring_tx, prepped_tx, done_tx) =
                 (Arc::clone(&barrier), ring_tx.clone(), prepped_tx.clone(), done_tx.clone());
             let index = p.index;
+            let cpu = cpu_of(index);
             std::thread::Builder::new()
                 .name(format!("ublk-q{index}"))
                 .spawn(move || {
-                    let standby = match StandbyRing::new(p, nr_queues, depth, target_fd) {
+                    let standby = match StandbyRing::new(p, nr_queues, depth, target_fd, cpu) {
                         Ok(r) => r,
                         Err(e) => {
                             let _ = ring_tx.send(Err(e.to_string()));

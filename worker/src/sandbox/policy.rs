@@ -102,6 +102,7 @@ pub const SETUP_ONLY: &[Allowed] = &[
         "one ring per queue thread, created while standing by",
     ),
     allow(libc::SYS_clone3, "clone3", "starting the queue threads"),
+    allow(libc::SYS_sched_setaffinity, "sched_setaffinity", "pinning a queue thread to its CPU"),
     allow(libc::SYS_clone, "clone", "starting the queue threads (older glibc)"),
     allow(libc::SYS_seccomp, "seccomp", "installing stage 2 of this very filter"),
 ];
