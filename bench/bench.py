@@ -220,6 +220,70 @@ def host_sample(root):
     return sys_busy_s(), tree, time.monotonic()
 
 
+def run_guest(cmd, outdir, markers):
+    """Runs `cmd` (the VM with a guest script) and follows its console: every line goes
+    to outdir/console.log, progress and errors to the terminal, and the guest's records
+    (`markers` = (record, meta, done) prefixes) are collected, each record with the
+    host's load and the CPU the host spent on other work than the VM meanwhile.
+    Returns (records, meta, exit status, whether the guest said it was done)."""
+    rec, meta_marker, done_marker = markers
+    records, meta, done = [], {}, False
+    console = open(os.path.join(outdir, "console.log"), "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", bufsize=1)
+    prev = host_sample(proc.pid)
+    try:
+        for line in proc.stdout:
+            console.write(line)
+            console.flush()
+            for marker in (rec, meta_marker):
+                i = line.find(marker)
+                if i >= 0:
+                    try:
+                        obj = json.loads(line[i + len(marker):])
+                    except ValueError:
+                        print(f"bench: a record line was garbled on the console, dropped: "
+                              f"{line.strip()[:200]}", flush=True)
+                        break
+                    if marker == rec:
+                        obj["host_load1"] = os.getloadavg()[0]
+                        cur = host_sample(proc.pid)
+                        if cur[2] > prev[2]:
+                            obj["host_other_cpu_pct"] = round(
+                                100 * ((cur[0] - prev[0]) - (cur[1] - prev[1]))
+                                / (cur[2] - prev[2]), 1)
+                        prev = cur
+                        records.append(obj)
+                    else:
+                        meta.update(obj)
+                    break
+            else:
+                if done_marker in line:
+                    done = True
+                    continue
+                m = re.match(r"\[vm\] booting (\S+) \((\w+), (\d+) vCPU", line)
+                if m:
+                    meta.setdefault("accel", m.group(2))
+                if (line.startswith(("[bench]", "[vm]", "install-host-deps"))
+                        or "error" in line.lower() or "panic" in line.lower()):
+                    print(line.rstrip("\n"), flush=True)
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait()
+    console.close()
+    return records, meta, rc, done
+
+
+def link_latest(outdir, name):
+    """Points results/<name> at `outdir`, unless something else than a link is there."""
+    latest = os.path.join(os.path.dirname(outdir), name)
+    if os.path.islink(latest) or not os.path.exists(latest):
+        if os.path.islink(latest):
+            os.unlink(latest)
+        os.symlink(os.path.basename(outdir), latest)
+
+
 def host(args):
     if os.geteuid() != 0:
         die("needs root (the VM harness, apt-get download, the cache dir)")
@@ -275,51 +339,7 @@ def host(args):
     cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
            "--mem", str(prm["VM_MEM_MB"]), "--",
            "python3", "-u", os.path.join(HERE, "bench.py"), "guest", plan_path]
-    records, meta, done, prev = [], {}, False, None
-    console = open(os.path.join(outdir, "console.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", bufsize=1)
-    prev = host_sample(proc.pid)
-    try:
-        for line in proc.stdout:
-            console.write(line)
-            console.flush()
-            for marker in (REC, META):
-                i = line.find(marker)
-                if i >= 0:
-                    try:
-                        obj = json.loads(line[i + len(marker):])
-                    except ValueError:
-                        print(f"bench: a record line was garbled on the console, dropped: "
-                              f"{line.strip()[:200]}", flush=True)
-                        break
-                    if marker == REC:
-                        obj["host_load1"] = os.getloadavg()[0]
-                        cur = host_sample(proc.pid)
-                        if prev and cur[2] > prev[2]:
-                            obj["host_other_cpu_pct"] = round(
-                                100 * ((cur[0] - prev[0]) - (cur[1] - prev[1]))
-                                / (cur[2] - prev[2]), 1)
-                        prev = cur
-                        records.append(obj)
-                    else:
-                        meta.update(obj)
-                    break
-            else:
-                if DONE in line:
-                    done = True
-                    continue
-                m = re.match(r"\[vm\] booting (\S+) \((\w+), (\d+) vCPU", line)
-                if m:
-                    meta.setdefault("accel", m.group(2))
-                if (line.startswith(("[bench]", "[vm]", "install-host-deps"))
-                      or "error" in line.lower() or "panic" in line.lower()):
-                    print(line.rstrip("\n"), flush=True)
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait()
-    console.close()
+    records, meta, rc, done = run_guest(cmd, outdir, (REC, META, DONE))
 
     results = {"meta": {**meta, "date": stamp, "host_elapsed_s": round(time.monotonic() - t0),
                         "vm_exit": rc, "complete": done},
@@ -327,11 +347,7 @@ def host(args):
                "peer_errors": peer_errors, "records": records}
     results["summary"] = summarize(results)
     write_outputs(results, outdir)
-    latest = os.path.join(os.path.dirname(outdir), "latest")
-    if os.path.islink(latest) or not os.path.exists(latest):
-        if os.path.islink(latest):
-            os.unlink(latest)
-        os.symlink(os.path.basename(outdir), latest)
+    link_latest(outdir, "latest")
     if not done or rc != 0:
         die(f"the VM run did not finish (exit {rc}; see {outdir}/console.log); "
             f"the table above holds the {len(records)} runs it recorded", 1)

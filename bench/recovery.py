@@ -114,51 +114,7 @@ def host(args):
     cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
            "--mem", str(prm["VM_MEM_MB"]), "--",
            "python3", "-u", os.path.join(HERE, "recovery.py"), "guest", plan_path]
-    records, meta, done = [], {}, False
-    console = open(os.path.join(outdir, "console.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", bufsize=1)
-    prev = B.host_sample(proc.pid)
-    try:
-        for line in proc.stdout:
-            console.write(line)
-            console.flush()
-            for marker in (REC, META):
-                i = line.find(marker)
-                if i >= 0:
-                    try:
-                        obj = json.loads(line[i + len(marker):])
-                    except ValueError:
-                        print(f"bench: a record line was garbled on the console, dropped: "
-                              f"{line.strip()[:200]}", flush=True)
-                        break
-                    if marker == REC:
-                        obj["host_load1"] = os.getloadavg()[0]
-                        cur = B.host_sample(proc.pid)
-                        if cur[2] > prev[2]:
-                            obj["host_other_cpu_pct"] = round(
-                                100 * ((cur[0] - prev[0]) - (cur[1] - prev[1]))
-                                / (cur[2] - prev[2]), 1)
-                        prev = cur
-                        records.append(obj)
-                    else:
-                        meta.update(obj)
-                    break
-            else:
-                if DONE in line:
-                    done = True
-                    continue
-                m = re.match(r"\[vm\] booting (\S+) \((\w+), (\d+) vCPU", line)
-                if m:
-                    meta.setdefault("accel", m.group(2))
-                if (line.startswith(("[bench]", "[vm]", "install-host-deps"))
-                        or "error" in line.lower() or "panic" in line.lower()):
-                    print(line.rstrip("\n"), flush=True)
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait()
-    console.close()
+    records, meta, rc, done = B.run_guest(cmd, outdir, (REC, META, DONE))
 
     results = {"meta": {**meta, "date": stamp, "host_elapsed_s": round(time.monotonic() - t0),
                         "vm_exit": rc, "complete": done},
@@ -166,11 +122,7 @@ def host(args):
                "peer_errors": peer_errors, "records": records}
     results["summary"] = summarize(results)
     write_outputs(results, outdir)
-    latest = os.path.join(parent, "latest-recovery")
-    if os.path.islink(latest) or not os.path.exists(latest):
-        if os.path.islink(latest):
-            os.unlink(latest)
-        os.symlink(os.path.basename(outdir), latest)
+    B.link_latest(outdir, "latest-recovery")
     if not done or rc != 0:
         die(f"the VM run did not finish (exit {rc}; see {outdir}/console.log); "
             f"the table above holds the {len(records)} records it got", 1)
