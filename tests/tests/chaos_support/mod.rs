@@ -15,7 +15,8 @@ use serde_json::Value;
 use ublkd_proto::ctrl::CtrlClient;
 
 pub use crate::common::{
-    bin, block_dev, describe, kernel_devices, signal, sparse_file, terminate, worker_pids,
+    bin, block_dev, describe, kernel_devices, signal, sparse_file, terminate, wait_for_path,
+    worker_pids,
 };
 use ublkd_proto::uapi::DevState;
 
@@ -190,11 +191,7 @@ impl Daemon {
         let out = self.ctl_ok(&full);
         let id: u32 =
             out.trim().parse().unwrap_or_else(|e| panic!("`ublkctl add` printed {out:?}: {e}"));
-        let node = block_dev(id);
-        wait_for("the block device node", Duration::from_secs(10), || {
-            Ok(node.exists().then_some(()))
-        })
-        .unwrap();
+        wait_for_path(&block_dev(id));
         id
     }
 
