@@ -427,7 +427,10 @@ impl Daemon {
             let pid = dev.worker.as_ref().map(|w| w.pid());
             let Some(how) = dev.worker_exited() else { continue };
             tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{how}");
-            let reason = dev.note.take().unwrap_or(how);
+            // The note says why a hung worker was killed; a worker failing I/O past the
+            // restart limit has the limit's note instead, which is no cause of death.
+            let note = dev.note.take().filter(|_| !dev.failing_io);
+            let reason = note.unwrap_or(how);
             self.recover_within_budget(id, &reason);
         }
     }
