@@ -20,8 +20,9 @@ pub use loopback::LoopTarget;
 pub use memory::MemoryTarget;
 pub use null::NullTarget;
 
-/// Index of the target's file in each ring's registered files (0 is `/dev/ublkcN`).
-pub const TARGET_FIXED_FD: u32 = 1;
+/// Index of the target's file in each ring's registered files (the only one: see
+/// `QueueThread::ublkc` for why `/dev/ublkcN` is not registered).
+pub const TARGET_FIXED_FD: u32 = 0;
 
 /// One request, validated by the queue loop: `offset + len` is inside the device and
 /// `len` fits the tag's buffer.
