@@ -77,7 +77,8 @@ impl DescArray {
 }
 
 /// The tags' data buffers: one anonymous mapping, `buf_bytes` per tag, page aligned
-/// (O_DIRECT needs it), populated lazily by the kernel on first touch.
+/// (O_DIRECT needs it), the first page of each faulted in at once, the rest on first
+/// touch.
 #[derive(Debug)]
 pub struct TagBuffers {
     base: NonNull<u8>,
@@ -93,10 +94,28 @@ unsafe impl Send for TagBuffers {}
 unsafe impl Sync for TagBuffers {}
 
 impl TagBuffers {
+    /// Maps the buffers and faults in the first page of each, so that the first
+    /// requests after a recovery do not wait for the kernel to allocate (and zero) the
+    /// pages they are copied into: a standby pays that before it is needed. Huge pages
+    /// are turned off for the mapping, else touching one page per tag would populate
+    /// all of it.
     pub fn new(nr_queues: u16, depth: u16, buf_bytes: usize) -> io::Result<TagBuffers> {
         let total = usize::from(nr_queues) * usize::from(depth) * buf_bytes;
         let base = map_anonymous(total, libc::MAP_NORESERVE)?;
-        Ok(TagBuffers { base, depth, nr_queues, buf_bytes })
+        // SAFETY: advice on the mapping just made, of its exact length; it changes how
+        // the kernel backs the pages, not their contents.
+        unsafe { libc::madvise(base.as_ptr().cast(), total, libc::MADV_NOHUGEPAGE) };
+        let bufs = TagBuffers { base, depth, nr_queues, buf_bytes };
+        for q_id in 0..nr_queues {
+            for tag in 0..depth {
+                let first = bufs.get(q_id, tag).expect("inside the geometry");
+                // SAFETY: `first` is the start of a tag buffer inside the mapping made
+                // above, which nothing else uses yet; a volatile write makes the kernel
+                // back the page now.
+                unsafe { first.write_volatile(0) };
+            }
+        }
+        Ok(bufs)
     }
 
     pub fn buf_bytes(&self) -> usize {
