@@ -384,6 +384,8 @@ impl Daemon {
             if n < 0 {
                 continue; // EINTR: a signal; its flag is checked on the next turn.
             }
+            // When a death became visible: a recovery's stall is counted from here.
+            let woke = Instant::now();
             self.signals.drain();
             self.signals.child.store(false, Ordering::Relaxed);
             if self.signals.terminate.load(Ordering::Relaxed) {
@@ -393,7 +395,7 @@ impl Daemon {
                 self.reload();
             }
             // Deaths first (pidfds), then hangs, then clients.
-            self.handle_deaths();
+            self.handle_deaths(woke);
             self.handle_hangs(hung_timeout);
             let healthy = self.devices.values().all(|d| d.progressing(hung_timeout));
             self.notifier.watchdog(healthy);
@@ -414,7 +416,7 @@ impl Daemon {
     }
 
     /// Recovers every device whose worker died, within its restart budget.
-    fn handle_deaths(&mut self) {
+    fn handle_deaths(&mut self, woke: Instant) {
         let ids: Vec<u32> = self.devices.keys().copied().collect();
         for id in ids {
             let Some(dev) = self.devices.get_mut(&id) else { continue };
@@ -425,7 +427,7 @@ impl Daemon {
                 dev.refill_standby(&self.ctx);
             }
             let pid = dev.worker.as_ref().map(|w| w.pid());
-            let Some(how) = dev.worker_exited() else { continue };
+            let Some(how) = dev.worker_exited(woke) else { continue };
             tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{how}");
             // The note says why a hung worker was killed; a worker failing I/O past the
             // restart limit has the limit's note instead, which is no cause of death.

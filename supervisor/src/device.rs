@@ -26,7 +26,7 @@ use ublkd_proto::uapi::{
 };
 
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
-use crate::worker::{Worker, WorkerError, WorkerIdentity};
+use crate::worker::{Activation, Worker, WorkerError, WorkerIdentity};
 
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
@@ -116,6 +116,9 @@ pub struct Device {
     /// When to start the next standby (set by a recovery).
     standby_due: Option<Instant>,
     hang: HangWatch,
+    /// When the active worker's death was seen (see [`Self::worker_exited`]): the next
+    /// recovery counts its stall from here.
+    death_seen: Option<Instant>,
 }
 
 impl Device {
@@ -166,11 +169,13 @@ impl Device {
         ctx.ctrl.set_params(id, &params(&spec))?;
         let mut dev = Self::open(ctx, id, spec, true)?;
         let standby = dev.ensure_standby(ctx)?;
-        let worker = dev.activate(standby)?;
+        let (worker, activation) = dev.activate(standby)?;
         ctx.ctrl.start_dev(id, std::process::id() as i32)?;
         tracing::info!(
             dev_id = id,
             worker_pid = worker.pid(),
+            map_us = activation.map_us,
+            prep_us = activation.prep_us,
             backend = dev.spec.target.name(),
             event = "live",
             "device LIVE"
@@ -222,6 +227,7 @@ impl Device {
             last_recovery_reason: None,
             restarts: VecDeque::new(),
             standby_due: None,
+            death_seen: None,
             hang: HangWatch { beats: 0, since: Instant::now() },
         })
     }
@@ -351,7 +357,7 @@ impl Device {
 
     /// Gives the device to `worker` (standing by) and waits until it has PREPed every
     /// tag. The supervisor's copy of `/dev/ublkcN` is closed before this returns.
-    fn activate(&mut self, mut worker: Worker) -> Result<Worker, DeviceError> {
+    fn activate(&mut self, mut worker: Worker) -> Result<(Worker, Activation), DeviceError> {
         let id = self.id;
         self.shm.reset_worker_state();
         let generation = self.shm.bump_generation();
@@ -359,18 +365,22 @@ impl Device {
         let ready = worker.activate(generation, ublkc.as_fd(), WORKER_TIMEOUT);
         // Close our copy now: only the worker may hold /dev/ublkcN.
         drop(ublkc);
-        if let Err(source) = ready {
-            let how = worker.reap(Duration::from_millis(100));
-            tracing::error!(dev_id = id, "worker failed ({how}): {source}");
-            return Err(DeviceError::Worker { id, source });
-        }
+        let activation = match ready {
+            Ok(a) => a,
+            Err(source) => {
+                let how = worker.reap(Duration::from_millis(100));
+                tracing::error!(dev_id = id, "worker failed ({how}): {source}");
+                return Err(DeviceError::Worker { id, source });
+            }
+        };
         self.hang = HangWatch { beats: self.heartbeats(), since: Instant::now() };
-        Ok(worker)
+        Ok((worker, activation))
     }
 
     /// Recovers the device: waits for the kernel to release the old worker's file
     /// (START_USER_RECOVERY answers EBUSY until then), activates the standby, and ends
-    /// the recovery. Returns the stall, from the call to LIVE.
+    /// the recovery. Returns the stall: from the worker's death being seen (or the
+    /// call, if no death was) to LIVE.
     pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Duration, DeviceError> {
         self.recover_with(ctx, reason, false)
     }
@@ -395,6 +405,7 @@ impl Device {
     ) -> Result<Duration, DeviceError> {
         let id = self.id;
         let started = Instant::now();
+        let seen = self.death_seen.take().unwrap_or(started);
         if let Some(mut old) = self.worker.take() {
             // A live worker (a hung one, or an operator's recover) must go first.
             old.kill();
@@ -426,10 +437,11 @@ impl Device {
         } else {
             self.ensure_standby(ctx)?
         };
-        let worker = self.activate(next)?;
+        let (worker, activation) = self.activate(next)?;
         let activated = started.elapsed();
         ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
-        let stall = started.elapsed();
+        let stall = seen.elapsed();
+        let detect = started - seen;
         self.failing_io = fail_io;
         self.worker = Some(worker);
         if fail_io {
@@ -445,11 +457,16 @@ impl Device {
             dev_id = id,
             worker_pid = worker.pid(),
             stall_ms = stall.as_millis() as u64,
-            // Where the stall went: the kernel releasing the old file, the standby
-            // mapping and PREPing, the kernel going LIVE.
+            // Where the stall went: from the death seen to the recovery starting, the
+            // kernel releasing the old file, the standby mapping (map) and PREPing
+            // (prep) as it says and the supervisor's round trip to it (activate), the
+            // kernel going LIVE.
+            detect_us = detect.as_micros() as u64,
             release_us = released.as_micros() as u64,
             activate_us = (activated - released).as_micros() as u64,
-            end_us = (stall - activated).as_micros() as u64,
+            map_us = activation.map_us,
+            prep_us = activation.prep_us,
+            end_us = (stall - detect - activated).as_micros() as u64,
             event = "recovered",
             "device recovered ({reason})"
         );
@@ -521,12 +538,14 @@ impl Device {
         &self.shm
     }
 
-    /// If the active worker exited, reaps it and says how.
-    pub fn worker_exited(&mut self) -> Option<String> {
+    /// If the active worker exited, reaps it and says how; `seen` is when its death became
+    /// visible (its pidfd readable), from which the next recovery counts its stall.
+    pub fn worker_exited(&mut self, seen: Instant) -> Option<String> {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
         let pid = w.pid();
         self.worker = None;
+        self.death_seen = Some(seen);
         Some(format!("worker {pid} {how}"))
     }
 

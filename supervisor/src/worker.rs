@@ -48,6 +48,15 @@ pub struct WorkerIdentity {
     pub gid: u32,
 }
 
+/// How long a worker's activation took, as it reports it (informational, logged).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Activation {
+    /// Mapping the descriptor arrays, in microseconds.
+    pub map_us: u32,
+    /// Enabling the rings and PREPing every tag, in microseconds.
+    pub prep_us: u32,
+}
+
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
@@ -192,16 +201,16 @@ impl Worker {
         generation: u64,
         ublkc: BorrowedFd<'_>,
         timeout: Duration,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<Activation, WorkerError> {
         msg::send_packet(self.control(), &ToWorker::Activate { generation }, &[ublkc])
             .map_err(WorkerError::Send)?;
         match self.receive(timeout)? {
-            FromWorker::Ready => Ok(()),
+            FromWorker::Ready { map_us, prep_us } => Ok(Activation { map_us, prep_us }),
             other => self.unexpected("Ready", other),
         }
     }
 
-    fn unexpected(&self, want: &str, got: FromWorker) -> Result<(), WorkerError> {
+    fn unexpected<T>(&self, want: &str, got: FromWorker) -> Result<T, WorkerError> {
         let pid = self.pid();
         match got {
             FromWorker::Failed { reason } => Err(WorkerError::Failed { pid, reason }),

@@ -186,16 +186,10 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         Ok(t) => t,
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
-    tracing::info!(
-        dev_id = setup.dev_id,
-        queues = setup.nr_queues,
-        depth = setup.queue_depth,
-        threads = setup.nr_threads,
-        map_us = mapped.as_micros() as u64,
-        prep_us = (activating.elapsed() - mapped).as_micros() as u64,
-        "serving"
-    );
-    if let Err(e) = msg::send_packet(control.as_fd(), &FromWorker::Ready, &[]) {
+    let prepped = activating.elapsed();
+    let micros = |d: std::time::Duration| d.as_micros().min(u128::from(u32::MAX)) as u32;
+    let ready = FromWorker::Ready { map_us: micros(mapped), prep_us: micros(prepped - mapped) };
+    if let Err(e) = msg::send_packet(control.as_fd(), &ready, &[]) {
         tracing::error!("cannot report ready: {e}");
         return exit::ORPHANED;
     }
