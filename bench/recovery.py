@@ -151,6 +151,11 @@ def summarize(results):
             "last_recovery_ms": B.stats([r.get("last_recovery_ms") for r in ok]),
             "recover_cmd_ms": B.stats([r.get("recover_cmd_ms") for r in ok]),
             "recover_attempts": B.stats([r.get("recover_attempts") for r in ok]),
+            # ublkd's own phases, and what is left of the stall after them: the worker's
+            # death, noticing it, and the first I/O after LIVE
+            **{k: B.stats([r.get(k) for r in ok])
+               for k in ("detect_ms", "release_ms", "activate_ms", "map_ms", "prep_ms",
+                         "end_ms", "rest_ms")},
             "series": len(series),
             "series_ok": sum(1 for r in series if not r.get("error")),
             "fio_ios": sum(r.get("fio_ios", 0) for r in series),
@@ -191,6 +196,17 @@ def table(results):
         death = fms(s["death_ms"]["median"]) if s["death_ms"] else "-"
         lines.append(f"{srv:<9} {s['kills']:>5}  {fms(st['min']):>13} {fms(st['median']):>7} "
                      f"{fms(st['max']):>7}   {death:>8}  {lr:>22}  {rc:>14}  {fio}{fails}")
+    u = summ.get("ublkd")
+    if u and u.get("release_ms") and u["stall_ms"]:
+        lines.append(
+            "ublkd's stall by phase, medians in ms: death (kill -> pidfd readable) "
+            f"{fms(u['death_ms']['median'])}, detect (pidfd readable -> recovery starts) "
+            f"{fms(u['detect_ms']['median'])}, release (START_USER_RECOVERY's EBUSY) "
+            f"{fms(u['release_ms']['median'])}, activate (Activate -> Ready) "
+            f"{fms(u['activate_ms']['median'])} (of which the worker's map "
+            f"{fms(u['map_ms']['median'])} and prep {fms(u['prep_ms']['median'])}), end "
+            f"(END_USER_RECOVERY) {fms(u['end_ms']['median'])}; the rest (waking ublkd, the "
+            f"first I/O after LIVE) {fms(u['rest_ms']['median'])}.")
     lines.append("")
     if "ratio_ublkd_kublk" in summ:
         r = summ["ratio_ublkd_kublk"]
@@ -382,7 +398,32 @@ class Ublkd:
         res["recoveries"] = d.get("recoveries")
         res["new_pid"] = d.get("worker_pid")
         res["reason"] = d.get("last_recovery_reason")
+        res.update(self.phases(res["new_pid"]))
+        if res["last_recovery_ms"] is not None:
+            res["rest_ms"] = res["stall_ms"] - res["death_ms"] - res["last_recovery_ms"]
         return res
+
+    PHASES = ("detect_us", "release_us", "activate_us", "map_us", "prep_us", "end_us")
+
+    def phases(self, worker_pid):
+        """Where ublkd's own recovery went (its `device recovered` log line for the worker
+        that took over): release (kernel releasing the old file), activate (standby
+        mapping and PREPing, map and prep as the worker reports them), end
+        (END_USER_RECOVERY), and detect (from the death seen to the recovery starting),
+        in ms."""
+        try:
+            lines = open(self.LOG, errors="replace").read().splitlines()
+        except OSError:
+            return {}
+        for ln in reversed(lines):
+            if "device recovered" in ln and f"worker_pid={worker_pid} " in ln:
+                got = {}
+                for k in self.PHASES:
+                    m = re.search(rf"\b{k}=(\d+)", ln)
+                    if m:
+                        got[k[:-3] + "_ms"] = int(m.group(1)) / 1e3
+                return got
+        return {}
 
     def delete(self, dev_id):
         self.ctl("del", "-n", str(dev_id))
