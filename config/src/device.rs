@@ -31,6 +31,9 @@ pub const MAX_BLOCK_SIZE: u32 = 4096;
 pub const MAX_THREADS: u16 = 64;
 /// Largest device: 2^63 bytes, so byte offsets fit an `i64` (`off_t`) everywhere.
 pub const MAX_SIZE_BYTES: u64 = 1 << 63;
+/// Most request slots (queues × queue_depth) of a zero-copy device: each slot has its
+/// own entry in every worker ring's buffer table, which io_uring caps at 2^14.
+pub const MAX_ZERO_COPY_SLOTS: u32 = 1 << 14;
 
 /// What serves a device's I/O.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -47,6 +50,10 @@ pub enum TargetSpec {
         file: PathBuf,
         /// Open with `O_DIRECT`, bypassing the page cache.
         direct: bool,
+        /// Zero copy: the kernel lends each request's pages to the worker's ring
+        /// (`UBLK_F_AUTO_BUF_REG`), which reads and writes the backing file straight
+        /// from them, instead of copying every request through the worker's memory.
+        zero_copy: bool,
     },
 }
 
@@ -161,6 +168,18 @@ impl DeviceSpec {
             ));
         }
         check_size(self.size_bytes, self.block_size)?;
+        if matches!(self.target, TargetSpec::Loop { zero_copy: true, .. })
+            && slots > MAX_ZERO_COPY_SLOTS
+        {
+            return Err(FieldError::new(
+                "zero_copy",
+                format!(
+                    "needs queues × queue_depth <= {MAX_ZERO_COPY_SLOTS} (one registered \
+                     buffer per request slot), this device has {slots}; lower queues or \
+                     queue_depth, or turn zero_copy off"
+                ),
+            ));
+        }
         if let TargetSpec::Loop { file, .. } = &self.target {
             let file_size = backing_file_size(file)?;
             if self.size_bytes > file_size {
@@ -439,6 +458,7 @@ mod tests {
             target: TargetSpec::Loop {
                 file: PathBuf::from("/nonexistent/ublkd-config-test.img"),
                 direct: true,
+                zero_copy: false,
             },
             ..null_device()
         };
@@ -447,7 +467,7 @@ mod tests {
             matches!(&error, Some(e) if e.field == "file" && e.problem.contains("does not exist"))
         );
         let directory = DeviceSpec {
-            target: TargetSpec::Loop { file: std::env::temp_dir(), direct: true },
+            target: TargetSpec::Loop { file: std::env::temp_dir(), direct: true, zero_copy: false },
             ..null_device()
         };
         let error = directory.validate().err();

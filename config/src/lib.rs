@@ -513,9 +513,11 @@ impl Checker<'_> {
                 } else {
                     TargetSpec::Memory
                 };
-                for (key, present) in
-                    [("file", raw.file.is_some()), ("direct", raw.direct.is_some())]
-                {
+                for (key, present) in [
+                    ("file", raw.file.is_some()),
+                    ("direct", raw.direct.is_some()),
+                    ("zero_copy", raw.zero_copy.is_some()),
+                ] {
                     if present {
                         return Err(self.invalid(
                             &table.key(key),
@@ -552,7 +554,8 @@ impl Checker<'_> {
                         .map_err(|e| self.field(&table, e))?,
                 };
                 let direct = raw.direct.unwrap_or(true);
-                (TargetSpec::Loop { file, direct }, size)
+                let zero_copy = raw.zero_copy.unwrap_or(false);
+                (TargetSpec::Loop { file, direct, zero_copy }, size)
             }
         };
 
@@ -1172,7 +1175,11 @@ mod tests {
                 },
                 DeviceSpec {
                     id: None,
-                    target: TargetSpec::Loop { file: backing.path.clone(), direct: false },
+                    target: TargetSpec::Loop {
+                        file: backing.path.clone(),
+                        direct: false,
+                        zero_copy: false,
+                    },
                     size_bytes: 4 << 20,
                     queues: 64,
                     queue_depth: 4096,
@@ -1204,7 +1211,7 @@ mod tests {
         assert_eq!(config.devices[0].size_bytes, 3 << 20);
         assert_eq!(
             config.devices[0].target,
-            TargetSpec::Loop { file: backing.path.clone(), direct: true }
+            TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: false }
         );
     }
 
@@ -1316,7 +1323,10 @@ mod tests {
         assert!(uncommented >= 4, "the example's loop block was not found");
         let config = Config::parse(&out, "ublkd.example.toml").expect("the loop example is valid");
         let device = config.devices.last().expect("the loop device");
-        assert_eq!(device.target, TargetSpec::Loop { file: backing.path.clone(), direct: true });
+        assert_eq!(
+            device.target,
+            TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: false }
+        );
         assert_eq!(device.size_bytes, 1 << 30);
     }
 
@@ -1373,6 +1383,7 @@ mod tests {
                 "size",
                 "file",
                 "direct",
+                "zero_copy",
                 "queues",
                 "queue_depth",
                 "block_size",
@@ -1407,7 +1418,7 @@ mod tests {
             "file" => &["\"/dev/null\"", "\"/\"", "\"/nonexistent\"", "\"rel.img\""],
             "id" => &["\"auto\"", "0", "3", "1048575", "1048576", "\"x\""],
             "block_size" => &["512", "1024", "2048", "4096", "8192", "768"],
-            "sandbox" | "direct" => &["true", "false"],
+            "sandbox" | "direct" | "zero_copy" => &["true", "false"],
             _ => &["1", "1", "2", "4", "8", "64", "0", "65", "300", "4096", "4097"],
         };
         prop_oneof![

@@ -63,6 +63,7 @@ pub(crate) struct RawDevice {
     pub size: Option<Size>,
     pub file: Option<PathBuf>,
     pub direct: Option<bool>,
+    pub zero_copy: Option<bool>,
     pub queues: Option<Int>,
     pub queue_depth: Option<Int>,
     pub block_size: Option<Int>,

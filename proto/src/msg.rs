@@ -85,6 +85,10 @@ pub struct WorkerSetup {
     pub target: TargetSetup,
     /// Logical block size in bytes (the target may use it to align).
     pub block_size: u32,
+    /// The device has `UBLK_F_AUTO_BUF_REG` (a zero-copy loop device, or one failing
+    /// its I/O after being one): the worker gives each tag a buffer index instead of a
+    /// buffer address, and requests with data arrive registered in its ring.
+    pub zero_copy: bool,
 }
 
 impl WorkerSetup {
@@ -230,6 +234,10 @@ pub struct AddRequest {
     pub queues: Option<u16>,
     pub queue_depth: Option<u16>,
     pub threads: Option<u16>,
+    /// Loop only: serve with zero copy (see `TargetSetup::Loop`).
+    pub zero_copy: bool,
+    /// Run the worker in its sandbox; `None`: the daemon's default.
+    pub sandbox: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -379,6 +387,7 @@ mod tests {
             nr_threads: 2,
             target: TargetSetup::Memory,
             block_size: 4096,
+            zero_copy: true,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();
         let f2 = std::fs::File::open("/dev/zero").unwrap();

@@ -101,6 +101,14 @@ pub enum UblkctlCommand {
         /// Worker threads serving the device's queues.
         #[arg(long)]
         threads: Option<u16>,
+        /// Zero copy (loop): the worker reads and writes the file straight from the
+        /// request's pages, lent by the kernel, instead of copying them.
+        #[arg(long)]
+        zero_copy: bool,
+        /// Run this device's worker without its sandbox (the daemon's default is to
+        /// sandbox): for measuring what the sandbox costs.
+        #[arg(long)]
+        no_sandbox: bool,
         /// Device id (default: the kernel picks one).
         #[arg(short = 'n', long = "id")]
         id: Option<u32>,

@@ -128,7 +128,8 @@ impl Daemon {
     /// Checks the kernel, prepares the state dir and socket, installs signal handling.
     pub fn start(config: Config, config_path: Option<PathBuf>) -> Result<Daemon, DaemonError> {
         let ctrl = CtrlClient::open()?;
-        let missing = features::missing_required(ctrl.get_features()?);
+        let kernel_features = ctrl.get_features()?;
+        let missing = features::missing_required(kernel_features);
         if !missing.is_empty() {
             return Err(DaemonError::MissingFeatures(missing.join(", ")));
         }
@@ -142,7 +143,7 @@ impl Daemon {
         let listener = listen(&config.daemon.socket)?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
         let state = StateDir::new(&config.daemon.state_dir);
-        let ctx = Context { ctrl, worker_binary, state, worker_identity };
+        let ctx = Context { ctrl, worker_binary, state, worker_identity, kernel_features };
         Ok(Daemon {
             config,
             config_path,
@@ -707,11 +708,17 @@ pub fn spec_from_request(
         TargetKind::Memory => TargetSpec::Memory,
         TargetKind::Loop => {
             let file = add.file.clone().ok_or("a loop device needs a backing file (-f FILE)")?;
-            TargetSpec::Loop { file, direct: true }
+            TargetSpec::Loop { file, direct: true, zero_copy: add.zero_copy }
         }
     };
     if add.file.is_some() && add.target != TargetKind::Loop {
         return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
+    }
+    if add.zero_copy && add.target != TargetKind::Loop {
+        return Err(format!(
+            "--zero-copy is only for loop devices (the {} target copies no data from a file)",
+            add.target.name()
+        ));
     }
     let block_size = defaults.block_size;
     let size_bytes = match (add.size, &target) {
@@ -734,7 +741,7 @@ pub fn spec_from_request(
         queue_depth: add.queue_depth.unwrap_or(defaults.queue_depth),
         block_size,
         threads: add.threads.unwrap_or(defaults.threads),
-        sandbox: defaults.sandbox,
+        sandbox: add.sandbox.unwrap_or(defaults.sandbox),
     };
     spec.validate().map_err(|e| flag_error(&e))?;
     Ok(spec)
@@ -749,6 +756,7 @@ fn flag_error(e: &ublkd_config::FieldError) -> String {
         "threads" => "--threads",
         "id" => "-n/--id",
         "file" => "-f/--file",
+        "zero_copy" => "--zero-copy",
         other => other,
     };
     format!("{flag}: {}", e.problem)
@@ -818,7 +826,42 @@ mod tests {
             queues: None,
             queue_depth: None,
             threads: None,
+            zero_copy: false,
+            sandbox: None,
         }
+    }
+
+    #[test]
+    fn zero_copy_is_for_loop_devices_only() {
+        let mut a = add(TargetKind::Memory);
+        a.size = Some(1 << 20);
+        a.zero_copy = true;
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert!(err.starts_with("--zero-copy is only for loop devices"), "{err}");
+    }
+
+    #[test]
+    fn zero_copy_past_the_buffer_table_names_the_flag() {
+        let file = std::env::temp_dir().join(format!("ublkd-zc-{}.img", std::process::id()));
+        std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+        let mut a = add(TargetKind::Loop);
+        a.file = Some(file.clone());
+        a.zero_copy = true;
+        a.queues = Some(8);
+        a.queue_depth = Some(4096);
+        let err = spec_from_request(&a, &defaults());
+        std::fs::remove_file(&file).unwrap();
+        let err = err.unwrap_err();
+        assert!(err.starts_with("--zero-copy: needs queues × queue_depth <= 16384"), "{err}");
+    }
+
+    #[test]
+    fn no_sandbox_overrides_the_default() {
+        let mut a = add(TargetKind::Memory);
+        a.size = Some(1 << 20);
+        a.sandbox = Some(false);
+        assert!(defaults().sandbox);
+        assert!(!spec_from_request(&a, &defaults()).unwrap().sandbox);
     }
 
     #[test]

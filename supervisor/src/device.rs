@@ -35,6 +35,16 @@ pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
 pub const DEVICE_FLAGS: u64 =
     uapi::UBLK_F_BATCH_IO | uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
 
+/// The flags of a device: [`DEVICE_FLAGS`], and automatic buffer registration for a
+/// zero-copy loop device.
+pub fn device_flags(spec: &DeviceSpec) -> u64 {
+    if zero_copy(spec) { DEVICE_FLAGS | uapi::UBLK_F_AUTO_BUF_REG } else { DEVICE_FLAGS }
+}
+
+fn zero_copy(spec: &DeviceSpec) -> bool {
+    matches!(spec.target, TargetSpec::Loop { zero_copy: true, .. })
+}
+
 /// How long a worker may take to get set up, or to PREP every tag.
 const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a worker may take to exit when asked.
@@ -67,6 +77,8 @@ pub enum DeviceError {
     NotReleased { id: u32, secs: u64 },
     #[error("device {id} is not ublkd's: {why}")]
     NotOurs { id: u32, why: String },
+    #[error("zero_copy needs the kernel's UBLK_F_{feature} (Linux >= {since}), which it lacks")]
+    Unsupported { feature: &'static str, since: &'static str },
 }
 
 /// What every device operation needs from the daemon.
@@ -77,6 +89,8 @@ pub struct Context {
     pub state: StateDir,
     /// Who sandboxed workers run as.
     pub worker_identity: WorkerIdentity,
+    /// The kernel's `UBLK_F_*` feature mask (`UBLK_U_CMD_GET_FEATURES`).
+    pub kernel_features: u64,
 }
 
 /// Watches for a hung worker: I/O in flight and no heartbeat for too long.
@@ -124,12 +138,15 @@ pub struct Device {
 impl Device {
     /// Creates, hands over and starts a device described by `spec` (already validated).
     pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
+        if zero_copy(spec) && ctx.kernel_features & uapi::UBLK_F_AUTO_BUF_REG == 0 {
+            return Err(DeviceError::Unsupported { feature: "AUTO_BUF_REG", since: "6.16" });
+        }
         let info = UblksrvCtrlDevInfo {
             nr_hw_queues: spec.queues,
             queue_depth: spec.queue_depth,
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
             dev_id: spec.id.unwrap_or(AUTO_DEV_ID),
-            flags: DEVICE_FLAGS,
+            flags: device_flags(spec),
             ublksrv_flags: OWNER_TAG,
             ..UblksrvCtrlDevInfo::default()
         };
@@ -245,6 +262,11 @@ impl Device {
             return Err(not_ours("its queues differ from ublkd's record".into()));
         }
         let spec = rec.spec().map_err(not_ours)?;
+        // The worker's batch elements depend on it: a mismatch would fail every PREP.
+        if info.flags & uapi::UBLK_F_AUTO_BUF_REG != device_flags(&spec) & uapi::UBLK_F_AUTO_BUF_REG
+        {
+            return Err(not_ours("its zero-copy flag differs from ublkd's record".into()));
+        }
         let mut dev = Self::open(ctx, id, spec, false)?;
         if DevState::from_raw(info.state) == DevState::Dead {
             // Created but never started: the previous supervisor died mid-create.
@@ -274,6 +296,7 @@ impl Device {
                 TargetSpec::Memory => TargetSetup::Memory,
                 TargetSpec::Loop { .. } => TargetSetup::Loop { direct: self.direct },
             },
+            zero_copy: zero_copy(&self.spec),
             block_size: self.spec.block_size,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
@@ -655,7 +678,7 @@ fn open_target(
                 .map_err(|source| DeviceError::State { id, source })?;
             Ok((Some(file.into()), false))
         }
-        TargetSpec::Loop { file, direct } => open_backing(id, file, *direct),
+        TargetSpec::Loop { file, direct, .. } => open_backing(id, file, *direct),
     }
 }
 
@@ -731,7 +754,10 @@ mod tests {
 
     #[test]
     fn loop_devices_declare_a_volatile_cache_and_fua() {
-        let p = params(&spec(TargetSpec::Loop { file: "/x".into(), direct: true }, 4096));
+        let p = params(&spec(
+            TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy: false },
+            4096,
+        ));
         assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA);
         assert_eq!(p.basic.logical_bs_shift, 12);
     }

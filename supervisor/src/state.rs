@@ -42,6 +42,9 @@ pub struct DeviceRecord {
     pub target: String,
     pub file: Option<PathBuf>,
     pub direct: bool,
+    /// Loop only; absent in records written before zero copy existed.
+    #[serde(default)]
+    pub zero_copy: bool,
     pub size_bytes: u64,
     pub queues: u16,
     pub queue_depth: u16,
@@ -52,15 +55,18 @@ pub struct DeviceRecord {
 
 impl DeviceRecord {
     pub fn new(id: u32, spec: &DeviceSpec) -> Self {
-        let (file, direct) = match &spec.target {
-            TargetSpec::Loop { file, direct } => (Some(file.clone()), *direct),
-            _ => (None, false),
+        let (file, direct, zero_copy) = match &spec.target {
+            TargetSpec::Loop { file, direct, zero_copy } => {
+                (Some(file.clone()), *direct, *zero_copy)
+            }
+            _ => (None, false, false),
         };
         DeviceRecord {
             id,
             target: spec.target.name().to_string(),
             file,
             direct,
+            zero_copy,
             size_bytes: spec.size_bytes,
             queues: spec.queues,
             queue_depth: spec.queue_depth,
@@ -76,7 +82,11 @@ impl DeviceRecord {
         let target = match (self.target.as_str(), &self.file) {
             ("null", None) => TargetSpec::Null,
             ("memory", None) => TargetSpec::Memory,
-            ("loop", Some(file)) => TargetSpec::Loop { file: file.clone(), direct: self.direct },
+            ("loop", Some(file)) => TargetSpec::Loop {
+                file: file.clone(),
+                direct: self.direct,
+                zero_copy: self.zero_copy,
+            },
             (t, f) => return Err(format!("target {t:?} with file {f:?} is not a valid pair")),
         };
         if self.queues == 0 || self.queue_depth == 0 || self.threads == 0 || self.size_bytes == 0 {

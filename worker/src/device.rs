@@ -94,19 +94,24 @@ unsafe impl Send for TagBuffers {}
 unsafe impl Sync for TagBuffers {}
 
 impl TagBuffers {
-    /// Maps the buffers and faults in the first page of each, so that the first
-    /// requests after a recovery do not wait for the kernel to allocate (and zero) the
-    /// pages they are copied into: a standby pays that before it is needed. Huge pages
-    /// are turned off for the mapping, else touching one page per tag would populate
-    /// all of it.
-    pub fn new(nr_queues: u16, depth: u16, buf_bytes: usize) -> io::Result<TagBuffers> {
+    /// Maps the buffers and, with `prefault`, faults in the first page of each, so that
+    /// the first requests after a recovery do not wait for the kernel to allocate (and
+    /// zero) the pages they are copied into: a standby pays that before it is needed.
+    /// Huge pages are turned off for the mapping, else touching one page per tag would
+    /// populate all of it. (A zero-copy device's data never lands here: no prefault.)
+    pub fn new(
+        nr_queues: u16,
+        depth: u16,
+        buf_bytes: usize,
+        prefault: bool,
+    ) -> io::Result<TagBuffers> {
         let total = usize::from(nr_queues) * usize::from(depth) * buf_bytes;
         let base = map_anonymous(total, libc::MAP_NORESERVE)?;
         // SAFETY: advice on the mapping just made, of its exact length; it changes how
         // the kernel backs the pages, not their contents.
         unsafe { libc::madvise(base.as_ptr().cast(), total, libc::MADV_NOHUGEPAGE) };
         let bufs = TagBuffers { base, depth, nr_queues, buf_bytes };
-        for q_id in 0..nr_queues {
+        for q_id in (0..nr_queues).filter(|_| prefault) {
             for tag in 0..depth {
                 let first = bufs.get(q_id, tag).expect("inside the geometry");
                 // SAFETY: `first` is the start of a tag buffer inside the mapping made
@@ -174,6 +179,9 @@ pub struct Device {
     pub generation: u64,
     /// Rings are created restricted (see `sandbox::restrict_ring`).
     pub sandboxed: bool,
+    /// `UBLK_F_AUTO_BUF_REG`: requests' pages arrive registered in the fetching ring
+    /// (see `WorkerSetup::zero_copy`); `bufs` is not used for their data.
+    pub zero_copy: bool,
 }
 
 impl std::fmt::Debug for Device {

@@ -239,14 +239,15 @@ impl ThreadSet {
         let (ring_tx, ring_rx) = mpsc::channel::<Result<(), String>>();
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
-        let (nr_queues, depth) = (setup.nr_queues, setup.queue_depth);
+        let (nr_queues, depth, zero_copy) = (setup.nr_queues, setup.queue_depth, setup.zero_copy);
         // Each queue thread on its own CPU, spread by device and thread number.
         let cpus = queue_loop::allowed_cpus();
         let cpu_of = |thread: usize| -> Option<usize> {
             (!cpus.is_empty()).then(|| cpus[(setup.dev_id as usize + thread) % cpus.len()])
         };
-        let own = StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd, cpu_of(0))
-            .map_err(|e| e.to_string())?;
+        let own =
+            StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd, cpu_of(0), zero_copy)
+                .map_err(|e| e.to_string())?;
         let mut activate = Vec::with_capacity(nr_threads);
         for p in plans {
             let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
@@ -258,13 +259,14 @@ impl ThreadSet {
             std::thread::Builder::new()
                 .name(format!("ublk-q{index}"))
                 .spawn(move || {
-                    let standby = match StandbyRing::new(p, nr_queues, depth, target_fd, cpu) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            let _ = ring_tx.send(Err(e.to_string()));
-                            return;
-                        }
-                    };
+                    let standby =
+                        match StandbyRing::new(p, nr_queues, depth, target_fd, cpu, zero_copy) {
+                            Ok(r) => r,
+                            Err(e) => {
+                                let _ = ring_tx.send(Err(e.to_string()));
+                                return;
+                            }
+                        };
                     let _ = ring_tx.send(Ok(()));
                     // No device: the standby was let go and the process is exiting.
                     let Ok((dev, ublkc)) = activate_rx.recv() else { return };
@@ -392,7 +394,7 @@ impl Standby {
             nr_threads: setup.nr_threads,
         };
         let shm = ShmRegion::open(shm_fd, geometry).map_err(|e| e.to_string())?;
-        let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes)
+        let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes, !setup.zero_copy)
             .map_err(|e| format!("cannot allocate tag buffers: {e}"))?;
         let target = target::build(&setup.target, setup.size_bytes, target_fds)
             .map_err(|e| e.to_string())?;
@@ -426,6 +428,7 @@ impl Standby {
             target: self.target,
             generation,
             sandboxed,
+            zero_copy: setup.zero_copy,
         })
     }
 }

@@ -124,8 +124,19 @@ fn split(ud: u64) -> (u64, u16, u32) {
     (ud >> 56, (ud >> 32) as u16, ud as u32)
 }
 
-/// The commit format of kernel-copy mode: header plus the tag's buffer address.
-const COMMIT_FORMAT: ElemFormat = ElemFormat::WITH_BUF_ADDR;
+/// The PREP/COMMIT element format: kernel-copy mode names each tag's buffer address;
+/// zero copy (`UBLK_F_AUTO_BUF_REG`) only the buffer index, in the header.
+fn elem_format(zero_copy: bool) -> ElemFormat {
+    if zero_copy { ElemFormat::HEADER } else { ElemFormat::WITH_BUF_ADDR }
+}
+
+/// Zero copy: where in every ring's buffer table the kernel registers a request's
+/// pages. One entry per request slot of the device, the same layout in every ring, so
+/// that whichever thread's FETCH delivers a tag finds its index free in its own ring.
+fn zero_copy_index(depth: u16, q_id: u16, tag: u16) -> u16 {
+    // The config keeps queues × depth <= 2^14 for zero-copy devices.
+    (usize::from(q_id) * usize::from(depth) + usize::from(tag)) as u16
+}
 
 struct QueueState {
     q_id: u16,
@@ -174,14 +185,16 @@ pub struct StandbyRing {
 impl StandbyRing {
     /// Creates the ring (disabled) for a device of `nr_queues` queues of `depth` tags,
     /// registering `target_file` (if the target has one) at [`TARGET_FIXED_FD`] and one
-    /// buffer ring per queue the thread serves; pins the calling thread (the ring's
-    /// owner) to `cpu` first.
+    /// buffer ring per queue the thread serves, and for `zero_copy` an empty buffer
+    /// table the kernel registers requests' pages in; pins the calling thread (the
+    /// ring's owner) to `cpu` first.
     pub fn new(
         plan: ThreadPlan,
         nr_queues: u16,
         depth: u16,
         target_file: Option<std::os::fd::RawFd>,
         cpu: Option<usize>,
+        zero_copy: bool,
     ) -> Result<Self, LoopError> {
         let thread = plan.index;
         let ring_err = |source| LoopError::Ring { thread, source };
@@ -209,6 +222,10 @@ impl StandbyRing {
         if let Some(fd) = target_file {
             ring.submitter().register_files_update(TARGET_FIXED_FD, &[fd]).map_err(ring_err)?;
         }
+        if zero_copy {
+            let slots = u32::from(nr_queues) * u32::from(depth);
+            ring.submitter().register_buffers_sparse(slots).map_err(ring_err)?;
+        }
         let mut queues = Vec::with_capacity(plan.queues.len());
         for (i, &q_id) in plan.queues.iter().enumerate() {
             let bufring =
@@ -218,7 +235,7 @@ impl StandbyRing {
                 bufring,
                 fetch_armed: false,
                 closed: false,
-                pending: ElemBuf::new(COMMIT_FORMAT, depth),
+                pending: ElemBuf::new(elem_format(zero_copy), depth),
             });
         }
         let nr_tags = usize::from(nr_queues) * usize::from(depth);
@@ -272,20 +289,25 @@ impl QueueThread {
         }
     }
 
-    fn tag_buf(&self, q_id: u16, tag: u16) -> u64 {
-        self.dev.bufs.get(q_id, tag).map_or(0, |p| p as u64)
+    /// The PREP or COMMIT element of a tag: its buffer's address (kernel copy), or the
+    /// buffer table index its pages are to be registered at (zero copy).
+    fn elem(&self, q_id: u16, tag: u16, result: i32) -> BatchElem {
+        if self.dev.zero_copy {
+            let buf_index = zero_copy_index(self.dev.depth, q_id, tag);
+            BatchElem { tag, buf_index, result, ..BatchElem::default() }
+        } else {
+            let buf_addr = self.dev.bufs.get(q_id, tag).map_or(0, |p| p as u64);
+            BatchElem { tag, buf_addr, result, ..BatchElem::default() }
+        }
     }
 
     /// PREPs every tag of this thread's PREP queues and waits until the kernel took them.
     pub fn prep(&mut self) -> Result<(), LoopError> {
         let mut bufs = Vec::new();
         for q_id in self.plan.prep_queues.clone() {
-            let mut elems = ElemBuf::new(COMMIT_FORMAT, self.dev.depth);
+            let mut elems = ElemBuf::new(elem_format(self.dev.zero_copy), self.dev.depth);
             for tag in 0..self.dev.depth {
-                let buf_addr = self.tag_buf(q_id, tag);
-                elems
-                    .push(BatchElem { tag, buf_addr, ..BatchElem::default() })
-                    .expect("capacity is the depth");
+                elems.push(self.elem(q_id, tag, 0)).expect("capacity is the depth");
             }
             let sqe = sqe::batch_cmd(
                 self.ublkc,
@@ -455,7 +477,11 @@ impl QueueThread {
         let op = desc.op();
         let len_bytes = u64::from(desc.nr_sectors) << 9;
         let offset = desc.start_sector.saturating_mul(512);
-        let buf = dev.bufs.get(q_id, tag).unwrap_or(std::ptr::null_mut());
+        let (buf, buf_index) = if dev.zero_copy {
+            (std::ptr::null_mut(), Some(zero_copy_index(dev.depth, q_id, tag)))
+        } else {
+            (dev.bufs.get(q_id, tag).unwrap_or(std::ptr::null_mut()), None)
+        };
         self.inflight += 1;
         if let Some(slot) = dev.shm.tag(q_id, tag) {
             slot.write(&TagRecord {
@@ -495,7 +521,7 @@ impl QueueThread {
             };
             return self.complete(q_id, tag, op, res);
         }
-        let req = IoReq { op, flags: desc.flags(), offset, len: len_bytes as u32, buf };
+        let req = IoReq { op, flags: desc.flags(), offset, len: len_bytes as u32, buf, buf_index };
         let step = dev.target.start(&req);
         let index = self.tag_index(q_id, tag);
         self.reqs[index] = Some((req, 0));
@@ -555,11 +581,9 @@ impl QueueThread {
             slot.set_state(tag_state::COMMITTING);
         }
         self.inflight = self.inflight.saturating_sub(1);
-        let buf_addr = self.tag_buf(q_id, tag);
+        let elem = self.elem(q_id, tag, res);
         let Some(q) = self.queues.iter_mut().find(|q| q.q_id == q_id) else { return Ok(()) };
-        q.pending
-            .push(BatchElem { tag, result: res, buf_addr, ..BatchElem::default() })
-            .map_err(|e| LoopError::Commit { q_id, tag, what: e.to_string() })
+        q.pending.push(elem).map_err(|e| LoopError::Commit { q_id, tag, what: e.to_string() })
     }
 
     /// Submits one COMMIT per queue with finished requests.
@@ -569,7 +593,8 @@ impl QueueThread {
                 continue;
             }
             let depth = self.dev.depth;
-            let fresh = self.spare.pop().unwrap_or_else(|| ElemBuf::new(COMMIT_FORMAT, depth));
+            let format = elem_format(self.dev.zero_copy);
+            let fresh = self.spare.pop().unwrap_or_else(|| ElemBuf::new(format, depth));
             let elems = std::mem::replace(&mut self.queues[qi].pending, fresh);
             let q_id = self.queues[qi].q_id;
             for i in 0..elems.len() {

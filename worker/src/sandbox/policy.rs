@@ -136,6 +136,16 @@ pub const URING_OPS: &[AllowedOp] = &[
         name: "WRITE",
         why: "loop target writes to its backing fd",
     },
+    AllowedOp {
+        opcode: opcode::ReadFixed::CODE,
+        name: "READ_FIXED",
+        why: "zero-copy loop target reads into a request's pages the kernel registered",
+    },
+    AllowedOp {
+        opcode: opcode::WriteFixed::CODE,
+        name: "WRITE_FIXED",
+        why: "zero-copy loop target writes from a request's pages the kernel registered",
+    },
     AllowedOp { opcode: opcode::Fsync::CODE, name: "FSYNC", why: "loop target FLUSH (fdatasync)" },
     AllowedOp {
         opcode: opcode::Fallocate::CODE,

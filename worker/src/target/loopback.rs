@@ -35,12 +35,28 @@ impl LoopTarget {
         let buf = req.buf.wrapping_add(done as usize);
         let len = req.len - done;
         let offset = req.offset + u64::from(done);
-        let sqe = if req.op == UBLK_IO_OP_READ {
-            opcode::Read::new(fd, buf, len).offset(offset).build()
-        } else {
-            // Forced unit access: this write is durable before it completes.
-            let rw_flags = if req.flags & UBLK_IO_F_FUA != 0 { libc::RWF_DSYNC } else { 0 };
-            opcode::Write::new(fd, buf, len).offset(offset).rw_flags(rw_flags).build()
+        // Forced unit access: this write is durable before it completes.
+        let rw_flags = if req.flags & UBLK_IO_F_FUA != 0 { libc::RWF_DSYNC } else { 0 };
+        let sqe = match (req.op == UBLK_IO_OP_READ, req.buf_index) {
+            (true, None) => opcode::Read::new(fd, buf, len).offset(offset).build(),
+            (false, None) => {
+                opcode::Write::new(fd, buf, len).offset(offset).rw_flags(rw_flags).build()
+            }
+            // Zero copy: the address is an offset into the registered request.
+            (true, Some(index)) => opcode::ReadFixed::new(
+                fd,
+                std::ptr::without_provenance_mut(done as usize),
+                len,
+                index,
+            )
+            .offset(offset)
+            .build(),
+            (false, Some(index)) => {
+                opcode::WriteFixed::new(fd, std::ptr::without_provenance(done as usize), len, index)
+                    .offset(offset)
+                    .rw_flags(rw_flags)
+                    .build()
+            }
         };
         Step::Submit(sqe)
     }

@@ -37,8 +37,12 @@ pub struct IoReq {
     /// Bytes.
     pub len: u32,
     /// The tag's buffer, `len` bytes valid (at least): WRITE data is in it, READ data
-    /// goes into it.
+    /// goes into it. Null with zero copy.
     pub buf: *mut u8,
+    /// Zero copy: the request's own pages, registered by the kernel at this index of
+    /// the ring's buffer table (address 0 is their start); READ_FIXED/WRITE_FIXED move
+    /// the data.
+    pub buf_index: Option<u16>,
 }
 
 /// What to do next with a request.
