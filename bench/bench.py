@@ -186,8 +186,15 @@ def effective_params(args):
     return prm
 
 
+def runs_job(prm, server, job):
+    """Whether `server` runs `job` (SERVER_JOBS limits some variants to some jobs)."""
+    only = prm.get("SERVER_JOBS", {}).get(server)
+    return only is None or job in only
+
+
 def estimate_s(prm):
-    runs = prm["ROUNDS"] * len(prm["SERVERS"]) * len(prm["JOBS"])
+    runs = prm["ROUNDS"] * sum(1 for s in prm["SERVERS"] for j in prm["JOBS"]
+                               if runs_job(prm, s, j))
     return runs * (prm["RUNTIME_S"] + prm["RAMP_S"] + prm["OVERHEAD_PER_RUN_S"]) + 30
 
 
@@ -304,7 +311,7 @@ def host(args):
 
     paths, versions, peer_errors = {"ublkd": bindir}, {"ublkd": git_rev()}, {}
     want = set(prm["SERVERS"])
-    if want & {"kublk", "kublk-b"}:
+    if any(s.startswith("kublk") for s in want):
         try:
             paths["kublk"], v = build_kublk(cache, args.rebuild_peers)
             versions["kublk"] = v
@@ -380,6 +387,8 @@ def summarize(results):
     for job in prm["JOBS"]:
         out[job] = {}
         for srv in prm["SERVERS"]:
+            if not runs_job(prm, srv, job):
+                continue
             rs = [r for r in results["records"]
                   if r["job"] == job and r["server"] == srv and not r.get("error")]
             fails = sum(1 for r in results["records"]
@@ -397,6 +406,16 @@ def summarize(results):
                 if u[m] and b[m] and b[m]["median"]:
                     r[m] = u[m]["median"] / b[m]["median"]
             out[job]["ratios"][f"ublkd/{base}"] = r
+        # Each side's best mode by median IOPS, and their ratio.
+        best = {}
+        for side, modes in prm.get("BEST_OF", {}).items():
+            cands = [(out[job][m]["iops"]["median"], m) for m in modes
+                     if m in out[job] and out[job][m]["iops"]]
+            if cands:
+                best[side] = max(cands)
+        if "ublkd" in best and "kublk" in best and best["kublk"][0]:
+            out[job]["best"] = {"ublkd": best["ublkd"][1], "kublk": best["kublk"][1],
+                                "iops_ratio": best["ublkd"][0] / best["kublk"][0]}
     out["idle_cpu_pct"] = {
         srv: stats([r["idle_cpu_pct"] for r in results["records"]
                     if r["job"] == "idle" and r["server"] == srv])
@@ -429,6 +448,8 @@ def table(results):
     for job in prm["JOBS"]:
         first = True
         for srv in prm["SERVERS"]:
+            if srv not in summ[job]:
+                continue
             s = summ[job][srv]
             name = job if first else ""
             first = False
@@ -453,6 +474,10 @@ def table(results):
             lines.append(f"{'':<24} {rname:<15} {x('iops'):<25} {x('p50_us'):>8} "
                          f"{x('p99_us'):>8}  {x('cpu_us_per_io'):<27} "
                          f"{x('server_cpu_pct'):>8} {x('sys_cpu_us_per_io'):>13}")
+        b = summ[job].get("best")
+        if b:
+            lines.append(f"{'':<24} best ublkd mode ({b['ublkd']}) / best kublk mode "
+                         f"({b['kublk']}): x{b['iops_ratio']:.2f} IOPS")
         lines.append("")
     idle = summ.get("idle_cpu_pct", {})
     if any(idle.values()):
@@ -482,7 +507,9 @@ def table(results):
     return "\n".join(lines)
 
 
-COLORS = {"ublkd": "#d62728", "kublk-b": "#1f77b4", "kublk": "#7fb3e0", "rublk": "#2ca02c"}
+COLORS = {"ublkd": "#d62728", "ublkd-zc": "#ff7f0e", "ublkd-nosandbox": "#f4a6a6",
+          "kublk-b": "#1f77b4", "kublk-b-zc": "#17becf", "kublk": "#7fb3e0",
+          "rublk": "#2ca02c"}
 
 
 def esc(s):
@@ -521,15 +548,16 @@ def svg_plot(results):
         y0 = top + pi * (ph + 110) + 20
         norms = {}
         for j in jobs:
-            if base and summ[j][base][metric]:
+            if base and base in summ[j] and summ[j][base][metric]:
                 norms[j] = summ[j][base][metric]["median"]
             else:
-                meds = [summ[j][s][metric]["median"] for s in servers if summ[j][s][metric]]
+                meds = [summ[j][s][metric]["median"] for s in servers
+                        if s in summ[j] and summ[j][s][metric]]
                 norms[j] = max(meds) if meds else None
         ymax = 0.0
         for j in jobs:
             for s in servers:
-                st = summ[j][s][metric]
+                st = summ[j].get(s, {}).get(metric)
                 if st and norms[j]:
                     ymax = max(ymax, st["max"] / norms[j])
         ymax = max(1.2, ymax * 1.05)
@@ -552,6 +580,8 @@ def svg_plot(results):
         for ji, j in enumerate(jobs):
             gx = left + ji * gw + gap / 2
             for si, s in enumerate(servers):
+                if s not in summ[j]:
+                    continue  # a variant that does not run this job
                 st = summ[j][s][metric]
                 x = gx + si * bw
                 if not st or not norms[j]:
@@ -683,14 +713,14 @@ def sh(cmd, timeout=60):
 # ======================================================================================
 
 class Ublkd:
-    name = "ublkd"
     SOCK = "/run/ublkd-bench.sock"
     CFG = "/run/ublkd-bench.toml"
     LOG = "/run/ublkd-bench.log"
 
-    def __init__(self, plan):
+    def __init__(self, plan, zero_copy=False, sandbox=True):
         self.bindir = plan["paths"]["ublkd"]
         self.prm = plan["params"]
+        self.zero_copy, self.sandbox = zero_copy, sandbox
         self.proc = None
 
     def ctl(self, *a):
@@ -717,6 +747,10 @@ class Ublkd:
             a += ["-t", "null", "-s", self.prm["NULL_SIZE"]]
         else:
             a += ["-t", "loop", "-f", self.prm["LOOP_FILE"]]
+            if self.zero_copy:
+                a.append("--zero-copy")
+        if not self.sandbox:
+            a.append("--no-sandbox")
         out = self.ctl(*a).strip().splitlines()
         return int(out[-1])
 
@@ -746,11 +780,10 @@ class Ublkd:
 
 
 class Kublk:
-    def __init__(self, plan, batch):
+    def __init__(self, plan, batch, auto_zc=False):
         self.bin = plan["paths"]["kublk"]
         self.prm = plan["params"]
-        self.batch = batch
-        self.name = "kublk-b" if batch else "kublk"
+        self.batch, self.auto_zc = batch, auto_zc
         self.daemon = {}
 
     def start(self):
@@ -772,6 +805,8 @@ class Kublk:
     def add(self, target):
         a = [self.bin, "add", "-t", target, "-q", str(self.prm["QUEUES"]),
              "-d", str(self.prm["QUEUE_DEPTH"])] + (["-b"] if self.batch else [])
+        if self.auto_zc:
+            a.append("--auto_zc")
         if target == "loop":
             a.append(self.prm["LOOP_FILE"])
         return self._parse(sh(a))
@@ -790,7 +825,6 @@ class Rublk(Kublk):
     def __init__(self, plan):
         self.bin = plan["paths"]["rublk"]
         self.prm = plan["params"]
-        self.name = "rublk"
         self.daemon = {}
 
     def add(self, target):
@@ -802,7 +836,11 @@ class Rublk(Kublk):
 
 
 def make_server(name, plan):
-    return {"ublkd": lambda: Ublkd(plan), "kublk-b": lambda: Kublk(plan, True),
+    return {"ublkd": lambda: Ublkd(plan),
+            "ublkd-zc": lambda: Ublkd(plan, zero_copy=True),
+            "ublkd-nosandbox": lambda: Ublkd(plan, sandbox=False),
+            "kublk-b": lambda: Kublk(plan, True),
+            "kublk-b-zc": lambda: Kublk(plan, True, auto_zc=True),
             "kublk": lambda: Kublk(plan, False), "rublk": lambda: Rublk(plan)}[name]()
 
 
@@ -944,7 +982,7 @@ def guest(args):
 
     servers = prm["SERVERS"]
     nrounds = prm["ROUNDS"]
-    total = nrounds * len(servers) * len(jobs)
+    total = nrounds * sum(1 for s in servers for j in jobs if runs_job(prm, s, j))
     count = 0
     for rnd in range(nrounds):
         order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
@@ -955,12 +993,16 @@ def guest(args):
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {sname}: start failed: {e}")
                 for job in jobs:
-                    count += 1
-                    emit(REC, {"round": rnd + 1, "server": sname, "job": job,
-                               "error": f"start: {e}"})
+                    if runs_job(prm, sname, job):
+                        count += 1
+                        emit(REC, {"round": rnd + 1, "server": sname, "job": job,
+                                   "error": f"start: {e}"})
                 continue
             for target in targets:
-                tjobs = [j for j, s in jobs.items() if s[0] == target]
+                tjobs = [j for j, s in jobs.items() if s[0] == target
+                         and runs_job(prm, sname, j)]
+                if not tjobs:
+                    continue
                 dev_id, err = None, None
                 try:
                     dev_id = srv.add(target)
@@ -968,7 +1010,9 @@ def guest(args):
                 except Exception as e:
                     err = f"add {target}: {e}"
                     log(f"round {rnd + 1}/{nrounds} {sname}: {err}")
-                if not err and target == targets[0] and prm["IDLE_S"] > 0:
+                # (the variants that run some jobs only are not measured idle)
+                if not err and target == targets[0] and prm["IDLE_S"] > 0 \
+                        and sname not in prm.get("SERVER_JOBS", {}):
                     try:
                         pct = idle_cpu(srv, dev_id, dev, prm["IDLE_S"])
                         emit(REC, {"round": rnd + 1, "server": sname, "job": "idle",
@@ -999,7 +1043,8 @@ def guest(args):
                     emit(REC, rec)
                 if dev_id is not None:
                     try:
-                        pids = srv.pids(dev_id) - ({srv.proc.pid} if sname == "ublkd" else set())
+                        pids = srv.pids(dev_id) - ({srv.proc.pid} if isinstance(srv, Ublkd)
+                                                   else set())
                         srv.delete(dev_id)
                         if not wait_gone(pids):
                             log(f"round {rnd + 1}/{nrounds} {sname}: its processes "
