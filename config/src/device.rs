@@ -53,7 +53,9 @@ pub enum TargetSpec {
         /// Zero copy: the kernel lends each request's pages to the worker's ring
         /// (`UBLK_F_AUTO_BUF_REG`), which reads and writes the backing file straight
         /// from them, instead of copying every request through the worker's memory.
-        zero_copy: bool,
+        /// `None`: on where the kernel has it and the device fits its buffer table
+        /// (see [`MAX_ZERO_COPY_SLOTS`]); the supervisor decides at creation.
+        zero_copy: Option<bool>,
     },
 }
 
@@ -168,7 +170,7 @@ impl DeviceSpec {
             ));
         }
         check_size(self.size_bytes, self.block_size)?;
-        if matches!(self.target, TargetSpec::Loop { zero_copy: true, .. })
+        if matches!(self.target, TargetSpec::Loop { zero_copy: Some(true), .. })
             && slots > MAX_ZERO_COPY_SLOTS
         {
             return Err(FieldError::new(
@@ -458,7 +460,7 @@ mod tests {
             target: TargetSpec::Loop {
                 file: PathBuf::from("/nonexistent/ublkd-config-test.img"),
                 direct: true,
-                zero_copy: false,
+                zero_copy: None,
             },
             ..null_device()
         };
@@ -467,7 +469,7 @@ mod tests {
             matches!(&error, Some(e) if e.field == "file" && e.problem.contains("does not exist"))
         );
         let directory = DeviceSpec {
-            target: TargetSpec::Loop { file: std::env::temp_dir(), direct: true, zero_copy: false },
+            target: TargetSpec::Loop { file: std::env::temp_dir(), direct: true, zero_copy: None },
             ..null_device()
         };
         let error = directory.validate().err();

@@ -42,7 +42,8 @@ use toml::de::DeTable;
 
 pub use device::{
     DeviceDefaults, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID, MAX_QUEUE_DEPTH,
-    MAX_QUEUES, MAX_SIZE_BYTES, MAX_THREADS, MIN_BLOCK_SIZE, TargetSpec, backing_file_size,
+    MAX_QUEUES, MAX_SIZE_BYTES, MAX_THREADS, MAX_ZERO_COPY_SLOTS, MIN_BLOCK_SIZE, TargetSpec,
+    backing_file_size,
 };
 pub use size::{SizeError, format_size, parse_size};
 
@@ -554,8 +555,7 @@ impl Checker<'_> {
                         .map_err(|e| self.field(&table, e))?,
                 };
                 let direct = raw.direct.unwrap_or(true);
-                let zero_copy = raw.zero_copy.unwrap_or(false);
-                (TargetSpec::Loop { file, direct, zero_copy }, size)
+                (TargetSpec::Loop { file, direct, zero_copy: raw.zero_copy }, size)
             }
         };
 
@@ -1121,6 +1121,7 @@ mod tests {
             target = "loop"
             file = "{}"
             direct = false
+            zero_copy = false
             size = "4MiB"
             queues = 64
             queue_depth = 4096
@@ -1178,7 +1179,7 @@ mod tests {
                     target: TargetSpec::Loop {
                         file: backing.path.clone(),
                         direct: false,
-                        zero_copy: false,
+                        zero_copy: Some(false),
                     },
                     size_bytes: 4 << 20,
                     queues: 64,
@@ -1211,7 +1212,7 @@ mod tests {
         assert_eq!(config.devices[0].size_bytes, 3 << 20);
         assert_eq!(
             config.devices[0].target,
-            TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: false }
+            TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: None }
         );
     }
 
@@ -1325,7 +1326,7 @@ mod tests {
         let device = config.devices.last().expect("the loop device");
         assert_eq!(
             device.target,
-            TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: false }
+            TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: Some(true) }
         );
         assert_eq!(device.size_bytes, 1 << 30);
     }

@@ -234,8 +234,9 @@ pub struct AddRequest {
     pub queues: Option<u16>,
     pub queue_depth: Option<u16>,
     pub threads: Option<u16>,
-    /// Loop only: serve with zero copy (see `TargetSetup::Loop`).
-    pub zero_copy: bool,
+    /// Loop only: zero copy on (`--zero-copy`), off (`--copy`), or `None`: on where the
+    /// kernel has it (see `WorkerSetup::zero_copy`).
+    pub zero_copy: Option<bool>,
     /// Run the worker in its sandbox; `None`: the daemon's default.
     pub sandbox: Option<bool>,
 }

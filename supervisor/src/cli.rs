@@ -102,9 +102,13 @@ pub enum UblkctlCommand {
         #[arg(long)]
         threads: Option<u16>,
         /// Zero copy (loop): the worker reads and writes the file straight from the
-        /// request's pages, lent by the kernel, instead of copying them.
-        #[arg(long)]
+        /// request's pages, lent by the kernel, instead of copying them. Without
+        /// --zero-copy or --copy: zero copy where the kernel has it (Linux >= 6.16).
+        #[arg(long, conflicts_with = "copy")]
         zero_copy: bool,
+        /// No zero copy (loop): the kernel copies every request through the worker.
+        #[arg(long)]
+        copy: bool,
         /// Run this device's worker without its sandbox (the daemon's default is to
         /// sandbox): for measuring what the sandbox costs.
         #[arg(long)]

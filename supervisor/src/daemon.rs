@@ -714,9 +714,12 @@ pub fn spec_from_request(
     if add.file.is_some() && add.target != TargetKind::Loop {
         return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
     }
-    if add.zero_copy && add.target != TargetKind::Loop {
+    if let Some(on) = add.zero_copy
+        && add.target != TargetKind::Loop
+    {
         return Err(format!(
-            "--zero-copy is only for loop devices (the {} target copies no data from a file)",
+            "{} is only for loop devices (the {} target copies no data from a file)",
+            if on { "--zero-copy" } else { "--copy" },
             add.target.name()
         ));
     }
@@ -826,7 +829,7 @@ mod tests {
             queues: None,
             queue_depth: None,
             threads: None,
-            zero_copy: false,
+            zero_copy: None,
             sandbox: None,
         }
     }
@@ -835,7 +838,7 @@ mod tests {
     fn zero_copy_is_for_loop_devices_only() {
         let mut a = add(TargetKind::Memory);
         a.size = Some(1 << 20);
-        a.zero_copy = true;
+        a.zero_copy = Some(true);
         let err = spec_from_request(&a, &defaults()).unwrap_err();
         assert!(err.starts_with("--zero-copy is only for loop devices"), "{err}");
     }
@@ -846,7 +849,7 @@ mod tests {
         std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
         let mut a = add(TargetKind::Loop);
         a.file = Some(file.clone());
-        a.zero_copy = true;
+        a.zero_copy = Some(true);
         a.queues = Some(8);
         a.queue_depth = Some(4096);
         let err = spec_from_request(&a, &defaults());

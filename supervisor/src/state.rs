@@ -42,7 +42,8 @@ pub struct DeviceRecord {
     pub target: String,
     pub file: Option<PathBuf>,
     pub direct: bool,
-    /// Loop only; absent in records written before zero copy existed.
+    /// Loop only, as decided at creation; absent in records written before zero copy
+    /// existed (those devices copy).
     #[serde(default)]
     pub zero_copy: bool,
     pub size_bytes: u64,
@@ -57,7 +58,7 @@ impl DeviceRecord {
     pub fn new(id: u32, spec: &DeviceSpec) -> Self {
         let (file, direct, zero_copy) = match &spec.target {
             TargetSpec::Loop { file, direct, zero_copy } => {
-                (Some(file.clone()), *direct, *zero_copy)
+                (Some(file.clone()), *direct, zero_copy.unwrap_or(false))
             }
             _ => (None, false, false),
         };
@@ -85,7 +86,7 @@ impl DeviceRecord {
             ("loop", Some(file)) => TargetSpec::Loop {
                 file: file.clone(),
                 direct: self.direct,
-                zero_copy: self.zero_copy,
+                zero_copy: Some(self.zero_copy),
             },
             (t, f) => return Err(format!("target {t:?} with file {f:?} is not a valid pair")),
         };

@@ -18,6 +18,8 @@ use common::{
 };
 
 const MIB: u64 = 1 << 20;
+/// The device flag of zero copy (`include/uapi/linux/ublk_cmd.h`).
+const UBLK_F_AUTO_BUF_REG: u64 = 1 << 11;
 
 /// Two fio passes over `dev`, two jobs each on their own `region` bytes: random mixed
 /// reads and writes verifying what they wrote, then random writes covering each region
@@ -60,6 +62,8 @@ fn loop_device_passes_fio_verify() {
     sparse_file(&backing, 256 * MIB);
     let ublkd = Ublkd::start("loop-verify");
     let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
+    // The test VM's kernel has AUTO_BUF_REG: a loop device is zero-copy by default.
+    assert_ne!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "not zero copy by default");
 
     fio_verify(&block_dev(id), 16 * MIB);
 
@@ -175,7 +179,9 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     let backing = PathBuf::from("/tmp/serve-exact.img");
     sparse_file(&backing, size as u64);
     let ublkd = Ublkd::start("exact");
-    let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
+    // Copy mode (zero copy has its own exact read-back test).
+    let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap(), "--copy"]);
+    assert_eq!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "--copy gave zero copy");
     let dev = block_dev(id);
 
     // The whole device in 1 MiB writes (split into the device's largest requests), then
@@ -193,12 +199,7 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     dd_to(&patch_file, &dev, &["bs=4k", &format!("seek={}", 5 * MIB / 4096)]);
 
     let readback = PathBuf::from("/tmp/serve-exact-readback.bin");
-    run_ok(
-        Command::new("dd")
-            .arg(format!("if={}", dev.display()))
-            .arg(format!("of={}", readback.display()))
-            .args(["bs=1M", "iflag=direct", "status=none"]),
-    );
+    dd_from(&dev, &readback, &["bs=1M", "iflag=direct"]);
     let want = sha256(&expected_file);
     assert_eq!(sha256(&readback), want, "the device does not read back what was written");
     let dev_status = ublkd.status_of(id);
@@ -245,7 +246,6 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
         "--threads",
         "3",
     ]);
-    const UBLK_F_AUTO_BUF_REG: u64 = 1 << 11;
     assert_ne!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "not a zero-copy device");
     let dev = block_dev(id);
 
@@ -260,12 +260,7 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
     let want = sha256(&src);
     let read_back = |what: &str| {
         let out = PathBuf::from("/tmp/serve-zero-copy-back.bin");
-        run_ok(
-            Command::new("dd")
-                .arg(format!("if={}", dev.display()))
-                .arg(format!("of={}", out.display()))
-                .args(["bs=256k", "count=128", "iflag=direct", "status=none"]),
-        );
+        dd_from(&dev, &out, &["bs=256k", "count=128", "iflag=direct"]);
         assert_eq!(sha256(&out), want, "{what}: the device does not read back what was written");
         std::fs::remove_file(&out).unwrap();
     };
@@ -288,17 +283,23 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
 
     ublkd.del(id);
     let head = PathBuf::from("/tmp/serve-zero-copy-head.bin");
-    run_ok(
-        Command::new("dd")
-            .arg(format!("if={}", backing.display()))
-            .arg(format!("of={}", head.display()))
-            .args(["bs=1M", "count=32", "status=none"]),
-    );
+    dd_from(&backing, &head, &["bs=1M", "count=32"]);
     assert_eq!(sha256(&head), want, "the backing file does not hold what was written");
     ublkd.stop();
     for f in [&backing, &src, &head] {
         std::fs::remove_file(f).unwrap();
     }
+}
+
+/// `dd if=SRC of=OUT ARGS…`.
+fn dd_from(src: &Path, out: &Path, args: &[&str]) {
+    run_ok(
+        Command::new("dd")
+            .arg(format!("if={}", src.display()))
+            .arg(format!("of={}", out.display()))
+            .args(args)
+            .arg("status=none"),
+    );
 }
 
 /// `dd if=SRC of=DEV ARGS… oflag=direct conv=notrunc,fsync`.

@@ -19,7 +19,18 @@ fn main() -> ExitCode {
     logging::init("ublkctl", cli.verbose);
     let request = match cli.command {
         Command::Features { json } => return cmd_features(json),
-        Command::Add { target, file, size, queues, depth, threads, zero_copy, no_sandbox, id } => {
+        Command::Add {
+            target,
+            file,
+            size,
+            queues,
+            depth,
+            threads,
+            zero_copy,
+            copy,
+            no_sandbox,
+            id,
+        } => {
             let file = match file.map(|f| absolute(&f)).transpose() {
                 Ok(f) => f,
                 Err(e) => return fail(exit::FAILURE, &e),
@@ -36,7 +47,7 @@ fn main() -> ExitCode {
                 queues,
                 queue_depth: depth,
                 threads,
-                zero_copy,
+                zero_copy: if zero_copy { Some(true) } else { copy.then_some(false) },
                 sandbox: no_sandbox.then_some(false),
             })
         }
