@@ -507,7 +507,8 @@ def table(results):
     return "\n".join(lines)
 
 
-COLORS = {"ublkd": "#d62728", "ublkd-zc": "#ff7f0e", "ublkd-nosandbox": "#f4a6a6",
+COLORS = {"ublkd": "#d62728", "ublkd-copy": "#ff7f0e", "ublkd-zc": "#ff7f0e",
+          "ublkd-nosandbox": "#f4a6a6",
           "kublk-b": "#1f77b4", "kublk-b-zc": "#17becf", "kublk": "#7fb3e0",
           "rublk": "#2ca02c"}
 
@@ -717,10 +718,10 @@ class Ublkd:
     CFG = "/run/ublkd-bench.toml"
     LOG = "/run/ublkd-bench.log"
 
-    def __init__(self, plan, zero_copy=False, sandbox=True):
+    def __init__(self, plan, copy=False, sandbox=True):
         self.bindir = plan["paths"]["ublkd"]
         self.prm = plan["params"]
-        self.zero_copy, self.sandbox = zero_copy, sandbox
+        self.copy, self.sandbox = copy, sandbox
         self.proc = None
 
     def ctl(self, *a):
@@ -747,8 +748,8 @@ class Ublkd:
             a += ["-t", "null", "-s", self.prm["NULL_SIZE"]]
         else:
             a += ["-t", "loop", "-f", self.prm["LOOP_FILE"]]
-            if self.zero_copy:
-                a.append("--zero-copy")
+            if self.copy:
+                a.append("--copy")
         if not self.sandbox:
             a.append("--no-sandbox")
         out = self.ctl(*a).strip().splitlines()
@@ -837,7 +838,7 @@ class Rublk(Kublk):
 
 def make_server(name, plan):
     return {"ublkd": lambda: Ublkd(plan),
-            "ublkd-zc": lambda: Ublkd(plan, zero_copy=True),
+            "ublkd-copy": lambda: Ublkd(plan, copy=True),
             "ublkd-nosandbox": lambda: Ublkd(plan, sandbox=False),
             "kublk-b": lambda: Kublk(plan, True),
             "kublk-b-zc": lambda: Kublk(plan, True, auto_zc=True),
