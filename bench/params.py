@@ -74,7 +74,7 @@ OVERHEAD_PER_RUN_S = 4.5
 # Per server, a loop device on a tmpfs file with fio verifying on it; the server is
 # SIGKILLed RECOVERY_KILLS times, RECOVERY_INTERVAL_S after each recovery completed.
 # ublkd recovers by itself; kublk-b (kublk -b -r 1 -i 1) gets `kublk recover` at once.
-RECOVERY_SERVERS = ["ublkd", "kublk-b"]
+RECOVERY_SERVERS = ["ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc"]  # the two pairs: copy, zero copy
 RECOVERY_KILLS = 24             # per server, over all rounds (the issue asks >= 20)
 RECOVERY_ROUNDS = 2             # each server's kills split into this many series, alternating
 RECOVERY_INTERVAL_S = 1.0       # pause after a recovery completed, before the next kill

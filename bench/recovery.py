@@ -36,7 +36,10 @@ import bench as B  # noqa: E402
 REC = "@@UBLKD-RECOVERY-REC@@ "
 META = "@@UBLKD-RECOVERY-META@@ "
 DONE = "@@UBLKD-RECOVERY-DONE@@"
-SERVERS = ("ublkd", "kublk-b")
+# ublkd and kublk-b copy every request (the issue's comparison: kublk -b); ublkd-zc and
+# kublk-b-zc are the zero-copy pair (ublkd's default for loop devices, kublk --auto_zc).
+SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc")
+PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"))
 
 log, die, emit = B.log, B.die, B.emit
 
@@ -91,13 +94,14 @@ def host(args):
         die(f"ublkd does not build: {e}")
     paths = {"ublkd": os.path.join(REPO, "target", "release")}
     versions, peer_errors = {"ublkd": B.git_rev()}, {}
-    if "kublk-b" in prm["RECOVERY_SERVERS"]:
+    if any(s.startswith("kublk") for s in prm["RECOVERY_SERVERS"]):
         try:
             paths["kublk"], versions["kublk"] = B.build_kublk(cache, args.rebuild_peers)
             log(f"kublk: {paths['kublk']}")
         except Exception as e:
             peer_errors["kublk"] = str(e)
-            prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"] if s != "kublk-b"]
+            prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"]
+                                       if not s.startswith("kublk")]
             log(f"kublk unavailable, continuing without it: {e}")
 
     plan = {"params": prm, "paths": paths, "versions": versions,
@@ -160,11 +164,15 @@ def summarize(results):
             "series_ok": sum(1 for r in series if not r.get("error")),
             "fio_ios": sum(r.get("fio_ios", 0) for r in series),
         }
-    u, k = out.get("ublkd"), out.get("kublk-b")
-    if u and k and u["stall_ms"] and k["stall_ms"] and k["stall_ms"]["median"]:
-        r = u["stall_ms"]["median"] / k["stall_ms"]["median"]
-        out["ratio_ublkd_kublk"] = r
-        out["target_met"] = r <= prm["RECOVERY_TARGET_RATIO"]
+    for ours, theirs in PAIRS:
+        u, k = out.get(ours), out.get(theirs)
+        if u and k and u["stall_ms"] and k["stall_ms"] and k["stall_ms"]["median"]:
+            r = u["stall_ms"]["median"] / k["stall_ms"]["median"]
+            if ours == "ublkd":
+                out["ratio_ublkd_kublk"] = r
+                out["target_met"] = r <= prm["RECOVERY_TARGET_RATIO"]
+            else:
+                out[f"ratio_{ours}_{theirs}"] = r
     return out
 
 
@@ -175,7 +183,7 @@ def fms(v):
 def table(results):
     prm, summ = results["params"], results["summary"]
     lines = []
-    head = (f"{'server':<9} {'kills':>5}  {'stall ms: min':>13} {'median':>7} {'max':>7}   "
+    head = (f"{'server':<10} {'kills':>5}  {'stall ms: min':>13} {'median':>7} {'max':>7}   "
             f"{'death ms':>8}  {'ublkd last_recovery_ms':>22}  {'kublk recover':>14}  "
             f"{'fio (exit 0, 0 errors)':<24}")
     lines.append(head)
@@ -191,15 +199,17 @@ def table(results):
                   f"{s['recover_attempts']['max']:.0f}x max")
         fio = f"{s['series_ok']}/{s['series']} series ok, {s['fio_ios']} I/Os"
         if not st:
-            lines.append(f"{srv:<9} {s['kills']:>5}  no successful kill{fails}   {fio}")
+            lines.append(f"{srv:<10} {s['kills']:>5}  no successful kill{fails}   {fio}")
             continue
         death = fms(s["death_ms"]["median"]) if s["death_ms"] else "-"
-        lines.append(f"{srv:<9} {s['kills']:>5}  {fms(st['min']):>13} {fms(st['median']):>7} "
+        lines.append(f"{srv:<10} {s['kills']:>5}  {fms(st['min']):>13} {fms(st['median']):>7} "
                      f"{fms(st['max']):>7}   {death:>8}  {lr:>22}  {rc:>14}  {fio}{fails}")
-    u = summ.get("ublkd")
-    if u and u.get("release_ms") and u["stall_ms"]:
+    for name in ("ublkd", "ublkd-zc"):
+        u = summ.get(name)
+        if not (u and u.get("release_ms") and u["stall_ms"]):
+            continue
         lines.append(
-            "ublkd's stall by phase, medians in ms: death (kill -> pidfd readable) "
+            f"{name}'s stall by phase, medians in ms: death (kill -> pidfd readable) "
             f"{fms(u['death_ms']['median'])}, detect (pidfd readable -> recovery starts) "
             f"{fms(u['detect_ms']['median'])}, release (START_USER_RECOVERY's EBUSY) "
             f"{fms(u['release_ms']['median'])}, activate (Activate -> Ready) "
@@ -213,6 +223,12 @@ def table(results):
         lines.append(f"median stall ublkd / kublk-b = {r:.3f}  (target <= "
                      f"{prm['RECOVERY_TARGET_RATIO']}: "
                      f"{'met' if summ['target_met'] else 'NOT met'})")
+    if "ratio_ublkd-zc_kublk-b-zc" in summ:
+        lines.append(f"median stall ublkd-zc / kublk-b-zc = "
+                     f"{summ['ratio_ublkd-zc_kublk-b-zc']:.3f}  (zero copy: the kernel waits "
+                     f"for io_uring to tear the dead server's ring down, which holds the "
+                     f"requests' registered pages)")
+    if len(lines) and lines[-1]:
         lines.append("")
     m = results["meta"]
     polls = [summ[s]["poll_ms"]["median"] for s in prm["RECOVERY_SERVERS"]
@@ -323,10 +339,11 @@ class Ublkd:
     CFG = "/run/ublkd-bench-recovery.toml"
     LOG = "/run/ublkd-bench-recovery.log"
 
-    def __init__(self, plan):
+    def __init__(self, plan, zero_copy=False):
         self.bindir = plan["paths"]["ublkd"]
         self.prm = plan["params"]
         self.proc = None
+        self.zero_copy = zero_copy
 
     def ctl(self, *a):
         return B.sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
@@ -350,6 +367,7 @@ class Ublkd:
 
     def add(self):
         out = self.ctl("add", "-t", "loop", "-f", self.prm["RECOVERY_LOOP_FILE"],
+                       "--zero-copy" if self.zero_copy else "--copy",
                        "-q", "1", "-d", "128").strip().splitlines()
         return int(out[-1])
 
@@ -453,14 +471,16 @@ class Kublk:
     """kublk -b with USER_RECOVERY|REISSUE; recovery is `kublk recover` run by us."""
     name = "kublk-b"
 
-    def __init__(self, plan):
+    def __init__(self, plan, auto_zc=False):
+        self.auto_zc = auto_zc
         self.bin = plan["paths"]["kublk"]
         self.prm = plan["params"]
         self.daemon = {}
         self.outf = "/run/ublkd-bench-kublk-recover.out"
 
     def args(self):
-        return ["-t", "loop", "-q", "1", "-d", "128", "-b", "-r", "1", "-i", "1"]
+        return (["-t", "loop", "-q", "1", "-d", "128", "-b", "-r", "1", "-i", "1"]
+                + (["--auto_zc"] if self.auto_zc else []))
 
     def start(self):
         pass
@@ -616,7 +636,8 @@ def fio_check(rc, out, err):
 
 def run_series(sname, plan, rnd, nkills, first_kill, total):
     prm = plan["params"]
-    srv = Ublkd(plan) if sname == "ublkd" else Kublk(plan)
+    zc = sname.endswith("-zc")
+    srv = Ublkd(plan, zc) if sname.startswith("ublkd") else Kublk(plan, zc)
     tag = f"round {rnd}/{prm['RECOVERY_ROUNDS']} {sname:<8}"
     series = {"kind": "series", "server": sname, "round": rnd}
     dev_id = fio = ctr = None
@@ -655,7 +676,7 @@ def run_series(sname, plan, rnd, nkills, first_kill, total):
                 raise RuntimeError(f"kill {k + 1} failed; the series stops")
             ok += 1
             extra = (f"ublkd last_recovery {rec['last_recovery_ms']} ms"
-                     if sname == "ublkd" else
+                     if sname.startswith("ublkd") else
                      f"recover ok after {rec['recover_cmd_ms']:.0f} ms, "
                      f"{rec['recover_attempts']} attempt(s)")
             log(f"{sname:<8} kill {k + 1}/{total}: pid {rec['pid']} -> {rec['new_pid']}, "
