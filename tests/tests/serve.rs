@@ -304,13 +304,9 @@ fn dd_from(src: &Path, out: &Path, args: &[&str]) {
 
 /// `dd if=SRC of=DEV ARGS… oflag=direct conv=notrunc,fsync`.
 fn dd_to(src: &Path, dev: &Path, args: &[&str]) {
-    run_ok(
-        Command::new("dd")
-            .arg(format!("if={}", src.display()))
-            .arg(format!("of={}", dev.display()))
-            .args(args)
-            .args(["oflag=direct", "conv=notrunc,fsync", "status=none"]),
-    );
+    let args: Vec<&str> =
+        args.iter().copied().chain(["oflag=direct", "conv=notrunc,fsync"]).collect();
+    dd_from(src, dev, &args);
 }
 
 /// A device of the multi-device test: how it is added and what it must look like.
