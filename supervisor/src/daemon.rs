@@ -607,6 +607,9 @@ impl Daemon {
         if live && dev.worker.is_some() && !dev.failing_io {
             return Ok(format!("device {id} is LIVE: nothing to recover"));
         }
+        // The operator's recovery is timed from the command, not from a death that
+        // the restart limit left waiting.
+        dev.forget_death();
         let stall = dev
             .recover(&self.ctx, "ublkctl recover")
             .map_err(|e| format!("recover device {id}: {e}"))?;

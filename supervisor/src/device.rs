@@ -591,6 +591,12 @@ impl Device {
         Some(format!("worker {pid} {how}"))
     }
 
+    /// Forgets when the last worker's death was seen: the next recovery counts its
+    /// stall from its own start.
+    pub fn forget_death(&mut self) {
+        self.death_seen = None;
+    }
+
     /// If the standby exited, reaps it and says how.
     pub fn standby_exited(&mut self) -> Option<String> {
         let w = self.standby.as_mut()?;
