@@ -4,8 +4,6 @@
 //! `buf_group`), so they are written into the SQE's bytes here, at the offsets of the
 //! kernel's `struct io_uring_sqe`.
 
-use std::os::fd::RawFd;
-
 use io_uring::{opcode, squeue, types};
 
 use crate::batch::MAX_TAGS_PER_FETCH;
@@ -25,8 +23,8 @@ fn command_area(header: UblkBatchIo) -> [u8; 16] {
 /// A PREP or COMMIT on the registered file `ublkc` (`cmd_op`:
 /// `UBLK_U_IO_PREP_IO_CMDS` or `UBLK_U_IO_COMMIT_IO_CMDS`). The kernel reads `elems`
 /// while the command runs: it must stay valid until the command's CQE.
-pub fn batch_cmd(ublkc: RawFd, cmd_op: u32, header: UblkBatchIo, elems: &[u8]) -> squeue::Entry {
-    opcode::UringCmd16::new(types::Fd(ublkc), cmd_op)
+pub fn batch_cmd(ublkc: u32, cmd_op: u32, header: UblkBatchIo, elems: &[u8]) -> squeue::Entry {
+    opcode::UringCmd16::new(types::Fixed(ublkc), cmd_op)
         .cmd(command_area(header))
         .addr(Some(elems.as_ptr() as u64))
         .build()
@@ -34,7 +32,7 @@ pub fn batch_cmd(ublkc: RawFd, cmd_op: u32, header: UblkBatchIo, elems: &[u8]) -
 
 /// A multishot FETCH for queue `q_id` (of depth `depth`) on the registered file
 /// `ublkc`, taking its tag buffers from provided-buffer group `bgid`.
-pub fn fetch(ublkc: RawFd, q_id: u16, depth: u16, bgid: u16) -> squeue::Entry {
+pub fn fetch(ublkc: u32, q_id: u16, depth: u16, bgid: u16) -> squeue::Entry {
     let header = UblkBatchIo {
         q_id,
         flags: 0,
@@ -42,7 +40,7 @@ pub fn fetch(ublkc: RawFd, q_id: u16, depth: u16, bgid: u16) -> squeue::Entry {
         elem_bytes: 2,
         ..UblkBatchIo::default()
     };
-    let entry = opcode::UringCmd16::new(types::Fd(ublkc), uapi::UBLK_U_IO_FETCH_IO_CMDS)
+    let entry = opcode::UringCmd16::new(types::Fixed(ublkc), uapi::UBLK_U_IO_FETCH_IO_CMDS)
         .cmd(command_area(header))
         .build()
         .flags(squeue::Flags::BUFFER_SELECT);

@@ -124,6 +124,15 @@ fn split(ud: u64) -> (u64, u16, u32) {
     (ud >> 56, (ud >> 32) as u16, ud as u32)
 }
 
+/// Index of `/dev/ublkcN` in each ring's registered files. Registered, not used by its
+/// plain fd, although a registered file is released only when io_uring tears a dead
+/// worker's ring down (tens of milliseconds of a recovery's stall): a command holds a
+/// reference to a plain fd's file, and ublk does not end a batch FETCH that is busy
+/// delivering when its worker dies until the device's file is released, so a worker
+/// killed at that moment would leave the file held for good (seen once in CI: the
+/// kernel had not released the device 15 s later).
+const UBLKC_FIXED_FD: u32 = 1;
+
 /// The PREP/COMMIT element format: kernel-copy mode names each tag's buffer address;
 /// zero copy (`UBLK_F_AUTO_BUF_REG`) only the buffer index, in the header.
 fn elem_format(zero_copy: bool) -> ElemFormat {
@@ -161,19 +170,13 @@ pub struct QueueThread {
     inflight: u32,
     started: Instant,
     cqes: Vec<(u64, i32, u32)>,
-    /// `/dev/ublkcN`, used by its fd, not registered in the ring: a registered file is
-    /// only let go when the ring is torn down, which the kernel does asynchronously
-    /// after a killed worker is gone (an RCU grace period or two later), and
-    /// START_USER_RECOVERY waits for that release. By its fd, the file is released as
-    /// the worker exits: measured in the VM (`bench/run recovery`), the wait for the
-    /// release went from a median 28 ms to 1 ms.
-    ublkc: std::os::fd::RawFd,
 }
 
 /// A thread's ring made while the worker stands by: created disabled, with the
-/// target's file and the FETCH buffer rings registered. The worker gets `/dev/ublkcN`
-/// only when it is activated; activation is then the ring's restrictions, enabling
-/// it, and PREP: a recovery does not wait for rings to be created.
+/// target's file and the FETCH buffer rings registered and a free file slot for
+/// `/dev/ublkcN`, which the worker only gets when it is activated. Activation is then
+/// one file update, the ring's restrictions, enabling it, and PREP: a recovery does not
+/// wait for rings to be created.
 pub struct StandbyRing {
     ring: IoUring<squeue::Entry, cqueue::Entry>,
     plan: ThreadPlan,
@@ -218,7 +221,7 @@ impl StandbyRing {
             .setup_defer_taskrun()
             .setup_r_disabled();
         let ring = builder.build(entries).map_err(ring_err)?;
-        ring.submitter().register_files_sparse(1).map_err(ring_err)?;
+        ring.submitter().register_files_sparse(2).map_err(ring_err)?;
         if let Some(fd) = target_file {
             ring.submitter().register_files_update(TARGET_FIXED_FD, &[fd]).map_err(ring_err)?;
         }
@@ -242,8 +245,8 @@ impl StandbyRing {
         Ok(StandbyRing { ring, plan, queues, nr_tags, entries })
     }
 
-    /// Restricts the ring when the device is sandboxed (see `sandbox::restrict_ring`)
-    /// and enables it, to serve the device through `ublkc` (`/dev/ublkcN`).
+    /// Registers `ublkc` (`/dev/ublkcN`) at [`UBLKC_FIXED_FD`], restricts the ring when
+    /// the device is sandboxed (see `sandbox::restrict_ring`) and enables it.
     pub fn activate(
         self,
         dev: Arc<Device>,
@@ -252,6 +255,7 @@ impl StandbyRing {
         let thread = self.plan.index;
         let ring_err = |source| LoopError::Ring { thread, source };
         let ring = self.ring;
+        ring.submitter().register_files_update(UBLKC_FIXED_FD, &[ublkc]).map_err(ring_err)?;
         if dev.sandboxed {
             crate::sandbox::restrict_ring(&ring).map_err(ring_err)?;
         } else {
@@ -268,7 +272,6 @@ impl StandbyRing {
             started: Instant::now(),
             cqes: Vec::with_capacity(self.entries as usize * 4),
             dev,
-            ublkc,
         })
     }
 }
@@ -310,7 +313,7 @@ impl QueueThread {
                 elems.push(self.elem(q_id, tag, 0)).expect("capacity is the depth");
             }
             let sqe = sqe::batch_cmd(
-                self.ublkc,
+                UBLKC_FIXED_FD,
                 uapi::UBLK_U_IO_PREP_IO_CMDS,
                 elems.header(q_id),
                 elems.as_bytes(),
@@ -343,7 +346,7 @@ impl QueueThread {
         if q.fetch_armed || q.closed {
             return Ok(());
         }
-        let sqe = sqe::fetch(self.ublkc, q.q_id, self.dev.depth, q.bufring.bgid())
+        let sqe = sqe::fetch(UBLKC_FIXED_FD, q.q_id, self.dev.depth, q.bufring.bgid())
             .user_data(user_data(KIND_FETCH, q.q_id, qi as u32));
         self.push(&sqe)?;
         self.queues[qi].fetch_armed = true;
@@ -612,7 +615,7 @@ impl QueueThread {
                 }
             };
             let sqe = sqe::batch_cmd(
-                self.ublkc,
+                UBLKC_FIXED_FD,
                 uapi::UBLK_U_IO_COMMIT_IO_CMDS,
                 elems.header(q_id),
                 elems.as_bytes(),

@@ -154,15 +154,8 @@ pub const URING_OPS: &[AllowedOp] = &[
     },
 ];
 
-/// SQE flags the ring accepts: fixed files (the target's file is registered) and
-/// buffer selection (multishot FETCH). SQEs on plain fds need no flag, so they are
-/// accepted too: `/dev/ublkcN` is used by its fd, because the kernel releases a
-/// registered file only when the ring is torn down, long after a killed worker is
-/// gone, and a recovery waits for that release (see `QueueThread::ublkc`). A plain fd
-/// can only be one the worker holds (control socket, device, target, stderr, its
-/// rings), which its allowed syscalls already read and write; the one thing the ring
-/// adds is URING_CMD's socket-option commands on the control socket, which give a unix
-/// socket nothing beyond its own buffers and flags.
+/// SQE flags the ring accepts: fixed files (every fd the data path uses is registered)
+/// and buffer selection (multishot FETCH).
 pub const URING_SQE_FLAGS: u8 =
     io_uring::squeue::Flags::FIXED_FILE.bits() | io_uring::squeue::Flags::BUFFER_SELECT.bits();
 

@@ -20,8 +20,7 @@ pub use loopback::LoopTarget;
 pub use memory::MemoryTarget;
 pub use null::NullTarget;
 
-/// Index of the target's file in each ring's registered files (the only one: see
-/// `QueueThread::ublkc` for why `/dev/ublkcN` is not registered).
+/// Index of the target's file in each ring's registered files (1 is `/dev/ublkcN`).
 pub const TARGET_FIXED_FD: u32 = 0;
 
 /// One request, validated by the queue loop: `offset + len` is inside the device and
