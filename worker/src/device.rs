@@ -111,8 +111,8 @@ impl TagBuffers {
         // the kernel backs the pages, not their contents.
         unsafe { libc::madvise(base.as_ptr().cast(), total, libc::MADV_NOHUGEPAGE) };
         let bufs = TagBuffers { base, depth, nr_queues, buf_bytes };
-        for q_id in (0..nr_queues).filter(|_| prefault) {
-            for tag in 0..depth {
+        if prefault {
+            for (q_id, tag) in (0..nr_queues).flat_map(|q| (0..depth).map(move |t| (q, t))) {
                 let first = bufs.get(q_id, tag).expect("inside the geometry");
                 // SAFETY: `first` is the start of a tag buffer inside the mapping made
                 // above, which nothing else uses yet; a volatile write makes the kernel

@@ -139,14 +139,6 @@ fn elem_format(zero_copy: bool) -> ElemFormat {
     if zero_copy { ElemFormat::HEADER } else { ElemFormat::WITH_BUF_ADDR }
 }
 
-/// Zero copy: where in every ring's buffer table the kernel registers a request's
-/// pages. One entry per request slot of the device, the same layout in every ring, so
-/// that whichever thread's FETCH delivers a tag finds its index free in its own ring.
-fn zero_copy_index(depth: u16, q_id: u16, tag: u16) -> u16 {
-    // The config keeps queues × depth <= 2^14 for zero-copy devices.
-    (usize::from(q_id) * usize::from(depth) + usize::from(tag)) as u16
-}
-
 struct QueueState {
     q_id: u16,
     bufring: BufRing,
@@ -296,7 +288,7 @@ impl QueueThread {
     /// buffer table index its pages are to be registered at (zero copy).
     fn elem(&self, q_id: u16, tag: u16, result: i32) -> BatchElem {
         if self.dev.zero_copy {
-            let buf_index = zero_copy_index(self.dev.depth, q_id, tag);
+            let buf_index = self.buf_index(q_id, tag);
             BatchElem { tag, buf_index, result, ..BatchElem::default() }
         } else {
             let buf_addr = self.dev.bufs.get(q_id, tag).map_or(0, |p| p as u64);
@@ -481,7 +473,7 @@ impl QueueThread {
         let len_bytes = u64::from(desc.nr_sectors) << 9;
         let offset = desc.start_sector.saturating_mul(512);
         let (buf, buf_index) = if dev.zero_copy {
-            (std::ptr::null_mut(), Some(zero_copy_index(dev.depth, q_id, tag)))
+            (std::ptr::null_mut(), Some(self.buf_index(q_id, tag)))
         } else {
             (dev.bufs.get(q_id, tag).unwrap_or(std::ptr::null_mut()), None)
         };
@@ -533,6 +525,14 @@ impl QueueThread {
 
     fn tag_index(&self, q_id: u16, tag: u16) -> usize {
         usize::from(q_id) * usize::from(self.dev.depth) + usize::from(tag)
+    }
+
+    /// Zero copy: where in the ring's buffer table the kernel registers the request's
+    /// pages — the tag's index, the same in every ring, so that whichever thread's
+    /// FETCH delivers a tag finds its slot free. (The config keeps queues × depth
+    /// within io_uring's 2^14 buffers for zero-copy devices.)
+    fn buf_index(&self, q_id: u16, tag: u16) -> u16 {
+        self.tag_index(q_id, tag) as u16
     }
 
     fn step(&mut self, q_id: u16, tag: u16, step: Step) -> Result<(), LoopError> {
