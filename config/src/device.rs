@@ -144,6 +144,12 @@ impl FieldError {
 }
 
 impl DeviceSpec {
+    /// Whether the device's request slots fit a worker ring's buffer table, as zero
+    /// copy needs (see [`MAX_ZERO_COPY_SLOTS`]).
+    pub fn fits_zero_copy(&self) -> bool {
+        u32::from(self.queues) * u32::from(self.queue_depth) <= MAX_ZERO_COPY_SLOTS
+    }
+
     /// Checks every limit: ranges, block size, threads against queues × queue_depth,
     /// size, and for a loop target that the file is an absolute path to an existing
     /// regular file or block device at least `size_bytes` long.
@@ -171,7 +177,7 @@ impl DeviceSpec {
         }
         check_size(self.size_bytes, self.block_size)?;
         if matches!(self.target, TargetSpec::Loop { zero_copy: Some(true), .. })
-            && slots > MAX_ZERO_COPY_SLOTS
+            && !self.fits_zero_copy()
         {
             return Err(FieldError::new(
                 "zero_copy",

@@ -121,17 +121,24 @@ pub struct SandboxReport {
     pub landlock_abi: Option<u8>,
 }
 
+/// How long a worker's activation took, in microseconds (informational).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Activation {
+    /// Mapping the descriptor arrays.
+    pub map_us: u32,
+    /// Enabling the rings and PREPing every tag.
+    pub prep_us: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FromWorker {
     /// Set up and waiting for Activate; `sandbox` is `None` for an unsandboxed worker.
     Standby { sandbox: Option<SandboxReport> },
     /// Every tag of every queue is PREPed: ready for START_DEV or END_USER_RECOVERY
-    /// (the kernel holds requests until FETCH is armed, right after). With how long the
-    /// activation took, in microseconds (informational): mapping the descriptors, and
-    /// enabling the rings and PREPing. The supervisor logs them; the worker logs
-    /// nothing on this path, where a new process's first log line costs milliseconds
-    /// under emulation.
-    Ready { map_us: u32, prep_us: u32 },
+    /// (the kernel holds requests until FETCH is armed, right after), with how long
+    /// the activation took. The supervisor logs that; the worker logs nothing on this
+    /// path, where a new process's first log line costs milliseconds under emulation.
+    Ready(Activation),
     /// The worker cannot serve the device; it exits after sending this.
     Failed { reason: String },
 }

@@ -19,14 +19,14 @@ use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
-use ublkd_proto::msg::{TargetSetup, WorkerSetup};
+use ublkd_proto::msg::{Activation, TargetSetup, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
 use ublkd_proto::uapi::{
     self, DevState, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlDevInfo,
 };
 
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
-use crate::worker::{Activation, Worker, WorkerError, WorkerIdentity};
+use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
@@ -52,13 +52,10 @@ fn zero_copy(spec: &DeviceSpec) -> bool {
 fn decide_zero_copy(spec: &DeviceSpec, kernel_features: u64) -> Result<DeviceSpec, DeviceError> {
     let mut spec = spec.clone();
     let has = kernel_features & uapi::UBLK_F_AUTO_BUF_REG != 0;
-    let fits =
-        u32::from(spec.queues) * u32::from(spec.queue_depth) <= ublkd_config::MAX_ZERO_COPY_SLOTS;
+    let fits = spec.fits_zero_copy();
     if let TargetSpec::Loop { zero_copy, .. } = &mut spec.target {
         match zero_copy {
-            Some(true) if !has => {
-                return Err(DeviceError::Unsupported { feature: "AUTO_BUF_REG", since: "6.16" });
-            }
+            Some(true) if !has => return Err(DeviceError::ZeroCopyUnsupported),
             Some(_) => {}
             None => *zero_copy = Some(has && fits),
         }
@@ -98,8 +95,8 @@ pub enum DeviceError {
     NotReleased { id: u32, secs: u64 },
     #[error("device {id} is not ublkd's: {why}")]
     NotOurs { id: u32, why: String },
-    #[error("zero_copy needs the kernel's UBLK_F_{feature} (Linux >= {since}), which it lacks")]
-    Unsupported { feature: &'static str, since: &'static str },
+    #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
+    ZeroCopyUnsupported,
 }
 
 /// What every device operation needs from the daemon.
@@ -764,6 +761,35 @@ mod tests {
             threads: 1,
             sandbox: true,
         }
+    }
+
+    fn loop_spec(zero_copy: Option<bool>) -> DeviceSpec {
+        spec(TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy }, 4096)
+    }
+
+    fn decided(spec: &DeviceSpec, features: u64) -> Option<bool> {
+        match decide_zero_copy(spec, features).unwrap().target {
+            TargetSpec::Loop { zero_copy, .. } => zero_copy,
+            other => panic!("not a loop target: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn zero_copy_by_default_only_where_the_kernel_has_it_and_the_device_fits() {
+        let all = uapi::UBLK_F_AUTO_BUF_REG;
+        assert_eq!(decided(&loop_spec(None), all), Some(true));
+        assert_eq!(decided(&loop_spec(None), 0), Some(false));
+        let mut big = loop_spec(None);
+        (big.queues, big.queue_depth) = (8, 4096);
+        assert_eq!(decided(&big, all), Some(false));
+        assert_eq!(decided(&loop_spec(Some(false)), all), Some(false));
+        assert_eq!(decided(&loop_spec(Some(true)), all), Some(true));
+        assert!(matches!(
+            decide_zero_copy(&loop_spec(Some(true)), 0),
+            Err(DeviceError::ZeroCopyUnsupported)
+        ));
+        assert_eq!(device_flags(&loop_spec(Some(true))) & all, all);
+        assert_eq!(device_flags(&loop_spec(Some(false))) & all, 0);
     }
 
     #[test]

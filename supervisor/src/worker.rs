@@ -15,7 +15,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-use ublkd_proto::msg::{self, FromWorker, MsgError, SandboxReport, ToWorker, WorkerSetup};
+use ublkd_proto::msg::{
+    self, Activation, FromWorker, MsgError, SandboxReport, ToWorker, WorkerSetup,
+};
 
 /// The fd number at which a worker finds its control socket.
 pub const WORKER_CONTROL_FD: i32 = 3;
@@ -46,15 +48,6 @@ pub enum WorkerError {
 pub struct WorkerIdentity {
     pub uid: u32,
     pub gid: u32,
-}
-
-/// How long a worker's activation took, as it reports it (informational, logged).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Activation {
-    /// Mapping the descriptor arrays, in microseconds.
-    pub map_us: u32,
-    /// Enabling the rings and PREPing every tag, in microseconds.
-    pub prep_us: u32,
 }
 
 /// A running worker.
@@ -205,7 +198,7 @@ impl Worker {
         msg::send_packet(self.control(), &ToWorker::Activate { generation }, &[ublkc])
             .map_err(WorkerError::Send)?;
         match self.receive(timeout)? {
-            FromWorker::Ready { map_us, prep_us } => Ok(Activation { map_us, prep_us }),
+            FromWorker::Ready(activation) => Ok(activation),
             other => self.unexpected("Ready", other),
         }
     }

@@ -188,7 +188,10 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
     };
     let prepped = activating.elapsed();
     let micros = |d: std::time::Duration| d.as_micros().min(u128::from(u32::MAX)) as u32;
-    let ready = FromWorker::Ready { map_us: micros(mapped), prep_us: micros(prepped - mapped) };
+    let ready = FromWorker::Ready(msg::Activation {
+        map_us: micros(mapped),
+        prep_us: micros(prepped - mapped),
+    });
     if let Err(e) = msg::send_packet(control.as_fd(), &ready, &[]) {
         tracing::error!("cannot report ready: {e}");
         return exit::ORPHANED;
