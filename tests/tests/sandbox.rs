@@ -13,7 +13,6 @@
 mod common;
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 use common::{Ublkd, block_dev, run_ok, serial, wait_for_path};
 
@@ -41,18 +40,6 @@ fn attacked(name: &str, attack: &str) -> (Ublkd, u32) {
     (ublkd, id)
 }
 
-fn wait_until(what: &str, ublkd: &Ublkd, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !done() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}\n--- ublkd log\n{}",
-            ublkd.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The device still serves: write and read back 1 MiB.
 fn assert_device_serves(id: u32) {
     let dev = block_dev(id);
@@ -78,7 +65,7 @@ fn assert_device_serves(id: u32) {
 fn assert_killed_and_recovered(name: &str, attack: &str) {
     let _serial = serial();
     let (ublkd, id) = attacked(name, attack);
-    wait_until("the attacked worker's recovery", &ublkd, || {
+    ublkd.wait_until("the attacked worker's recovery", || {
         ublkd.status_of(id)["recoveries"].as_u64() == Some(1)
     });
     let status = ublkd.status_of(id);
@@ -100,7 +87,7 @@ fn assert_refused(name: &str, attack: &str, error: &str) {
     let _serial = serial();
     let (ublkd, id) = attacked(name, attack);
     let line = format!("attack {attack}: blocked");
-    wait_until("the attack's outcome", &ublkd, || {
+    ublkd.wait_until("the attack's outcome", || {
         ublkd.log().contains(&line) || ublkd.log().contains("ESCAPED")
     });
     let log = ublkd.log();
@@ -139,7 +126,7 @@ fn another_devices_shared_region_is_not_visible() {
     let second = ublkd.add(&["-t", "memory", "-s", "16M"]);
     assert_eq!(first, 0, "the region path assumes device 0");
     assert!(std::path::Path::new(&shm).is_file(), "{shm} should exist on the host");
-    wait_until("both attacks' outcomes", &ublkd, || {
+    ublkd.wait_until("both attacks' outcomes", || {
         ublkd.log().matches("attack stat-other-device: blocked").count() == 2
             || ublkd.log().contains("ESCAPED")
     });

@@ -11,6 +11,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use ublkd_proto::uapi::UBLK_F_AUTO_BUF_REG;
+
 use common::{
     FioJob, Mount, Ublkd, assert_fio_clean, block_dev, fd_targets, fio, fio_args, fio_verify_args,
     holders, kernel_devices, pattern, pid_exists, run, run_ok, serial, sha256, sparse_file,
@@ -18,8 +20,6 @@ use common::{
 };
 
 const MIB: u64 = 1 << 20;
-/// The device flag of zero copy (`include/uapi/linux/ublk_cmd.h`).
-const UBLK_F_AUTO_BUF_REG: u64 = 1 << 11;
 
 /// Two fio passes over `dev`, two jobs each on their own `region` bytes: random mixed
 /// reads and writes verifying what they wrote, then random writes covering each region
@@ -215,7 +215,7 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     }
 }
 
-/// `UBLK_F_AUTO_BUF_REG` in the kernel's flags of device `id` (`ublkctl list`).
+/// The kernel's flags of device `id` (`UBLK_F_*`, from `ublkctl list`).
 fn kernel_flags(ublkd: &Ublkd, id: u32) -> u64 {
     let list = ublkd.ctl_ok(&["list", "-n", &id.to_string()]);
     let hex = list
@@ -269,15 +269,10 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
     // The new worker serves zero copy too: kill the worker, read everything back.
     let worker = ublkd.worker_pid(id);
     assert!(common::signal(worker, libc::SIGKILL));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
+    ublkd.wait_until("the recovery", || {
         let st = ublkd.status_of(id);
-        if st["recoveries"] == 1 && st["state"] == "LIVE" {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "not recovered: {st}");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+        st["recoveries"] == 1 && st["state"] == "LIVE"
+    });
     read_back("after a recovery");
     assert_served_without_errors(&ublkd, id);
 

@@ -127,6 +127,19 @@ impl Ublkd {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits up to 60 s for `done`, failing with `what` and ublkd's log.
+    pub fn wait_until(&self, what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}\n--- ublkd log\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
     pub fn ctl(&self, args: &[&str]) -> Output {
         run(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args))
