@@ -147,6 +147,12 @@ pub struct RecoveryConfig {
     /// What a device does once it used up its recoveries
     /// (`recovery.on_restart_limit`).
     pub on_restart_limit: OnRestartLimit,
+    /// Whether workers' rings are made so that ublkd can take `/dev/ublkcN` out of a
+    /// dead worker's rings at once (`recovery.fast_release`): a shorter recovery stall
+    /// (about 20 ms less under emulation), for fewer IOPS on a loop device (the rings
+    /// then cannot use io_uring's DEFER_TASKRUN). Applies to workers started after it
+    /// changes.
+    pub fast_release: bool,
 }
 
 impl Default for RecoveryConfig {
@@ -156,6 +162,7 @@ impl Default for RecoveryConfig {
             restart_max: 5,
             restart_window: Duration::from_secs(60),
             on_restart_limit: OnRestartLimit::Quiesce,
+            fast_release: true,
         }
     }
 }
@@ -437,6 +444,9 @@ impl Checker<'_> {
         }
         if let Some(policy) = raw.on_restart_limit {
             recovery.on_restart_limit = policy;
+        }
+        if let Some(fast) = raw.fast_release {
+            recovery.fast_release = fast;
         }
         Ok(recovery)
     }
@@ -802,6 +812,10 @@ mod tests {
                 "device[0].target: invalid type: sequence, expected a target: \"null\", \"memory\" or \"loop\"",
             ),
             (
+                "[recovery]\nfast_release = \"yes\"\n".into(),
+                "recovery.fast_release: invalid type: string \"yes\", expected a boolean",
+            ),
+            (
                 "[recovery]\non_restart_limit = \"reboot\"\n".into(),
                 "recovery.on_restart_limit: \"reboot\" is not a policy; expected \"quiesce\" or \"fail-io\"",
             ),
@@ -1103,6 +1117,7 @@ mod tests {
             restart_max = 0
             restart_window_secs = 1
             on_restart_limit = "fail-io"
+            fast_release = false
 
             [defaults]
             queues = 4
@@ -1148,6 +1163,7 @@ mod tests {
                 restart_max: 0,
                 restart_window: Duration::from_secs(1),
                 on_restart_limit: OnRestartLimit::FailIo,
+                fast_release: false,
             }
         );
         assert!(!config.recovery.automatic_recovery());

@@ -39,6 +39,7 @@ pub(crate) struct RawRecovery {
     pub restart_max: Option<Int>,
     pub restart_window_secs: Option<Int>,
     pub on_restart_limit: Option<OnRestartLimit>,
+    pub fast_release: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -89,6 +89,11 @@ pub struct WorkerSetup {
     /// its I/O after being one): the worker gives each tag a buffer index instead of a
     /// buffer address, and requests with data arrive registered in its ring.
     pub zero_copy: bool,
+    /// `recovery.fast_release`: the worker names its rings in Standby (see there) and
+    /// makes them so that the supervisor may unregister their files (not
+    /// SINGLE_ISSUER, so without DEFER_TASKRUN); otherwise they use DEFER_TASKRUN and
+    /// a recovery waits for the kernel's teardown of the dead worker's rings.
+    pub fast_release: bool,
 }
 
 impl WorkerSetup {
@@ -133,7 +138,13 @@ pub struct Activation {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FromWorker {
     /// Set up and waiting for Activate; `sandbox` is `None` for an unsandboxed worker.
-    Standby { sandbox: Option<SandboxReport> },
+    /// `rings` (with `fast_release`, else empty): the fd numbers of the worker's
+    /// io_uring instances, one per queue thread, which the supervisor copies with
+    /// pidfd_getfd (io_uring fds cannot travel by SCM_RIGHTS). When the worker dies,
+    /// the supervisor unregisters their files and buffers, so the kernel lets go of
+    /// `/dev/ublkcN` at once instead of after the rings' asynchronous teardown (two
+    /// RCU grace periods and a deferred file release later).
+    Standby { sandbox: Option<SandboxReport>, rings: Vec<i32> },
     /// Every tag of every queue is PREPed: ready for START_DEV or END_USER_RECOVERY
     /// (the kernel holds requests until FETCH is armed, right after), with how long
     /// the activation took. The supervisor logs that; the worker logs nothing on this
@@ -396,6 +407,7 @@ mod tests {
             target: TargetSetup::Memory,
             block_size: 4096,
             zero_copy: true,
+            fast_release: true,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();
         let f2 = std::fs::File::open("/dev/zero").unwrap();

@@ -143,6 +143,11 @@ pub const fn queue_desc_offset(q_id: u16, page_size: usize) -> u64 {
 /// `io-uring` crate does not define; FETCH_IO_CMDS requires it.
 pub const IORING_URING_CMD_MULTISHOT: u32 = 1 << 1;
 
+/// io_uring_register(2) opcodes the supervisor uses on a dead worker's rings (see
+/// `Worker::release_device`): drop the ring's registered buffers and files.
+pub const IORING_UNREGISTER_BUFFERS: u32 = 1;
+pub const IORING_UNREGISTER_FILES: u32 = 3;
+
 // ---------------------------------------------------------------------------------------
 // Feature flags (`ublksrv_ctrl_dev_info.flags`, and the GET_FEATURES mask).
 

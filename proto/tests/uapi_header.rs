@@ -261,6 +261,8 @@ fn expectations() -> Vec<(String, i64)> {
         UBLK_PARAM_TYPE_SEGMENT,
         UBLK_PARAM_TYPE_INTEGRITY,
         IORING_URING_CMD_MULTISHOT,
+        IORING_UNREGISTER_BUFFERS,
+        IORING_UNREGISTER_FILES,
     );
     v
 }

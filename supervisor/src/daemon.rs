@@ -143,7 +143,9 @@ impl Daemon {
         let listener = listen(&config.daemon.socket)?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
         let state = StateDir::new(&config.daemon.state_dir);
-        let ctx = Context { ctrl, worker_binary, state, worker_identity, kernel_features };
+        let fast_release = config.recovery.fast_release;
+        let ctx =
+            Context { ctrl, worker_binary, state, worker_identity, kernel_features, fast_release };
         Ok(Daemon {
             config,
             config_path,
@@ -319,6 +321,7 @@ impl Daemon {
             }
         }
         let daemon = self.config.daemon.clone();
+        self.ctx.fast_release = new.recovery.fast_release;
         self.config = new;
         // Socket, state dir and worker settings only change with a restart.
         self.config.daemon = daemon;

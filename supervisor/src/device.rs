@@ -109,6 +109,8 @@ pub struct Context {
     pub worker_identity: WorkerIdentity,
     /// The kernel's `UBLK_F_*` feature mask (`UBLK_U_CMD_GET_FEATURES`).
     pub kernel_features: u64,
+    /// `recovery.fast_release`, for the workers started from now on.
+    pub fast_release: bool,
 }
 
 /// Watches for a hung worker: I/O in flight and no heartbeat for too long.
@@ -313,6 +315,7 @@ impl Device {
                 TargetSpec::Loop { .. } => TargetSetup::Loop { direct: self.direct },
             },
             zero_copy: zero_copy(&self.spec),
+            fast_release: ctx.fast_release,
             block_size: self.spec.block_size,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
@@ -449,6 +452,7 @@ impl Device {
             // A live worker (a hung one, or an operator's recover) must go first.
             old.kill();
             old.reap(STOP_GRACE);
+            release_device(id, &mut old);
         }
         let mut delay = Duration::from_micros(200);
         loop {
@@ -583,6 +587,7 @@ impl Device {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
         let pid = w.pid();
+        release_device(self.id, w);
         self.worker = None;
         self.death_seen = Some(seen);
         Some(format!("worker {pid} {how}"))
@@ -727,6 +732,17 @@ fn open_backing(
         }
     }
     Ok((Some(open(0).map_err(backing_err)?.into()), false))
+}
+
+/// Makes the kernel let go of a dead worker's `/dev/ublkcN` now (see
+/// [`Worker::release_device`]).
+fn release_device(id: u32, dead: &mut Worker) {
+    let refused = dead.release_device();
+    if refused > 0 {
+        // The release then waits for io_uring's teardown of the rings, as it would
+        // without this; START_USER_RECOVERY keeps retrying until it is done.
+        tracing::debug!(dev_id = id, worker_pid = dead.pid(), refused, "rings kept their files");
+    }
 }
 
 /// Opens `/dev/ublkcN`, waiting briefly for the node to appear (udev or devtmpfs).

@@ -18,6 +18,10 @@ use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
     self, Activation, FromWorker, MsgError, SandboxReport, ToWorker, WorkerSetup,
 };
+use ublkd_proto::uapi;
+
+/// The most rings a worker may name: one per queue thread.
+const MAX_RINGS: usize = ublkd_config::MAX_THREADS as usize;
 
 /// The fd number at which a worker finds its control socket.
 pub const WORKER_CONTROL_FD: i32 = 3;
@@ -39,6 +43,8 @@ pub enum WorkerError {
     Protocol { pid: u32, what: String },
     #[error("worker {pid} did not answer within {secs} s")]
     Timeout { pid: u32, secs: u64 },
+    #[error("cannot copy worker {pid}'s ring (its fd {number}) with pidfd_getfd: {source}")]
+    Rings { pid: u32, number: i32, source: io::Error },
     #[error("cannot watch worker {pid} (pidfd_open): {source}")]
     Pidfd { pid: u32, source: io::Error },
 }
@@ -60,6 +66,10 @@ pub struct Worker {
     /// Readable once the worker has exited: how the supervisor learns of a death at
     /// once, without polling (and without the races of pids being reused).
     pidfd: OwnedFd,
+    /// The worker's io_uring instances (named in Standby, copied with pidfd_getfd).
+    /// Held so that when the worker dies, [`Self::release_device`] can make the kernel
+    /// let go of `/dev/ublkcN` at once.
+    rings: Vec<OwnedFd>,
 }
 
 impl Worker {
@@ -129,7 +139,7 @@ impl Worker {
         }
         // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
         let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-        Ok(Worker { child, control: ours, sandbox: None, pidfd })
+        Ok(Worker { child, control: ours, sandbox: None, pidfd, rings: Vec::new() })
     }
 
     /// Readable when the worker has exited.
@@ -171,12 +181,25 @@ impl Worker {
     /// Waits up to `timeout` for the answer to the setup: standing by, or why not.
     pub fn standby_answer(&mut self, timeout: Duration) -> Result<(), WorkerError> {
         match self.receive(timeout)? {
-            FromWorker::Standby { sandbox } => {
+            (FromWorker::Standby { sandbox, rings }, _) => {
                 self.sandbox = sandbox;
+                self.rings = copy_rings(self.pidfd.as_fd(), self.pid(), &rings)?;
                 Ok(())
             }
-            other => self.unexpected("Standby", other),
+            (other, _) => self.unexpected("Standby", other),
         }
+    }
+
+    /// After the worker's death: unregisters the files and buffers of its rings, so
+    /// that the kernel releases `/dev/ublkcN` now (the last reference is then dropped
+    /// by this thread, and ublk's release runs right after the syscall), not when
+    /// io_uring's asynchronous teardown of each ring frees its file table. The
+    /// worker's requests ended with it; a reference a request still holds delays the
+    /// release until the ring's teardown, which the rings' fds being closed here
+    /// starts. Call it only once the worker is dead (reaped). Returns how many calls
+    /// the kernel refused (logged by the caller; harmless).
+    pub fn release_device(&mut self) -> usize {
+        unregister_files_and_buffers(&std::mem::take(&mut self.rings))
     }
 
     /// Whether the worker has something to say (a message, or its end) right now.
@@ -198,8 +221,8 @@ impl Worker {
         msg::send_packet(self.control(), &ToWorker::Activate { generation }, &[ublkc])
             .map_err(WorkerError::Send)?;
         match self.receive(timeout)? {
-            FromWorker::Ready(activation) => Ok(activation),
-            other => self.unexpected("Ready", other),
+            (FromWorker::Ready(activation), _) => Ok(activation),
+            (other, _) => self.unexpected("Ready", other),
         }
     }
 
@@ -213,8 +236,8 @@ impl Worker {
         }
     }
 
-    /// Waits for the worker's next message.
-    fn receive(&mut self, timeout: Duration) -> Result<FromWorker, WorkerError> {
+    /// Waits for the worker's next message, and the fds it came with.
+    fn receive(&mut self, timeout: Duration) -> Result<(FromWorker, Vec<OwnedFd>), WorkerError> {
         let pid = self.pid();
         let mut pfd =
             libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -232,7 +255,7 @@ impl Worker {
             }
         }
         match msg::recv_packet::<FromWorker>(self.control()) {
-            Ok((got, _)) => Ok(got),
+            Ok(got) => Ok(got),
             Err(MsgError::Closed) => {
                 let status = self.reap(Duration::from_secs(2));
                 Err(WorkerError::Died { pid, status })
@@ -270,6 +293,83 @@ impl Worker {
     }
 }
 
+/// Copies a worker's rings (fd numbers in the worker) into the supervisor, each
+/// checked to be an io_uring. Where the kernel does not let the supervisor copy them
+/// (EPERM: no CAP_SYS_PTRACE, or Yama's ptrace_scope 3), the worker serves as well and
+/// only its recovery waits longer: that is logged, not refused.
+fn copy_rings(
+    pidfd: BorrowedFd<'_>,
+    pid: u32,
+    numbers: &[i32],
+) -> Result<Vec<OwnedFd>, WorkerError> {
+    if numbers.len() > MAX_RINGS {
+        let what = format!("named {} rings, more than {MAX_RINGS}", numbers.len());
+        return Err(WorkerError::Protocol { pid, what });
+    }
+    let mut rings = Vec::with_capacity(numbers.len());
+    for &number in numbers {
+        // SAFETY: pidfd_getfd takes a pidfd, an fd number and flags (0), and returns a
+        // new fd (close-on-exec) or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), number, 0) };
+        if raw < 0 {
+            let source = io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::EPERM) {
+                tracing::warn!(
+                    worker_pid = pid,
+                    "cannot copy the worker's rings ({source}): its device's recoveries \
+                     will wait for the kernel to tear the rings down"
+                );
+                return Ok(Vec::new());
+            }
+            return Err(WorkerError::Rings { pid, number, source });
+        }
+        // SAFETY: `raw` is a new fd returned by pidfd_getfd, owned by nothing else.
+        let ring = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+        if let Some(what) = not_an_io_uring(ring.as_fd()) {
+            let what = format!("named its fd {number} as a ring, but that is {what}");
+            return Err(WorkerError::Protocol { pid, what });
+        }
+        rings.push(ring);
+    }
+    Ok(rings)
+}
+
+/// Unregisters every ring's buffers, then its files; returns how many calls the
+/// kernel refused (ENXIO, nothing of that kind registered, is not a refusal).
+fn unregister_files_and_buffers(rings: &[OwnedFd]) -> usize {
+    let mut refused = 0;
+    // Buffers first: with zero copy they hold the requests' pages, and ublk's release
+    // waits for those before it lets the device go.
+    for opcode in [uapi::IORING_UNREGISTER_BUFFERS, uapi::IORING_UNREGISTER_FILES] {
+        for ring in rings {
+            // SAFETY: io_uring_register with a null argument and no entries only reads
+            // its scalar arguments; `ring` is an open fd.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_register,
+                    ring.as_raw_fd(),
+                    opcode,
+                    std::ptr::null::<libc::c_void>(),
+                    0,
+                )
+            };
+            if rc < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
+                refused += 1;
+            }
+        }
+    }
+    refused
+}
+
+/// Why `fd` is not an io_uring instance, if it is not.
+fn not_an_io_uring(fd: BorrowedFd<'_>) -> Option<String> {
+    match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        Ok(target) if target.as_os_str() == "anon_inode:[io_uring]" => None,
+        Ok(target) => Some(format!("an fd to {}", target.display())),
+        Err(e) => Some(format!("an fd it cannot inspect ({e})")),
+    }
+}
+
 /// How a worker ended, in words an operator can act on.
 pub fn describe_exit(status: &std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
@@ -288,5 +388,72 @@ pub fn describe_exit(status: &std::process::ExitStatus) -> String {
         Some(71) => "exited 71 (lost its supervisor)".into(),
         Some(c) => format!("exited {c}"),
         None => "ended".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::RawFd;
+
+    use super::*;
+
+    fn own_pidfd() -> OwnedFd {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) };
+        assert!(raw >= 0, "pidfd_open: {}", io::Error::last_os_error());
+        // SAFETY: `raw` is a new fd owned by nothing else.
+        unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) }
+    }
+
+    fn io_uring_register(ring: RawFd, opcode: u32, arg: *const libc::c_void, n: u32) -> i64 {
+        // SAFETY: `arg` points to `n` fds (or is null with `n` 0) for the call's duration.
+        unsafe { libc::syscall(libc::SYS_io_uring_register, ring, opcode, arg, n) }
+    }
+
+    #[test]
+    fn a_named_fd_that_is_not_a_ring_is_refused_naming_what_it_is() {
+        let null = File::open("/dev/null").unwrap();
+        let err = copy_rings(own_pidfd().as_fd(), 7, &[null.as_raw_fd()]).unwrap_err();
+        assert!(matches!(err, WorkerError::Protocol { pid: 7, .. }), "{err:?}");
+        assert!(err.to_string().contains("/dev/null"), "{err}");
+    }
+
+    #[test]
+    fn a_named_fd_that_does_not_exist_is_refused() {
+        let err = copy_rings(own_pidfd().as_fd(), 7, &[-1]).unwrap_err();
+        assert!(matches!(err, WorkerError::Rings { number: -1, .. }), "{err:?}");
+    }
+
+    #[test]
+    fn more_rings_than_threads_are_refused() {
+        let err = copy_rings(own_pidfd().as_fd(), 7, &[0; MAX_RINGS + 1]).unwrap_err();
+        assert!(err.to_string().contains(&format!("more than {MAX_RINGS}")), "{err}");
+    }
+
+    #[test]
+    fn a_copied_ring_loses_its_files_and_buffers() {
+        let mut params = [0u8; 120]; // struct io_uring_params, zeroed: defaults
+        // SAFETY: io_uring_setup reads and writes `params` (120 bytes, its size).
+        let raw = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4, params.as_mut_ptr()) };
+        assert!(raw >= 0, "io_uring_setup: {}", io::Error::last_os_error());
+        // SAFETY: `raw` is a new fd owned by nothing else.
+        let ring = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+        let null = File::open("/dev/null").unwrap();
+        let fds = [null.as_raw_fd()];
+        const IORING_REGISTER_FILES: u32 = 2;
+        let rc = io_uring_register(ring.as_raw_fd(), IORING_REGISTER_FILES, fds.as_ptr().cast(), 1);
+        assert_eq!(rc, 0, "register files: {}", io::Error::last_os_error());
+
+        let rings = copy_rings(own_pidfd().as_fd(), 7, &[ring.as_raw_fd()]).unwrap();
+        assert_eq!(rings.len(), 1);
+        assert_eq!(unregister_files_and_buffers(&rings), 0, "no buffers is not a refusal");
+        let rc =
+            io_uring_register(ring.as_raw_fd(), uapi::IORING_UNREGISTER_FILES, std::ptr::null(), 0);
+        assert_eq!(
+            (rc, io::Error::last_os_error().raw_os_error()),
+            (-1, Some(libc::ENXIO)),
+            "the ring still had files"
+        );
     }
 }

@@ -178,10 +178,13 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     let size = 32 * MIB as usize;
     let backing = PathBuf::from("/tmp/serve-exact.img");
     sparse_file(&backing, size as u64);
-    let ublkd = Ublkd::start("exact");
-    // Copy mode (zero copy has its own exact read-back test).
+    // Copy mode (zero copy has its own exact read-back test), and the workers' rings
+    // with DEFER_TASKRUN: a recovery waits for the kernel to tear them down.
+    let ublkd = Ublkd::start_with("exact", "[recovery]\nfast_release = false", &[]);
+    let own_rings = io_urings(ublkd.pid());
     let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap(), "--copy"]);
     assert_eq!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "--copy gave zero copy");
+    assert_eq!(io_urings(ublkd.pid()), own_rings, "ublkd copied rings without fast_release");
     let dev = block_dev(id);
 
     // The whole device in 1 MiB writes (split into the device's largest requests), then
@@ -196,6 +199,12 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     let expected_file = PathBuf::from("/tmp/serve-exact-expected.bin");
     write_file(&expected_file, &expected);
     dd_to(&whole, &dev, &["bs=1M"]);
+    // A recovery between the two writes.
+    assert!(common::signal(ublkd.worker_pid(id), libc::SIGKILL));
+    ublkd.wait_until("the recovery", || {
+        let st = ublkd.status_of(id);
+        st["recoveries"] == 1 && st["state"] == "LIVE"
+    });
     dd_to(&patch_file, &dev, &["bs=4k", &format!("seek={}", 5 * MIB / 4096)]);
 
     let readback = PathBuf::from("/tmp/serve-exact-readback.bin");
@@ -233,6 +242,7 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
     let backing = PathBuf::from("/tmp/serve-zero-copy.img");
     sparse_file(&backing, size);
     let ublkd = Ublkd::start("zero-copy");
+    let own_rings = io_urings(ublkd.pid());
     // More threads than queues: a tag may come back through another thread's ring, so
     // every ring must have the same buffer table layout.
     let id = ublkd.add(&[
@@ -247,6 +257,11 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
         "3",
     ]);
     assert_ne!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "not a zero-copy device");
+    // recovery.fast_release (the default): ublkd holds a copy of each of the worker's
+    // three rings (and of its standby's, once that is up), to take the device and the
+    // registered pages out of them when the worker dies.
+    let rings = io_urings(ublkd.pid()) - own_rings;
+    assert!((3..=6).contains(&rings), "ublkd holds {rings} io_urings of workers, not 3 or 6");
     let dev = block_dev(id);
 
     fio_verify(&dev, 16 * MIB);
@@ -284,6 +299,11 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
     for f in [&backing, &src, &head] {
         std::fs::remove_file(f).unwrap();
     }
+}
+
+/// How many io_uring instances process `pid` holds.
+fn io_urings(pid: u32) -> usize {
+    fd_targets(pid).iter().filter(|t| *t == "anon_inode:[io_uring]").count()
 }
 
 /// `dd if=SRC of=OUT ARGS…`.
@@ -440,11 +460,16 @@ fn del_and_sigterm_leave_no_device_node_worker_or_open_file() {
     sparse_file(&backing, 16 * MIB);
     let ublkd = Ublkd::start("cleanup");
     // ublkd's open files before and after each add: a delete must close what its add
-    // opened (memory, shared region, backing file, worker sockets, …).
+    // opened (memory, shared region, backing file, worker sockets, copies of the
+    // workers' rings, …), taken once the device's standby is ready (with its rings).
+    let standing_by = |id: u32| {
+        ublkd.wait_until("the standby", || !ublkd.status_of(id)["standby_pid"].is_null());
+        fd_targets(ublkd.pid())
+    };
     let null = ublkd.add(&["-t", "null", "-s", "16M"]);
-    let with_null = fd_targets(ublkd.pid());
+    let with_null = standing_by(null);
     let memory = ublkd.add(&["-t", "memory", "-s", "16M"]);
-    let with_memory = fd_targets(ublkd.pid());
+    let with_memory = standing_by(memory);
     let lo = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
     let (null_pid, memory_pid, loop_pid) =
         (ublkd.worker_pid(null), ublkd.worker_pid(memory), ublkd.worker_pid(lo));

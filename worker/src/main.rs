@@ -159,7 +159,8 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
     if sandboxed && let Err(e) = sandbox::lock_down() {
         return fail(control.as_fd(), exit::SETUP, e.to_string());
     }
-    let standby_msg = FromWorker::Standby { sandbox: sandbox_report };
+    let rings = if setup.fast_release { threads.ring_fds.clone() } else { Vec::new() };
+    let standby_msg = FromWorker::Standby { sandbox: sandbox_report, rings };
     if let Err(e) = msg::send_packet(control.as_fd(), &standby_msg, &[]) {
         tracing::error!("cannot report standby: {e}");
         return exit::ORPHANED;
@@ -212,6 +213,8 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
 /// standing by, each with its ring made and waiting for the device.
 struct ThreadSet {
     own: StandbyRing,
+    /// Every thread's ring, the main thread's first.
+    ring_fds: Vec<RawFd>,
     activate: Vec<mpsc::Sender<(Arc<Device>, RawFd)>>,
     prepped: mpsc::Receiver<Result<(), String>>,
     running: Running,
@@ -239,18 +242,26 @@ impl ThreadSet {
         let nr_threads = plans.len();
         let barrier = Arc::new(Barrier::new(nr_threads));
         let target_fd = target_file.map(|f| f.as_raw_fd());
-        let (ring_tx, ring_rx) = mpsc::channel::<Result<(), String>>();
+        let (ring_tx, ring_rx) = mpsc::channel::<Result<RawFd, String>>();
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
         let (nr_queues, depth, zero_copy) = (setup.nr_queues, setup.queue_depth, setup.zero_copy);
+        let fast_release = setup.fast_release;
         // Each queue thread on its own CPU, spread by device and thread number.
         let cpus = queue_loop::allowed_cpus();
         let cpu_of = |thread: usize| -> Option<usize> {
             (!cpus.is_empty()).then(|| cpus[(setup.dev_id as usize + thread) % cpus.len()])
         };
-        let own =
-            StandbyRing::new(plans.remove(0), nr_queues, depth, target_fd, cpu_of(0), zero_copy)
-                .map_err(|e| e.to_string())?;
+        let own = StandbyRing::new(
+            plans.remove(0),
+            nr_queues,
+            depth,
+            target_fd,
+            cpu_of(0),
+            zero_copy,
+            fast_release,
+        )
+        .map_err(|e| e.to_string())?;
         let mut activate = Vec::with_capacity(nr_threads);
         for p in plans {
             let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
@@ -262,15 +273,23 @@ impl ThreadSet {
             std::thread::Builder::new()
                 .name(format!("ublk-q{index}"))
                 .spawn(move || {
-                    let standby =
-                        match StandbyRing::new(p, nr_queues, depth, target_fd, cpu, zero_copy) {
-                            Ok(r) => r,
-                            Err(e) => {
-                                let _ = ring_tx.send(Err(e.to_string()));
-                                return;
-                            }
-                        };
-                    let _ = ring_tx.send(Ok(()));
+                    let made = StandbyRing::new(
+                        p,
+                        nr_queues,
+                        depth,
+                        target_fd,
+                        cpu,
+                        zero_copy,
+                        fast_release,
+                    );
+                    let standby = match made {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = ring_tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    let _ = ring_tx.send(Ok(standby.ring_fd()));
                     // No device: the standby was let go and the process is exiting.
                     let Ok((dev, ublkc)) = activate_rx.recv() else { return };
                     match standby.activate(dev, ublkc).and_then(|mut t| t.prep().map(|()| t)) {
@@ -286,9 +305,10 @@ impl ThreadSet {
                 .map_err(|e| format!("cannot start thread {index}: {e}"))?;
         }
         drop((ring_tx, prepped_tx));
+        let mut ring_fds = vec![own.ring_fd()];
         for _ in 1..nr_threads {
             match ring_rx.recv() {
-                Ok(Ok(())) => {}
+                Ok(Ok(fd)) => ring_fds.push(fd),
                 Ok(Err(reason)) => return Err(reason),
                 Err(_) => return Err("a queue thread died".into()),
             }
@@ -340,6 +360,7 @@ impl ThreadSet {
             .map_err(|e| format!("cannot start the worker's control thread: {e}"))?;
         Ok(ThreadSet {
             own,
+            ring_fds,
             activate,
             prepped,
             running: Running { barrier, done: done_tx, control_go },

@@ -12,6 +12,7 @@
 //! supervisor recovers the device, whose in-flight I/O the kernel reissues (REISSUE) to
 //! the next worker, so no I/O fails.
 
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -125,12 +126,14 @@ fn split(ud: u64) -> (u64, u16, u32) {
 }
 
 /// Index of `/dev/ublkcN` in each ring's registered files. Registered, not used by its
-/// plain fd, although a registered file is released only when io_uring tears a dead
-/// worker's ring down (tens of milliseconds of a recovery's stall): a command holds a
-/// reference to a plain fd's file, and ublk does not end a batch FETCH that is busy
-/// delivering when its worker dies until the device's file is released, so a worker
-/// killed at that moment would leave the file held for good (seen once in CI: the
-/// kernel had not released the device 15 s later).
+/// plain fd: a command holds a reference to a plain fd's file, and ublk does not end a
+/// batch FETCH that is busy delivering when its worker dies until the device's file is
+/// released, so a worker killed at that moment would leave the file held for good
+/// (seen once in CI: the kernel had not released the device 15 s later). A registered
+/// file would be let go only when io_uring tears the dead worker's ring down (tens of
+/// milliseconds of a recovery's stall under emulation); with `recovery.fast_release`
+/// (the default) the supervisor, which holds a copy of each ring, unregisters it at
+/// once instead (see `msg::FromWorker::Standby`).
 const UBLKC_FIXED_FD: u32 = 1;
 
 /// The PREP/COMMIT element format: kernel-copy mode names each tag's buffer address;
@@ -182,7 +185,7 @@ impl StandbyRing {
     /// registering `target_file` (if the target has one) at [`TARGET_FIXED_FD`] and one
     /// buffer ring per queue the thread serves, and for `zero_copy` an empty buffer
     /// table the kernel registers requests' pages in; pins the calling thread (the
-    /// ring's owner) to `cpu` first.
+    /// ring's owner) to `cpu` first. `fast_release`: see `msg::WorkerSetup`.
     pub fn new(
         plan: ThreadPlan,
         nr_queues: u16,
@@ -190,6 +193,7 @@ impl StandbyRing {
         target_file: Option<std::os::fd::RawFd>,
         cpu: Option<usize>,
         zero_copy: bool,
+        fast_release: bool,
     ) -> Result<Self, LoopError> {
         let thread = plan.index;
         let ring_err = |source| LoopError::Ring { thread, source };
@@ -202,16 +206,18 @@ impl StandbyRing {
         // One slot per tag (target I/O) plus a FETCH and a COMMIT per queue, with room.
         let entries = (tags + 4 * plan.queues.len() + 8).next_power_of_two().min(4096) as u32;
         let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
-        // Only this thread submits to and reaps its ring; completions (FETCH batches,
-        // target I/O) run as task work when it waits, not by interrupting it. Disabled
-        // until activation: its restrictions can only be registered before it runs
-        // anything, and its single issuer is whoever enables it (this thread).
-        builder
-            .setup_cqsize(entries * 4)
-            .setup_coop_taskrun()
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            .setup_r_disabled();
+        // Completions (FETCH batches, target I/O) run as task work when this thread
+        // enters the kernel, not by interrupting it; with DEFER_TASKRUN only when it
+        // waits for them, which serves a loop device faster. But DEFER_TASKRUN needs
+        // SINGLE_ISSUER, and the kernel lets no one but the single issuer unregister a
+        // ring's files: with `fast_release` the supervisor does that once this worker
+        // is dead (see `msg::FromWorker::Standby`). Disabled until activation: its
+        // restrictions can only be registered before it runs anything, and a single
+        // issuer is whoever enables it (this thread).
+        builder.setup_cqsize(entries * 4).setup_coop_taskrun().setup_r_disabled();
+        if !fast_release {
+            builder.setup_single_issuer().setup_defer_taskrun();
+        }
         let ring = builder.build(entries).map_err(ring_err)?;
         ring.submitter().register_files_sparse(2).map_err(ring_err)?;
         if let Some(fd) = target_file {
@@ -235,6 +241,11 @@ impl StandbyRing {
         }
         let nr_tags = usize::from(nr_queues) * usize::from(depth);
         Ok(StandbyRing { ring, plan, queues, nr_tags, entries })
+    }
+
+    /// The ring's fd, for the supervisor (see `msg::FromWorker::Standby`).
+    pub fn ring_fd(&self) -> std::os::fd::RawFd {
+        self.ring.as_raw_fd()
     }
 
     /// Registers `ublkc` (`/dev/ublkcN`) at [`UBLKC_FIXED_FD`], restricts the ring when
