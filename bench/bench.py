@@ -508,7 +508,7 @@ def table(results):
 
 
 COLORS = {"ublkd": "#d62728", "ublkd-copy": "#ff7f0e", "ublkd-zc": "#ff7f0e",
-          "ublkd-nosandbox": "#f4a6a6",
+          "ublkd-nosandbox": "#f4a6a6", "ublkd-deferred": "#8c564b",
           "kublk-b": "#1f77b4", "kublk-b-zc": "#17becf", "kublk": "#7fb3e0",
           "rublk": "#2ca02c"}
 
@@ -718,10 +718,10 @@ class Ublkd:
     CFG = "/run/ublkd-bench.toml"
     LOG = "/run/ublkd-bench.log"
 
-    def __init__(self, plan, copy=False, sandbox=True):
+    def __init__(self, plan, copy=False, sandbox=True, fast_release=True):
         self.bindir = plan["paths"]["ublkd"]
         self.prm = plan["params"]
-        self.copy, self.sandbox = copy, sandbox
+        self.copy, self.sandbox, self.fast_release = copy, sandbox, fast_release
         self.proc = None
 
     def ctl(self, *a):
@@ -730,6 +730,8 @@ class Ublkd:
     def start(self):
         with open(self.CFG, "w") as f:
             f.write(f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n')
+            if not self.fast_release:
+                f.write("[recovery]\nfast_release = false\n")
         logf = open(self.LOG, "a")
         self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
                                      stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
@@ -839,6 +841,7 @@ class Rublk(Kublk):
 def make_server(name, plan):
     return {"ublkd": lambda: Ublkd(plan),
             "ublkd-copy": lambda: Ublkd(plan, copy=True),
+            "ublkd-deferred": lambda: Ublkd(plan, fast_release=False),
             "ublkd-nosandbox": lambda: Ublkd(plan, sandbox=False),
             "kublk-b": lambda: Kublk(plan, True),
             "kublk-b-zc": lambda: Kublk(plan, True, auto_zc=True),

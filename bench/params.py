@@ -13,20 +13,22 @@ IDLE_S = 2                # per server turn: the server's CPU use with its devic
 # ---- servers, in the order of round 1 (later rounds rotate it) -----------------------
 # ublkd: its defaults (loop devices zero-copy, UBLK_F_AUTO_BUF_REG, where the kernel
 # has it); ublkd-copy: loop devices with --copy; ublkd-nosandbox: the worker without its
-# sandbox (--no-sandbox); kublk-b-zc: kublk -b --auto_zc.
-SERVERS = ["ublkd", "ublkd-copy", "ublkd-nosandbox", "kublk-b", "kublk-b-zc", "kublk", "rublk"]
+# sandbox (--no-sandbox); ublkd-deferred: `recovery.fast_release = false` (rings with
+# DEFER_TASKRUN: faster loop I/O, longer recovery stall); kublk-b-zc: kublk -b --auto_zc.
+SERVERS = ["ublkd", "ublkd-deferred", "ublkd-copy", "ublkd-nosandbox", "kublk-b", "kublk-b-zc", "kublk", "rublk"]
 RATIO_BASELINES = ["kublk-b", "rublk"]      # the table prints ublkd / each of these
 # Servers that run only some jobs (any other runs every job): zero copy only matters
 # where data is copied (loop); the sandbox's cost shows on one null and one loop job.
 LOOP_JOBS = ["loop-randread-qd64", "loop-randwrite-qd64", "loop-seqread-128k-qd16"]
 SERVER_JOBS = {
     "ublkd-copy": LOOP_JOBS,
+    "ublkd-deferred": ["null-randread-qd64-j1"] + LOOP_JOBS,
     "kublk-b-zc": LOOP_JOBS,
     "ublkd-nosandbox": ["null-randread-qd64-j1", "loop-randread-qd64"],
 }
 # The modes each side may pick as its best, per job (the loop target's target is
 # ublkd >= 1.0x kublk's best mode); ublkd-nosandbox is not a production mode.
-BEST_OF = {"ublkd": ["ublkd", "ublkd-copy"], "kublk": ["kublk", "kublk-b", "kublk-b-zc"]}
+BEST_OF = {"ublkd": ["ublkd", "ublkd-deferred", "ublkd-copy"], "kublk": ["kublk", "kublk-b", "kublk-b-zc"]}
 
 # ---- devices -------------------------------------------------------------------------
 QUEUES = 1

@@ -38,8 +38,10 @@ META = "@@UBLKD-RECOVERY-META@@ "
 DONE = "@@UBLKD-RECOVERY-DONE@@"
 # ublkd and kublk-b copy every request (the issue's comparison: kublk -b); ublkd-zc and
 # kublk-b-zc are the zero-copy pair (ublkd's default for loop devices, kublk --auto_zc).
-SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc")
-PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"))
+# ublkd-deferred: ublkd (copying) with `recovery.fast_release = false`, whose recovery
+# waits for the kernel to tear the dead worker's rings down, as kublk's does.
+SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc", "ublkd-deferred")
+PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"), ("ublkd-deferred", "kublk-b"))
 
 log, die, emit = B.log, B.die, B.emit
 
@@ -204,7 +206,7 @@ def table(results):
         death = fms(s["death_ms"]["median"]) if s["death_ms"] else "-"
         lines.append(f"{srv:<10} {s['kills']:>5}  {fms(st['min']):>13} {fms(st['median']):>7} "
                      f"{fms(st['max']):>7}   {death:>8}  {lr:>22}  {rc:>14}  {fio}{fails}")
-    for name in ("ublkd", "ublkd-zc"):
+    for name in ("ublkd", "ublkd-zc", "ublkd-deferred"):
         u = summ.get(name)
         if not (u and u.get("release_ms") and u["stall_ms"]):
             continue
@@ -228,6 +230,10 @@ def table(results):
                      f"{summ['ratio_ublkd-zc_kublk-b-zc']:.3f}  (zero copy: the kernel waits "
                      f"for io_uring to tear the dead server's ring down, which holds the "
                      f"requests' registered pages)")
+    if "ratio_ublkd-deferred_kublk-b" in summ:
+        lines.append(f"median stall ublkd-deferred / kublk-b = "
+                     f"{summ['ratio_ublkd-deferred_kublk-b']:.3f}  (recovery.fast_release = "
+                     f"false: the kernel's teardown of the dead worker's rings, as for kublk)")
     if len(lines) and lines[-1]:
         lines.append("")
     m = results["meta"]
@@ -339,11 +345,11 @@ class Ublkd:
     CFG = "/run/ublkd-bench-recovery.toml"
     LOG = "/run/ublkd-bench-recovery.log"
 
-    def __init__(self, plan, zero_copy=False):
+    def __init__(self, plan, zero_copy=False, fast_release=True):
         self.bindir = plan["paths"]["ublkd"]
         self.prm = plan["params"]
         self.proc = None
-        self.zero_copy = zero_copy
+        self.zero_copy, self.fast_release = zero_copy, fast_release
 
     def ctl(self, *a):
         return B.sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
@@ -352,7 +358,8 @@ class Ublkd:
         with open(self.CFG, "w") as f:
             f.write(f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
                     f'worker_user = "nobody"\n\n[recovery]\n'
-                    f'restart_max = {self.prm["RECOVERY_RESTART_MAX"]}\n')
+                    f'restart_max = {self.prm["RECOVERY_RESTART_MAX"]}\n'
+                    f'fast_release = {"true" if self.fast_release else "false"}\n')
         logf = open(self.LOG, "a")
         self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
                                      stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
@@ -637,7 +644,8 @@ def fio_check(rc, out, err):
 def run_series(sname, plan, rnd, nkills, first_kill, total):
     prm = plan["params"]
     zc = sname.endswith("-zc")
-    srv = Ublkd(plan, zc) if sname.startswith("ublkd") else Kublk(plan, zc)
+    srv = (Ublkd(plan, zc, fast_release=sname != "ublkd-deferred") if sname.startswith("ublkd")
+           else Kublk(plan, zc))
     tag = f"round {rnd}/{prm['RECOVERY_ROUNDS']} {sname:<8}"
     series = {"kind": "series", "server": sname, "round": rnd}
     dev_id = fio = ctr = None
