@@ -177,8 +177,6 @@ pub struct Device {
     pub shm: ShmRegion,
     pub target: Box<dyn Target>,
     pub generation: u64,
-    /// Rings are created restricted (see `sandbox::restrict_ring`).
-    pub sandboxed: bool,
     /// `UBLK_F_AUTO_BUF_REG`: requests' pages arrive registered in the fetching ring
     /// (see `WorkerSetup::zero_copy`); `bufs` is not used for their data.
     pub zero_copy: bool,

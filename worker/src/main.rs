@@ -151,7 +151,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
     drop(shm_fd);
-    let threads = match ThreadSet::start(&setup, standby.target.fixed_file(), &control) {
+    let threads = match ThreadSet::start(&setup, standby.target.fixed_file(), &control, sandboxed) {
         Ok(t) => t,
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
@@ -178,7 +178,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
         Err(_) => return exit::ORPHANED,
     };
     let activating = std::time::Instant::now();
-    let dev = match standby.activate(ublkc.as_fd(), generation, sandboxed) {
+    let dev = match standby.activate(ublkc.as_fd(), generation) {
         Ok(dev) => Arc::new(dev),
         Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
     };
@@ -230,13 +230,14 @@ struct Running {
 
 impl ThreadSet {
     /// Makes the main thread's ring, starts one thread per other plan entry and waits
-    /// until each has its ring, starts the control thread (idle until activation), and
+    /// until each has its ring (each `restricted` for a sandboxed worker), starts the control thread (idle until activation), and
     /// the thread that ends the worker when the queue threads end (the queues closed, or
     /// the data path failed).
     fn start(
         setup: &WorkerSetup,
         target_file: Option<BorrowedFd<'_>>,
         control: &OwnedFd,
+        restricted: bool,
     ) -> Result<Self, String> {
         let mut plans = plan(setup.nr_threads, setup.nr_queues);
         let nr_threads = plans.len();
@@ -245,23 +246,13 @@ impl ThreadSet {
         let (ring_tx, ring_rx) = mpsc::channel::<Result<RawFd, String>>();
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
-        let (nr_queues, depth, zero_copy) = (setup.nr_queues, setup.queue_depth, setup.zero_copy);
-        let fast_release = setup.fast_release;
         // Each queue thread on its own CPU, spread by device and thread number.
         let cpus = queue_loop::allowed_cpus();
         let cpu_of = |thread: usize| -> Option<usize> {
             (!cpus.is_empty()).then(|| cpus[(setup.dev_id as usize + thread) % cpus.len()])
         };
-        let own = StandbyRing::new(
-            plans.remove(0),
-            nr_queues,
-            depth,
-            target_fd,
-            cpu_of(0),
-            zero_copy,
-            fast_release,
-        )
-        .map_err(|e| e.to_string())?;
+        let own = StandbyRing::new(plans.remove(0), setup, target_fd, cpu_of(0), restricted)
+            .map_err(|e| e.to_string())?;
         let mut activate = Vec::with_capacity(nr_threads);
         for p in plans {
             let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
@@ -270,19 +261,11 @@ impl ThreadSet {
                 (Arc::clone(&barrier), ring_tx.clone(), prepped_tx.clone(), done_tx.clone());
             let index = p.index;
             let cpu = cpu_of(index);
+            let setup = setup.clone();
             std::thread::Builder::new()
                 .name(format!("ublk-q{index}"))
                 .spawn(move || {
-                    let made = StandbyRing::new(
-                        p,
-                        nr_queues,
-                        depth,
-                        target_fd,
-                        cpu,
-                        zero_copy,
-                        fast_release,
-                    );
-                    let standby = match made {
+                    let standby = match StandbyRing::new(p, &setup, target_fd, cpu, restricted) {
                         Ok(r) => r,
                         Err(e) => {
                             let _ = ring_tx.send(Err(e.to_string()));
@@ -427,12 +410,7 @@ impl Standby {
 
     /// Maps the device's descriptor arrays: from here on this process is the
     /// device's server (the kernel lets one address space map them per incarnation).
-    fn activate(
-        self,
-        ublkc: BorrowedFd<'_>,
-        generation: u64,
-        sandboxed: bool,
-    ) -> Result<Device, String> {
+    fn activate(self, ublkc: BorrowedFd<'_>, generation: u64) -> Result<Device, String> {
         let setup = &self.setup;
         let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
         for q_id in 0..setup.nr_queues {
@@ -451,7 +429,6 @@ impl Standby {
             shm: self.shm,
             target: self.target,
             generation,
-            sandboxed,
             zero_copy: setup.zero_copy,
         })
     }
