@@ -22,7 +22,7 @@ RATIO_BASELINES = ["kublk-b", "rublk"]      # the table prints ublkd / each of t
 LOOP_JOBS = ["loop-randread-qd64", "loop-randwrite-qd64", "loop-seqread-128k-qd16"]
 SERVER_JOBS = {
     "ublkd-copy": LOOP_JOBS,
-    "ublkd-deferred": ["null-randread-qd64-j1"] + LOOP_JOBS,
+    "ublkd-deferred": ["null-randread-qd1-j1", "null-randread-qd64-j1"] + LOOP_JOBS,
     "kublk-b-zc": LOOP_JOBS,
     "ublkd-nosandbox": ["null-randread-qd64-j1", "loop-randread-qd64"],
 }
