@@ -22,11 +22,11 @@
 //! 9. seccomp, stage 1: [`policy::ALWAYS`] plus [`policy::SETUP_ONLY`]; anything else
 //!    traps and the worker exits [`EXIT_SECCOMP`].
 //!
-//! While standing by, the worker creates every queue thread and its ring (disabled),
+//! While standing by, the worker creates every queue thread and its ring, restricted
+//! to [`policy::URING_OPS`] and enabled ([`restrict_ring`]) before it runs anything,
 //! then seccomp stage 2 ([`lock_down`]) drops `io_uring_setup` and thread creation for
 //! all threads, before the worker ever sees the device. At activation each ring gets
-//! `/dev/ublkcN`, is restricted to [`policy::URING_OPS`] and enabled
-//! ([`restrict_ring`]).
+//! `/dev/ublkcN` as a registered file.
 //!
 //! What it costs: the kernel suppresses partition scanning for a device whose tags were
 //! PREPed by a task without CAP_SYS_ADMIN (ublk's `unprivileged_daemons`), so a
