@@ -149,8 +149,8 @@ pub struct RecoveryConfig {
     pub on_restart_limit: OnRestartLimit,
     /// Whether workers' rings are made so that ublkd can take `/dev/ublkcN` out of a
     /// dead worker's rings at once (`recovery.fast_release`): a shorter recovery stall
-    /// (about 20 ms less under emulation), for fewer IOPS on a loop device (the rings
-    /// then cannot use io_uring's DEFER_TASKRUN). Applies to workers started after it
+    /// (20-30 ms less under emulation), for fewer IOPS (the rings then cannot use
+    /// io_uring's DEFER_TASKRUN; see `ublkd.example.toml`). Applies to workers started after it
     /// changes.
     pub fast_release: bool,
 }

@@ -131,7 +131,7 @@ pub struct SandboxReport {
 pub struct Activation {
     /// Mapping the descriptor arrays.
     pub map_us: u32,
-    /// Enabling the rings and PREPing every tag.
+    /// Registering `/dev/ublkcN` in the rings and PREPing every tag.
     pub prep_us: u32,
 }
 

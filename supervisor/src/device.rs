@@ -452,7 +452,7 @@ impl Device {
             // A live worker (a hung one, or an operator's recover) must go first.
             old.kill();
             old.reap(STOP_GRACE);
-            release_device(id, &mut old);
+            old.release_device();
         }
         let mut delay = Duration::from_micros(200);
         loop {
@@ -587,7 +587,7 @@ impl Device {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
         let pid = w.pid();
-        release_device(self.id, w);
+        w.release_device();
         self.worker = None;
         self.death_seen = Some(seen);
         Some(format!("worker {pid} {how}"))
@@ -732,17 +732,6 @@ fn open_backing(
         }
     }
     Ok((Some(open(0).map_err(backing_err)?.into()), false))
-}
-
-/// Makes the kernel let go of a dead worker's `/dev/ublkcN` now (see
-/// [`Worker::release_device`]).
-fn release_device(id: u32, dead: &mut Worker) {
-    let refused = dead.release_device();
-    if refused > 0 {
-        // The release then waits for io_uring's teardown of the rings, as it would
-        // without this; START_USER_RECOVERY keeps retrying until it is done.
-        tracing::debug!(dev_id = id, worker_pid = dead.pid(), refused, "rings kept their files");
-    }
 }
 
 /// Opens `/dev/ublkcN`, waiting briefly for the node to appear (udev or devtmpfs).

@@ -196,10 +196,14 @@ impl Worker {
     /// io_uring's asynchronous teardown of each ring frees its file table. The
     /// worker's requests ended with it; a reference a request still holds delays the
     /// release until the ring's teardown, which the rings' fds being closed here
-    /// starts. Call it only once the worker is dead (reaped). Returns how many calls
-    /// the kernel refused (logged by the caller; harmless).
-    pub fn release_device(&mut self) -> usize {
-        unregister_files_and_buffers(&std::mem::take(&mut self.rings))
+    /// starts. Call it only once the worker is dead (reaped).
+    pub fn release_device(&mut self) {
+        let refused = unregister_files_and_buffers(&std::mem::take(&mut self.rings));
+        if refused > 0 {
+            // The release then waits for io_uring's teardown of the rings, as it would
+            // without this; START_USER_RECOVERY keeps retrying until it is done.
+            tracing::debug!(worker_pid = self.pid(), refused, "rings kept their files");
+        }
     }
 
     /// Whether the worker has something to say (a message, or its end) right now.

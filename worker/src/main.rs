@@ -230,9 +230,9 @@ struct Running {
 
 impl ThreadSet {
     /// Makes the main thread's ring, starts one thread per other plan entry and waits
-    /// until each has its ring (each `restricted` for a sandboxed worker), starts the control thread (idle until activation), and
-    /// the thread that ends the worker when the queue threads end (the queues closed, or
-    /// the data path failed).
+    /// until each has its ring (`restricted` for a sandboxed worker), starts the control
+    /// thread (idle until activation), and the thread that ends the worker when the
+    /// queue threads end (the queues closed, or the data path failed).
     fn start(
         setup: &WorkerSetup,
         target_file: Option<BorrowedFd<'_>>,
