@@ -507,7 +507,7 @@ def table(results):
     return "\n".join(lines)
 
 
-COLORS = {"ublkd": "#d62728", "ublkd-copy": "#ff7f0e", "ublkd-zc": "#ff7f0e",
+COLORS = {"ublkd": "#d62728", "ublkd-copy": "#ff7f0e",
           "ublkd-nosandbox": "#f4a6a6", "ublkd-deferred": "#8c564b",
           "kublk-b": "#1f77b4", "kublk-b-zc": "#17becf", "kublk": "#7fb3e0",
           "rublk": "#2ca02c"}
@@ -727,11 +727,15 @@ class Ublkd:
     def ctl(self, *a):
         return sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
 
+    def config(self):
+        text = f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
+        if not self.fast_release:
+            text += "[recovery]\nfast_release = false\n"
+        return text
+
     def start(self):
         with open(self.CFG, "w") as f:
-            f.write(f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n')
-            if not self.fast_release:
-                f.write("[recovery]\nfast_release = false\n")
+            f.write(self.config())
         logf = open(self.LOG, "a")
         self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
                                      stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
