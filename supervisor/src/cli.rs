@@ -103,7 +103,8 @@ pub enum UblkctlCommand {
         threads: Option<u16>,
         /// Zero copy (loop): the worker reads and writes the file straight from the
         /// request's pages, lent by the kernel, instead of copying them. Without
-        /// --zero-copy or --copy: zero copy where the kernel has it (Linux >= 6.16).
+        /// --zero-copy or --copy: zero copy where the kernel has it (Linux >= 6.16) and
+        /// queues x depth fit io_uring's buffer table (16384).
         #[arg(long, conflicts_with = "copy")]
         zero_copy: bool,
         /// No zero copy (loop): the kernel copies every request through the worker.
