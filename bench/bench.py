@@ -198,6 +198,27 @@ def estimate_s(prm):
     return runs * (prm["RUNTIME_S"] + prm["RAMP_S"] + prm["OVERHEAD_PER_RUN_S"]) + 30
 
 
+def build_baseline(rev):
+    """Builds ublkd at git revision `rev` (a worktree under target/) for `--baseline`:
+    the same jobs against the code before a change, in the same boot."""
+    base = os.path.join(REPO, "target", "bench-baseline")
+    src, tgt = os.path.join(base, "src"), os.path.join(base, "target")
+    try:
+        full = run(["git", "-C", REPO, "rev-parse", "--verify", rev + "^{commit}"]).strip()
+    except RuntimeError as e:
+        die(f"--baseline {rev}: not a commit of this repository: {e}", 2)
+    if os.path.exists(src):
+        run(["git", "-C", REPO, "worktree", "remove", "--force", src])
+    run(["git", "-C", REPO, "worktree", "add", "--detach", src, full])
+    log(f"building the baseline {full[:12]} (cargo build --release in {src})")
+    try:
+        run(["cargo", "build", "--release", "--workspace", "--bins"], cwd=src,
+            env={**os.environ, "CARGO_TARGET_DIR": tgt})
+    except RuntimeError as e:
+        die(f"the baseline {rev} does not build: {e}")
+    return os.path.join(tgt, "release"), full[:12]
+
+
 def git_rev():
     try:
         rev = run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]).strip()
@@ -310,6 +331,9 @@ def host(args):
     bindir = os.path.join(REPO, "target", "release")
 
     paths, versions, peer_errors = {"ublkd": bindir}, {"ublkd": git_rev()}, {}
+    if args.baseline:
+        paths["ublkd-base"], versions["ublkd-base"] = build_baseline(args.baseline)
+        prm["SERVERS"] = prm["SERVERS"] + ["ublkd-base"]
     want = set(prm["SERVERS"])
     if any(s.startswith("kublk") for s in want):
         try:
@@ -510,7 +534,7 @@ def table(results):
 COLORS = {"ublkd": "#d62728", "ublkd-copy": "#ff7f0e",
           "ublkd-nosandbox": "#f4a6a6", "ublkd-deferred": "#8c564b",
           "kublk-b": "#1f77b4", "kublk-b-zc": "#17becf", "kublk": "#7fb3e0",
-          "rublk": "#2ca02c"}
+          "rublk": "#2ca02c", "ublkd-base": "#9467bd"}
 
 
 def esc(s):
@@ -718,8 +742,8 @@ class Ublkd:
     CFG = "/run/ublkd-bench.toml"
     LOG = "/run/ublkd-bench.log"
 
-    def __init__(self, plan, copy=False, sandbox=True, fast_release=True):
-        self.bindir = plan["paths"]["ublkd"]
+    def __init__(self, plan, copy=False, sandbox=True, fast_release=True, build="ublkd"):
+        self.bindir = plan["paths"][build]
         self.prm = plan["params"]
         self.copy, self.sandbox, self.fast_release = copy, sandbox, fast_release
         self.proc = None
@@ -847,6 +871,7 @@ def make_server(name, plan):
             "ublkd-copy": lambda: Ublkd(plan, copy=True),
             "ublkd-deferred": lambda: Ublkd(plan, fast_release=False),
             "ublkd-nosandbox": lambda: Ublkd(plan, sandbox=False),
+            "ublkd-base": lambda: Ublkd(plan, build="ublkd-base"),
             "kublk-b": lambda: Kublk(plan, True),
             "kublk-b-zc": lambda: Kublk(plan, True, auto_zc=True),
             "kublk": lambda: Kublk(plan, False), "rublk": lambda: Rublk(plan)}[name]()
@@ -1086,6 +1111,9 @@ def main():
     h.add_argument("--servers", help="comma-separated subset of " + ",".join(P.SERVERS))
     h.add_argument("--jobs", help="comma-separated subset of the jobs in params.py")
     h.add_argument("--out", help="results parent dir (default bench/results)")
+    h.add_argument("--baseline", metavar="REV",
+                   help="also run ublkd built at git revision REV (as ublkd-base), "
+                        "to measure a change in the same boot")
     h.add_argument("--rebuild-peers", action="store_true",
                    help="rebuild kublk and rublk even if cached")
     g = sub.add_parser("guest", help="(inside the VM) run the rounds of a plan")
