@@ -7,6 +7,9 @@
 //! worker (seccomp, exit 159) and ublkd recovers the device like after any crash. A
 //! worker that gets through prints `ESCAPED` and exits 99: the test fails.
 //!
+//! The same hooks make a worker misbehave towards the kernel (a COMMIT of a tag it was
+//! never given): the kernel must refuse, the worker must end, ublkd must recover.
+//!
 //! The rest of the suite (serve, chaos) runs with the sandbox on by default, which is
 //! what proves the allowlist complete for the real data path.
 
@@ -165,6 +168,41 @@ fn a_new_io_uring_kills_the_worker() {
 #[test]
 fn a_forbidden_io_uring_opcode_is_refused_by_the_ring() {
     assert_refused("sbx-openat", "uring-openat", "Permission denied");
+}
+
+/// A worker that COMMITs a tag it was never given (`fault`): the kernel refuses, the
+/// worker ends with its data-path exit code naming the refusal, and ublkd recovers the
+/// device, which serves on.
+fn assert_refused_commit_recovers(name: &str, fault: &str) {
+    let _serial = serial();
+    let (ublkd, id) = attacked(name, fault);
+    ublkd.wait_until("the faulty worker's recovery", || {
+        ublkd.status_of(id)["recoveries"].as_u64() == Some(1)
+    });
+    let status = ublkd.status_of(id);
+    let reason = status["last_recovery_reason"].as_str().unwrap_or_default().to_string();
+    assert!(reason.contains("70"), "{fault}: recovered for {reason:?}, not the data-path exit");
+    let log = ublkd.log();
+    let refusal = "the kernel refused a COMMIT on queue 0 (tag ";
+    let line = log.lines().find(|l| l.contains(refusal));
+    assert!(
+        line.is_some_and(|l| l.contains("Device or resource busy")),
+        "{fault}: no EBUSY refusal in:\n{log}"
+    );
+    assert_eq!(status["state"], "LIVE");
+    assert_device_serves(id);
+    assert_eq!(ublkd.status_of(id)["recoveries"], 1, "the second worker must serve on");
+    ublkd.stop();
+}
+
+#[test]
+fn a_refused_one_tag_commit_ends_the_worker_and_the_device_recovers() {
+    assert_refused_commit_recovers("commit-one", "commit-unowned");
+}
+
+#[test]
+fn a_refused_batch_commit_ends_the_worker_and_the_device_recovers() {
+    assert_refused_commit_recovers("commit-batch", "commit-unowned-batch");
 }
 
 #[test]

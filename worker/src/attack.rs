@@ -1,5 +1,6 @@
 //! Test-only: attacks a sandboxed worker makes on itself, one per boundary, to prove
-//! that each boundary holds. Compiled only with the `test-hooks` feature, which no
+//! that each boundary holds, and faults a worker can commit towards the kernel, to
+//! prove that the worker notices and ublkd recovers the device. Compiled only with the `test-hooks` feature, which no
 //! release or package build enables; the sandbox tests build a separate worker with it.
 //!
 //! `UBLKD_WORKER_ATTACK=<name>` picks the attack; the first incarnation of the worker
@@ -17,6 +18,12 @@ pub fn requested() -> Option<String> {
 
 /// Attacks the ring makes from inside a queue thread (see `queue_loop`).
 pub const URING_OPENAT: &str = "uring-openat";
+/// Not an attack on the sandbox but a fault towards the kernel: queue thread 0 COMMITs
+/// one tag it was never given (a one-element COMMIT, which completes only on failure).
+/// The kernel must refuse it, and the worker must notice, end, and be replaced.
+pub const COMMIT_UNOWNED: &str = "commit-unowned";
+/// The same with two tags in one COMMIT (which completes with its result).
+pub const COMMIT_UNOWNED_BATCH: &str = "commit-unowned-batch";
 
 /// Writes one line in one write, so it never interleaves with the supervisor's log.
 pub fn say(line: String) {
@@ -102,7 +109,7 @@ pub fn run(name: &str, supervisor: i32) {
             // SAFETY: see above.
             outcome(name, i64::from(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }));
         }
-        URING_OPENAT => {} // made by a queue thread on its own ring
+        URING_OPENAT | COMMIT_UNOWNED | COMMIT_UNOWNED_BATCH => {} // made by a queue thread
         other => say(format!("attack {other}: unknown attack, nothing done")),
     }
 }

@@ -80,6 +80,9 @@ const KIND_PREP: u64 = 1;
 const KIND_FETCH: u64 = 2;
 const KIND_COMMIT: u64 = 3;
 const KIND_TARGET: u64 = 4;
+/// A one-element COMMIT sent with `IOSQE_CQE_SKIP_SUCCESS`: only a failure completes,
+/// and its index is the tag.
+const KIND_COMMIT_ONE: u64 = 6;
 #[cfg(feature = "test-hooks")]
 const KIND_ATTACK: u64 = 5;
 
@@ -137,6 +140,10 @@ fn split(ud: u64) -> (u64, u16, u32) {
 /// once instead (see `msg::FromWorker::Standby`).
 const UBLKC_FIXED_FD: u32 = 1;
 
+/// How long a wait that counts COMMIT completions in sleeps at most (see
+/// `QueueThread::submit_and_wait_for_work`).
+const COMMIT_CQE_WAIT_NS: u32 = 20_000_000;
+
 /// The PREP/COMMIT element format: kernel-copy mode names each tag's buffer address;
 /// zero copy (`UBLK_F_AUTO_BUF_REG`) only the buffer index, in the header.
 fn elem_format(zero_copy: bool) -> ElemFormat {
@@ -162,6 +169,10 @@ pub struct QueueThread {
     /// bytes done so far.
     reqs: Vec<Option<(IoReq, u32)>>,
     commit_slots: Vec<Option<(u16, ElemBuf)>>,
+    /// Element buffers of one-element COMMITs, which complete only on failure: the
+    /// kernel reads them while it issues the COMMIT (ublk's COMMIT runs inline), so
+    /// they are free again once the submission queue is empty after a submit.
+    sent_unacked: Vec<ElemBuf>,
     spare: Vec<ElemBuf>,
     inflight: u32,
     started: Instant,
@@ -272,6 +283,7 @@ impl StandbyRing {
             queues: self.queues,
             reqs: vec![None; self.nr_tags],
             commit_slots: Vec::new(),
+            sent_unacked: Vec::new(),
             spare: Vec::new(),
             inflight: 0,
             started: Instant::now(),
@@ -287,7 +299,10 @@ impl QueueThread {
             // SAFETY: every SQE this loop builds references memory that outlives its
             // completion: tag buffers and descriptor arrays (process-lifetime mappings),
             // FETCH buffer rings (leaked), and COMMIT/PREP element buffers, which stay
-            // in `commit_slots` (or the PREP call's frame, which waits) until their CQE.
+            // in `commit_slots` (or the PREP call's frame, which waits) until their CQE,
+            // or for one-element COMMITs in `sent_unacked` and then `spare`: never freed
+            // while the thread runs, so even a COMMIT the kernel read late would read
+            // live memory (at worst a later batch's elements, which it would refuse).
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -385,16 +400,41 @@ impl QueueThread {
                     .user_data(user_data(KIND_ATTACK, 0, 0));
             self.push(&sqe)?;
         }
+        #[cfg(feature = "test-hooks")]
+        if self.dev.generation == 1 && self.plan.index == 0 {
+            let tags: &[u16] = match crate::attack::requested().as_deref() {
+                Some(crate::attack::COMMIT_UNOWNED) => &[1],
+                Some(crate::attack::COMMIT_UNOWNED_BATCH) => &[1, 2],
+                _ => &[],
+            };
+            // The highest tags: blk-mq hands out the lowest first, so these are idle.
+            for &from_top in tags {
+                let (q_id, tag) = (self.queues[0].q_id, self.dev.depth - from_top);
+                let elem = self.elem(q_id, tag, 0);
+                let _ = self.queues[0].pending.push(elem);
+            }
+        }
         loop {
             self.flush_commits()?;
             let open = self.queues.iter().any(|q| !q.closed);
-            if !open && self.inflight == 0 && self.commit_slots.iter().all(Option::is_none) {
+            if !open
+                && self.inflight == 0
+                && self.commit_slots.iter().all(Option::is_none)
+                && self.ring.submission().is_empty()
+            {
                 return Ok(());
             }
-            match self.ring.submit_and_wait(1) {
+            let waited = self.submit_and_wait_for_work(open || self.inflight > 0);
+            if self.ring.submission().is_empty() {
+                for mut elems in self.sent_unacked.drain(..) {
+                    elems.clear();
+                    self.spare.push(elems);
+                }
+            }
+            match waited {
                 Ok(_) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::ETIME)) => {}
                 Err(source) => return Err(LoopError::Wait { thread: self.plan.index, source }),
             }
             let mut cqes = std::mem::take(&mut self.cqes);
@@ -411,12 +451,44 @@ impl QueueThread {
         }
     }
 
+    /// Submits what is queued and sleeps until there is work: a FETCH batch or a target
+    /// completion. A COMMIT of several elements completes at once (ublk runs it inline),
+    /// so waiting for a single completion would return at once for that CQE alone and
+    /// cost a second `io_uring_enter` per loop turn; the wait counts those CQEs in and
+    /// asks for one more. Its timeout only bounds how late a failed COMMIT is noticed if
+    /// nothing else arrives. (One-element COMMITs post no CQE unless they fail.)
+    fn submit_and_wait_for_work(&mut self, work_expected: bool) -> std::io::Result<usize> {
+        let commits = self.commit_slots.iter().filter(|s| s.is_some()).count();
+        // With every queue closed and nothing in the target only the COMMITs' own
+        // completions are still to come.
+        let want = commits + usize::from(work_expected);
+        if want == 0 {
+            return self.ring.submit();
+        }
+        if commits == 0 {
+            return self.ring.submit_and_wait(want);
+        }
+        let timeout = io_uring::types::Timespec::new().nsec(COMMIT_CQE_WAIT_NS);
+        let args = io_uring::types::SubmitArgs::new().timespec(&timeout);
+        self.ring.submitter().submit_with_args(want, &args)
+    }
+
     fn handle_cqe(&mut self, ud: u64, res: i32, flags: u32) -> Result<(), LoopError> {
         let (kind, q_id, low) = split(ud);
         match kind {
             KIND_FETCH => self.on_fetch(low as usize, res, flags),
             KIND_TARGET => self.on_target(q_id, low as u16, res),
             KIND_COMMIT => self.on_commit(low as usize, res),
+            // Posted only on failure (IOSQE_CQE_SKIP_SUCCESS).
+            KIND_COMMIT_ONE => Err(LoopError::Commit {
+                q_id,
+                tag: low as u16,
+                what: if res < 0 {
+                    ublkd_proto::errno::Errno(-res).to_string()
+                } else {
+                    format!("unexpected completion {res}")
+                },
+            }),
             #[cfg(feature = "test-hooks")]
             KIND_ATTACK => {
                 if res < 0 {
@@ -619,6 +691,22 @@ impl QueueThread {
                 {
                     slot.set_state(tag_state::IDLE);
                 }
+            }
+            if elems.len() == 1 {
+                // One element: the COMMIT either takes it (success, no CQE) or fails
+                // (a CQE with the error), so no partial result can go unseen.
+                let tag = elems.get(0).map_or(0, |e| e.tag);
+                let sqe = sqe::batch_cmd(
+                    UBLKC_FIXED_FD,
+                    uapi::UBLK_U_IO_COMMIT_IO_CMDS,
+                    elems.header(q_id),
+                    elems.as_bytes(),
+                )
+                .flags(squeue::Flags::SKIP_SUCCESS)
+                .user_data(user_data(KIND_COMMIT_ONE, q_id, u32::from(tag)));
+                self.sent_unacked.push(elems);
+                self.push(&sqe)?;
+                continue;
             }
             let slot = match self.commit_slots.iter().position(Option::is_none) {
                 Some(free) => free,

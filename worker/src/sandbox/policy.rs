@@ -154,10 +154,12 @@ pub const URING_OPS: &[AllowedOp] = &[
     },
 ];
 
-/// SQE flags the ring accepts: fixed files (every fd the data path uses is registered)
-/// and buffer selection (multishot FETCH).
-pub const URING_SQE_FLAGS: u8 =
-    io_uring::squeue::Flags::FIXED_FILE.bits() | io_uring::squeue::Flags::BUFFER_SELECT.bits();
+/// SQE flags the ring accepts: fixed files (every fd the data path uses is registered),
+/// buffer selection (multishot FETCH) and skipping a successful completion (a
+/// one-element COMMIT, which can only succeed whole or fail).
+pub const URING_SQE_FLAGS: u8 = io_uring::squeue::Flags::FIXED_FILE.bits()
+    | io_uring::squeue::Flags::BUFFER_SELECT.bits()
+    | io_uring::squeue::Flags::SKIP_SUCCESS.bits();
 
 /// `RLIMIT_NOFILE`: the worker holds a handful of fds (control socket, device,
 /// region, target, one ring per thread).
