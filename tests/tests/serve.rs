@@ -492,8 +492,14 @@ fn del_and_sigterm_leave_no_device_node_worker_or_open_file() {
 
     // SIGTERM deletes the null device, stops its worker and exits 0 (`stop` checks).
     let pid = ublkd.pid();
-    ublkd.stop();
+    let log = ublkd.stop();
     assert!(!pid_exists(null_pid) && !pid_exists(pid));
+    // Every worker, serving or standing by, ended cleanly: a delete is no failure.
+    let ended: Vec<&str> = log.lines().filter(|l| l.contains("worker ended:")).collect();
+    assert!(ended.len() >= 6, "3 devices, each with a worker and a standby:\n{log}");
+    for line in ended {
+        assert!(line.contains("exited cleanly"), "a worker did not end cleanly: {line}\n{log}");
+    }
     std::fs::remove_file(&backing).unwrap();
 }
 

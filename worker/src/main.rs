@@ -199,6 +199,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
     }
     // From here the control thread listens to the supervisor.
     let _ = running.control_go.send(generation);
+    let _ = running.end_go.send(());
     // The main thread serves the first plan's queues itself: no thread hand-off on the
     // way from the supervisor's Activate to Ready.
     let result = own.run(&running.barrier).map_err(|e| e.to_string());
@@ -226,6 +227,8 @@ struct Running {
     done: mpsc::Sender<Result<(), String>>,
     /// Tells the control thread (with the generation) that the device is being served.
     control_go: mpsc::Sender<u64>,
+    /// Tells the end thread the same.
+    end_go: mpsc::Sender<()>,
 }
 
 impl ThreadSet {
@@ -297,9 +300,16 @@ impl ThreadSet {
             }
         }
         let dev_id = setup.dev_id;
+        let (end_go, end_go_rx) = mpsc::channel::<()>();
         std::thread::Builder::new()
             .name("ublk-end".into())
             .spawn(move || {
+                // Only a serving worker ends here. A standby that is let go (or fails to
+                // activate) ends through the main thread with its own exit code; its
+                // queue threads end without a result then, which is no data-path error.
+                if end_go_rx.recv().is_err() {
+                    return;
+                }
                 for _ in 0..nr_threads {
                     match done_rx.recv() {
                         Ok(Ok(())) => {}
@@ -346,7 +356,7 @@ impl ThreadSet {
             ring_fds,
             activate,
             prepped,
-            running: Running { barrier, done: done_tx, control_go },
+            running: Running { barrier, done: done_tx, control_go, end_go },
         })
     }
 

@@ -204,8 +204,8 @@ impl Ublkd {
     }
 
     /// Stops ublkd with SIGTERM and asserts it exits 0 leaving no device, no device node,
-    /// no worker process and no ublkd process behind.
-    pub fn stop(mut self) {
+    /// no worker process and no ublkd process behind. Returns ublkd's log.
+    pub fn stop(mut self) -> String {
         let pid = self.pid();
         let status = self.terminate();
         let log = self.log();
@@ -218,6 +218,7 @@ impl Ublkd {
         assert_eq!(kernel_devices(), BTreeSet::new(), "ublk devices left in the kernel:\n{log}");
         assert_eq!(worker_pids(), Vec::<u32>::new(), "ublkd-worker processes left:\n{log}");
         assert!(!self.socket.exists(), "ublkd left its socket {}", self.socket.display());
+        log
     }
 }
 

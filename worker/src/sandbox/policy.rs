@@ -89,6 +89,11 @@ pub const ALWAYS: &[Allowed] = &[
     allow(libc::SYS_getrandom, "getrandom", "std's hash seeds"),
     allow(libc::SYS_exit, "exit", "a thread ending"),
     allow(libc::SYS_exit_group, "exit_group", "the worker ending"),
+    allow(
+        libc::SYS_pause,
+        "pause",
+        "std: a thread that calls exit while another thread exits waits here for its end",
+    ),
     allow(libc::SYS_prctl, "prctl", "std naming threads (PR_SET_NAME)"),
     allow(libc::SYS_set_robust_list, "set_robust_list", "glibc's per-thread setup"),
     allow(libc::SYS_rseq, "rseq", "glibc's per-thread setup"),
