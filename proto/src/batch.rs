@@ -97,6 +97,11 @@ impl ElemFormat {
     }
 }
 
+/// The largest element: header, buffer address and zone LBA.
+const MAX_ELEM_BYTES: usize = 24;
+const _: () =
+    assert!(ElemFormat { buf_addr: true, zone_lba: true }.elem_bytes() as usize == MAX_ELEM_BYTES);
+
 /// One element of a PREP or COMMIT command. Fields the format leaves out are not
 /// encoded (and decode as zero).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -179,13 +184,14 @@ impl ElemBuf {
     }
 
     pub fn push(&mut self, elem: BatchElem) -> Result<(), BatchError> {
-        if self.is_full() {
+        // On every I/O's path: no division (`len`), no zero fill of the new bytes.
+        let size = usize::from(self.format.elem_bytes());
+        if self.bytes.len() + size > usize::from(self.capacity) * size {
             return Err(BatchError::Full { capacity: self.capacity });
         }
-        let size = usize::from(self.format.elem_bytes());
-        let start = self.bytes.len();
-        self.bytes.resize(start + size, 0);
-        elem.encode_into(self.format, &mut self.bytes[start..]);
+        let mut encoded = [0u8; MAX_ELEM_BYTES];
+        elem.encode_into(self.format, &mut encoded);
+        self.bytes.extend_from_slice(&encoded[..size]);
         Ok(())
     }
 

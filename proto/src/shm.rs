@@ -176,11 +176,13 @@ pub struct ThreadSlot {
 
 /// Tag record states.
 pub mod tag_state {
-    /// Owned by the kernel (not at the server).
+    /// Not fetched by this worker incarnation yet.
     pub const IDLE: u32 = 0;
     /// Fetched: the target is working on it.
     pub const IN_TARGET: u32 = 1;
-    /// The result is being committed.
+    /// The target finished it and its result is committed (in this loop turn's COMMIT):
+    /// from then on the kernel owns the tag until a FETCH delivers it again. Not reset
+    /// to `IDLE` after the COMMIT: that would cost a pass over every COMMIT's elements.
     pub const COMMITTING: u32 = 2;
 }
 

@@ -176,6 +176,9 @@ pub struct QueueThread {
     spare: Vec<ElemBuf>,
     inflight: u32,
     started: Instant,
+    /// Milliseconds since `started`, read once per loop turn (not per tag) for the tag
+    /// records' `since_ms`.
+    now_ms: u64,
     cqes: Vec<(u64, i32, u32)>,
 }
 
@@ -287,6 +290,7 @@ impl StandbyRing {
             spare: Vec::new(),
             inflight: 0,
             started: Instant::now(),
+            now_ms: 0,
             cqes: Vec::with_capacity(self.entries as usize * 4),
             dev,
         })
@@ -437,6 +441,7 @@ impl QueueThread {
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::ETIME)) => {}
                 Err(source) => return Err(LoopError::Wait { thread: self.plan.index, source }),
             }
+            self.now_ms = self.started.elapsed().as_millis() as u64;
             let mut cqes = std::mem::take(&mut self.cqes);
             cqes.clear();
             cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
@@ -569,7 +574,7 @@ impl QueueThread {
                 op: u32::from(op),
                 nr_sectors: desc.nr_sectors,
                 start_sector: desc.start_sector,
-                since_ms: self.started.elapsed().as_millis() as u64,
+                since_ms: self.now_ms,
             });
         }
         // Checked here once so targets can trust the request.
@@ -685,13 +690,6 @@ impl QueueThread {
             let fresh = self.spare.pop().unwrap_or_else(|| ElemBuf::new(format, depth));
             let elems = std::mem::replace(&mut self.queues[qi].pending, fresh);
             let q_id = self.queues[qi].q_id;
-            for i in 0..elems.len() {
-                if let Some(e) = elems.get(i)
-                    && let Some(slot) = self.dev.shm.tag(q_id, e.tag)
-                {
-                    slot.set_state(tag_state::IDLE);
-                }
-            }
             if elems.len() == 1 {
                 // One element: the COMMIT either takes it (success, no CQE) or fails
                 // (a CQE with the error), so no partial result can go unseen.
