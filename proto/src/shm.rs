@@ -157,6 +157,24 @@ impl DevCounters {
             errors: r(&self.errors),
         }
     }
+
+    /// Adds `delta` (what one thread counted since it last added), touching only the
+    /// counters that changed.
+    pub fn add(&self, delta: &CounterSnapshot) {
+        let add = |a: &AtomicU64, v: u64| {
+            if v != 0 {
+                a.fetch_add(v, Ordering::Relaxed);
+            }
+        };
+        add(&self.reads, delta.reads);
+        add(&self.writes, delta.writes);
+        add(&self.flushes, delta.flushes);
+        add(&self.discards, delta.discards);
+        add(&self.write_zeroes, delta.write_zeroes);
+        add(&self.bytes_read, delta.bytes_read);
+        add(&self.bytes_written, delta.bytes_written);
+        add(&self.errors, delta.errors);
+    }
 }
 
 /// One worker thread's liveness.
@@ -417,6 +435,25 @@ impl ShmRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_add_a_threads_delta() {
+        let c = DevCounters::default();
+        let delta =
+            CounterSnapshot { reads: 3, bytes_read: 12288, errors: 1, ..Default::default() };
+        c.add(&delta);
+        c.add(&CounterSnapshot { writes: 2, bytes_written: 8192, ..Default::default() });
+        c.add(&delta);
+        let want = CounterSnapshot {
+            reads: 6,
+            writes: 2,
+            bytes_read: 24576,
+            bytes_written: 8192,
+            errors: 2,
+            ..Default::default()
+        };
+        assert_eq!(c.snapshot(), want);
+    }
     use std::os::fd::AsFd;
 
     fn geom() -> Geometry {
