@@ -64,15 +64,22 @@ fn assert_device_serves(id: u32) {
     ]));
 }
 
-/// An attack the sandbox answers by killing the worker: the device is recovered.
-fn assert_killed_and_recovered(name: &str, attack: &str) {
-    let _serial = serial();
+/// `attacked`, then waits for the device's one recovery; returns its status and the
+/// recovery's reason too.
+fn attacked_and_recovered(name: &str, attack: &str) -> (Ublkd, u32, serde_json::Value, String) {
     let (ublkd, id) = attacked(name, attack);
     ublkd.wait_until("the attacked worker's recovery", || {
         ublkd.status_of(id)["recoveries"].as_u64() == Some(1)
     });
     let status = ublkd.status_of(id);
     let reason = status["last_recovery_reason"].as_str().unwrap_or_default().to_string();
+    (ublkd, id, status, reason)
+}
+
+/// An attack the sandbox answers by killing the worker: the device is recovered.
+fn assert_killed_and_recovered(name: &str, attack: &str) {
+    let _serial = serial();
+    let (ublkd, id, status, reason) = attacked_and_recovered(name, attack);
     assert!(
         reason.contains("159"),
         "attack {attack}: recovered for {reason:?}, not a sandbox kill"
@@ -175,12 +182,7 @@ fn a_forbidden_io_uring_opcode_is_refused_by_the_ring() {
 /// device, which serves on.
 fn assert_refused_commit_recovers(name: &str, fault: &str) {
     let _serial = serial();
-    let (ublkd, id) = attacked(name, fault);
-    ublkd.wait_until("the faulty worker's recovery", || {
-        ublkd.status_of(id)["recoveries"].as_u64() == Some(1)
-    });
-    let status = ublkd.status_of(id);
-    let reason = status["last_recovery_reason"].as_str().unwrap_or_default().to_string();
+    let (ublkd, id, status, reason) = attacked_and_recovered(name, fault);
     assert!(reason.contains("70"), "{fault}: recovered for {reason:?}, not the data-path exit");
     let log = ublkd.log();
     let refusal = "the kernel refused a COMMIT on queue 0 (tag ";
