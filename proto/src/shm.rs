@@ -201,7 +201,7 @@ pub mod tag_state {
     /// The target finished it and its result is committed (in this loop turn's COMMIT):
     /// from then on the kernel owns the tag until a FETCH delivers it again. Not reset
     /// to `IDLE` after the COMMIT: that would cost a pass over every COMMIT's elements.
-    pub const COMMITTING: u32 = 2;
+    pub const COMMITTED: u32 = 2;
 }
 
 /// One tag's in-flight record, guarded by `seq` (odd while being written).
@@ -435,25 +435,6 @@ impl ShmRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn counters_add_a_threads_delta() {
-        let c = DevCounters::default();
-        let delta =
-            CounterSnapshot { reads: 3, bytes_read: 12288, errors: 1, ..Default::default() };
-        c.add(&delta);
-        c.add(&CounterSnapshot { writes: 2, bytes_written: 8192, ..Default::default() });
-        c.add(&delta);
-        let want = CounterSnapshot {
-            reads: 6,
-            writes: 2,
-            bytes_read: 24576,
-            bytes_written: 8192,
-            errors: 2,
-            ..Default::default()
-        };
-        assert_eq!(c.snapshot(), want);
-    }
     use std::os::fd::AsFd;
 
     fn geom() -> Geometry {
@@ -546,5 +527,24 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         writer.join().unwrap();
         assert!(seen > 0);
+    }
+
+    #[test]
+    fn counters_add_a_threads_delta() {
+        let c = DevCounters::default();
+        let delta =
+            CounterSnapshot { reads: 3, bytes_read: 12288, errors: 1, ..Default::default() };
+        c.add(&delta);
+        c.add(&CounterSnapshot { writes: 2, bytes_written: 8192, ..Default::default() });
+        c.add(&delta);
+        let want = CounterSnapshot {
+            reads: 6,
+            writes: 2,
+            bytes_read: 24576,
+            bytes_written: 8192,
+            errors: 2,
+            ..Default::default()
+        };
+        assert_eq!(c.snapshot(), want);
     }
 }

@@ -1,7 +1,8 @@
 //! Test-only: attacks a sandboxed worker makes on itself, one per boundary, to prove
 //! that each boundary holds, and faults a worker can commit towards the kernel, to
-//! prove that the worker notices and ublkd recovers the device. Compiled only with the `test-hooks` feature, which no
-//! release or package build enables; the sandbox tests build a separate worker with it.
+//! prove that the worker notices and ublkd recovers the device. Compiled only with the
+//! `test-hooks` feature, which no release or package build enables; the sandbox tests
+//! build a separate worker with it.
 //!
 //! `UBLKD_WORKER_ATTACK=<name>` picks the attack; the first incarnation of the worker
 //! makes it right after reporting Ready. Outcomes, on stderr (the supervisor's log):

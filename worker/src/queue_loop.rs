@@ -678,7 +678,7 @@ impl QueueThread {
             c.bytes_written += res as u64;
         }
         if let Some(slot) = self.dev.shm.tag(q_id, tag) {
-            slot.set_state(tag_state::COMMITTING);
+            slot.set_state(tag_state::COMMITTED);
         }
         self.inflight = self.inflight.saturating_sub(1);
         let elem = self.elem(q_id, tag, res);
@@ -697,39 +697,32 @@ impl QueueThread {
             let fresh = self.spare.pop().unwrap_or_else(|| ElemBuf::new(format, depth));
             let elems = std::mem::replace(&mut self.queues[qi].pending, fresh);
             let q_id = self.queues[qi].q_id;
-            if elems.len() == 1 {
-                // One element: the COMMIT either takes it (success, no CQE) or fails
-                // (a CQE with the error), so no partial result can go unseen.
-                let tag = elems.get(0).map_or(0, |e| e.tag);
-                let sqe = sqe::batch_cmd(
-                    UBLKC_FIXED_FD,
-                    uapi::UBLK_U_IO_COMMIT_IO_CMDS,
-                    elems.header(q_id),
-                    elems.as_bytes(),
-                )
-                .flags(squeue::Flags::SKIP_SUCCESS)
-                .user_data(user_data(KIND_COMMIT_ONE, q_id, u32::from(tag)));
-                self.sent_unacked.push(elems);
-                self.push(&sqe)?;
-                continue;
-            }
-            let slot = match self.commit_slots.iter().position(Option::is_none) {
-                Some(free) => free,
-                None => {
-                    self.commit_slots.push(None);
-                    self.commit_slots.len() - 1
-                }
-            };
             let sqe = sqe::batch_cmd(
                 UBLKC_FIXED_FD,
                 uapi::UBLK_U_IO_COMMIT_IO_CMDS,
                 elems.header(q_id),
                 elems.as_bytes(),
-            )
-            .user_data(user_data(KIND_COMMIT, q_id, slot as u32));
+            );
             // The element buffer's heap storage does not move when the ElemBuf moves
-            // into its slot, so the address in the SQE stays valid.
-            self.commit_slots[slot] = Some((q_id, elems));
+            // below, so the address in the SQE stays valid.
+            let sqe = if elems.len() == 1 {
+                // One element: the COMMIT either takes it (success, no CQE) or fails
+                // (a CQE with the error), so no partial result can go unseen.
+                let tag = elems.get(0).map_or(0, |e| e.tag);
+                self.sent_unacked.push(elems);
+                let ud = user_data(KIND_COMMIT_ONE, q_id, u32::from(tag));
+                sqe.flags(squeue::Flags::SKIP_SUCCESS).user_data(ud)
+            } else {
+                let slot = match self.commit_slots.iter().position(Option::is_none) {
+                    Some(free) => free,
+                    None => {
+                        self.commit_slots.push(None);
+                        self.commit_slots.len() - 1
+                    }
+                };
+                self.commit_slots[slot] = Some((q_id, elems));
+                sqe.user_data(user_data(KIND_COMMIT, q_id, slot as u32))
+            };
             self.push(&sqe)?;
         }
         Ok(())
