@@ -346,10 +346,11 @@ impl Daemon {
     pub fn run(mut self) -> Result<(), DaemonError> {
         loop {
             let hung_timeout = self.config.recovery.hung_timeout;
-            // Heartbeats are compared a few times per timeout; the watchdog is fed often
-            // enough too.
-            let mut tick =
-                (hung_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+            // Heartbeats are compared four times per timeout: a hang is seen within 1.25
+            // timeouts. No more often: an idle device's tick is the only thing that wakes
+            // ublkd, and under emulation each wake-up costs milliseconds of CPU. The
+            // watchdog and a due standby shorten it.
+            let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));
             if let Some(w) = self.notifier.watchdog_interval() {
                 tick = tick.min(w);
             }
@@ -390,7 +391,9 @@ impl Daemon {
             }
             // When a death became visible: a recovery's stall is counted from here.
             let woke = Instant::now();
-            self.signals.drain();
+            if fds[1].revents & libc::POLLIN != 0 {
+                self.signals.drain();
+            }
             self.signals.child.store(false, Ordering::Relaxed);
             if self.signals.terminate.load(Ordering::Relaxed) {
                 break;
@@ -398,8 +401,10 @@ impl Daemon {
             if self.signals.reload.swap(false, Ordering::Relaxed) {
                 self.reload();
             }
-            // Deaths first (pidfds), then hangs, then clients.
-            self.handle_deaths(woke);
+            // Deaths first (pidfds), then hangs, then clients. A turn that timed out
+            // saw no pidfd or standby socket ready: nothing died or answered, and an
+            // idle device's tick costs no wait4 per worker.
+            self.handle_deaths(woke, n > 0);
             self.handle_hangs(hung_timeout);
             let healthy = self.devices.values().all(|d| d.progressing(hung_timeout));
             self.notifier.watchdog(healthy);
@@ -419,11 +424,17 @@ impl Daemon {
         Ok(())
     }
 
-    /// Recovers every device whose worker died, within its restart budget.
-    fn handle_deaths(&mut self, woke: Instant) {
+    /// Recovers every device whose worker died, within its restart budget, and starts
+    /// standbys that are due. `events`: whether the poll reported a ready fd (without
+    /// one no worker died and no starting standby answered).
+    fn handle_deaths(&mut self, woke: Instant, events: bool) {
         let ids: Vec<u32> = self.devices.keys().copied().collect();
         for id in ids {
             let Some(dev) = self.devices.get_mut(&id) else { continue };
+            if !events {
+                dev.refill_standby_if_due(&self.ctx);
+                continue;
+            }
             dev.standby_progress();
             dev.refill_standby_if_due(&self.ctx);
             if let Some(how) = dev.standby_exited() {

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -150,6 +150,9 @@ pub struct Device {
     /// When to start the next standby (set by a recovery).
     standby_due: Option<Instant>,
     hang: HangWatch,
+    /// `/sys/block/ublkbN/inflight`, opened once and re-read in place: the supervisor
+    /// reads it every tick of an idle device, and one pread is all that tick costs.
+    inflight_file: Option<File>,
     /// When the active worker's death was seen (see [`Self::worker_exited`]): the next
     /// recovery counts its stall from here.
     death_seen: Option<Instant>,
@@ -264,6 +267,7 @@ impl Device {
             standby_due: None,
             death_seen: None,
             hang: HangWatch { beats: 0, since: Instant::now() },
+            inflight_file: None,
         })
     }
 
@@ -615,12 +619,22 @@ impl Device {
     }
 
     /// Requests of this device in flight in the kernel's block layer (the supervisor's
-    /// own view, not the worker's word).
-    fn kernel_inflight(&self) -> u64 {
-        let path = format!("/sys/block/ublkb{}/inflight", self.id);
-        std::fs::read_to_string(path)
-            .map(|s| s.split_whitespace().filter_map(|n| n.parse::<u64>().ok()).sum())
-            .unwrap_or(0)
+    /// own view, not the worker's word). Unreadable counts as none: never a reason to
+    /// kill a worker.
+    fn kernel_inflight(&mut self) -> u64 {
+        if self.inflight_file.is_none() {
+            self.inflight_file = File::open(format!("/sys/block/ublkb{}/inflight", self.id)).ok();
+        }
+        let Some(file) = &self.inflight_file else { return 0 };
+        // A sysfs attribute read from offset 0 is generated afresh.
+        let mut buf = [0u8; 64];
+        match file.read_at(&mut buf, 0) {
+            Ok(n) => parse_inflight(&buf[..n]),
+            Err(_) => {
+                self.inflight_file = None; // reopened on the next tick
+                0
+            }
+        }
     }
 
     /// Whether the worker is hung: I/O in flight and no heartbeat for `timeout`. An
@@ -649,6 +663,16 @@ impl Device {
             w.kill();
         }
     }
+}
+
+/// The sum of `/sys/block/<dev>/inflight`'s two counts (reads, writes); anything
+/// unparsable counts as nothing.
+fn parse_inflight(text: &[u8]) -> u64 {
+    std::str::from_utf8(text)
+        .unwrap_or("")
+        .split_whitespace()
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
 }
 
 /// The kernel parameters for `spec`.
@@ -766,6 +790,14 @@ mod tests {
             threads: 1,
             sandbox: true,
         }
+    }
+
+    #[test]
+    fn inflight_sums_reads_and_writes() {
+        assert_eq!(parse_inflight(b"       3        5\n"), 8);
+        assert_eq!(parse_inflight(b"       0        0\n"), 0);
+        assert_eq!(parse_inflight(b"garbage"), 0);
+        assert_eq!(parse_inflight(&[0xff, b' ', b'1']), 0);
     }
 
     fn loop_spec(zero_copy: Option<bool>) -> DeviceSpec {
