@@ -431,12 +431,13 @@ impl Daemon {
         let ids: Vec<u32> = self.devices.keys().copied().collect();
         for id in ids {
             let Some(dev) = self.devices.get_mut(&id) else { continue };
+            if events {
+                dev.standby_progress();
+            }
+            dev.refill_standby_if_due(&self.ctx);
             if !events {
-                dev.refill_standby_if_due(&self.ctx);
                 continue;
             }
-            dev.standby_progress();
-            dev.refill_standby_if_due(&self.ctx);
             if let Some(how) = dev.standby_exited() {
                 tracing::warn!(dev_id = id, "{how}; starting another");
                 dev.refill_standby(&self.ctx);
