@@ -154,6 +154,32 @@ pub enum FromWorker {
     Failed { reason: String },
 }
 
+/// The most characters of a worker's text (a failure reason) that the supervisor
+/// passes on to its log, an operator's error or status.
+pub const MAX_UNTRUSTED_TEXT: usize = 512;
+
+/// A worker's text made safe to show: control characters (a newline that would start
+/// a forged log line, terminal escapes) escaped, and cut at [`MAX_UNTRUSTED_TEXT`]
+/// characters with a mark that it was.
+pub fn untrusted_text(text: &str) -> String {
+    let mut out = String::new();
+    let mut shown = 0;
+    for c in text.chars() {
+        let escaped = c.is_control().then(|| c.escape_default());
+        let width = escaped.clone().map_or(1, Iterator::count);
+        if shown + width > MAX_UNTRUSTED_TEXT {
+            out.push_str("…(cut)");
+            break;
+        }
+        shown += width;
+        match escaped {
+            Some(e) => out.extend(e),
+            None => out.push(c),
+        }
+    }
+    out
+}
+
 /// Sends one message (one packet) with `fds` attached.
 pub fn send_packet<T: Serialize>(
     sock: BorrowedFd<'_>,
@@ -429,6 +455,53 @@ mod tests {
         let (a, b) = seqpacket_pair();
         nix::unistd::write(&a, &[0xff, 0xff, 0xff, 0x01]).unwrap();
         assert!(matches!(recv_packet::<FromWorker>(b.as_fd()), Err(MsgError::Codec(_))));
+    }
+
+    #[test]
+    fn a_workers_text_cannot_forge_a_log_line_or_flood_it() {
+        assert_eq!(untrusted_text("bad\nublkd: device 0 deleted"), "bad\\nublkd: device 0 deleted");
+        assert_eq!(untrusted_text("\u{1b}[2J"), "\\u{1b}[2J");
+        let long = untrusted_text(&"x".repeat(10 * MAX_UNTRUSTED_TEXT));
+        assert_eq!(long.chars().count(), MAX_UNTRUSTED_TEXT + "…(cut)".chars().count());
+        assert_eq!(untrusted_text("plain"), "plain");
+    }
+
+    proptest::proptest! {
+        /// Whatever bytes a worker or a client sends, decoding them is an error or a
+        /// message, never a panic; and a worker's text is always bounded and one line.
+        #[test]
+        fn any_bytes_decode_without_panic(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+        ) {
+            let _ = codec::decode::<FromWorker>(&bytes);
+            let _ = codec::decode::<ToWorker>(&bytes);
+            let _ = codec::decode::<CtlRequest>(&bytes);
+            let _ = codec::decode::<CtlResponse>(&bytes);
+            let text = untrusted_text(&String::from_utf8_lossy(&bytes));
+            proptest::prop_assert!(!text.contains('\n') && !text.contains('\r'));
+            proptest::prop_assert!(text.chars().count() <= MAX_UNTRUSTED_TEXT + 6);
+        }
+
+        /// A real message with bytes flipped: the decoder sees almost-valid input.
+        #[test]
+        fn corrupted_worker_messages_decode_without_panic(
+            flips in proptest::collection::vec((0usize..64, proptest::prelude::any::<u8>()), 1..8),
+        ) {
+            let msg = FromWorker::Standby {
+                sandbox: Some(SandboxReport {
+                    namespaces: vec!["user".into(), "mnt".into()],
+                    namespaces_note: Some("refused".into()),
+                    landlock_abi: Some(4),
+                }),
+                rings: vec![5, 6, 7],
+            };
+            let mut bytes = codec::encode(&msg).unwrap();
+            for (at, value) in flips {
+                let len = bytes.len();
+                bytes[at % len] = value;
+            }
+            let _ = codec::decode::<FromWorker>(&bytes);
+        }
     }
 
     #[test]

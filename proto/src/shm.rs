@@ -19,9 +19,13 @@
 //! tear; a tag record spans several words, so it is guarded by a sequence counter
 //! (odd while being written) that readers check before and after.
 //!
-//! Trust: the supervisor computes the geometry from its own configuration and checks
-//! the header against it; it never follows an offset or size a worker could have
-//! written. Values read from the region are data to report or compare, never indexes.
+//! Trust: the worker is assumed compromised, and everything in the region is its to
+//! scribble on. The supervisor computes the geometry from its own configuration and
+//! never follows an offset or size read from the region; values it reads there are data
+//! to report or compare (with wrapping or saturating arithmetic, never a panic), never
+//! indexes. Before every activation it rewrites the whole header itself
+//! ([`ShmRegion::prepare_activation`]), generation included, from its own copy: a
+//! scribbled region is repaired by the next recovery.
 
 use std::fs::File;
 use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd};
@@ -32,7 +36,7 @@ use memmap2::MmapRaw;
 /// `"UBLKDSHM"` read as a big-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_be_bytes(*b"UBLKDSHM");
 /// Bumped whenever the layout changes incompatibly.
-pub const SHM_VERSION: u32 = 1;
+pub const SHM_VERSION: u32 = 2;
 
 const HEADER_BYTES: usize = 256;
 
@@ -181,10 +185,12 @@ impl DevCounters {
 #[repr(C, align(64))]
 #[derive(Debug, Default)]
 pub struct ThreadSlot {
-    /// Bumped every time the thread's loop makes progress (completes a batch of
-    /// events); a thread blocked waiting for I/O does not bump it.
+    /// Bumped twice per turn of the thread's loop: to odd when the thread wakes with
+    /// events to handle, back to even when it is about to wait in its ring again. A
+    /// thread waiting for I/O does not bump it; one stuck in a turn stays odd.
     pub heartbeat: AtomicU64,
-    /// I/Os this thread holds (fetched, not yet committed).
+    /// Requests this thread has handed to its backend and waits for, as of the end of
+    /// its last turn.
     pub inflight: AtomicU32,
     /// The thread's kernel tid, 0 before it starts.
     pub tid: AtomicU32,
@@ -308,14 +314,7 @@ impl ShmRegion {
         file.set_len(geometry.region_bytes() as u64).map_err(ShmError::Create)?;
         let map = MmapRaw::map_raw(&file).map_err(ShmError::Map)?;
         let region = ShmRegion { map, geometry };
-        let h = region.header();
-        h.magic.store(SHM_MAGIC, Ordering::Relaxed);
-        h.version.store(SHM_VERSION, Ordering::Relaxed);
-        h.header_bytes.store(HEADER_BYTES as u32, Ordering::Relaxed);
-        h.dev_id.store(geometry.dev_id, Ordering::Relaxed);
-        h.nr_queues.store(u32::from(geometry.nr_queues), Ordering::Relaxed);
-        h.queue_depth.store(u32::from(geometry.queue_depth), Ordering::Relaxed);
-        h.nr_threads.store(u32::from(geometry.nr_threads), Ordering::Release);
+        region.write_header(0);
         Ok((region, file.into()))
     }
 
@@ -392,9 +391,27 @@ impl ShmRegion {
         self.header().generation.load(Ordering::Acquire)
     }
 
-    /// Bumps the generation (supervisor only, before a new worker takes over).
-    pub fn bump_generation(&self) -> u64 {
-        self.header().generation.fetch_add(1, Ordering::AcqRel) + 1
+    /// Makes the region ready for a new worker incarnation (supervisor only, before
+    /// the worker takes over): rewrites every header field but the counters from the
+    /// geometry and `generation` (the supervisor's own count, never read back from the
+    /// region), and clears every thread slot and tag record. Whatever a previous worker
+    /// wrote over the header is gone afterwards, so [`Self::validate`] passes again.
+    pub fn prepare_activation(&self, generation: u64) {
+        self.write_header(generation);
+        self.reset_worker_state();
+    }
+
+    fn write_header(&self, generation: u64) {
+        let h = self.header();
+        let g = &self.geometry;
+        h.magic.store(SHM_MAGIC, Ordering::Relaxed);
+        h.version.store(SHM_VERSION, Ordering::Relaxed);
+        h.header_bytes.store(HEADER_BYTES as u32, Ordering::Relaxed);
+        h.dev_id.store(g.dev_id, Ordering::Relaxed);
+        h.nr_queues.store(u32::from(g.nr_queues), Ordering::Relaxed);
+        h.queue_depth.store(u32::from(g.queue_depth), Ordering::Relaxed);
+        h.nr_threads.store(u32::from(g.nr_threads), Ordering::Relaxed);
+        h.generation.store(generation, Ordering::Release);
     }
 
     /// Thread slot `index`, or `None` past the geometry's thread count.
@@ -413,19 +430,28 @@ impl ShmRegion {
         Some(self.at(g.tags_offset() + index * size_of::<TagSlot>()))
     }
 
-    /// Clears every tag record and thread slot (supervisor, between worker
-    /// incarnations: the kernel owns every tag again after a recovery).
-    pub fn reset_worker_state(&self) {
+    /// Clears every tag record and thread slot (between worker incarnations: the
+    /// kernel owns every tag again after a recovery).
+    fn reset_worker_state(&self) {
         for t in 0..usize::from(self.geometry.nr_threads) {
             if let Some(slot) = self.thread(t) {
+                slot.heartbeat.store(0, Ordering::Relaxed);
                 slot.inflight.store(0, Ordering::Relaxed);
                 slot.tid.store(0, Ordering::Relaxed);
+                slot.generation.store(0, Ordering::Relaxed);
             }
         }
         for q in 0..self.geometry.nr_queues {
             for tag in 0..self.geometry.queue_depth {
                 if let Some(slot) = self.tag(q, tag) {
-                    slot.write(&TagRecord::default());
+                    // Not `write`: its sequence protocol trusts `seq` to be even, and a
+                    // scribbled one need not be.
+                    slot.seq.store(0, Ordering::Relaxed);
+                    slot.state.store(tag_state::IDLE, Ordering::Relaxed);
+                    slot.op.store(0, Ordering::Relaxed);
+                    slot.nr_sectors.store(0, Ordering::Relaxed);
+                    slot.start_sector.store(0, Ordering::Relaxed);
+                    slot.since_ms.store(0, Ordering::Relaxed);
                 }
             }
         }

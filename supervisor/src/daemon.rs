@@ -502,11 +502,7 @@ impl Daemon {
     /// like any other.
     fn handle_hangs(&mut self, timeout: Duration) {
         for (id, dev) in &mut self.devices {
-            if let Some(stuck) = dev.hung_for(timeout) {
-                let reason = format!(
-                    "worker hung: I/O in flight and no progress for {:.1} s",
-                    stuck.as_secs_f64()
-                );
+            if let Some(reason) = dev.hung(timeout) {
                 let pid = dev.worker.as_ref().map(|w| w.pid());
                 tracing::error!(
                     dev_id = id,

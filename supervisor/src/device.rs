@@ -12,9 +12,8 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSpec, TargetSpec};
@@ -25,6 +24,7 @@ use ublkd_proto::uapi::{
     self, DevState, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlDevInfo,
 };
 
+use crate::hang::{HangWatch, Verdict};
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
 use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
@@ -113,13 +113,6 @@ pub struct Context {
     pub fast_release: bool,
 }
 
-/// Watches for a hung worker: I/O in flight and no heartbeat for too long.
-#[derive(Debug)]
-struct HangWatch {
-    beats: u64,
-    since: Instant,
-}
-
 /// A device ublkd created (or adopted) and serves.
 #[derive(Debug)]
 pub struct Device {
@@ -150,9 +143,11 @@ pub struct Device {
     /// When to start the next standby (set by a recovery).
     standby_due: Option<Instant>,
     hang: HangWatch,
-    /// `/sys/block/ublkbN/inflight`, opened once and re-read in place: the supervisor
-    /// reads it every tick of an idle device, and one pread is all that tick costs.
-    inflight_file: Option<File>,
+    /// The worker incarnation the region is prepared for: the supervisor's own count,
+    /// never read back from the region (a worker can write anything there).
+    generation: u64,
+    /// Since when the worker has said it waits for a slow backend (logged once).
+    backend_wait: Option<Duration>,
     /// When the active worker's death was seen (see [`Self::worker_exited`]): the next
     /// recovery counts its stall from here.
     death_seen: Option<Instant>,
@@ -247,6 +242,9 @@ impl Device {
             }
         }
         .map_err(|source| DeviceError::Shm { id, source })?;
+        // Any value will do (it only has to differ between incarnations): the next
+        // activation writes its successor over whatever the region holds.
+        let generation = shm.generation();
         let (target_fd, direct) = open_target(ctx, id, &spec)?;
         Ok(Device {
             id,
@@ -266,8 +264,9 @@ impl Device {
             restarts: VecDeque::new(),
             standby_due: None,
             death_seen: None,
-            hang: HangWatch { beats: 0, since: Instant::now() },
-            inflight_file: None,
+            hang: HangWatch::new(id),
+            generation,
+            backend_wait: None,
         })
     }
 
@@ -405,8 +404,9 @@ impl Device {
     /// tag. The supervisor's copy of `/dev/ublkcN` is closed before this returns.
     fn activate(&mut self, mut worker: Worker) -> Result<(Worker, Activation), DeviceError> {
         let id = self.id;
-        self.shm.reset_worker_state();
-        let generation = self.shm.bump_generation();
+        self.generation = self.generation.wrapping_add(1);
+        let generation = self.generation;
+        self.shm.prepare_activation(generation);
         let ublkc = open_char_dev(id)?;
         let ready = worker.activate(generation, ublkc.as_fd(), WORKER_TIMEOUT);
         // Close our copy now: only the worker may hold /dev/ublkcN.
@@ -419,7 +419,8 @@ impl Device {
                 return Err(DeviceError::Worker { id, source });
             }
         };
-        self.hang = HangWatch { beats: self.heartbeats(), since: Instant::now() };
+        self.hang.reset(&self.shm);
+        self.backend_wait = None;
         Ok((worker, activation))
     }
 
@@ -612,49 +613,45 @@ impl Device {
         Some(format!("standby worker {pid} {how}"))
     }
 
-    fn heartbeats(&self) -> u64 {
-        (0..usize::from(self.spec.threads))
-            .filter_map(|t| self.shm.thread(t))
-            .fold(0u64, |sum, slot| sum.wrapping_add(slot.heartbeat.load(Ordering::Relaxed)))
-    }
-
-    /// Requests of this device in flight in the kernel's block layer (the supervisor's
-    /// own view, not the worker's word). Unreadable counts as none: never a reason to
-    /// kill a worker.
-    fn kernel_inflight(&mut self) -> u64 {
-        if self.inflight_file.is_none() {
-            self.inflight_file = File::open(format!("/sys/block/ublkb{}/inflight", self.id)).ok();
-        }
-        let Some(file) = &self.inflight_file else { return 0 };
-        // A sysfs attribute read from offset 0 is generated afresh.
-        let mut buf = [0u8; 64];
-        match file.read_at(&mut buf, 0) {
-            Ok(n) => parse_inflight(&buf[..n]),
-            Err(_) => {
-                self.inflight_file = None; // reopened on the next tick
-                0
+    /// Why the worker is hung, if it is (see [`crate::hang`]). A worker waiting for a
+    /// slow backend is not hung: that is logged once per wait, not acted on.
+    pub fn hung(&mut self, timeout: Duration) -> Option<String> {
+        let pid = self.worker.as_ref()?.pid();
+        match self.hang.check(&self.shm, pid, timeout) {
+            Verdict::Hung(why) => Some(why),
+            Verdict::Backend(quiet) => {
+                if self.backend_wait.is_none() {
+                    tracing::warn!(
+                        dev_id = self.id,
+                        worker_pid = pid,
+                        event = "backend_slow",
+                        "no I/O completed for {:.1} s: the worker waits for its backend \
+                         (not hung; it is not replaced)",
+                        quiet.as_secs_f64()
+                    );
+                }
+                self.backend_wait = Some(quiet);
+                None
+            }
+            Verdict::Fine => {
+                if let Some(quiet) = self.backend_wait.take() {
+                    tracing::info!(
+                        dev_id = self.id,
+                        event = "backend_progress",
+                        "the backend completed I/O again after {:.1} s",
+                        quiet.as_secs_f64()
+                    );
+                }
+                None
             }
         }
     }
 
-    /// Whether the worker is hung: I/O in flight and no heartbeat for `timeout`. An
-    /// idle worker (nothing in flight) is never hung, however long it sleeps.
-    pub fn hung_for(&mut self, timeout: Duration) -> Option<Duration> {
-        self.worker.as_ref()?;
-        let beats = self.heartbeats();
-        if beats != self.hang.beats || self.kernel_inflight() == 0 {
-            self.hang = HangWatch { beats, since: Instant::now() };
-            return None;
-        }
-        let stuck = self.hang.since.elapsed();
-        (stuck >= timeout).then_some(stuck)
-    }
-
-    /// For the watchdog: false while the worker holds I/O without progress for longer
-    /// than `limit`. Devices waiting for an operator (no worker, a note saying why) and
-    /// idle ones count as fine: they are not wedged, they are waiting.
+    /// For the watchdog: false while the worker holds I/O and none completes for
+    /// longer than `limit`. Devices waiting for an operator (no worker, a note saying
+    /// why) and idle ones count as fine: they are not wedged, they are waiting.
     pub fn progressing(&self, limit: Duration) -> bool {
-        self.worker.is_none() || self.hang.since.elapsed() <= limit
+        self.worker.is_none() || self.hang.quiet_for() <= limit
     }
 
     /// Kills the active worker (its death is then handled like any other).
@@ -663,16 +660,6 @@ impl Device {
             w.kill();
         }
     }
-}
-
-/// The sum of `/sys/block/<dev>/inflight`'s two counts (reads, writes); anything
-/// unparsable counts as nothing.
-fn parse_inflight(text: &[u8]) -> u64 {
-    std::str::from_utf8(text)
-        .unwrap_or("")
-        .split_whitespace()
-        .filter_map(|n| n.parse::<u64>().ok())
-        .sum()
 }
 
 /// The kernel parameters for `spec`.
@@ -790,14 +777,6 @@ mod tests {
             threads: 1,
             sandbox: true,
         }
-    }
-
-    #[test]
-    fn inflight_sums_reads_and_writes() {
-        assert_eq!(parse_inflight(b"       3        5\n"), 8);
-        assert_eq!(parse_inflight(b"       0        0\n"), 0);
-        assert_eq!(parse_inflight(b"garbage"), 0);
-        assert_eq!(parse_inflight(&[0xff, b' ', b'1']), 0);
     }
 
     fn loop_spec(zero_copy: Option<bool>) -> DeviceSpec {

@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod device;
 pub mod exit;
 pub mod features;
+pub mod hang;
 pub mod inspect;
 pub mod logging;
 pub mod render;

@@ -233,10 +233,13 @@ impl Worker {
     fn unexpected<T>(&self, want: &str, got: FromWorker) -> Result<T, WorkerError> {
         let pid = self.pid();
         match got {
-            FromWorker::Failed { reason } => Err(WorkerError::Failed { pid, reason }),
-            other => {
-                Err(WorkerError::Protocol { pid, what: format!("expected {want}, got {other:?}") })
+            FromWorker::Failed { reason } => {
+                Err(WorkerError::Failed { pid, reason: msg::untrusted_text(&reason) })
             }
+            other => Err(WorkerError::Protocol {
+                pid,
+                what: msg::untrusted_text(&format!("expected {want}, got {other:?}")),
+            }),
         }
     }
 

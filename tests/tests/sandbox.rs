@@ -15,23 +15,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::{Ublkd, block_dev, run_ok, serial, wait_for_path};
-
-fn hooked_worker() -> PathBuf {
-    // target/debug/deps/sandbox-… → target/test-hooks/debug/ublkd-worker
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().unwrap().parent().unwrap().parent().unwrap();
-    let worker = target.join("test-hooks/debug/ublkd-worker");
-    assert!(
-        worker.is_file(),
-        "{} is missing: build it with `cargo build -p ublkd-worker --features test-hooks \
-         --target-dir target/test-hooks` (run-tests does)",
-        worker.display()
-    );
-    worker
-}
+use common::{Ublkd, block_dev, hooked_worker, run_ok, serial, wait_for_path};
 
 /// Starts ublkd with the hooked worker making `attack`, adds a memory device and
 /// returns ublkd and the device id.

@@ -26,6 +26,102 @@ pub const COMMIT_UNOWNED: &str = "commit-unowned";
 /// The same with two tags in one COMMIT (which completes with its result).
 pub const COMMIT_UNOWNED_BATCH: &str = "commit-unowned-batch";
 
+/// Not a sandbox attack but a hostile worker towards the supervisor: once it has
+/// served a while, queue thread 0 writes all-ones over every field of its shared
+/// region (header, generation, counters, thread slots, tag records), then dies. The
+/// supervisor must stay up, recover the device and repair the region.
+pub const SCRIBBLE_REGION: &str = "scribble-region";
+/// A queue thread stuck in the middle of a turn while the others serve on: the first
+/// queue thread to have served a while sleeps for good right after handling a batch of
+/// requests, holding them. The supervisor's hang watch must find it.
+pub const STALL_THREAD: &str = "stall-thread";
+
+/// Whether the attack applies to device `dev_id`: `UBLKD_WORKER_ATTACK_DEV` limits it
+/// to one device (a test with two devices attacks one and watches the other).
+pub fn targets(dev_id: u32) -> bool {
+    std::env::var("UBLKD_WORKER_ATTACK_DEV")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .is_none_or(|id| id == dev_id)
+}
+
+/// The hostile-worker attacks made from inside a queue thread's loop, after each turn:
+/// `turn` counts the thread's turns, `handled` says whether this one handled requests.
+pub fn after_turn(dev: &crate::device::Device, thread: usize, turn: u64, handled: bool) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static STALLED: AtomicBool = AtomicBool::new(false);
+    if dev.generation != 1 || turn < 50 || !targets(dev.dev_id) {
+        return;
+    }
+    match requested().as_deref() {
+        Some(SCRIBBLE_REGION) if thread == 0 => {
+            scribble(&dev.shm);
+            say(format!("attack {SCRIBBLE_REGION}: region scribbled, exiting"));
+            // SAFETY: _exit has no preconditions; the process ends here.
+            unsafe { libc::_exit(97) };
+        }
+        // Whichever thread gets there first (only one fetches a queue's requests at a
+        // time); the others serve on.
+        Some(STALL_THREAD) if handled && !STALLED.swap(true, Ordering::Relaxed) => {
+            say(format!("attack {STALL_THREAD}: queue thread {thread} stops mid-turn"));
+            // Parked, not asleep: a sleep interrupted by a signal would be restarted
+            // through restart_syscall, which the sandbox does not allow.
+            loop {
+                std::thread::park();
+            }
+        }
+        _ => {}
+    }
+}
+
+/// All-ones over every field of the region a worker can reach.
+fn scribble(shm: &ublkd_proto::shm::ShmRegion) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let h = shm.header();
+    h.magic.store(u64::MAX, Relaxed);
+    h.version.store(u32::MAX, Relaxed);
+    h.header_bytes.store(u32::MAX, Relaxed);
+    h.dev_id.store(u32::MAX, Relaxed);
+    h.nr_queues.store(u32::MAX, Relaxed);
+    h.queue_depth.store(u32::MAX, Relaxed);
+    h.nr_threads.store(u32::MAX, Relaxed);
+    h.generation.store(u64::MAX, Relaxed);
+    let c = &h.counters;
+    for counter in [
+        &c.reads,
+        &c.writes,
+        &c.flushes,
+        &c.discards,
+        &c.write_zeroes,
+        &c.bytes_read,
+        &c.bytes_written,
+        &c.errors,
+    ] {
+        counter.store(u64::MAX, Relaxed);
+    }
+    let g = shm.geometry();
+    for t in 0..usize::from(g.nr_threads) {
+        if let Some(slot) = shm.thread(t) {
+            slot.heartbeat.store(u64::MAX, Relaxed);
+            slot.inflight.store(u32::MAX, Relaxed);
+            slot.tid.store(u32::MAX, Relaxed);
+            slot.generation.store(u64::MAX, Relaxed);
+        }
+    }
+    for q in 0..g.nr_queues {
+        for tag in 0..g.queue_depth {
+            if let Some(slot) = shm.tag(q, tag) {
+                slot.seq.store(u32::MAX, Relaxed);
+                slot.state.store(u32::MAX, Relaxed);
+                slot.op.store(u32::MAX, Relaxed);
+                slot.nr_sectors.store(u32::MAX, Relaxed);
+                slot.start_sector.store(u64::MAX, Relaxed);
+                slot.since_ms.store(u64::MAX, Relaxed);
+            }
+        }
+    }
+}
+
 /// Writes one line in one write, so it never interleaves with the supervisor's log.
 pub fn say(line: String) {
     use std::io::Write;
@@ -110,7 +206,7 @@ pub fn run(name: &str, supervisor: i32) {
             // SAFETY: see above.
             outcome(name, i64::from(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }));
         }
-        URING_OPENAT | COMMIT_UNOWNED | COMMIT_UNOWNED_BATCH => {} // made by a queue thread
+        URING_OPENAT | COMMIT_UNOWNED | COMMIT_UNOWNED_BATCH | SCRIBBLE_REGION | STALL_THREAD => {} // made by a queue thread
         other => say(format!("attack {other}: unknown attack, nothing done")),
     }
 }

@@ -392,6 +392,8 @@ impl QueueThread {
             slot.tid.store(tid as u32, Ordering::Relaxed);
             slot.generation.store(self.dev.generation, Ordering::Relaxed);
         }
+        // This thread is the slot's only writer: its heartbeat needs no read-modify-write.
+        let mut beat = 0u64;
         for qi in 0..self.queues.len() {
             self.arm_fetch(qi)?;
         }
@@ -445,6 +447,11 @@ impl QueueThread {
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::ETIME)) => {}
                 Err(source) => return Err(LoopError::Wait { thread: self.plan.index, source }),
             }
+            // Odd: working through a turn (the supervisor's hang watch tells a thread
+            // stuck mid-turn from one waiting in the ring by this).
+            if let Some(slot) = self.dev.shm.thread(slot_index) {
+                slot.heartbeat.store(beat.wrapping_add(1), Ordering::Relaxed);
+            }
             self.now_ms = self.started.elapsed().as_millis() as u64;
             let mut cqes = std::mem::take(&mut self.cqes);
             cqes.clear();
@@ -453,13 +460,22 @@ impl QueueThread {
                 self.handle_cqe(ud, res, flags)?;
             }
             self.cqes = cqes;
+            #[cfg(feature = "test-hooks")]
+            crate::attack::after_turn(
+                &self.dev,
+                slot_index,
+                beat / 2,
+                self.counted != CounterSnapshot::default(),
+            );
             if self.counted != CounterSnapshot::default() {
                 self.dev.shm.counters().add(&self.counted);
                 self.counted = CounterSnapshot::default();
             }
+            // Even again: about to wait, with `inflight` requests at the backend.
+            beat = beat.wrapping_add(2);
             if let Some(slot) = self.dev.shm.thread(slot_index) {
-                slot.heartbeat.fetch_add(1, Ordering::Relaxed);
                 slot.inflight.store(self.inflight, Ordering::Relaxed);
+                slot.heartbeat.store(beat, Ordering::Relaxed);
             }
         }
     }

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeSet;
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -66,6 +66,8 @@ pub struct Ublkd {
     pub socket: PathBuf,
     log: PathBuf,
     config: PathBuf,
+    /// ublkd's extra environment, for a restart.
+    env: Vec<(String, String)>,
 }
 
 impl Ublkd {
@@ -91,27 +93,50 @@ impl Ublkd {
         )
         .unwrap();
         let log = PathBuf::from(format!("/tmp/ublkd-test-{name}.log"));
-        let log_file = File::create(&log).unwrap();
+        File::create(&log).unwrap();
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut daemon = Ublkd { child: None, socket, log, config, env };
+        daemon.spawn();
+        daemon
+    }
+
+    /// Starts ublkd on this config, its log going on after what is there, and waits
+    /// until it answers a request: it is then in its loop, signal handlers set.
+    fn spawn(&mut self) {
+        let log_file = OpenOptions::new().append(true).open(&self.log).unwrap();
         let child = Command::new(bin("ublkd"))
-            .envs(env.iter().copied())
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .arg("--config")
-            .arg(&config)
+            .arg(&self.config)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().unwrap())
             .stderr(log_file)
             .spawn()
             .expect("cannot start ublkd");
-        let mut daemon = Ublkd { child: Some(child), socket, log, config };
-        // Ready once it answers a request: it is then in its loop, signal handlers set.
+        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !daemon.ctl(&["status"]).status.success() {
-            if let Some(status) = daemon.child().try_wait().unwrap() {
-                panic!("ublkd exited at start ({status}):\n{}", daemon.log());
+        while !self.ctl(&["status"]).status.success() {
+            if let Some(status) = self.child().try_wait().unwrap() {
+                panic!("ublkd exited at start ({status}):\n{}", self.log());
             }
             assert!(Instant::now() < deadline, "ublkd did not listen within 30 s");
             std::thread::sleep(Duration::from_millis(20));
         }
-        daemon
+    }
+
+    /// SIGKILLs ublkd (its workers die with it; the devices wait QUIESCED), runs
+    /// `meanwhile`, then starts a new ublkd on the same config and state dir.
+    pub fn sigkill_and_restart(&mut self, meanwhile: impl FnOnce()) {
+        let mut child = self.child.take().expect("ublkd was already stopped");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        meanwhile();
+        self.spawn();
+    }
+
+    /// Whether this ublkd process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child().try_wait().unwrap().is_none()
     }
 
     fn child(&mut self) -> &mut Child {
@@ -242,6 +267,22 @@ impl Drop for Ublkd {
         }
         let _ = std::fs::remove_file(&self.config);
     }
+}
+
+/// The worker built with the test-only `test-hooks` feature (attacks on its own
+/// sandbox, hostile behaviour towards ublkd; see worker/src/attack.rs).
+pub fn hooked_worker() -> PathBuf {
+    // target/debug/deps/<test>-… → target/test-hooks/debug/ublkd-worker
+    let exe = std::env::current_exe().unwrap();
+    let target = exe.parent().unwrap().parent().unwrap().parent().unwrap();
+    let worker = target.join("test-hooks/debug/ublkd-worker");
+    assert!(
+        worker.is_file(),
+        "{} is missing: build it with `cargo build -p ublkd-worker --features test-hooks \
+         --target-dir target/test-hooks` (run-tests does)",
+        worker.display()
+    );
+    worker
 }
 
 /// `/dev/ublkbN`.

@@ -1,0 +1,351 @@
+//! Telling a hung worker from a busy, idle or slow one.
+//!
+//! Two views are combined, and the kernel's is the one that decides:
+//!
+//! - the kernel's own, from `/sys/block/ublkbN/stat`: requests in flight and requests
+//!   completed so far. I/O in flight and none completing is the sign of a hang,
+//!   whatever the worker's heartbeats say, so a worker that keeps beating while it
+//!   holds I/O is still found;
+//! - the worker's word, from the shared region (untrusted: read as data, compared,
+//!   never used as an index or in arithmetic that can fail): each queue thread's
+//!   heartbeat, odd while the thread is working through a turn and even while it waits
+//!   in the ring, and how many requests it has handed to its backend and waits for.
+//!
+//! A device is hung when
+//! 1. a queue thread has been in the middle of one turn for the timeout while the
+//!    kernel has I/O in flight (a thread stuck while others serve on), or
+//! 2. the kernel has had I/O in flight and completed none for the timeout, and no
+//!    thread says it waits for its backend (or the process is stopped, in which case
+//!    nobody reaps what the backend completed).
+//!
+//! A thread that waits in its ring with requests at its backend is not hung: an
+//! fdatasync may take longer than the timeout and still progress, and a new worker
+//! would wait for the same backend. It is reported instead ([`Verdict::Backend`]). A
+//! compromised worker can claim to wait for its backend to escape being killed; it
+//! only stalls its own device, which it could do anyway.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ublkd_proto::shm::ShmRegion;
+
+/// One queue thread's word, as read from its slot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ThreadReading {
+    pub heartbeat: u64,
+    /// Requests the thread handed to its backend and has not seen complete.
+    pub at_backend: u32,
+}
+
+impl ThreadReading {
+    /// Odd heartbeat: the thread is between waking up and waiting again.
+    fn in_turn(&self) -> bool {
+        self.heartbeat & 1 == 1
+    }
+}
+
+/// Every thread slot of `shm`, in thread order.
+pub fn read_threads(shm: &ShmRegion) -> Vec<ThreadReading> {
+    (0..usize::from(shm.geometry().nr_threads))
+        .filter_map(|t| shm.thread(t))
+        .map(|slot| ThreadReading {
+            heartbeat: slot.heartbeat.load(Ordering::Relaxed),
+            at_backend: slot.inflight.load(Ordering::Relaxed),
+        })
+        .collect()
+}
+
+/// What the kernel says of a block device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelStat {
+    pub inflight: u64,
+    /// Reads, writes, discards and flushes completed since the device appeared.
+    pub completed: u64,
+}
+
+/// Parses `/sys/block/<dev>/stat` (Documentation/block/stat.rst): completed reads are
+/// field 1, writes 5, in flight 9, discards 12, flushes 16. Anything unparsable counts
+/// as nothing in flight: never a reason to kill a worker.
+pub fn parse_stat(text: &[u8]) -> KernelStat {
+    let fields: Vec<u64> = std::str::from_utf8(text)
+        .unwrap_or("")
+        .split_whitespace()
+        .map_while(|n| n.parse::<u64>().ok())
+        .collect();
+    let at = |i: usize| fields.get(i - 1).copied().unwrap_or(0);
+    if fields.len() < 11 {
+        return KernelStat::default();
+    }
+    KernelStat {
+        inflight: at(9),
+        completed: at(1).wrapping_add(at(5)).wrapping_add(at(12)).wrapping_add(at(16)),
+    }
+}
+
+/// Whether process `pid` is stopped (a SIGSTOP or a tracer): `/proc/PID/stat`'s state.
+fn process_stopped(pid: u32) -> bool {
+    let Ok(text) = std::fs::read(format!("/proc/{pid}/stat")) else { return false };
+    // The state follows the command name's closing parenthesis (which may contain
+    // anything, so search from the end).
+    let Some(close) = text.iter().rposition(|&b| b == b')') else { return false };
+    matches!(text.get(close + 2), Some(b'T' | b't'))
+}
+
+/// The outcome of one check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Idle, or making progress.
+    Fine,
+    /// Kill the worker: why.
+    Hung(String),
+    /// No completion for this long, but the worker waits for its backend.
+    Backend(Duration),
+}
+
+/// What the watch remembers between ticks.
+#[derive(Debug)]
+pub struct HangWatch {
+    dev_id: u32,
+    /// Per thread: its last heartbeat and since when it has been that.
+    threads: Vec<(u64, Instant)>,
+    completed: u64,
+    /// Since when no request completed while some were in flight (or since the last
+    /// progress).
+    since: Instant,
+    /// `/sys/block/ublkbN/stat`, opened once and re-read in place: an idle device's
+    /// tick costs one pread.
+    stat_file: Option<File>,
+}
+
+impl HangWatch {
+    pub fn new(dev_id: u32) -> HangWatch {
+        HangWatch {
+            dev_id,
+            threads: Vec::new(),
+            completed: 0,
+            since: Instant::now(),
+            stat_file: None,
+        }
+    }
+
+    /// Starts watching afresh (a new worker took over).
+    pub fn reset(&mut self, shm: &ShmRegion) {
+        let now = Instant::now();
+        self.threads = read_threads(shm).iter().map(|t| (t.heartbeat, now)).collect();
+        self.completed = self.kernel_stat().completed;
+        self.since = now;
+    }
+
+    fn kernel_stat(&mut self) -> KernelStat {
+        if self.stat_file.is_none() {
+            self.stat_file = File::open(format!("/sys/block/ublkb{}/stat", self.dev_id)).ok();
+        }
+        let Some(file) = &self.stat_file else { return KernelStat::default() };
+        // A sysfs attribute read from offset 0 is generated afresh.
+        let mut buf = [0u8; 256];
+        match file.read_at(&mut buf, 0) {
+            Ok(n) => parse_stat(&buf[..n]),
+            Err(_) => {
+                self.stat_file = None; // reopened on the next tick
+                KernelStat::default()
+            }
+        }
+    }
+
+    /// One tick's check of the worker `pid` serving `shm`.
+    pub fn check(&mut self, shm: &ShmRegion, pid: u32, timeout: Duration) -> Verdict {
+        let kernel = self.kernel_stat();
+        let threads = read_threads(shm);
+        self.judge(Instant::now(), kernel, &threads, || process_stopped(pid), timeout)
+    }
+
+    /// The decision, apart from where its inputs come from.
+    fn judge(
+        &mut self,
+        now: Instant,
+        kernel: KernelStat,
+        threads: &[ThreadReading],
+        stopped: impl FnOnce() -> bool,
+        timeout: Duration,
+    ) -> Verdict {
+        if self.threads.len() != threads.len() {
+            self.threads = threads.iter().map(|t| (t.heartbeat, now)).collect();
+        }
+        let mut stuck_thread = None;
+        for (index, (reading, (beat, since))) in
+            threads.iter().zip(self.threads.iter_mut()).enumerate()
+        {
+            if reading.heartbeat != *beat {
+                *beat = reading.heartbeat;
+                *since = now;
+            } else if reading.in_turn() && stuck_thread.is_none() {
+                let stuck = now.saturating_duration_since(*since);
+                if stuck >= timeout {
+                    stuck_thread = Some((index, stuck));
+                }
+            }
+        }
+        if kernel.inflight == 0 {
+            self.completed = kernel.completed;
+            self.since = now;
+            return Verdict::Fine;
+        }
+        if let Some((index, stuck)) = stuck_thread {
+            return Verdict::Hung(format!(
+                "worker hung: queue thread {index} has been stuck in one turn for {:.1} s \
+                 with I/O in flight",
+                stuck.as_secs_f64()
+            ));
+        }
+        if kernel.completed != self.completed {
+            self.completed = kernel.completed;
+            self.since = now;
+            return Verdict::Fine;
+        }
+        let quiet = now.saturating_duration_since(self.since);
+        if quiet < timeout {
+            return Verdict::Fine;
+        }
+        let at_backend = threads.iter().any(|t| t.at_backend > 0);
+        if at_backend && !stopped() {
+            return Verdict::Backend(quiet);
+        }
+        Verdict::Hung(format!(
+            "worker hung: I/O in flight and none completed for {:.1} s",
+            quiet.as_secs_f64()
+        ))
+    }
+
+    /// For the watchdog and status: how long the device has had I/O in flight and
+    /// none completed (zero while it progresses or is idle).
+    pub fn quiet_for(&self) -> Duration {
+        self.since.elapsed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+
+    use proptest::prelude::*;
+    use ublkd_proto::shm::Geometry;
+
+    const T: Duration = Duration::from_secs(1);
+
+    fn stat(inflight: u64, completed: u64) -> KernelStat {
+        KernelStat { inflight, completed }
+    }
+
+    fn waiting(heartbeat: u64, at_backend: u32) -> ThreadReading {
+        ThreadReading { heartbeat, at_backend }
+    }
+
+    #[test]
+    fn the_kernels_stat_file_is_read_by_field() {
+        let text = b"    1200        0    9600     300     3400        0   27200    1100        5     900    1400       7        0      56       2       9       30\n";
+        assert_eq!(parse_stat(text), stat(5, 1200 + 3400 + 7 + 9));
+        assert_eq!(parse_stat(b"garbage"), KernelStat::default());
+        assert_eq!(parse_stat(b"1 2 3"), KernelStat::default());
+        assert_eq!(parse_stat(&[0xff, b' ', b'1']), KernelStat::default());
+    }
+
+    #[test]
+    fn an_idle_device_is_never_hung() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        for s in 0..100 {
+            let v = w.judge(t0 + T * s, stat(0, 5), &[waiting(2, 0)], || false, T);
+            assert_eq!(v, Verdict::Fine);
+        }
+    }
+
+    #[test]
+    fn io_in_flight_and_none_completing_is_a_hang_even_while_heartbeats_move() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        assert_eq!(w.judge(t0, stat(3, 10), &[waiting(2, 0)], || false, T), Verdict::Fine);
+        // The worker keeps beating but completes nothing.
+        let v = w.judge(t0 + T / 2, stat(3, 10), &[waiting(4, 0)], || false, T);
+        assert_eq!(v, Verdict::Fine);
+        let v = w.judge(t0 + T * 2, stat(3, 10), &[waiting(6, 0)], || false, T);
+        assert!(matches!(v, Verdict::Hung(ref why) if why.contains("none completed")), "{v:?}");
+    }
+
+    #[test]
+    fn completions_are_progress() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        for s in 0..10u64 {
+            let v = w.judge(t0 + T * s as u32, stat(3, 10 + s), &[waiting(2, 0)], || false, T);
+            assert_eq!(v, Verdict::Fine);
+        }
+    }
+
+    #[test]
+    fn a_thread_stuck_in_a_turn_is_found_while_another_serves() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        let mut v = Verdict::Fine;
+        for s in 0..4u32 {
+            // Thread 0 stuck mid-turn (odd heartbeat, unchanged); thread 1 completes I/O.
+            let threads = [waiting(7, 0), waiting(2 * u64::from(s), 0)];
+            v = w.judge(t0 + T * s / 2, stat(4, 10 + u64::from(s)), &threads, || false, T);
+            if v != Verdict::Fine {
+                break;
+            }
+        }
+        assert!(matches!(v, Verdict::Hung(ref why) if why.contains("queue thread 0")), "{v:?}");
+    }
+
+    #[test]
+    fn a_thread_waiting_for_a_slow_backend_is_not_hung() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        w.judge(t0, stat(1, 10), &[waiting(8, 1)], || false, T);
+        let v = w.judge(t0 + T * 5, stat(1, 10), &[waiting(8, 1)], || false, T);
+        assert_eq!(v, Verdict::Backend(T * 5));
+        // The same worker stopped: nobody reaps what the backend completes.
+        let v = w.judge(t0 + T * 6, stat(1, 10), &[waiting(8, 1)], || true, T);
+        assert!(matches!(v, Verdict::Hung(_)), "{v:?}");
+    }
+
+    fn region() -> (ShmRegion, File) {
+        let g = Geometry { dev_id: 3, nr_queues: 2, queue_depth: 8, nr_threads: 3 };
+        let (shm, fd) = ShmRegion::create(g).unwrap();
+        (shm, File::from(fd))
+    }
+
+    proptest! {
+        /// Whatever a worker writes into its region, reading it never panics, and
+        /// preparing the next activation makes the region valid again.
+        #[test]
+        fn any_region_contents_are_read_without_panic_and_repaired(
+            bytes in proptest::collection::vec(any::<u8>(), 0..1200),
+            offset in 0u64..1024,
+            inflight in any::<u64>(),
+            completed in any::<u64>(),
+        ) {
+            let (shm, file) = region();
+            let len = shm.geometry().region_bytes() as u64;
+            let offset = offset.min(len);
+            let n = bytes.len().min((len - offset) as usize);
+            file.write_all_at(&bytes[..n], offset).unwrap();
+            let _ = shm.validate();
+            let _ = shm.counters().snapshot().ios();
+            let mut w = HangWatch::new(3);
+            let threads = read_threads(&shm);
+            prop_assert_eq!(threads.len(), 3);
+            let t0 = Instant::now();
+            for s in 0..3 {
+                let _ = w.judge(t0 + T * s, stat(inflight, completed), &threads, || false, T);
+            }
+            shm.prepare_activation(u64::MAX);
+            prop_assert!(shm.validate().is_ok());
+            prop_assert_eq!(shm.generation(), u64::MAX);
+            prop_assert!(read_threads(&shm).iter().all(|t| *t == ThreadReading::default()));
+        }
+    }
+}

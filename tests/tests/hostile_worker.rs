@@ -1,0 +1,129 @@
+//! A worker that turns against the supervisor (in the VM): it scribbles over the shared
+//! region it shares with ublkd, or one of its queue threads stops mid-turn while the
+//! others serve on. ublkd must stay up, find the fault, recover the device with its
+//! data intact, and leave every other device alone.
+//!
+//! The faults come from the worker built with the test-only `test-hooks` feature
+//! (worker/src/attack.rs), limited to one device by `UBLKD_WORKER_ATTACK_DEV`.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::thread::JoinHandle;
+
+use common::{
+    FioJob, Ublkd, assert_fio_clean, block_dev, fio, fio_verify_args, hooked_worker, run_ok,
+    serial, sha256,
+};
+
+const MIB: u64 = 1 << 20;
+
+/// ublkd running the hooked worker, which makes `fault` on device `victim` only.
+fn hostile(name: &str, fault: &str, victim: u32, recovery: &str) -> Ublkd {
+    let extra = format!(
+        "worker_binary = \"{}\"\nworker_user = \"nobody\"\n\n[recovery]\n{recovery}\n",
+        hooked_worker().display()
+    );
+    let victim = victim.to_string();
+    Ublkd::start_with(
+        name,
+        &extra,
+        &[("UBLKD_WORKER_ATTACK", fault), ("UBLKD_WORKER_ATTACK_DEV", &victim)],
+    )
+}
+
+/// fio writing `region` bytes at random over device `id`, then reading and verifying
+/// every block (crc32c), in a thread.
+fn verify_in_background(id: u32, region: u64) -> JoinHandle<Vec<FioJob>> {
+    std::thread::spawn(move || {
+        fio(&fio_verify_args(&format!("verify{id}"), &block_dev(id), "randwrite", 1, region))
+    })
+}
+
+#[test]
+fn a_worker_that_scribbles_over_its_region_and_dies_leaves_ublkd_up_and_data_intact() {
+    let _s = serial();
+    let mut ublkd = hostile("scribble", "scribble-region", 7, "");
+    let bystander = ublkd.add(&["-n", "6", "-t", "memory", "-s", "64M"]);
+    let victim = ublkd.add(&["-n", "7", "-t", "memory", "-s", "64M"]);
+    let fio_victim = verify_in_background(victim, 32 * MIB);
+    let fio_bystander = verify_in_background(bystander, 32 * MIB);
+    ublkd.wait_until("the victim's recovery", || {
+        ublkd.status_of(victim)["recoveries"].as_u64() == Some(1)
+    });
+    assert_fio_clean(&fio_victim.join().expect("fio on the victim"), 1);
+    assert_fio_clean(&fio_bystander.join().expect("fio on the bystander"), 1);
+    assert!(ublkd.alive(), "ublkd died:\n{}", ublkd.log());
+    let log = ublkd.log();
+    assert!(log.contains("attack scribble-region: region scribbled"), "{log}");
+    let status = ublkd.status_of(victim);
+    assert_eq!(status["state"], "LIVE", "{status}");
+    assert_eq!(ublkd.status_of(bystander)["recoveries"], 0, "the bystander was touched");
+    // The new incarnation's region was rewritten by ublkd: it validates again.
+    assert!(!log.contains("failed validation"), "the region was not repaired:\n{log}");
+    ublkd.stop();
+}
+
+/// The region file of device `id` in the test's state dir.
+fn region_file(name: &str, id: u32) -> PathBuf {
+    PathBuf::from(format!("/run/ublkd-test-{name}/state/devices/{id}/shm"))
+}
+
+#[test]
+fn a_new_ublkd_adopts_a_device_whose_region_generation_was_scribbled() {
+    let _s = serial();
+    let mut ublkd = Ublkd::start("adopt-scribbled");
+    let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    let dev = block_dev(id);
+    run_ok(std::process::Command::new("dd").args([
+        "if=/dev/urandom",
+        &format!("of={}", dev.display()),
+        "bs=1M",
+        "count=16",
+        "oflag=direct",
+    ]));
+    let before = sha256(&dev);
+    // What a worker could have left: a valid header but for a generation (and
+    // counters) at their maximum, which the next activation must not overflow.
+    ublkd.sigkill_and_restart(|| {
+        let region = std::fs::OpenOptions::new()
+            .write(true)
+            .open(region_file("adopt-scribbled", id))
+            .expect("the device's region file");
+        // The header: magic, version, sizes, geometry (32 bytes), then the generation
+        // and the eight counters.
+        region.write_all_at(&[0xff; 72], 32).unwrap();
+    });
+    ublkd.wait_until("the adopted device LIVE", || ublkd.status_of(id)["state"] == "LIVE");
+    assert!(ublkd.alive(), "the new ublkd died:\n{}", ublkd.log());
+    assert_eq!(sha256(&dev), before, "the device's data changed across the adoption");
+    ublkd.stop();
+}
+
+#[test]
+fn a_queue_thread_stuck_mid_turn_is_found_while_another_serves_on() {
+    let _s = serial();
+    let ublkd = hostile("stuck-thread", "stall-thread", 0, "hung_timeout_secs = 3");
+    // One queue, two threads: either may take any of its requests.
+    let id = ublkd.add(&["-t", "memory", "-s", "64M", "-q", "1", "--threads", "2"]);
+    assert_eq!(id, 0, "the fault is aimed at device 0");
+    let fio = verify_in_background(id, 32 * MIB);
+    ublkd.wait_until("the stuck worker's recovery", || {
+        ublkd.status_of(id)["recoveries"].as_u64() >= Some(1)
+    });
+    assert_fio_clean(&fio.join().expect("fio"), 1);
+    let log = ublkd.log();
+    let said = "attack stall-thread: queue thread ";
+    let at = log.find(said).unwrap_or_else(|| panic!("no thread stopped:\n{log}")) + said.len();
+    let thread: String = log[at..].chars().take_while(char::is_ascii_digit).collect();
+    // The first recovery is the stuck thread's (under emulation on a busy host a later
+    // one may follow).
+    let first = log.lines().find(|l| l.contains("device recovered (")).unwrap_or_default();
+    assert!(
+        first.contains(&format!("queue thread {thread} has been stuck in one turn")),
+        "recovered for another reason: {first}\n{log}"
+    );
+    assert_eq!(ublkd.status_of(id)["state"], "LIVE");
+    ublkd.stop();
+}
