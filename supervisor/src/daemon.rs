@@ -51,6 +51,8 @@ pub enum DaemonError {
     Listen { path: PathBuf, source: io::Error },
     #[error("cannot set up signal handling: {0}")]
     Signals(#[source] io::Error),
+    #[error(transparent)]
+    StateDir(#[from] crate::state::StateError),
     #[error(
         "the worker user {0:?} does not exist: create it (the package does) or set daemon.worker_user"
     )]
@@ -137,12 +139,13 @@ impl Daemon {
             config.daemon.worker_binary_path().map_err(DaemonError::WorkerBinary)?;
         let worker_identity = worker_identity(config.daemon.worker_user.as_deref())?;
         make_dir(&config.daemon.state_dir, 0o700)?;
+        let state = StateDir::new(&config.daemon.state_dir);
+        state.check()?;
         // Signals first: a SIGTERM that arrives once the socket exists must stop ublkd
         // cleanly, not kill it.
         let signals = Signals::install().map_err(DaemonError::Signals)?;
         let listener = listen(&config.daemon.socket)?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
-        let state = StateDir::new(&config.daemon.state_dir);
         let fast_release = config.recovery.fast_release;
         let ctx =
             Context { ctrl, worker_binary, state, worker_identity, kernel_features, fast_release };
@@ -182,6 +185,14 @@ impl Daemon {
                     );
                     self.devices.insert(id, dev);
                     adopted += 1;
+                }
+                Err(e @ DeviceError::NeverStarted { .. }) => {
+                    let deleted = self.ctx.ctrl.del_dev(id);
+                    match deleted {
+                        Ok(()) => tracing::warn!(dev_id = id, "{e}: deleted it"),
+                        Err(del) => tracing::error!(dev_id = id, "{e}; deleting it failed: {del}"),
+                    }
+                    self.ctx.state.remove(id);
                 }
                 Err(DeviceError::NotOurs { id, why }) => {
                     tracing::warn!(

@@ -95,6 +95,8 @@ pub enum DeviceError {
     NotReleased { id: u32, secs: u64 },
     #[error("device {id} is not ublkd's: {why}")]
     NotOurs { id: u32, why: String },
+    #[error("device {id} was created by ublkd but never started (a create cut short)")]
+    NeverStarted { id: u32 },
     #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
     ZeroCopyUnsupported,
 }
@@ -282,17 +284,29 @@ impl Device {
         if (info.nr_hw_queues, info.queue_depth) != (rec.queues, rec.queue_depth) {
             return Err(not_ours("its queues differ from ublkd's record".into()));
         }
+        // ublkd creates privileged devices as root: a device with its tag that is
+        // neither was made by someone else, who may have copied the tag.
+        if info.owner_uid != 0 || info.owner_gid != 0 {
+            return Err(not_ours(format!(
+                "it belongs to uid {} gid {}, not root",
+                info.owner_uid, info.owner_gid
+            )));
+        }
+        if info.flags & uapi::UBLK_F_UNPRIVILEGED_DEV != 0 {
+            return Err(not_ours("it is an unprivileged device".into()));
+        }
         let spec = rec.spec().map_err(not_ours)?;
         // The worker's batch elements depend on it: a mismatch would fail every PREP.
         if info.flags & uapi::UBLK_F_AUTO_BUF_REG != device_flags(&spec) & uapi::UBLK_F_AUTO_BUF_REG
         {
             return Err(not_ours("its zero-copy flag differs from ublkd's record".into()));
         }
-        let mut dev = Self::open(ctx, id, spec, false)?;
         if DevState::from_raw(info.state) == DevState::Dead {
-            // Created but never started: the previous supervisor died mid-create.
-            return Err(not_ours("it was never started (left over from a failed create)".into()));
+            // Created but never started: the previous supervisor died mid-create. It
+            // never served anything; the caller deletes it rather than leak its id.
+            return Err(DeviceError::NeverStarted { id });
         }
+        let mut dev = Self::open(ctx, id, spec, false)?;
         dev.recover(ctx, "the supervisor restarted")?;
         Ok(dev)
     }

@@ -9,10 +9,15 @@
 //! A new supervisor adopts a device only if its record is here AND the kernel's
 //! `ublksrv_flags` for that id carry [`OWNER_TAG`]: devices of other servers are never
 //! touched.
+//!
+//! The directory is root's alone: ublkd refuses to start on a state dir that is a
+//! symlink, not its own or writable by others ([`StateDir::check`]), opens nothing in it
+//! through a symlink (`O_NOFOLLOW`, and each device's directory checked), creates its
+//! temporary files exclusively, and reads records of a bounded size.
 
 use std::fs::{File, OpenOptions};
-use std::io;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -33,6 +38,41 @@ pub enum StateError {
     Corrupt { path: PathBuf, what: String },
     #[error("not enough room in {} for a {size}-byte memory device ({free} bytes free)", dir.display())]
     NoRoom { dir: PathBuf, size: u64, free: u64 },
+    #[error(
+        "{} is not safe for ublkd's state: {why} (it must be a directory owned by uid {uid}, \
+         writable by it alone; fix it, or set daemon.state_dir)",
+        path.display()
+    )]
+    Unsafe { path: PathBuf, why: String, uid: u32 },
+}
+
+/// The largest device record read (a real one is a few hundred bytes).
+pub const MAX_RECORD_BYTES: u64 = 64 * 1024;
+
+/// Why `path` is not a directory of this process's user that only it may write, if so.
+fn unsafe_dir(path: &Path) -> Option<String> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) => return Some(format!("cannot inspect it: {e}")),
+    };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.file_type().is_symlink() {
+        Some("it is a symbolic link".into())
+    } else if !meta.is_dir() {
+        Some("it is not a directory".into())
+    } else if meta.uid() != me {
+        Some(format!("it is owned by uid {}", meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!("its mode {:o} lets others write to it", meta.mode() & 0o7777))
+    } else {
+        None
+    }
+}
+
+fn unsafe_error(path: &Path, why: String) -> StateError {
+    // SAFETY: geteuid has no preconditions.
+    StateError::Unsafe { path: path.to_path_buf(), why, uid: unsafe { libc::geteuid() } }
 }
 
 /// A device as it was created, enough to serve it again.
@@ -125,6 +165,24 @@ impl StateDir {
         self.devices().join(id.to_string())
     }
 
+    /// Checks (at start) that the state dir and its `devices` directory are this user's
+    /// alone, creating `devices` if missing.
+    pub fn check(&self) -> Result<(), StateError> {
+        if let Some(why) = unsafe_dir(&self.root) {
+            return Err(unsafe_error(&self.root, why));
+        }
+        let devices = self.devices();
+        match std::fs::DirBuilder::new().mode(0o700).create(&devices) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(source) => return Err(StateError::Write { path: devices, source }),
+        }
+        match unsafe_dir(&devices) {
+            Some(why) => Err(unsafe_error(&devices, why)),
+            None => Ok(()),
+        }
+    }
+
     fn make_dir(&self, id: u32) -> Result<PathBuf, StateError> {
         let dir = self.dir(id);
         std::fs::DirBuilder::new()
@@ -132,18 +190,50 @@ impl StateDir {
             .mode(0o700)
             .create(&dir)
             .map_err(|source| StateError::Write { path: dir.clone(), source })?;
+        // A directory planted in its place (a symlink out of the state dir) is refused.
+        if let Some(why) = unsafe_dir(&dir) {
+            return Err(unsafe_error(&dir, why));
+        }
         Ok(dir)
     }
 
-    /// Writes the record atomically (a temp file renamed over the old one).
+    /// Writes the record atomically (a temp file, created exclusively, renamed over the
+    /// old one).
     pub fn write_record(&self, rec: &DeviceRecord) -> Result<(), StateError> {
         let dir = self.make_dir(rec.id)?;
         let path = dir.join("device.json");
         let tmp = dir.join("device.json.tmp");
         let text = serde_json::to_string_pretty(rec).expect("plain data always serializes");
-        std::fs::write(&tmp, text)
+        // A stale temp file (or anything planted under its name) goes first: unlink
+        // never follows a symlink.
+        let _ = std::fs::remove_file(&tmp);
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
             .and_then(|()| std::fs::rename(&tmp, &path))
             .map_err(|source| StateError::Write { path, source })
+    }
+
+    /// Reads one record file: never through a symlink, never more than
+    /// [`MAX_RECORD_BYTES`].
+    fn read_record(path: &Path) -> Result<DeviceRecord, StateError> {
+        let read_err = |source| StateError::Read { path: path.to_path_buf(), source };
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(read_err)?;
+        let mut text = String::new();
+        file.take(MAX_RECORD_BYTES + 1).read_to_string(&mut text).map_err(read_err)?;
+        let corrupt = |what: String| StateError::Corrupt { path: path.to_path_buf(), what };
+        if text.len() as u64 > MAX_RECORD_BYTES {
+            return Err(corrupt(format!("it is larger than {MAX_RECORD_BYTES} bytes")));
+        }
+        serde_json::from_str::<DeviceRecord>(&text).map_err(|e| corrupt(e.to_string()))
     }
 
     /// Every record in the state dir (a corrupt one is an error in its place).
@@ -152,31 +242,27 @@ impl StateDir {
         let mut out = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path().join("device.json");
-            if !path.exists() {
+            if let Some(why) = unsafe_dir(&entry.path()) {
+                out.push(Err(unsafe_error(&entry.path(), why)));
                 continue;
             }
-            let rec = std::fs::read_to_string(&path)
-                .map_err(|source| StateError::Read { path: path.clone(), source })
-                .and_then(|text| {
-                    serde_json::from_str::<DeviceRecord>(&text).map_err(|e| StateError::Corrupt {
+            if std::fs::symlink_metadata(&path).is_err() {
+                continue;
+            }
+            let rec = Self::read_record(&path).and_then(|rec| {
+                let named = entry.file_name().to_string_lossy() == rec.id.to_string();
+                if named {
+                    Ok(rec)
+                } else {
+                    Err(StateError::Corrupt {
                         path: path.clone(),
-                        what: e.to_string(),
+                        what: format!(
+                            "it describes device {} but sits in another device's directory",
+                            rec.id
+                        ),
                     })
-                })
-                .and_then(|rec| {
-                    let named = entry.file_name().to_string_lossy() == rec.id.to_string();
-                    if named {
-                        Ok(rec)
-                    } else {
-                        Err(StateError::Corrupt {
-                            path: path.clone(),
-                            what: format!(
-                                "it describes device {} but sits in another device's directory",
-                                rec.id
-                            ),
-                        })
-                    }
-                });
+                }
+            });
             out.push(rec);
         }
         out
@@ -190,7 +276,7 @@ impl StateDir {
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)
             .map_err(|source| StateError::Write { path, source })
     }
@@ -293,6 +379,54 @@ mod tests {
         let results = state.records();
         assert_eq!(results.len(), 2);
         assert!(results.iter().all(Result::is_err), "{results:?}");
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
+    fn symlinks_and_oversized_records_in_the_state_dir_are_refused() {
+        let root = tmp();
+        let state = StateDir::new(&root);
+        state.check().unwrap();
+        // A device directory that is a symlink out of the state dir.
+        let elsewhere = tmp();
+        std::os::unix::fs::symlink(&elsewhere, root.join("devices/2")).unwrap();
+        assert!(matches!(state.shm_file(2), Err(StateError::Unsafe { .. })));
+        assert!(matches!(
+            state.write_record(&DeviceRecord::new(2, &spec())),
+            Err(StateError::Unsafe { .. })
+        ));
+        assert!(!elsewhere.join("device.json").exists(), "a record was written through it");
+        // A region file that is a symlink.
+        std::fs::create_dir_all(root.join("devices/3")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", root.join("devices/3/shm")).unwrap();
+        assert!(state.shm_file(3).is_err(), "opened a region through a symlink");
+        // A huge record.
+        std::fs::create_dir_all(root.join("devices/4")).unwrap();
+        std::fs::write(root.join("devices/4/device.json"), vec![b' '; 100_000]).unwrap();
+        // devices/2 (a symlink) and devices/4 (too large); devices/3 has no record.
+        let results = state.records();
+        assert_eq!(results.len(), 2, "{results:?}");
+        assert!(results.iter().all(Result::is_err), "{results:?}");
+        let text = format!("{results:?}");
+        assert!(text.contains("larger than 65536 bytes"), "{text}");
+        let _ = std::fs::remove_dir_all(root);
+        let _ = std::fs::remove_dir_all(elsewhere);
+    }
+
+    #[test]
+    fn a_state_dir_others_may_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tmp();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = StateDir::new(&root).check().unwrap_err().to_string();
+        assert!(err.contains("its mode 777 lets others write to it"), "{err}");
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700)).unwrap();
+        StateDir::new(&root).check().unwrap();
+        let link = root.with_extension("link");
+        std::os::unix::fs::symlink(&root, &link).unwrap();
+        let err = StateDir::new(&link).check().unwrap_err().to_string();
+        assert!(err.contains("it is a symbolic link"), "{err}");
+        let _ = std::fs::remove_file(link);
         let _ = std::fs::remove_dir_all(root);
     }
 
