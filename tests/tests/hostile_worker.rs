@@ -127,3 +127,26 @@ fn a_queue_thread_stuck_mid_turn_is_found_while_another_serves_on() {
     assert_eq!(ublkd.status_of(id)["state"], "LIVE");
     ublkd.stop();
 }
+
+#[test]
+fn a_worker_stopped_and_continued_briefly_serves_on() {
+    let _s = serial();
+    // What an operator's `kill -STOP`/`-CONT` or a debugger's attach does, for less than
+    // the hung timeout: no recovery, no error, and no system call the sandbox refuses
+    // when the kernel restarts the ones the stop interrupted.
+    let ublkd = Ublkd::start("stop-cont");
+    let id = ublkd.add(&["-t", "memory", "-s", "64M", "-q", "2", "--threads", "2"]);
+    let worker = ublkd.worker_pid(id);
+    let fio = verify_in_background(id, 48 * MIB);
+    for _ in 0..5 {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(common::signal(worker, libc::SIGSTOP));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(common::signal(worker, libc::SIGCONT));
+    }
+    assert_fio_clean(&fio.join().expect("fio"), 1);
+    let status = ublkd.status_of(id);
+    assert_eq!(status["recoveries"], 0, "the worker was replaced: {status}\n{}", ublkd.log());
+    assert_eq!(ublkd.worker_pid(id), worker);
+    ublkd.stop();
+}
