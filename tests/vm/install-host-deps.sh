@@ -10,7 +10,7 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc)
+need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
