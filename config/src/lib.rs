@@ -1294,6 +1294,49 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("ublkd.example.toml")
     }
 
+    /// The config the package installs (packaging/ublkd.toml) is the example with a
+    /// header of its own and its `[[device]]` tables commented out: made from the
+    /// example here, it must match to the byte, so the prose is written once.
+    #[test]
+    fn the_packaged_config_is_the_example_without_devices() {
+        let example = std::fs::read_to_string(example_path()).unwrap();
+        let packaged_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/ublkd.toml");
+        let packaged = std::fs::read_to_string(&packaged_path).unwrap();
+        let marker = "# One [[device]] table per device, created when ublkd starts.\n";
+        let (settings, devices) = example.split_once(marker).expect("the example's device part");
+        let mut want = String::from(
+            "# /etc/ublkd/ublkd.toml: ublkd's config (installed by the package).\n\
+             # Reload with `systemctl reload ublkd`: devices added here are created, devices\n\
+             # removed are deleted.\n\n",
+        );
+        want.push_str(settings);
+        want.push_str(
+            "# One [[device]] table per device, created when ublkd starts. No devices by \
+             default:\n# uncomment and adapt one, or use `ublkctl add`.\n",
+        );
+        for line in devices.lines() {
+            if line.is_empty() || line.starts_with('#') {
+                want.push_str(line);
+            } else {
+                want.push_str("# ");
+                want.push_str(line);
+            }
+            want.push('\n');
+        }
+        if packaged != want && std::env::var_os("UBLKD_BLESS").is_some() {
+            std::fs::write(&packaged_path, &want).unwrap();
+        } else {
+            assert!(
+                packaged == want,
+                "{} is not config/ublkd.example.toml with its devices commented out: edit the \
+                 example, then run `UBLKD_BLESS=1 cargo test -p ublkd-config packaged`",
+                packaged_path.display()
+            );
+        }
+        let config = Config::parse(&want, "packaging/ublkd.toml").unwrap();
+        assert!(config.devices.is_empty());
+    }
+
     #[test]
     fn example_config_loads_and_its_stated_defaults_are_the_real_ones() {
         let config = Config::load(&example_path()).expect("the example config is valid");
