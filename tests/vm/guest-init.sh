@@ -40,6 +40,22 @@ CHECK_BIN=
 . "$H$RUN/params"
 [ -n "$CHECK_BIN" ] || fail "no CHECK_BIN in $RUN/params"
 
+# What the guest runs once set up, in both modes (written into a script below, after
+# that script's own `off`): report READY, run guest-check and the command, report the
+# command's status, power off. $1 is the command that prints the kernel release.
+guest_body() {
+  cat <<BODY
+echo; echo "$M:READY:\$($1)"
+"$CHECK_BIN" guest-check </dev/null
+rc=\$?
+if [ \$rc -ne 0 ]; then echo; echo "$M:CHECK-FAILED:\$rc"; off; fi
+/bin/sh "$RUN/cmd.sh" </dev/null
+rc=\$?
+echo; echo "$M:EXIT:\$rc"
+off
+BODY
+}
+
 if [ -n "$SYSTEMD" ]; then
   # --systemd: the host's systemd becomes PID 1 of a writable copy of the host's root
   # (an overlay: the read-only virtiofs share below, tmpfs above), and starts
@@ -57,19 +73,14 @@ if [ -n "$SYSTEMD" ]; then
   G=$R/etc/ublkd-vm
   U=$R/etc/systemd/system
   mkdir -p $G $U || fail "mkdir $G $U"
-  cat > $G/guest <<GUEST || fail "write $G/guest"
+  {
+    cat <<GUEST
 #!/bin/sh
-# ublkd-vm.service's command: written by ublkd-tests (tests/src/initramfs.rs).
+# ublkd-vm.service's command: written by ublkd-tests (tests/vm/guest-init.sh).
 off() { sync; systemctl --force --force poweroff; while :; do sleep 1; done; }
-echo; echo "$M:READY:\$(uname -r)"
-"$CHECK_BIN" guest-check </dev/null
-rc=\$?
-if [ \$rc -ne 0 ]; then echo; echo "$M:CHECK-FAILED:\$rc"; off; fi
-/bin/sh "$RUN/cmd.sh" </dev/null
-rc=\$?
-echo; echo "$M:EXIT:\$rc"
-off
 GUEST
+    guest_body "uname -r"
+  } > $G/guest || fail "write $G/guest"
   cat > $U/ublkd-vm.target <<TARGET || fail "write ublkd-vm.target"
 [Unit]
 Description=ublkd-vm: the system the guest command runs in
@@ -153,18 +164,13 @@ ip link set lo up 2>/dev/null
 S=/run/ublkd-vm
 mkdir -p $H$S || fail "mkdir $H$S"
 cp /bin/busybox $H$S/busybox || fail "copy busybox to $H$S"
-cat > $H$S/stage2 <<STAGE2 || fail "write $H$S/stage2"
+{
+  cat <<STAGE2
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 off() { $S/busybox poweroff -f; while :; do $S/busybox sleep 1; done; }
-echo; echo "$M:READY:\$($S/busybox uname -r)"
-"$CHECK_BIN" guest-check </dev/null
-rc=\$?
-if [ \$rc -ne 0 ]; then echo; echo "$M:CHECK-FAILED:\$rc"; off; fi
-/bin/sh "$RUN/cmd.sh" </dev/null
-rc=\$?
-echo; echo "$M:EXIT:\$rc"
-off
 STAGE2
+  guest_body "$S/busybox uname -r"
+} > $H$S/stage2 || fail "write $H$S/stage2"
 # shellcheck disable=SC2093  # what follows runs only if switch_root fails
 exec switch_root $H $S/busybox sh $S/stage2
 fail "switch_root"

@@ -78,48 +78,23 @@ pub fn after_turn(dev: &crate::device::Device, thread: usize, turn: u64, handled
 fn scribble(shm: &ublkd_proto::shm::ShmRegion) {
     use std::sync::atomic::Ordering::Relaxed;
     let h = shm.header();
-    h.magic.store(u64::MAX, Relaxed);
-    h.version.store(u32::MAX, Relaxed);
-    h.header_bytes.store(u32::MAX, Relaxed);
-    h.dev_id.store(u32::MAX, Relaxed);
-    h.nr_queues.store(u32::MAX, Relaxed);
-    h.queue_depth.store(u32::MAX, Relaxed);
-    h.nr_threads.store(u32::MAX, Relaxed);
-    h.generation.store(u64::MAX, Relaxed);
     let c = &h.counters;
-    for counter in [
-        &c.reads,
-        &c.writes,
-        &c.flushes,
-        &c.discards,
-        &c.write_zeroes,
-        &c.bytes_read,
-        &c.bytes_written,
-        &c.errors,
-    ] {
-        counter.store(u64::MAX, Relaxed);
-    }
     let g = shm.geometry();
-    for t in 0..usize::from(g.nr_threads) {
-        if let Some(slot) = shm.thread(t) {
-            slot.heartbeat.store(u64::MAX, Relaxed);
-            slot.inflight.store(u32::MAX, Relaxed);
-            slot.tid.store(u32::MAX, Relaxed);
-            slot.generation.store(u64::MAX, Relaxed);
-        }
+    let mut wide = vec![&h.magic, &h.generation, &c.reads, &c.writes, &c.flushes];
+    wide.extend([&c.discards, &c.write_zeroes, &c.bytes_read, &c.bytes_written, &c.errors]);
+    let mut narrow = vec![&h.version, &h.header_bytes, &h.dev_id, &h.nr_queues];
+    narrow.extend([&h.queue_depth, &h.nr_threads]);
+    for slot in (0..usize::from(g.nr_threads)).filter_map(|t| shm.thread(t)) {
+        wide.extend([&slot.heartbeat, &slot.generation]);
+        narrow.extend([&slot.inflight, &slot.tid]);
     }
-    for q in 0..g.nr_queues {
-        for tag in 0..g.queue_depth {
-            if let Some(slot) = shm.tag(q, tag) {
-                slot.seq.store(u32::MAX, Relaxed);
-                slot.state.store(u32::MAX, Relaxed);
-                slot.op.store(u32::MAX, Relaxed);
-                slot.nr_sectors.store(u32::MAX, Relaxed);
-                slot.start_sector.store(u64::MAX, Relaxed);
-                slot.since_ms.store(u64::MAX, Relaxed);
-            }
-        }
+    let tags = (0..g.nr_queues).flat_map(|q| (0..g.queue_depth).map(move |t| (q, t)));
+    for slot in tags.filter_map(|(q, t)| shm.tag(q, t)) {
+        wide.extend([&slot.start_sector, &slot.since_ms]);
+        narrow.extend([&slot.seq, &slot.state, &slot.op, &slot.nr_sectors]);
     }
+    wide.into_iter().for_each(|a| a.store(u64::MAX, Relaxed));
+    narrow.into_iter().for_each(|a| a.store(u32::MAX, Relaxed));
 }
 
 /// Writes one line in one write, so it never interleaves with the supervisor's log.
