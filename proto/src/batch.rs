@@ -179,10 +179,6 @@ impl ElemBuf {
         self.bytes.is_empty()
     }
 
-    pub fn is_full(&self) -> bool {
-        self.len() == usize::from(self.capacity)
-    }
-
     pub fn push(&mut self, elem: BatchElem) -> Result<(), BatchError> {
         // On every I/O's path: no division (`len`), no zero fill of the new bytes.
         let size = usize::from(self.format.elem_bytes());

@@ -1,10 +1,9 @@
 //! Exit codes of `ublkd` and `ublkctl`, one per fatal cause, so that scripts and
-//! systemd (`RestartPreventExitStatus=`) can tell them apart.
+//! systemd (`RestartPreventExitStatus=`) can tell them apart. Code 2, bad command-line
+//! usage, is clap's own.
 
 /// Any failure without a more specific code.
 pub const FAILURE: i32 = 1;
-/// Bad command-line usage (clap's own code).
-pub const USAGE: i32 = 2;
 /// The kernel has no ublk driver (`/dev/ublk-control` is missing).
 pub const NO_UBLK: i32 = 3;
 /// The kernel's ublk driver lacks a feature ublkd needs.

@@ -1,18 +1,18 @@
 //! The state every thread of a worker shares: the device's geometry, the kernel's
 //! descriptor arrays, the tags' data buffers, the shared region and the target.
 //!
-//! Data-copy mode: kernel copy (`UBLK_BATCH_F_HAS_BUF_ADDR`). Each tag has a fixed
-//! buffer in the worker, given to the kernel at PREP and again at each COMMIT; the
-//! kernel copies WRITE data into it before delivering the tag and copies READ data out
-//! of it while processing the COMMIT. Why this mode:
-//! - crash recovery: the buffers are plain worker memory, lost with the worker; the
-//!   kernel requeues (REISSUE) every request the dead worker owned, so nothing depends
-//!   on buffer contents surviving. USER_COPY or zero copy would not change that.
-//! - sandbox: no extra fds, syscalls or io_uring opcodes beyond the batch commands;
-//!   USER_COPY needs pread/pwrite on `/dev/ublkcN` per I/O, and zero copy needs
-//!   buffer-table registration and fixed-buffer opcodes allowed in the ring.
-//! - simplicity first: the loop target can move to zero copy later (the benchmarks
-//!   issue), where it saves a copy for large I/O.
+//! Data modes:
+//! - copy (`UBLK_BATCH_F_HAS_BUF_ADDR`), every target but a zero-copy loop device: each
+//!   tag has a fixed buffer in the worker, given to the kernel at PREP and again at each
+//!   COMMIT; the kernel copies WRITE data into it before delivering the tag and copies
+//!   READ data out of it while processing the COMMIT. The buffers are plain worker
+//!   memory, lost with the worker, which costs nothing: the kernel re-issues (REISSUE)
+//!   every request a dead worker owned. It needs no extra fds, syscalls or io_uring
+//!   opcodes beyond the batch commands.
+//! - zero copy (`UBLK_F_AUTO_BUF_REG`), loop devices where the kernel has it: a tag
+//!   has a buffer index instead of an address; the kernel registers each request's
+//!   pages in the fetching ring at that index, and the target reads and writes the
+//!   backing file from them with fixed-buffer opcodes, saving the copy.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};

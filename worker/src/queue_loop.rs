@@ -105,10 +105,9 @@ pub fn allowed_cpus() -> Vec<usize> {
 /// Why: on the loop target the queue thread, io_uring's iou-wrk worker that runs the
 /// reads and writes (tmpfs and overlayfs files cannot be read without blocking, so
 /// every target I/O goes through io-wq) and the application all compete for the CPUs;
-/// a pinned queue thread (what kublk does with its queue's first CPU) served 4k
-/// randread qd64 at 1.32x the IOPS of an unpinned one in one interleaved run
-/// (`bench/run --quick --jobs loop-randread-qd64,null-randread-qd64-j1 --rounds 3`:
-/// 16.8k vs 12.7k, kublk -b 16.4k), with the null target unchanged.
+/// a pinned queue thread (what kublk does with its queue's first CPU) serves loop I/O
+/// markedly faster and null I/O no slower (bench/README.md, "Pinning the queue
+/// thread").
 fn pin_to_cpu(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_ZERO/CPU_SET index inside it
     // (`cpu` comes from `allowed_cpus`, below CPU_SETSIZE) and sched_setaffinity reads
@@ -132,8 +131,8 @@ fn split(ud: u64) -> (u64, u16, u32) {
 /// Index of `/dev/ublkcN` in each ring's registered files. Registered, not used by its
 /// plain fd: a command holds a reference to a plain fd's file, and ublk does not end a
 /// batch FETCH that is busy delivering when its worker dies until the device's file is
-/// released, so a worker killed at that moment would leave the file held for good
-/// (seen once in CI: the kernel had not released the device 15 s later). A registered
+/// released, so a worker killed at that moment would leave the file held for good,
+/// and the device never recovered. A registered
 /// file would be let go only when io_uring tears the dead worker's ring down (tens of
 /// milliseconds of a recovery's stall under emulation); with `recovery.fast_release`
 /// (the default) the supervisor, which holds a copy of each ring, unregisters it at
