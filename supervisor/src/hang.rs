@@ -205,15 +205,21 @@ impl HangWatch {
             return Verdict::Fine;
         }
         let quiet = now.saturating_duration_since(self.since);
-        if quiet < timeout {
+        // Threads that kept turning while nothing completed get a second timeout: a
+        // turn is some sign of life, and a host too busy to run the worker for a while
+        // should not cost a recovery; holding I/O for good is still found.
+        let turning = self.threads.iter().any(|(_, since)| *since > self.since);
+        let limit = if turning { timeout.saturating_mul(2) } else { timeout };
+        if quiet < limit {
             return Verdict::Fine;
         }
         let at_backend = threads.iter().any(|t| t.at_backend > 0);
         if at_backend && !stopped() {
             return Verdict::Backend(quiet);
         }
+        let how = if turning { "while its threads kept turning" } else { "and no thread turned" };
         Verdict::Hung(format!(
-            "worker hung: I/O in flight and none completed for {:.1} s",
+            "worker hung: I/O in flight and none completed for {:.1} s {how}",
             quiet.as_secs_f64()
         ))
     }
@@ -270,8 +276,23 @@ mod tests {
         // The worker keeps beating but completes nothing.
         let v = w.judge(t0 + T / 2, stat(3, 10), &[waiting(4, 0)], || false, T);
         assert_eq!(v, Verdict::Fine);
-        let v = w.judge(t0 + T * 2, stat(3, 10), &[waiting(6, 0)], || false, T);
-        assert!(matches!(v, Verdict::Hung(ref why) if why.contains("none completed")), "{v:?}");
+        // One timeout is not enough while the threads turn; two are.
+        let v = w.judge(t0 + T * 3 / 2, stat(3, 10), &[waiting(6, 0)], || false, T);
+        assert_eq!(v, Verdict::Fine);
+        let v = w.judge(t0 + T * 2, stat(3, 10), &[waiting(8, 0)], || false, T);
+        assert!(
+            matches!(v, Verdict::Hung(ref why) if why.contains("none completed for 2.0 s while its threads kept turning")),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn io_in_flight_and_no_turn_and_no_completion_is_a_hang_after_one_timeout() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        assert_eq!(w.judge(t0, stat(3, 10), &[waiting(2, 0)], || false, T), Verdict::Fine);
+        let v = w.judge(t0 + T, stat(3, 10), &[waiting(2, 0)], || false, T);
+        assert!(matches!(v, Verdict::Hung(ref why) if why.contains("no thread turned")), "{v:?}");
     }
 
     #[test]

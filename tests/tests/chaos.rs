@@ -30,11 +30,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use chaos_support::{
-    Blow, Daemon, Fio, FioJob, MIB, Prng, Recovery, SetOnDrop, block_dev, chaos_seed, describe,
+    Blow, Fio, FioJob, MIB, Prng, Recovery, SetOnDrop, block_dev, chaos_seed, describe,
     fio_running, kernel_state, pauses, prefill, randrw_passes, signal, sparse_file, strike,
     timed_randrw_args, verify_region, wait_for, wait_for_io, worker_pids,
 };
-use common::serial;
+use common::{Ublkd, serial};
 
 /// The region fio works on in a device under chaos (the whole device).
 const VICTIM_SIZE: u64 = 64 * MIB;
@@ -93,7 +93,7 @@ struct TestDevice {
 
 impl TestDevice {
     /// Adds a `size`-byte device of `target` (a loop device over a sparse file in /tmp).
-    fn add(daemon: &Daemon, target: Target, name: &str, size: u64) -> TestDevice {
+    fn add(daemon: &Ublkd, target: Target, name: &str, size: u64) -> TestDevice {
         match target {
             Target::Memory => {
                 let id = daemon.add(&["-t", "memory", "-s", &size.to_string()]);
@@ -160,7 +160,7 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
     let hung_timeout_secs = if blow == Blow::Stop { 1 } else { 10 };
     let recovery =
         Recovery { hung_timeout_secs, restart_max: 1000, restart_window_secs: 60, fail_io: false };
-    let daemon = Daemon::start(&name, recovery);
+    let daemon = chaos_support::start(&name, recovery);
     let victim = TestDevice::add(&daemon, target, &name, VICTIM_SIZE);
     let bystander = (blow == Blow::Kill)
         .then(|| TestDevice::add(&daemon, Target::Memory, "bystander", BYSTANDER_SIZE));
@@ -173,7 +173,7 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
         prefill(&b.dev(), BYSTANDER_SIZE);
         Fio::run(timed_randrw_args(&b.dev(), BYSTANDER_SIZE, BASELINE_SECS)).unwrap().iops
     });
-    let bystander_pid = bystander.as_ref().map(|b| daemon.device(b.id)["worker_pid"].clone());
+    let bystander_pid = bystander.as_ref().map(|b| daemon.status_of(b.id)["worker_pid"].clone());
 
     // Act: fio on both devices; once their I/O flows, the strikes.
     let victim_fio = spawn_passes(&victim, VICTIM_SIZE, seed, &stop);
@@ -197,7 +197,7 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
     // Assert: one recovery per hit, nothing else; the data verifies.
     assert_eq!(hits.misses, 0, "signals that found no worker: {hits:?}");
     assert!(hits.hits.len() >= strikes, "{} hits of {strikes}: {hits:?}", hits.hits.len());
-    let dev = daemon.device(victim.id);
+    let dev = daemon.status_of(victim.id);
     assert_eq!(dev["state"], "LIVE", "{dev}");
     assert_eq!(dev["recoveries"].as_u64(), Some(hits.hits.len() as u64), "{dev}");
     assert_eq!(dev["errors"], 0, "{dev}");
@@ -220,7 +220,7 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
         summarize_passes(&passes),
     );
     if let (Some(b), Some(solo), Some((during, ended))) = (&bystander, solo, during) {
-        let dev = daemon.device(b.id);
+        let dev = daemon.status_of(b.id);
         assert_eq!(
             (dev["recoveries"].as_u64(), dev["errors"].as_u64()),
             (Some(0), Some(0)),
@@ -284,7 +284,7 @@ fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
     let _serial = serial();
     let started = Instant::now();
     const SIZE: u64 = 64 * MIB;
-    let mut daemon = Daemon::start(
+    let mut daemon = chaos_support::start(
         "adopt",
         Recovery { hung_timeout_secs: 10, restart_max: 5, restart_window_secs: 60, fail_io: false },
     );
@@ -333,7 +333,7 @@ fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
     let passes: Vec<Vec<FioJob>> = fios.into_iter().map(|t| joined(t, "fio")).collect();
     for d in &devices {
         verify_region(&d.dev(), SIZE).unwrap();
-        assert_eq!(daemon.device(d.id)["errors"], 0);
+        assert_eq!(daemon.status_of(d.id)["errors"], 0);
     }
     println!(
         "adopt: I/O held {:.1} s from the quiesce to both devices LIVE under the new ublkd \
@@ -380,7 +380,7 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     assert!(!fio.is_finished(), "fio ended while its device was QUIESCED: {:?}", fio.join());
     assert!(fio_running(), "no fio process while the device is QUIESCED");
     assert_eq!(completed_ios(id), before, "I/O completed on a QUIESCED device");
-    assert_eq!(daemon.device(id)["state"], "QUIESCED");
+    assert_eq!(daemon.status_of(id)["state"], "QUIESCED");
     println!("budget: QUIESCED after {} kills; fio waits", killed.len());
     println!("budget: note: {note}");
 
@@ -389,7 +389,7 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "ublkctl recover failed:\n{}", describe(&out));
     assert!(stdout.contains(&format!("device {id} recovered")), "{stdout}");
-    let dev = daemon.device(id);
+    let dev = daemon.status_of(id);
     assert_eq!(dev["state"], "LIVE", "{dev}");
     assert!(dev["note"].is_null(), "{dev}");
     assert_eq!(dev["recoveries"].as_u64(), Some(RESTART_MAX + 1), "{dev}");
@@ -405,7 +405,7 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     stop.store(true, Ordering::SeqCst);
     let passes = joined(fio, "fio");
     verify_region(&device.dev(), SIZE).unwrap();
-    assert_eq!(daemon.device(id)["errors"], 0);
+    assert_eq!(daemon.status_of(id)["errors"], 0);
     println!("budget: `ublkctl recover`: {}; {}", stdout.trim(), summarize_passes(&passes));
 
     // `recover` of a LIVE device is a no-op; of an unknown one, a one-line error.
@@ -424,14 +424,14 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
 
 /// A daemon whose devices may be recovered `restart_max` times a minute, past which
 /// they quiesce or (`fail_io`) fail their I/O, and a prefilled memory device on it.
-fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (Daemon, TestDevice) {
+fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (Ublkd, TestDevice) {
     let recovery = Recovery {
         hung_timeout_secs: 10,
         restart_max: restart_max as u32,
         restart_window_secs: 60,
         fail_io,
     };
-    let daemon = Daemon::start(name, recovery);
+    let daemon = chaos_support::start(name, recovery);
     let device = TestDevice::add(&daemon, Target::Memory, name, size);
     prefill(&device.dev(), size);
     (daemon, device)
@@ -439,7 +439,7 @@ fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (D
 
 /// Kills every new worker of the device until its restart budget is spent; returns the
 /// device's status then and the pids killed.
-fn kill_until_restart_limit(daemon: &Daemon, id: u32) -> (serde_json::Value, Vec<u32>) {
+fn kill_until_restart_limit(daemon: &Ublkd, id: u32) -> (serde_json::Value, Vec<u32>) {
     let mut killed = Vec::new();
     let dev = wait_for("the restart limit", Duration::from_secs(60), || {
         let dev = daemon.ctl.device(id)?;
@@ -499,7 +499,7 @@ fn restart_limit_with_fail_io_fails_io_fast_until_ublkctl_recover() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "ublkctl recover failed:\n{}", describe(&out));
     assert!(stdout.contains(&format!("device {id} recovered")), "{stdout}");
-    let dev = daemon.device(id);
+    let dev = daemon.status_of(id);
     assert_eq!(dev["state"], "LIVE", "{dev}");
     assert_eq!(dev["failing_io"], false, "{dev}");
     assert!(dev["note"].is_null(), "{dev}");

@@ -2,19 +2,17 @@
 //! `/dev/ublk-control` and root: they run inside the test VM (`./run-tests` does
 //! that, with `ublkd-vm` as the cargo runner) and fail anywhere else.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
 
+use common::serial;
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlCmd, CtrlError, DevTarget};
 use ublkd_proto::uapi::{
     self, UBLK_PARAM_TYPE_BASIC, UblkParamBasic, UblkParams, UblksrvCtrlDevInfo,
 };
-
-/// The tests add and delete devices and compare the set of devices before and after;
-/// running them one at a time keeps those snapshots meaningful.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 const RECOVERY_FLAGS: u64 =
     uapi::UBLK_F_BATCH_IO | uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
@@ -96,7 +94,7 @@ fn ublkctl_features_lists_batch_io_in_text_and_json() {
 
 #[test]
 fn add_set_params_get_info_del_round_trip_leaves_no_device() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let ctrl = client();
     let before = ublk_devices();
 
@@ -140,7 +138,7 @@ fn add_set_params_get_info_del_round_trip_leaves_no_device() {
 
 #[test]
 fn add_with_an_id_in_use_is_eexist_and_keeps_the_first_device() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let ctrl = client();
     let before = ublk_devices();
     let first = ctrl.add_dev(&dev_info(1, 32, AUTO_DEV_ID)).unwrap();
@@ -157,7 +155,7 @@ fn add_with_an_id_in_use_is_eexist_and_keeps_the_first_device() {
 
 #[test]
 fn queue_depth_zero_is_einval_and_adds_nothing() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let before = ublk_devices();
     let err = client().add_dev(&dev_info(1, 0, AUTO_DEV_ID)).unwrap_err();
     assert_kernel_error(&err, CtrlCmd::AddDev, libc::EINVAL);
@@ -167,7 +165,7 @@ fn queue_depth_zero_is_einval_and_adds_nothing() {
 
 #[test]
 fn absurd_queue_count_is_einval_and_adds_nothing() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let before = ublk_devices();
     let queues = (uapi::UBLK_MAX_NR_QUEUES + 1) as u16;
     let err = client().add_dev(&dev_info(queues, 64, AUTO_DEV_ID)).unwrap_err();
@@ -177,7 +175,7 @@ fn absurd_queue_count_is_einval_and_adds_nothing() {
 
 #[test]
 fn del_of_a_missing_id_is_enodev_naming_the_id() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let before = ublk_devices();
     let err = client().del_dev(4242).unwrap_err();
     assert_kernel_error(&err, CtrlCmd::DelDev, libc::ENODEV);
@@ -190,7 +188,7 @@ fn del_of_a_missing_id_is_enodev_naming_the_id() {
 
 #[test]
 fn start_user_recovery_on_a_never_started_device_is_ebusy() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = serial();
     let ctrl = client();
     let before = ublk_devices();
     let dev = ctrl.add_dev(&dev_info(1, 16, AUTO_DEV_ID)).unwrap();

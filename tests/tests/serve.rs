@@ -555,7 +555,7 @@ fn bad_requests_fail_with_one_line_and_leave_nothing_behind() {
 fn status_without_a_running_ublkd_exits_8_saying_it_is_unreachable() {
     let _serial = serial();
     let ublkd = Ublkd::start("no-daemon");
-    let socket = ublkd.socket.clone();
+    let socket = ublkd.ctl.socket.clone();
     ublkd.stop();
 
     for args in [&["status"][..], &["status", "--json"]] {

@@ -146,7 +146,7 @@ fn ublkd_package_under_systemd() {
     let fio = Fio::start("worker-stop", 7, 20);
     wait_for_io(7);
     let stopped = worker_of(7);
-    signal(stopped, libc::SIGSTOP);
+    assert!(common::signal(stopped, libc::SIGSTOP), "SIGSTOP {stopped}");
     wait_for("ublkd to replace the stopped worker", Duration::from_secs(60), || {
         worker_of_opt(7).is_some_and(|w| w != stopped) && live_ids().contains(&7)
     });
@@ -165,7 +165,7 @@ fn ublkd_package_under_systemd() {
     let fio = Fio::start("ublkd-stop", 7, 30);
     wait_for_io(7);
     let main_pid = prop("MainPID");
-    signal(main_pid.parse().unwrap(), libc::SIGSTOP);
+    assert!(common::signal(main_pid.parse().unwrap(), libc::SIGSTOP), "SIGSTOP ublkd");
     wait_for_restart("the watchdog to restart ublkd", restarts + 2, &main_pid);
     let log = run_ok(Command::new("journalctl").args(["-u", "ublkd", "-o", "cat", "--no-pager"]));
     assert!(log.contains("Watchdog timeout"), "systemd did not log a watchdog timeout:\n{log}");
@@ -394,13 +394,6 @@ fn uid_of(pid: u32) -> u32 {
 fn user_uid(name: &str) -> u32 {
     let out = run_ok(Command::new("getent").args(["passwd", name]));
     out.split(':').nth(2).and_then(|u| u.parse().ok()).unwrap_or_else(|| panic!("getent: {out}"))
-}
-
-fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill(2) with a pid just read from ublkctl or systemd; at worst it names
-    // a process that has exited, and the call fails.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, sig) };
-    assert_eq!(rc, 0, "kill({pid}, {sig}): {}", std::io::Error::last_os_error());
 }
 
 fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {

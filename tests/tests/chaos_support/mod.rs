@@ -1,23 +1,19 @@
-//! Plumbing for the chaos tests: a `ublkd` with its own config, socket and state dir
-//! that can be SIGKILLed and started again, `ublkctl` calls that threads can make
-//! without panicking, fio runs and their JSON, a seeded PRNG, and the killer that
-//! strikes a device's current worker and waits for the recovery.
+//! Plumbing for the chaos tests on top of `common` (whose `Ublkd`, `Ctl` and `Fio`
+//! they use): the recovery settings, the fio passes that verify a region, a seeded
+//! PRNG, and the killer that strikes a device's current worker and waits for the
+//! recovery.
 
-use std::collections::BTreeSet;
-use std::fs::{File, OpenOptions};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::common::find_device;
+pub use crate::common::{
+    Ctl, Fio, FioJob, Ublkd, block_dev, describe, fio_running, signal, sparse_file, worker_pids,
+};
 use serde_json::Value;
 use ublkd_proto::ctrl::CtrlClient;
-
-pub use crate::common::{
-    bin, block_dev, describe, kernel_devices, signal, sparse_file, terminate, wait_for_path,
-    worker_pids,
-};
 use ublkd_proto::uapi::DevState;
 
 pub const MIB: u64 = 1 << 20;
@@ -25,9 +21,6 @@ pub const MIB: u64 = 1 << 20;
 /// How long a struck worker may take to be replaced: a SIGSTOPped one is only noticed
 /// after the hung timeout, and TCG makes everything slow.
 const RECOVERY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How long `ublkd` may take to stop and delete its devices after SIGTERM.
-const STOP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The `[recovery]` section of the test's config.
 #[derive(Debug, Clone, Copy)]
@@ -39,221 +32,21 @@ pub struct Recovery {
     pub fail_io: bool,
 }
 
-/// `ublkctl --socket S …` for one daemon. Cloneable and panic-free, so that the killer
-/// and fio threads can use it; [`Daemon`] adds the asserting variants.
-#[derive(Debug, Clone)]
-pub struct Ctl {
-    pub socket: PathBuf,
-}
-
-impl Ctl {
-    /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
-    pub fn run(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new(bin("ublkctl"));
-        cmd.arg("--socket").arg(&self.socket).args(args);
-        cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
-    }
-
-    /// `ublkctl status --json`: the `devices` array.
-    pub fn status(&self) -> Result<Vec<Value>, String> {
-        let out = self.run(&["status", "--json"]);
-        if !out.status.success() {
-            return Err(format!(
-                "ublkctl status --json failed ({}):\n{}",
-                out.status,
-                describe(&out)
-            ));
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let json: Value = serde_json::from_str(&text)
-            .map_err(|e| format!("`ublkctl status --json` is not JSON ({e}): {text}"))?;
-        json["devices"].as_array().cloned().ok_or_else(|| format!("no devices array in {text}"))
-    }
-
-    /// One device's entry in `ublkctl status --json`.
-    pub fn device(&self, id: u32) -> Result<Value, String> {
-        find(&self.status()?, id)
-    }
-}
-
-/// Device `id`'s entry in a `ublkctl status --json` device list.
-fn find(devs: &[Value], id: u32) -> Result<Value, String> {
-    devs.iter()
-        .find(|d| d["id"] == id)
-        .cloned()
-        .ok_or_else(|| format!("device {id} is not in `ublkctl status --json`"))
-}
-
-/// Pids of the fio processes running now, so that a failing test can end them.
-static FIO_PIDS: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
-
-/// Whether a fio process this test started is running now.
-pub fn fio_running() -> bool {
-    !FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
-}
-
-/// A running `ublkd` with its own config, socket and state dir under `/run`, logging at
-/// `info` into a file under `/tmp`.
-///
-/// [`Daemon::stop`] is the normal end: SIGTERM, exit 0, nothing left behind. If a test
-/// fails first, `Drop` prints ublkd's log, kills the test's fio processes, stops ublkd
-/// (SIGTERM, then SIGKILL), kills any worker left and deletes any ublk device still in
-/// the kernel, so the next test starts clean.
-#[derive(Debug)]
-pub struct Daemon {
-    child: Option<Child>,
-    pub ctl: Ctl,
-    pub config: PathBuf,
-    run_dir: PathBuf,
-    log: PathBuf,
-}
-
-impl Daemon {
-    /// Writes `name`'s config and starts `ublkd` on it.
-    pub fn start(name: &str, recovery: Recovery) -> Daemon {
-        let run_dir = PathBuf::from(format!("/run/ublkd-chaos-{name}"));
-        let _ = std::fs::remove_dir_all(&run_dir);
-        let socket = run_dir.join("ublkd.sock");
-        let config = PathBuf::from(format!("/tmp/ublkd-chaos-{name}.toml"));
-        let Recovery { hung_timeout_secs, restart_max, restart_window_secs, fail_io } = recovery;
+impl Recovery {
+    /// The config's `[recovery]` table.
+    fn toml(&self) -> String {
+        let Recovery { hung_timeout_secs, restart_max, restart_window_secs, fail_io } = *self;
         let on_limit = if fail_io { "fail-io" } else { "quiesce" };
-        std::fs::write(
-            &config,
-            format!(
-                "[daemon]\nsocket = \"{}\"\nstate_dir = \"{}\"\n\n[recovery]\n\
-                 hung_timeout_secs = {hung_timeout_secs}\nrestart_max = {restart_max}\n\
-                 restart_window_secs = {restart_window_secs}\n\
-                 on_restart_limit = \"{on_limit}\"\n",
-                socket.display(),
-                run_dir.join("state").display()
-            ),
+        format!(
+            "\n[recovery]\nhung_timeout_secs = {hung_timeout_secs}\nrestart_max = {restart_max}\n\
+             restart_window_secs = {restart_window_secs}\non_restart_limit = \"{on_limit}\"\n"
         )
-        .unwrap();
-        let log = PathBuf::from(format!("/tmp/ublkd-chaos-{name}.log"));
-        File::create(&log).unwrap();
-        let mut daemon = Daemon { child: None, ctl: Ctl { socket }, config, run_dir, log };
-        daemon.spawn();
-        daemon
-    }
-
-    /// Starts another `ublkd` on the same config (after the previous one died); its log
-    /// goes on after the previous one's.
-    pub fn restart(&mut self) {
-        assert!(self.child.is_none(), "ublkd is still running");
-        self.spawn();
-    }
-
-    fn spawn(&mut self) {
-        let log = OpenOptions::new().append(true).open(&self.log).unwrap();
-        let child = Command::new(bin("ublkd"))
-            .arg("--config")
-            .arg(&self.config)
-            .env("UBLKD_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("cannot start ublkd");
-        self.child = Some(child);
-        // Ready once it answers a request: it is then in its loop, signal handlers set.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.ctl.run(&["status"]).status.success() {
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("ublkd exited at start ({status}):\n{}", self.log());
-            }
-            assert!(Instant::now() < deadline, "ublkd did not listen within 30 s");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// What ublkd wrote so far.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// `ublkctl ARGS…`, which must succeed; returns its stdout.
-    pub fn ctl_ok(&self, args: &[&str]) -> String {
-        let out = self.ctl.run(args);
-        assert!(
-            out.status.success(),
-            "ublkctl {} failed ({}):\n{}",
-            args.join(" "),
-            out.status,
-            describe(&out)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    /// `ublkctl add ARGS…`: the new device's id, once its block device node exists.
-    pub fn add(&self, args: &[&str]) -> u32 {
-        let mut full = vec!["add"];
-        full.extend_from_slice(args);
-        let out = self.ctl_ok(&full);
-        let id: u32 =
-            out.trim().parse().unwrap_or_else(|e| panic!("`ublkctl add` printed {out:?}: {e}"));
-        wait_for_path(&block_dev(id));
-        id
-    }
-
-    /// One device's entry in `ublkctl status --json`, which must be there.
-    pub fn device(&self, id: u32) -> Value {
-        self.ctl.device(id).unwrap()
-    }
-
-    /// SIGKILLs ublkd and reaps it.
-    pub fn sigkill(&mut self) {
-        let mut child = self.child.take().expect("ublkd is not running");
-        child.kill().unwrap();
-        let status = child.wait().unwrap();
-        assert_eq!(status.code(), None, "ublkd exited by itself ({status}) before SIGKILL");
-    }
-
-    /// SIGTERM, then waits for the exit (at most [`STOP_TIMEOUT`]).
-    fn terminate(&mut self) -> Option<ExitStatus> {
-        terminate(self.child.take()?, STOP_TIMEOUT)
-    }
-
-    /// Stops ublkd with SIGTERM and asserts it exits 0 leaving no device and no worker.
-    pub fn stop(mut self) {
-        let status = self.terminate();
-        let log = self.log();
-        match status {
-            Some(s) => assert!(s.success(), "ublkd exited with {s} after SIGTERM:\n{log}"),
-            None => panic!("ublkd did not exit within {STOP_TIMEOUT:?} of SIGTERM:\n{log}"),
-        }
-        assert_eq!(kernel_devices(), BTreeSet::new(), "ublk devices left in the kernel:\n{log}");
-        assert_eq!(worker_pids(), Vec::<u32>::new(), "ublkd-worker processes left:\n{log}");
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- ublkd log ({})\n{}--- end of ublkd log", self.log.display(), self.log());
-        }
-        for pid in FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            signal(*pid, libc::SIGKILL);
-        }
-        if self.child.is_some() && self.terminate().is_none() {
-            eprintln!("ublkd did not stop on SIGTERM; killed it");
-        }
-        // Workers die with ublkd (PDEATHSIG); a stopped or stuck one is killed here.
-        for pid in worker_pids() {
-            signal(pid, libc::SIGKILL);
-        }
-        // A ublkd that was killed leaves its devices in the kernel: delete them, so a
-        // failing test does not fail the ones after it.
-        if !kernel_devices().is_empty()
-            && let Ok(ctrl) = CtrlClient::open()
-        {
-            for id in kernel_devices() {
-                let _ = ctrl.stop_dev(id);
-                let _ = ctrl.del_dev(id);
-            }
-        }
-        let _ = std::fs::remove_file(&self.config);
-        let _ = std::fs::remove_dir_all(&self.run_dir);
-    }
+/// A `ublkd` for a chaos test, logging at `info`, its devices recovered per `recovery`.
+pub fn start(name: &str, recovery: Recovery) -> Ublkd {
+    Ublkd::start_with(&format!("chaos-{name}"), &recovery.toml(), &[("UBLKD_LOG", "info")])
 }
 
 /// The kernel's state of device `id` (`LIVE`, `QUIESCED`, …).
@@ -337,79 +130,6 @@ impl Drop for SetOnDrop {
     }
 }
 
-/// One fio job from `--output-format=json`.
-#[derive(Debug, Clone)]
-pub struct FioJob {
-    pub error: i64,
-    pub read_bytes: u64,
-    pub write_bytes: u64,
-    pub iops: f64,
-}
-
-/// A fio process, started with `--output-format=json` in `/tmp` (the guest's cwd is
-/// read-only, and fio may save its verify state there).
-#[derive(Debug)]
-pub struct Fio {
-    child: Child,
-    args: Vec<String>,
-}
-
-impl Fio {
-    pub fn spawn(args: Vec<String>) -> Fio {
-        let child = Command::new("fio")
-            .args(&args)
-            .current_dir("/tmp")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("cannot start fio");
-        FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).insert(child.id());
-        Fio { child, args }
-    }
-
-    /// Waits for fio; its jobs if it exited 0 and every job reported error 0.
-    pub fn wait(self) -> Result<Vec<FioJob>, String> {
-        let pid = self.child.id();
-        let out = self.child.wait_with_output().unwrap();
-        FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).remove(&pid);
-        let cmd = format!("fio {}", self.args.join(" "));
-        if !out.status.success() {
-            return Err(format!("{cmd} failed ({}):\n{}", out.status, describe(&out)));
-        }
-        // fio may print notes before the JSON object.
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let json = stdout.find('{').map(|at| &stdout[at..]).ok_or(format!("{cmd}: no JSON"))?;
-        let report: Value =
-            serde_json::from_str(json).map_err(|e| format!("{cmd}: bad JSON ({e}):\n{stdout}"))?;
-        let jobs: Vec<FioJob> = report["jobs"]
-            .as_array()
-            .ok_or(format!("{cmd}: no jobs in:\n{stdout}"))?
-            .iter()
-            .map(|j| FioJob {
-                error: j["error"].as_i64().unwrap_or(-1),
-                read_bytes: j["read"]["io_bytes"].as_u64().unwrap_or(0),
-                write_bytes: j["write"]["io_bytes"].as_u64().unwrap_or(0),
-                iops: j["read"]["iops"].as_f64().unwrap_or(0.0)
-                    + j["write"]["iops"].as_f64().unwrap_or(0.0),
-            })
-            .collect();
-        if jobs.is_empty() || jobs.iter().any(|j| j.error != 0) {
-            return Err(format!("{cmd}: a job failed: {jobs:?}\n{}", describe(&out)));
-        }
-        Ok(jobs)
-    }
-
-    /// Runs fio to the end; its one job.
-    pub fn run(args: Vec<String>) -> Result<FioJob, String> {
-        let jobs = Fio::spawn(args).wait()?;
-        match <[FioJob; 1]>::try_from(jobs) {
-            Ok([job]) => Ok(job),
-            Err(jobs) => Err(format!("expected one fio job, got {jobs:?}")),
-        }
-    }
-}
-
 /// Every write carries a crc32c header per 4 KiB (`verify_interval`), so any 4 KiB of
 /// the region can be checked on its own later: magic, length, offset, checksum.
 const VERIFY: [&str; 4] =
@@ -424,7 +144,6 @@ fn fio_base(name: &str, dev: &Path, region: u64) -> Vec<String> {
         "--ioengine=io_uring".into(),
         "--iodepth=32".into(),
         "--eta=never".into(),
-        "--output-format=json".into(),
     ]
     .into();
     args.extend(VERIFY.map(String::from));
@@ -621,20 +340,20 @@ pub fn strike(
         }
         let devs = ctl.status()?;
         last = Instant::now();
-        let dev = find(&devs, id)?;
+        let dev = find_device(&devs, id)?;
         if dev["state"] != "LIVE" {
             return Err(format!("device {id} is not LIVE before a strike: {dev}"));
         }
         let pid = dev["worker_pid"].as_u64().ok_or(format!("no worker: {dev}"))? as u32;
         let recoveries = dev["recoveries"].as_u64().unwrap_or(0);
         let watched = match watch {
-            Some(w) => Some((last, find(&devs, w)?["ios"].as_u64().unwrap_or(0))),
+            Some(w) => Some((last, find_device(&devs, w)?["ios"].as_u64().unwrap_or(0))),
             None => None,
         };
         if signal(pid, blow.signal()) {
             let (mut hit, devs) = recovered(ctl, id, blow, pid, recoveries, last)?;
             if let (Some(before), Some(w)) = (watched, watch) {
-                let after = find(&devs, w)?["ios"].as_u64().unwrap_or(0);
+                let after = find_device(&devs, w)?["ios"].as_u64().unwrap_or(0);
                 hit.watched = Some([before, (last + Duration::from_millis(hit.seen_ms), after)]);
             }
             strikes.hits.push(hit);
@@ -659,7 +378,7 @@ fn recovered(
     let what = format!("device {id} to recover from {blow:?} of worker {pid}");
     let (dev, devs) = wait_for(&what, RECOVERY_TIMEOUT, || {
         let devs = ctl.status()?;
-        let dev = find(&devs, id)?;
+        let dev = find_device(&devs, id)?;
         let replaced = dev["worker_pid"].as_u64().is_some_and(|p| p != u64::from(pid));
         let counted = dev["recoveries"].as_u64() == Some(recoveries + 1);
         Ok((replaced && counted && dev["state"] == "LIVE").then_some((dev, devs)))

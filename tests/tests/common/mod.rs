@@ -54,6 +54,49 @@ pub fn describe(out: &Output) -> String {
     )
 }
 
+/// `ublkctl --socket S …` for one daemon. Cloneable and panic-free, so that killer and
+/// fio threads can use it; [`Ublkd`] adds the asserting variants.
+#[derive(Debug, Clone)]
+pub struct Ctl {
+    pub socket: PathBuf,
+}
+
+impl Ctl {
+    /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
+    pub fn run(&self, args: &[&str]) -> Output {
+        run(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args))
+    }
+
+    /// `ublkctl status --json`: the `devices` array.
+    pub fn status(&self) -> Result<Vec<serde_json::Value>, String> {
+        let out = self.run(&["status", "--json"]);
+        if !out.status.success() {
+            return Err(format!(
+                "ublkctl status --json failed ({}):\n{}",
+                out.status,
+                describe(&out)
+            ));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format!("`ublkctl status --json` is not JSON ({e}): {text}"))?;
+        json["devices"].as_array().cloned().ok_or_else(|| format!("no devices array in {text}"))
+    }
+
+    /// One device's entry in `ublkctl status --json`.
+    pub fn device(&self, id: u32) -> Result<serde_json::Value, String> {
+        find_device(&self.status()?, id)
+    }
+}
+
+/// Device `id`'s entry in a `ublkctl status --json` device list.
+pub fn find_device(devs: &[serde_json::Value], id: u32) -> Result<serde_json::Value, String> {
+    devs.iter()
+        .find(|d| d["id"] == id)
+        .cloned()
+        .ok_or_else(|| format!("device {id} is not in `ublkctl status --json`"))
+}
+
 /// A running `ublkd` with its own config, socket and state dir under `/run`.
 ///
 /// [`Ublkd::stop`] is the normal end: SIGTERM, exit 0, and nothing left behind. If a
@@ -63,7 +106,8 @@ pub fn describe(out: &Output) -> String {
 #[derive(Debug)]
 pub struct Ublkd {
     child: Option<Child>,
-    pub socket: PathBuf,
+    pub ctl: Ctl,
+    run_dir: PathBuf,
     log: PathBuf,
     config: PathBuf,
     /// ublkd's extra environment, for a restart.
@@ -95,7 +139,7 @@ impl Ublkd {
         let log = PathBuf::from(format!("/tmp/ublkd-test-{name}.log"));
         File::create(&log).unwrap();
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let mut daemon = Ublkd { child: None, socket, log, config, env };
+        let mut daemon = Ublkd { child: None, ctl: Ctl { socket }, run_dir, log, config, env };
         daemon.spawn();
         daemon
     }
@@ -124,14 +168,26 @@ impl Ublkd {
         }
     }
 
-    /// SIGKILLs ublkd (its workers die with it; the devices wait QUIESCED), runs
-    /// `meanwhile`, then starts a new ublkd on the same config and state dir.
-    pub fn sigkill_and_restart(&mut self, meanwhile: impl FnOnce()) {
-        let mut child = self.child.take().expect("ublkd was already stopped");
+    /// SIGKILLs ublkd and reaps it (its workers die with it; the devices wait
+    /// QUIESCED).
+    pub fn sigkill(&mut self) {
+        let mut child = self.child.take().expect("ublkd is not running");
         child.kill().unwrap();
-        child.wait().unwrap();
-        meanwhile();
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), None, "ublkd exited by itself ({status}) before SIGKILL");
+    }
+
+    /// Starts a new ublkd on the same config and state dir (after this one died).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "ublkd is still running");
         self.spawn();
+    }
+
+    /// [`Self::sigkill`], then `meanwhile`, then [`Self::restart`].
+    pub fn sigkill_and_restart(&mut self, meanwhile: impl FnOnce()) {
+        self.sigkill();
+        meanwhile();
+        self.restart();
     }
 
     /// Whether this ublkd process is still running.
@@ -167,7 +223,7 @@ impl Ublkd {
 
     /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
     pub fn ctl(&self, args: &[&str]) -> Output {
-        run(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args))
+        self.ctl.run(args)
     }
 
     /// `ublkctl ARGS…`, which must succeed; returns its stdout.
@@ -202,18 +258,12 @@ impl Ublkd {
 
     /// `ublkctl status --json`: the `devices` array.
     pub fn status(&self) -> Vec<serde_json::Value> {
-        let out = self.ctl_ok(&["status", "--json"]);
-        let json: serde_json::Value = serde_json::from_str(&out)
-            .unwrap_or_else(|e| panic!("`ublkctl status --json` is not JSON ({e}): {out}"));
-        json["devices"].as_array().unwrap_or_else(|| panic!("no devices array in {out}")).clone()
+        self.ctl.status().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", self.log()))
     }
 
     /// One device's entry in `ublkctl status --json`.
     pub fn status_of(&self, id: u32) -> serde_json::Value {
-        self.status()
-            .into_iter()
-            .find(|d| d["id"] == id)
-            .unwrap_or_else(|| panic!("device {id} is not in `ublkctl status --json`"))
+        self.ctl.device(id).unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", self.log()))
     }
 
     /// The worker pid `ublkctl status --json` reports for `id`.
@@ -242,7 +292,7 @@ impl Ublkd {
         assert_eq!(ublk_nodes(), BTreeSet::new(), "device nodes left after ublkd exited:\n{log}");
         assert_eq!(kernel_devices(), BTreeSet::new(), "ublk devices left in the kernel:\n{log}");
         assert_eq!(worker_pids(), Vec::<u32>::new(), "ublkd-worker processes left:\n{log}");
-        assert!(!self.socket.exists(), "ublkd left its socket {}", self.socket.display());
+        assert!(!self.ctl.socket.exists(), "ublkd left its socket {}", self.ctl.socket.display());
         log
     }
 }
@@ -250,10 +300,17 @@ impl Ublkd {
 impl Drop for Ublkd {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("--- ublkd log ({})\n{}", self.log.display(), self.log());
+            eprintln!("--- ublkd log ({})\n{}--- end of ublkd log", self.log.display(), self.log());
+        }
+        for pid in FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            signal(*pid, libc::SIGKILL);
         }
         if self.child.is_some() && self.terminate().is_none() {
             eprintln!("ublkd did not stop on SIGTERM; killed it");
+        }
+        // Workers die with ublkd (PDEATHSIG); a stopped or stuck one is killed here.
+        for pid in worker_pids() {
+            signal(pid, libc::SIGKILL);
         }
         // A ublkd that was killed leaves its devices in the kernel: delete them, so a
         // failing test does not fail the ones after it.
@@ -266,6 +323,7 @@ impl Drop for Ublkd {
             }
         }
         let _ = std::fs::remove_file(&self.config);
+        let _ = std::fs::remove_dir_all(&self.run_dir);
     }
 }
 
@@ -442,44 +500,93 @@ impl Drop for Mount {
     }
 }
 
+/// Pids of the fio processes running now, so that a failing test can end them.
+static FIO_PIDS: std::sync::Mutex<BTreeSet<u32>> = std::sync::Mutex::new(BTreeSet::new());
+
+/// Whether a fio process this test started is running now.
+pub fn fio_running() -> bool {
+    !FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+}
+
 /// One job of a fio run, from `--output-format=json`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct FioJob {
     pub name: String,
     pub error: i64,
     pub read_bytes: u64,
     pub write_bytes: u64,
+    pub iops: f64,
 }
 
-/// Runs fio with `args` (plus `--output-format=json`), asserts it exits 0, and returns
-/// its jobs.
+/// A fio process, started with `--output-format=json` in `/tmp` (the guest's cwd is
+/// read-only, and fio may save its verify state there).
+#[derive(Debug)]
+pub struct Fio {
+    child: Child,
+    args: Vec<String>,
+}
+
+impl Fio {
+    pub fn spawn(args: Vec<String>) -> Fio {
+        let child = Command::new("fio")
+            .args(&args)
+            .arg("--output-format=json")
+            .current_dir("/tmp")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("cannot start fio");
+        FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).insert(child.id());
+        Fio { child, args }
+    }
+
+    /// Waits for fio; its jobs if it exited 0 and every job reported error 0.
+    pub fn wait(self) -> Result<Vec<FioJob>, String> {
+        let pid = self.child.id();
+        let out = self.child.wait_with_output().unwrap();
+        FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).remove(&pid);
+        let cmd = format!("fio {}", self.args.join(" "));
+        if !out.status.success() {
+            return Err(format!("{cmd} failed ({}):\n{}", out.status, describe(&out)));
+        }
+        // fio may print notes before the JSON object.
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let json = stdout.find('{').map(|at| &stdout[at..]).ok_or(format!("{cmd}: no JSON"))?;
+        let report: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| format!("{cmd}: bad JSON ({e}):\n{stdout}"))?;
+        let jobs: Vec<FioJob> = report["jobs"]
+            .as_array()
+            .ok_or(format!("{cmd}: no jobs in:\n{stdout}"))?
+            .iter()
+            .map(|j| FioJob {
+                name: j["jobname"].as_str().unwrap_or("?").to_string(),
+                error: j["error"].as_i64().unwrap_or(-1),
+                read_bytes: j["read"]["io_bytes"].as_u64().unwrap_or(0),
+                write_bytes: j["write"]["io_bytes"].as_u64().unwrap_or(0),
+                iops: j["read"]["iops"].as_f64().unwrap_or(0.0)
+                    + j["write"]["iops"].as_f64().unwrap_or(0.0),
+            })
+            .collect();
+        if jobs.is_empty() || jobs.iter().any(|j| j.error != 0) {
+            return Err(format!("{cmd}: a job failed: {jobs:?}\n{}", describe(&out)));
+        }
+        Ok(jobs)
+    }
+
+    /// Runs fio to the end; its one job.
+    pub fn run(args: Vec<String>) -> Result<FioJob, String> {
+        let jobs = Fio::spawn(args).wait()?;
+        match <[FioJob; 1]>::try_from(jobs) {
+            Ok([job]) => Ok(job),
+            Err(jobs) => Err(format!("expected one fio job, got {jobs:?}")),
+        }
+    }
+}
+
+/// Runs fio with `args` to the end, asserting it exits 0 with every job clean; its jobs.
 pub fn fio(args: &[String]) -> Vec<FioJob> {
-    let out = run(Command::new("fio").args(args).arg("--output-format=json"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "fio {} failed ({}):\n{}",
-        args.join(" "),
-        out.status,
-        describe(&out)
-    );
-    // fio may print notes before the JSON object.
-    let json = &stdout[stdout.find('{').unwrap_or_else(|| panic!("no JSON from fio:\n{stdout}"))..];
-    let report: serde_json::Value =
-        serde_json::from_str(json).unwrap_or_else(|e| panic!("fio's JSON ({e}):\n{stdout}"));
-    let jobs: Vec<FioJob> = report["jobs"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no jobs in fio's report:\n{stdout}"))
-        .iter()
-        .map(|j| FioJob {
-            name: j["jobname"].as_str().unwrap_or("?").to_string(),
-            error: j["error"].as_i64().unwrap_or(-1),
-            read_bytes: j["read"]["io_bytes"].as_u64().unwrap_or(0),
-            write_bytes: j["write"]["io_bytes"].as_u64().unwrap_or(0),
-        })
-        .collect();
-    assert!(!jobs.is_empty(), "fio reported no jobs:\n{stdout}");
-    jobs
+    Fio::spawn(args.to_vec()).wait().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Asserts every job finished without error and both read and wrote something.
