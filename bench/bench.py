@@ -637,28 +637,38 @@ def svg_plot(results):
     return "\n".join(o) + "\n"
 
 
-def write_outputs(results, outdir):
+def write_outputs(results, outdir, render_table=None, render_plot=None):
+    """Writes results.json, table.txt and (where there is one) plot.svg into `outdir`
+    and prints the table. `render_table` and `render_plot` default to this benchmark's;
+    recovery.py passes its own table and no plot."""
+    render_table = render_table or table
+    if render_plot is None and render_table is table:
+        render_plot = svg_plot
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    text = table(results)
+    text = render_table(results)
     with open(os.path.join(outdir, "table.txt"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(outdir, "plot.svg"), "w") as f:
-        f.write(svg_plot(results))
+    names = ["results.json", "table.txt"]
+    if render_plot:
+        with open(os.path.join(outdir, "plot.svg"), "w") as f:
+            f.write(render_plot(results))
+        names.append("plot.svg")
     print()
     print(text)
     print()
-    print(f"results: {outdir}/results.json, table.txt, plot.svg, console.log", flush=True)
+    print(f"results: {outdir}/{', '.join(names + ['console.log'])}", flush=True)
 
 
-def report(args):
+def report(args, summarize_fn=None, render_table=None):
+    """`report DIR`: re-renders an earlier run's outputs from its results.json."""
     path = args.dir
     if os.path.isdir(path):
         path = os.path.join(path, "results.json")
     with open(path) as f:
         results = json.load(f)
-    results["summary"] = summarize(results)
-    write_outputs(results, os.path.dirname(os.path.abspath(path)))
+    results["summary"] = (summarize_fn or summarize)(results)
+    write_outputs(results, os.path.dirname(os.path.abspath(path)), render_table)
 
 
 # ======================================================================================

@@ -271,25 +271,11 @@ def table(results):
 
 
 def write_outputs(results, outdir):
-    with open(os.path.join(outdir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = table(results)
-    with open(os.path.join(outdir, "table.txt"), "w") as f:
-        f.write(text + "\n")
-    print()
-    print(text)
-    print()
-    print(f"results: {outdir}/results.json, table.txt, console.log", flush=True)
+    B.write_outputs(results, outdir, table)
 
 
 def report(args):
-    path = args.dir
-    if os.path.isdir(path):
-        path = os.path.join(path, "results.json")
-    with open(path) as f:
-        results = json.load(f)
-    results["summary"] = summarize(results)
-    write_outputs(results, os.path.dirname(os.path.abspath(path)))
+    B.report(args, summarize, table)
 
 
 # ======================================================================================
