@@ -244,6 +244,11 @@ fn held_write_never_lands_after_newer_writes(mode: &str) {
     );
     assert_eq!(dev_status["recoveries"], 1, "{dev_status}");
     let landed = read_block(&backing);
+    let through = read_block(&dev);
+    drop(stall);
+    // The loop device first (also when the checks below fail): ublkd holds its backing
+    // device open, and deleting a ublk device waits until nothing holds it.
+    ublkd.del(id);
     assert!(
         landed == new,
         "block {BLOCK_NO} of {} holds {} after the dead worker's write landed",
@@ -254,11 +259,7 @@ fn held_write_never_lands_after_newer_writes(mode: &str) {
             "neither write's data"
         }
     );
-    assert_eq!(read_block(&dev), new, "reading through {} differs", dev.display());
-    drop(stall);
-    // The loop device first: ublkd holds its backing device open, and deleting a ublk
-    // device waits until nothing holds it.
-    ublkd.del(id);
+    assert_eq!(through, new, "reading through {} differs", dev.display());
     ublkd.stop();
 }
 
