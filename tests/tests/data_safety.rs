@@ -40,6 +40,15 @@
 //! seconds without a recovery (the release waits, as it must), lifts the throttle, lets
 //! the old write land, and checks that the block holds the newer data. With the fast
 //! release in copy mode (before ublkd excluded it) it fails: the block held the old data.
+//! To see that again, make `Device::fast_release_is_safe` (supervisor/src/device.rs)
+//! return true: the copy-mode test then reports "the OLD data" (the path it took and the
+//! recovery stall are printed either way; with the release waiting, the stall includes
+//! the test's [`HOLD`]).
+//!
+//! Each test holds the write for [`HOLD`] and lifts the throttle well within ublkd's
+//! 15 s release timeout: past it, ublkd gives the recovery up and the device's I/O
+//! waits for `ublkctl recover`. (Stacking a loop device on another ublk device also
+//! means deleting the loop device first: ublkd holds its backing device open.)
 
 mod common;
 
