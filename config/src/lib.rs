@@ -151,7 +151,8 @@ pub struct RecoveryConfig {
     /// dead worker's rings at once (`recovery.fast_release`): a shorter recovery stall
     /// (20-30 ms less under emulation), for fewer IOPS (the rings then cannot use
     /// io_uring's DEFER_TASKRUN; see `ublkd.example.toml`). Applies to workers started after it
-    /// changes.
+    /// changes. Never to copying O_DIRECT loop devices (see `Device::fast_release_is_safe`
+    /// in the supervisor).
     pub fast_release: bool,
 }
 

@@ -311,6 +311,20 @@ impl Device {
         Ok(dev)
     }
 
+    /// Whether a dead worker's device may be released at once (`recovery.fast_release`,
+    /// [`crate::worker::Worker::release_device`]) without a write it left in flight
+    /// landing after the re-issued request and newer writes to the same blocks. The
+    /// kernel does not wait for a dying worker's O_DIRECT writes (they are bios by then);
+    /// with zero copy, ublk's release itself waits for them (they hold the request's
+    /// registered buffer); null and memory devices and buffered loop files have no
+    /// write that outlives the worker. That leaves O_DIRECT loop devices in copy mode:
+    /// theirs is released by the rings' teardown, which waits for every request.
+    /// `tests/tests/data_safety.rs` proves both sides.
+    fn fast_release_is_safe(&self) -> bool {
+        !(matches!(self.spec.target, TargetSpec::Loop { .. }) && self.direct)
+            || zero_copy(&self.spec)
+    }
+
     /// Starts a worker and sends it its setup (region and target to map, buffers and
     /// rings to make), without waiting for it to stand by.
     fn spawn_worker(&self, ctx: &Context, fail_io: bool) -> Result<Worker, DeviceError> {
@@ -332,7 +346,7 @@ impl Device {
                 TargetSpec::Loop { .. } => TargetSetup::Loop { direct: self.direct },
             },
             zero_copy: zero_copy(&self.spec),
-            fast_release: ctx.fast_release,
+            fast_release: ctx.fast_release && self.fast_release_is_safe(),
             block_size: self.spec.block_size,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];

@@ -193,10 +193,12 @@ impl Worker {
     /// After the worker's death: unregisters the files and buffers of its rings, so
     /// that the kernel releases `/dev/ublkcN` now (the last reference is then dropped
     /// by this thread, and ublk's release runs right after the syscall), not when
-    /// io_uring's asynchronous teardown of each ring frees its file table. The
-    /// worker's requests ended with it; a reference a request still holds delays the
-    /// release until the ring's teardown, which the rings' fds being closed here
-    /// starts. Call it only once the worker is dead (reaped).
+    /// io_uring's asynchronous teardown of each ring frees its file table. Not every
+    /// request ended with the worker: O_DIRECT writes to the backing file may still be
+    /// in flight as bios, and the release re-issues their requests; the device asks
+    /// for this only where that is safe (`Device::fast_release_is_safe`). A reference a
+    /// request still holds delays the release until the ring's teardown, which the
+    /// rings' fds being closed here starts. Call it only once the worker is dead (reaped).
     pub fn release_device(&mut self) {
         let refused = unregister_files_and_buffers(&std::mem::take(&mut self.rings));
         if refused > 0 {
