@@ -52,11 +52,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Ublkd, block_dev, pattern, run, run_ok, serial, signal};
+use common::{Ublkd, WriteThrottle, block_dev, pattern, run, serial, signal};
 
 const BLOCK: usize = 4096;
 /// The block the test writes (any will do; not the first, which other things read).
@@ -66,57 +66,6 @@ const BLOCK_NO: u64 = 100;
 /// takes under a second in the VM; the release must not wait longer than ublkd's 15 s
 /// release timeout, after which ublkd gives the recovery up.
 const HOLD: Duration = Duration::from_secs(5);
-
-/// A cgroup whose `io.max` stops every write to one block device: a process moved into
-/// it keeps its writes queued in blk-throttle until [`Self::release`].
-struct StalledWrites {
-    dir: PathBuf,
-    dev: String,
-}
-
-impl StalledWrites {
-    fn new(name: &str, backing: &Path) -> StalledWrites {
-        let root = Path::new("/sys/fs/cgroup");
-        if !root.join("cgroup.controllers").exists() {
-            run_ok(Command::new("mount").args(["-t", "cgroup2", "none"]).arg(root));
-        }
-        std::fs::write(root.join("cgroup.subtree_control"), "+io")
-            .expect("enable the io controller");
-        let dir = root.join(name);
-        let _ = std::fs::create_dir(&dir);
-        let sysfs =
-            format!("/sys/class/block/{}/dev", backing.file_name().unwrap().to_str().unwrap());
-        let dev = std::fs::read_to_string(&sysfs).unwrap().trim().to_string();
-        // 1 byte/s: a 4 KiB write waits over an hour.
-        std::fs::write(dir.join("io.max"), format!("{dev} wbps=1")).expect("set io.max");
-        StalledWrites { dir, dev }
-    }
-
-    fn hold(&self, pid: u32) {
-        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("move into cgroup");
-    }
-
-    fn release(&self) {
-        std::fs::write(self.dir.join("io.max"), format!("{} wbps=max", self.dev)).unwrap();
-    }
-
-    /// Bytes written to the device by the cgroup's processes that blk-throttle let go.
-    fn written(&self) -> u64 {
-        let stat = std::fs::read_to_string(self.dir.join("io.stat")).unwrap_or_default();
-        stat.lines()
-            .filter(|l| l.starts_with(&format!("{} ", self.dev)))
-            .flat_map(|l| l.split_whitespace())
-            .find_map(|kv| kv.strip_prefix("wbytes=")?.parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for StalledWrites {
-    fn drop(&mut self) {
-        self.release();
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
 
 /// Writes `data` at [`BLOCK_NO`] of `dev` with O_DIRECT, in a child (it may be held).
 fn start_write(dev: &Path, data: &[u8]) -> Child {
@@ -205,7 +154,8 @@ fn held_write_never_lands_after_newer_writes(mode: &str) {
     let (old, new) = (pattern(1, BLOCK), pattern(2, BLOCK));
     // The standby must be up, so that the recovery could be quick if allowed.
     ublkd.wait_until("a standby", || ublkd.status_of(id)["standby_pid"].is_u64());
-    let stall = StalledWrites::new(&name, &backing);
+    // 1 byte/s: a 4 KiB write waits over an hour.
+    let stall = WriteThrottle::new(&name, &backing, 1);
     let worker = ublkd.worker_pid(id);
     stall.hold(worker);
 

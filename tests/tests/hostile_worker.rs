@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::thread::JoinHandle;
 
 use common::{
-    FioJob, Ublkd, assert_fio_clean, block_dev, fio, fio_verify_args, hooked_worker, run_ok,
-    serial, sha256,
+    FioJob, Ublkd, WriteThrottle, assert_fio_clean, block_dev, fio, fio_verify_args, hooked_worker,
+    run_ok, serial, sha256,
 };
 
 const MIB: u64 = 1 << 20;
@@ -148,5 +148,40 @@ fn a_worker_stopped_and_continued_briefly_serves_on() {
     let status = ublkd.status_of(id);
     assert_eq!(status["recoveries"], 0, "the worker was replaced: {status}\n{}", ublkd.log());
     assert_eq!(ublkd.worker_pid(id), worker);
+    ublkd.stop();
+}
+
+#[test]
+fn a_worker_waiting_for_a_slow_backend_is_not_killed_as_hung() {
+    let _s = serial();
+    // A loop device whose backing store (a memory device) takes its writes at 16 KiB/s:
+    // each 64 KiB write waits ~4 s at the backend, longer than two hung timeouts, and
+    // still completes. The worker waits for it, holding the request: not a hang.
+    let ublkd = Ublkd::start_with("slow-backend", "\n[recovery]\nhung_timeout_secs = 1\n", &[]);
+    let backing_id = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    let backing = block_dev(backing_id);
+    let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
+    let slow = WriteThrottle::new("ublkd-slow-backend", &backing, 16 * 1024);
+    let worker = ublkd.worker_pid(id);
+    slow.hold(worker);
+    let started = std::time::Instant::now();
+    run_ok(std::process::Command::new("dd").args([
+        "if=/dev/urandom",
+        &format!("of={}", block_dev(id).display()),
+        "bs=64k",
+        "count=2",
+        "oflag=direct",
+    ]));
+    let took = started.elapsed();
+    slow.release();
+    assert!(took.as_secs() >= 6, "the backend was not slow ({took:?}): the test proves nothing");
+    let status = ublkd.status_of(id);
+    assert_eq!(status["recoveries"], 0, "a slow backend cost a recovery: {status}");
+    assert_eq!(ublkd.worker_pid(id), worker);
+    let log = ublkd.log();
+    assert!(log.contains("the worker waits for its backend"), "{log}");
+    assert!(log.contains("the backend completed I/O again"), "{log}");
+    // The loop device goes before its backing device (it holds it open).
+    ublkd.del(id);
     ublkd.stop();
 }

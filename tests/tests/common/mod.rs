@@ -343,6 +343,60 @@ pub fn hooked_worker() -> PathBuf {
     worker
 }
 
+/// A cgroup whose `io.max` limits writes to one block device to `wbps` bytes a second
+/// (1: stopped): a process moved into it has its writes queued in blk-throttle, as a
+/// slow disk, a failing path or a busy cgroup would, until [`Self::release`].
+pub struct WriteThrottle {
+    dir: PathBuf,
+    dev: String,
+}
+
+impl WriteThrottle {
+    pub fn new(name: &str, backing: &Path, wbps: u64) -> WriteThrottle {
+        let root = Path::new("/sys/fs/cgroup");
+        if !root.join("cgroup.controllers").exists() {
+            run_ok(Command::new("mount").args(["-t", "cgroup2", "none"]).arg(root));
+        }
+        std::fs::write(root.join("cgroup.subtree_control"), "+io")
+            .expect("enable the io controller");
+        let dir = root.join(name);
+        let _ = std::fs::create_dir(&dir);
+        let sysfs =
+            format!("/sys/class/block/{}/dev", backing.file_name().unwrap().to_str().unwrap());
+        let dev = std::fs::read_to_string(&sysfs).unwrap().trim().to_string();
+        std::fs::write(dir.join("io.max"), format!("{dev} wbps={wbps}")).expect("set io.max");
+        WriteThrottle { dir, dev }
+    }
+
+    /// Moves process `pid` (all its threads) into the cgroup.
+    pub fn hold(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).expect("move into cgroup");
+    }
+
+    /// Lifts the limit.
+    pub fn release(&self) {
+        std::fs::write(self.dir.join("io.max"), format!("{} wbps=max", self.dev)).unwrap();
+    }
+
+    /// Bytes written to the device by the cgroup's processes that blk-throttle let go.
+    pub fn written(&self) -> u64 {
+        let stat = std::fs::read_to_string(self.dir.join("io.stat")).unwrap_or_default();
+        stat.lines()
+            .filter(|l| l.starts_with(&format!("{} ", self.dev)))
+            .flat_map(|l| l.split_whitespace())
+            .find_map(|kv| kv.strip_prefix("wbytes=")?.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for WriteThrottle {
+    fn drop(&mut self) {
+        // The device may be gone by now; then so is its limit.
+        let _ = std::fs::write(self.dir.join("io.max"), format!("{} wbps=max", self.dev));
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
 /// `/dev/ublkbN`.
 pub fn block_dev(id: u32) -> PathBuf {
     PathBuf::from(format!("/dev/ublkb{id}"))
