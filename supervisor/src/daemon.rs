@@ -406,8 +406,8 @@ impl Daemon {
             // idle device's tick costs no wait4 per worker.
             self.handle_deaths(woke, n > 0);
             self.handle_hangs(hung_timeout);
-            let healthy = self.devices.values().all(|d| d.progressing(hung_timeout));
-            self.notifier.watchdog(healthy);
+            let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
+            self.notifier.watchdog(Instant::now(), hung);
             let status = self.summary();
             self.notifier.status(&status);
             if fds[0].revents & libc::POLLIN != 0 {

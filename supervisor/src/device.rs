@@ -650,9 +650,10 @@ impl Device {
         (stuck >= timeout).then_some(stuck)
     }
 
-    /// For the watchdog: false while the worker holds I/O without progress for longer
-    /// than `limit`. Devices waiting for an operator (no worker, a note saying why) and
-    /// idle ones count as fine: they are not wedged, they are waiting.
+    /// False while the worker holds I/O without progress for longer than `limit` (the
+    /// loop counts such devices; the watchdog does not wait for them). Devices waiting
+    /// for an operator (no worker, a note saying why) and idle ones count as fine: they
+    /// are not wedged, they are waiting.
     pub fn progressing(&self, limit: Duration) -> bool {
         self.worker.is_none() || self.hang.since.elapsed() <= limit
     }
