@@ -395,6 +395,7 @@ impl Daemon {
                 self.signals.drain();
             }
             self.signals.child.store(false, Ordering::Relaxed);
+            crate::worker::reap_lingering();
             if self.signals.terminate.load(Ordering::Relaxed) {
                 break;
             }
