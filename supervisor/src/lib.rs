@@ -3,6 +3,7 @@
 //!
 //! - [`cli`]: both command lines (the binaries parse them, `cargo xtask man` documents them).
 //! - [`daemon`]: the running supervisor: devices, the control socket, signals.
+//! - [`control`]: the `ublkctl` socket's connections, served without blocking the loop.
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`features`]: rendering the kernel's ublk feature mask.
@@ -14,6 +15,7 @@
 //! - [`exit`]: the exit codes of both binaries.
 
 pub mod cli;
+pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod exit;
