@@ -434,6 +434,9 @@ impl Daemon {
         self.notifier.stopping();
         tracing::info!("stopping: deleting {} device(s)", self.devices.len());
         self.delete_all();
+        if let Some(relay) = crate::worker_log::Relay::get() {
+            relay.flush(Duration::from_secs(1));
+        }
         let _ = std::fs::remove_file(&self.config.daemon.socket);
         Ok(())
     }

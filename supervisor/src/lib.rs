@@ -6,6 +6,7 @@
 //! - [`control`]: the `ublkctl` socket's connections, served without blocking the loop.
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
 //! - [`worker`]: starting, talking to and reaping worker processes.
+//! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
 //! - [`logging`]: the log, to the journal under systemd, else to stderr.
@@ -26,6 +27,7 @@ pub mod render;
 pub mod state;
 pub mod systemd;
 pub mod worker;
+pub mod worker_log;
 
 /// An error and its sources, as one line.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

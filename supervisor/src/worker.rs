@@ -7,7 +7,8 @@
 //! outlives its supervisor. The supervisor spawns workers from its main thread, which
 //! lives as long as it does (PDEATHSIG follows the spawning thread).
 //!
-//! Nothing here waits for a worker without a bound: a killed worker stuck in the
+//! A worker's stderr is a pipe of its own, relayed into ublkd's log by
+//! [`crate::worker_log`]. Nothing here waits for a worker without a bound: a killed worker stuck in the
 //! kernel (in D state on a hung backing file, say) is left to [`reap_lingering`], which
 //! the loop calls on every turn (SIGCHLD wakes it).
 
@@ -103,6 +104,10 @@ impl Worker {
             .arg("--dev-id")
             .arg(dev_id.to_string())
             .stdin(Stdio::null());
+        let relay = crate::worker_log::Relay::get();
+        if relay.is_some() {
+            cmd.stderr(Stdio::piped());
+        }
         match sandbox {
             Some(id) => {
                 cmd.arg("--sandbox-uid")
@@ -144,6 +149,9 @@ impl Worker {
         let pid = child.id();
         // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
         let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if let (Some(relay), Some(stderr)) = (relay, child.stderr.take()) {
+            relay.watch(stderr.into(), dev_id, pid);
+        }
         if raw < 0 {
             let source = io::Error::last_os_error();
             let _ = child.kill();
