@@ -26,6 +26,8 @@ use ublkd_proto::msg::{
 };
 use ublkd_proto::uapi;
 
+use crate::worker_log::PipeEnd;
+
 /// The most rings a worker may name: one per queue thread.
 const MAX_RINGS: usize = ublkd_config::MAX_THREADS as usize;
 
@@ -35,6 +37,9 @@ pub const WORKER_CONTROL_FD: i32 = 3;
 /// How long a worker may take to exit after SIGKILL before it is left to be reaped
 /// once it does.
 const KILL_GRACE: Duration = Duration::from_millis(500);
+
+/// How long a stopped worker's last lines may take to reach the log.
+const STDERR_END_WAIT: Duration = Duration::from_millis(200);
 
 /// Workers that were let go before they exited (pids, still ours to reap: an unreaped
 /// child's pid is never reused).
@@ -84,6 +89,8 @@ pub struct Worker {
     /// Held so that when the worker dies, [`Self::release_device`] can make the kernel
     /// let go of `/dev/ublkcN` at once.
     rings: Vec<OwnedFd>,
+    /// When the relay is done with the worker's stderr (`None`: ublkd's stderr).
+    stderr_end: Option<PipeEnd>,
 }
 
 impl Worker {
@@ -149,9 +156,10 @@ impl Worker {
         let pid = child.id();
         // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
         let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        if let (Some(relay), Some(stderr)) = (relay, child.stderr.take()) {
-            relay.watch(stderr.into(), dev_id, pid);
-        }
+        let stderr_end = match (relay, child.stderr.take()) {
+            (Some(relay), Some(stderr)) => Some(relay.watch(stderr.into(), dev_id, pid)),
+            _ => None,
+        };
         if raw < 0 {
             let source = io::Error::last_os_error();
             let _ = child.kill();
@@ -160,7 +168,7 @@ impl Worker {
         }
         // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
         let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-        Ok(Worker { child, control: ours, sandbox: None, pidfd, rings: Vec::new() })
+        Ok(Worker { child, control: ours, sandbox: None, pidfd, rings: Vec::new(), stderr_end })
     }
 
     /// Readable when the worker has exited.
@@ -290,9 +298,15 @@ impl Worker {
     }
 
     /// Asks the worker to exit, waits up to `grace`, then kills it. Returns how it ended.
+    /// Once it has exited, waits briefly for the relay to log its last lines and close
+    /// its stderr, so that nothing of a stopped worker is left open in ublkd.
     pub fn stop(mut self, grace: Duration) -> String {
         let _ = msg::send_packet(self.control(), &ToWorker::Shutdown, &[]);
-        self.reap(grace)
+        let how = self.reap(grace);
+        if let Some(end) = &self.stderr_end {
+            end.wait(STDERR_END_WAIT);
+        }
+        how
     }
 
     /// Waits up to `grace` for the worker to exit (on its pidfd), then kills it and

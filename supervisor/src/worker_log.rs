@@ -16,8 +16,8 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The longest line relayed whole, in bytes.
@@ -86,7 +86,8 @@ impl Relay {
 
     /// Relays `pipe` (the read end of a worker's stderr) as worker `worker_pid`'s of
     /// device `dev_id`, until the worker closes it.
-    pub fn watch(&self, pipe: OwnedFd, dev_id: u32, worker_pid: u32) {
+    pub fn watch(&self, pipe: OwnedFd, dev_id: u32, worker_pid: u32) -> PipeEnd {
+        let end = PipeEnd(Arc::new(AtomicBool::new(false)));
         if let Err(e) = set_nonblocking(&pipe) {
             tracing::warn!(dev_id, worker_pid, "cannot make the worker's stderr nonblocking: {e}");
         }
@@ -97,7 +98,14 @@ impl Relay {
         // it holds the pipe by the time the pipe's first event reaches it.
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).push((
             key,
-            Pipe { fd: pipe, dev_id, worker_pid, lines: Lines::default(), bucket: Bucket::new() },
+            Pipe {
+                fd: pipe,
+                dev_id,
+                worker_pid,
+                lines: Lines::default(),
+                bucket: Bucket::new(),
+                end: PipeEnd(Arc::clone(&end.0)),
+            },
         ));
         let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
         // SAFETY: `event` is a valid epoll_event for the call; `raw` is open (the pipe is
@@ -107,6 +115,7 @@ impl Relay {
         };
         if rc < 0 {
             self.open.fetch_sub(1, Ordering::Release);
+            end.0.store(true, Ordering::Release);
             tracing::error!(
                 dev_id,
                 worker_pid,
@@ -114,6 +123,7 @@ impl Relay {
                 io::Error::last_os_error()
             );
         }
+        end
     }
 
     /// Waits up to `limit` for every pipe to reach its end (their workers gone) and its
@@ -153,11 +163,32 @@ impl Relay {
                 let Some(pipe) = pipes.get_mut(&key) else { continue };
                 if !pipe.pump(Instant::now()) {
                     // Dropping the pipe closes it, which takes it out of the epoll set.
-                    pipes.remove(&key);
+                    if let Some(pipe) = pipes.remove(&key) {
+                        drop(pipe.fd);
+                        pipe.end.0.store(true, Ordering::Release);
+                    }
                     self.open.fetch_sub(1, Ordering::Release);
                 }
             }
         }
+    }
+}
+
+/// Says when a worker's stderr has been read to its end, logged and closed.
+#[derive(Debug)]
+pub struct PipeEnd(Arc<AtomicBool>);
+
+impl PipeEnd {
+    /// Waits up to `limit` for the end (the worker has exited, or is about to).
+    pub fn wait(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while !self.0.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 }
 
@@ -169,6 +200,7 @@ struct Pipe {
     worker_pid: u32,
     lines: Lines,
     bucket: Bucket,
+    end: PipeEnd,
 }
 
 impl Pipe {
