@@ -115,7 +115,10 @@ impl ControlServer {
         let mut keep = Vec::with_capacity(self.conns.len());
         for (i, conn) in self.conns.iter_mut().enumerate() {
             let step = if ready(i) { conn.step(now, &mut requests) } else { Step::Open };
-            let expired = matches!(step, Step::Open) && now >= conn.deadline;
+            // What was ready is read first: a request sent in time is served even when
+            // the loop comes to it late (busy adding a device, say).
+            let handling = matches!(conn.phase, Phase::Handling);
+            let expired = matches!(step, Step::Open) && !handling && now >= conn.deadline;
             if expired {
                 conn.expire();
             }
@@ -154,7 +157,13 @@ impl ControlServer {
                 continue;
             }
             if self.conns.len() >= MAX_CONNECTIONS {
-                let oldest = self.conns.remove(0);
+                // The oldest whose request is not with the daemon this turn: that one
+                // is answered.
+                let Some(at) = self.conns.iter().position(|c| !matches!(c.phase, Phase::Handling))
+                else {
+                    continue; // dropped unanswered: every slot holds a request being handled
+                };
+                let oldest = self.conns.remove(at);
                 tracing::warn!(
                     "{MAX_CONNECTIONS} control connections are open: dropping the oldest, \
                      open for {} ms",
@@ -355,24 +364,47 @@ mod tests {
         assert!(matches!(read_request(&mut server, &mut buf), Err(MsgError::Closed)));
     }
 
-    #[test]
-    fn a_connection_silent_past_its_deadline_is_dropped_and_others_are_served() {
-        let dir = std::env::temp_dir().join(format!("ublkd-control-test-{}", std::process::id()));
+    fn server(tag: &str) -> (ControlServer, std::path::PathBuf) {
+        let dir =
+            std::env::temp_dir().join(format!("ublkd-control-test-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("sock");
-        let mut server = ControlServer::new(UnixListener::bind(&path).unwrap()).unwrap();
+        (ControlServer::new(UnixListener::bind(&path).unwrap()).unwrap(), dir)
+    }
+
+    fn turn(server: &mut ControlServer, now: Instant) -> Vec<(Token, CtlRequest)> {
+        let mut fds = Vec::new();
+        server.pollfds(&mut fds);
+        // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        server.service(&fds, now)
+    }
+
+    #[test]
+    fn a_request_sent_in_time_is_served_even_when_the_loop_reads_it_late() {
+        let (mut server, dir) = server("late");
+        let t0 = Instant::now();
+        let mut early = UnixStream::connect(dir.join("sock")).unwrap();
+        assert!(turn(&mut server, t0).is_empty(), "accepted, nothing sent yet");
+        early.write_all(&frame(&CtlRequest::List { id: None })).unwrap();
+        // The loop was busy (adding a device, say) past the request's deadline.
+        let requests = turn(&mut server, t0 + REQUEST_DEADLINE * 3);
+        assert_eq!(requests.len(), 1, "the request that arrived in time was dropped");
+        server.respond(requests[0].0, &CtlResponse::List(Vec::new()), t0 + REQUEST_DEADLINE * 3);
+        let answer: CtlResponse = msg::read_frame(&mut early).unwrap();
+        assert!(matches!(answer, CtlResponse::List(_)), "{answer:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_connection_silent_past_its_deadline_is_dropped_and_others_are_served() {
+        let (mut server, dir) = server("silent");
+        let path = dir.join("sock");
         let silent = UnixStream::connect(&path).unwrap();
         let mut prompt = UnixStream::connect(&path).unwrap();
         prompt.write_all(&frame(&CtlRequest::Status { id: None })).unwrap();
         let t0 = Instant::now();
-        let turn = |server: &mut ControlServer, now| {
-            let mut fds = Vec::new();
-            server.pollfds(&mut fds);
-            // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
-            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-            server.service(&fds, now)
-        };
         let requests = turn(&mut server, t0);
         assert_eq!(requests.len(), 1, "the prompt client's request");
         assert_eq!(server.conns.len(), 2);
