@@ -1,7 +1,8 @@
 //! The running supervisor: its devices, the `ublkctl` socket and the signals it obeys.
 //!
-//! One thread does everything, in one `poll` loop over the control socket, a self-pipe
-//! that signal handlers write to, and a pidfd per worker (readable the moment it dies).
+//! One thread does everything, in one `poll` loop over the control socket and its
+//! connections (served without blocking: [`crate::control`]), a self-pipe that signal
+//! handlers write to, and a pidfd per worker (readable the moment it dies).
 //! Devices change only on that thread, so the device table needs no lock, and workers
 //! are spawned from the thread that lives as long as the process (which
 //! `PR_SET_PDEATHSIG` requires). While any device is served the loop also wakes a few
@@ -13,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -23,11 +24,10 @@ use std::time::{Duration, Instant};
 
 use ublkd_config::{Config, DeviceSpec, OnRestartLimit, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{
-    self, AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, TargetKind,
-};
+use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, TargetKind};
 use ublkd_proto::uapi::DevState;
 
+use crate::control::ControlServer;
 use crate::device::{Context, Device, DeviceError};
 use crate::state::StateDir;
 use crate::systemd::Notifier;
@@ -122,7 +122,7 @@ pub struct Daemon {
     last_event: Option<String>,
     ctx: Context,
     devices: BTreeMap<u32, Device>,
-    listener: UnixListener,
+    control: ControlServer,
     signals: Signals,
 }
 
@@ -145,6 +145,8 @@ impl Daemon {
         // cleanly, not kill it.
         let signals = Signals::install().map_err(DaemonError::Signals)?;
         let listener = listen(&config.daemon.socket)?;
+        let control = ControlServer::new(listener)
+            .map_err(|source| DaemonError::Listen { path: config.daemon.socket.clone(), source })?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
         let fast_release = config.recovery.fast_release;
         let ctx =
@@ -157,7 +159,7 @@ impl Daemon {
             last_event: None,
             ctx,
             devices: BTreeMap::new(),
-            listener,
+            control,
             signals,
         })
     }
@@ -360,19 +362,19 @@ impl Daemon {
             // Heartbeats are compared four times per timeout: a hang is seen within 1.25
             // timeouts. No more often: an idle device's tick is the only thing that wakes
             // ublkd, and under emulation each wake-up costs milliseconds of CPU. The
-            // watchdog and a due standby shorten it.
+            // watchdog, a due standby and a control connection's deadline shorten it.
             let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));
             if let Some(w) = self.notifier.watchdog_interval() {
                 tick = tick.min(w);
             }
-            let mut fds = vec![
-                libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-                libc::pollfd {
-                    fd: self.signals.wake.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-            ];
+            let mut wake_by = Instant::now() + tick;
+            let mut fds = vec![libc::pollfd {
+                fd: self.signals.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            self.control.pollfds(&mut fds);
+            let control_fds = 1..fds.len();
             for dev in self.devices.values() {
                 for w in [&dev.worker, &dev.standby].into_iter().flatten() {
                     fds.push(libc::pollfd {
@@ -390,11 +392,18 @@ impl Daemon {
                     });
                 }
                 if let Some(due) = dev.standby_due() {
-                    tick = tick.min(due.saturating_duration_since(Instant::now()));
+                    wake_by = wake_by.min(due);
                 }
             }
-            let idle = self.devices.is_empty() && self.notifier.watchdog_interval().is_none();
-            let timeout = if idle { -1 } else { tick.as_millis() as i32 };
+            let worker_fds = control_fds.end..fds.len();
+            let control_due = self.control.next_deadline();
+            if let Some(due) = control_due {
+                wake_by = wake_by.min(due);
+            }
+            let idle = self.devices.is_empty()
+                && self.notifier.watchdog_interval().is_none()
+                && control_due.is_none();
+            let timeout = if idle { -1 } else { millis_until(wake_by) };
             // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if n < 0 {
@@ -402,35 +411,38 @@ impl Daemon {
             }
             // When a death became visible: a recovery's stall is counted from here.
             let woke = Instant::now();
-            if fds[1].revents & libc::POLLIN != 0 {
+            if fds[0].revents & libc::POLLIN != 0 {
                 self.signals.drain();
             }
             self.signals.child.store(false, Ordering::Relaxed);
+            crate::worker::reap_lingering();
             if self.signals.terminate.load(Ordering::Relaxed) {
                 break;
             }
             if self.signals.reload.swap(false, Ordering::Relaxed) {
                 self.reload();
             }
-            // Deaths first (pidfds), then hangs, then clients. A turn that timed out
-            // saw no pidfd or standby socket ready: nothing died or answered, and an
-            // idle device's tick costs no wait4 per worker.
-            self.handle_deaths(woke, n > 0);
+            // Deaths first (pidfds), then hangs, then clients. A turn on which no pidfd
+            // or standby socket was ready saw nothing die or answer, and costs no wait4
+            // per worker.
+            let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
+            self.handle_deaths(woke, worker_events);
             self.handle_hangs(hung_timeout);
-            let healthy = self.devices.values().all(|d| d.progressing(hung_timeout));
-            self.notifier.watchdog(healthy);
+            let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
+            self.notifier.watchdog(Instant::now(), hung);
             let status = self.summary();
             self.notifier.status(&status);
-            if fds[0].revents & libc::POLLIN != 0 {
-                match self.listener.accept() {
-                    Ok((stream, _)) => self.serve_client(stream),
-                    Err(e) => tracing::warn!("accept on the control socket failed: {e}"),
-                }
+            for (token, req) in self.control.service(&fds[control_fds], Instant::now()) {
+                let response = self.handle(req);
+                self.control.respond(token, &response, Instant::now());
             }
         }
         self.notifier.stopping();
         tracing::info!("stopping: deleting {} device(s)", self.devices.len());
         self.delete_all();
+        if let Some(relay) = crate::worker_log::Relay::get() {
+            relay.flush(Duration::from_secs(1));
+        }
         let _ = std::fs::remove_file(&self.config.daemon.socket);
         Ok(())
     }
@@ -537,22 +549,6 @@ impl Daemon {
             }
         }
         ids
-    }
-
-    fn serve_client(&mut self, mut stream: UnixStream) {
-        // A client that stalls must not stall the daemon.
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-        let response = match peer_allowed(&stream) {
-            Err(message) => CtlResponse::Error { message },
-            Ok(()) => match msg::read_frame::<CtlRequest>(&mut stream) {
-                Ok(req) => self.handle(req),
-                Err(e) => CtlResponse::Error { message: format!("bad request: {e}") },
-            },
-        };
-        if let Err(e) = msg::write_frame(&mut stream, &response) {
-            tracing::warn!("cannot answer a ublkctl client: {e}");
-        }
     }
 
     fn handle(&mut self, req: CtlRequest) -> CtlResponse {
@@ -822,18 +818,11 @@ fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
     Ok(listener)
 }
 
-/// Only root (or the daemon's own user) may command the daemon.
-fn peer_allowed(stream: &UnixStream) -> Result<(), String> {
-    let cred =
-        nix::sys::socket::getsockopt(&stream.as_fd(), nix::sys::socket::sockopt::PeerCredentials)
-            .map_err(|e| format!("cannot read the client's credentials: {e}"))?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if cred.uid() == 0 || cred.uid() == me {
-        Ok(())
-    } else {
-        Err(format!("permission denied: uid {} may not control ublkd (root only)", cred.uid()))
-    }
+/// Milliseconds from now until `at` for poll's timeout, rounded up so that the loop
+/// does not wake just before a deadline and spin until it.
+fn millis_until(at: Instant) -> i32 {
+    let left = at.saturating_duration_since(Instant::now());
+    left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
 }
 
 #[cfg(test)]

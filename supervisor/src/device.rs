@@ -675,9 +675,10 @@ impl Device {
         }
     }
 
-    /// For the watchdog: false while the worker holds I/O and none completes for
-    /// longer than `limit`. Devices waiting for an operator (no worker, a note saying
-    /// why) and idle ones count as fine: they are not wedged, they are waiting.
+    /// False while the worker holds I/O and none completes for longer than `limit` (the
+    /// loop counts such devices; the watchdog does not wait for them). Devices waiting
+    /// for an operator (no worker, a note saying why) and idle ones count as fine: they
+    /// are not wedged, they are waiting.
     pub fn progressing(&self, limit: Duration) -> bool {
         self.worker.is_none() || self.hang.quiet_for() <= limit
     }

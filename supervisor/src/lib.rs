@@ -3,8 +3,10 @@
 //!
 //! - [`cli`]: both command lines (the binaries parse them, `cargo xtask man` documents them).
 //! - [`daemon`]: the running supervisor: devices, the control socket, signals.
+//! - [`control`]: the `ublkctl` socket's connections, served without blocking the loop.
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
 //! - [`worker`]: starting, talking to and reaping worker processes.
+//! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
 //! - [`logging`]: the log, to the journal under systemd, else to stderr.
@@ -14,6 +16,7 @@
 //! - [`exit`]: the exit codes of both binaries.
 
 pub mod cli;
+pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod exit;
@@ -25,6 +28,7 @@ pub mod render;
 pub mod state;
 pub mod systemd;
 pub mod worker;
+pub mod worker_log;
 
 /// An error and its sources, as one line.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -1,8 +1,11 @@
 //! Talking to systemd (`sd_notify`): READY only once every configured device is LIVE or
 //! has failed clearly, STATUS with a one-line summary, RELOADING around a config reload,
-//! STOPPING, EXTEND_TIMEOUT while a slow start runs, and WATCHDOG only while every
-//! served device's worker shows progress or is idle. Outside systemd (no
-//! `NOTIFY_SOCKET`) every call is a no-op.
+//! STOPPING, EXTEND_TIMEOUT while a slow start runs, and WATCHDOG from every turn of
+//! the supervisor's loop: the watchdog tracks the loop's own liveness, not the
+//! devices'. A hung worker is ublkd's to kill and replace; having systemd restart ublkd
+//! for it would interrupt every other device and unstick nothing (a worker stuck in
+//! the kernel after SIGKILL stays stuck). Outside systemd (no `NOTIFY_SOCKET`) every
+//! call is a no-op.
 
 use std::time::{Duration, Instant};
 
@@ -68,16 +71,24 @@ impl Notifier {
         self.watchdog.map(|w| w / 3)
     }
 
-    /// Pets the watchdog if `healthy` and it is due.
-    pub fn watchdog(&mut self, healthy: bool) {
-        let Some(interval) = self.watchdog_interval() else { return };
-        if !healthy {
-            return;
+    /// Pets the watchdog if it is due; called on every turn of the loop, which is what
+    /// it vouches for. `hung_devices` (devices whose worker holds I/O without progress)
+    /// never hold the ping back (see the module's doc); they are only logged with it.
+    /// Returns whether a ping was sent.
+    pub fn watchdog(&mut self, now: Instant, hung_devices: usize) -> bool {
+        let Some(interval) = self.watchdog_interval() else { return false };
+        if self.last_ping.is_some_and(|t| now.saturating_duration_since(t) < interval) {
+            return false;
         }
-        if self.last_ping.is_none_or(|t| t.elapsed() >= interval) {
-            self.send(&[NotifyState::Watchdog]);
-            self.last_ping = Some(Instant::now());
+        if hung_devices > 0 {
+            tracing::debug!(
+                hung_devices,
+                "petting the watchdog: the loop runs; hung workers are ublkd's to replace"
+            );
         }
+        self.send(&[NotifyState::Watchdog]);
+        self.last_ping = Some(now);
+        true
     }
 }
 
@@ -116,13 +127,37 @@ mod tests {
         );
     }
 
+    fn with_watchdog(secs: u64) -> Notifier {
+        Notifier { watchdog: Some(Duration::from_secs(secs)), ..Notifier::new() }
+    }
+
+    #[test]
+    fn a_hung_device_does_not_stop_the_pet() {
+        let mut n = with_watchdog(30);
+        let t0 = Instant::now();
+        assert!(n.watchdog(t0, 1), "the first turn with one hung device must pet");
+        let later = t0 + Duration::from_secs(11);
+        assert!(n.watchdog(later, 1), "a later turn with the device still hung must pet");
+        let much_later = later + Duration::from_secs(11);
+        assert!(n.watchdog(much_later, 1000), "nor do a thousand hung devices stop it");
+    }
+
+    #[test]
+    fn the_pet_is_sent_at_most_once_per_interval() {
+        let mut n = with_watchdog(30);
+        let t0 = Instant::now();
+        assert!(n.watchdog(t0, 0));
+        assert!(!n.watchdog(t0 + Duration::from_secs(9), 0), "within a third of 30 s");
+        assert!(n.watchdog(t0 + Duration::from_secs(10), 0), "a third of 30 s later");
+    }
+
     #[test]
     fn without_systemd_nothing_is_sent_and_nothing_fails() {
         // SAFETY-free: the test process has no NOTIFY_SOCKET (cargo does not set one).
         let mut n = Notifier::new();
         n.ready("x");
         n.status("y");
-        n.watchdog(true);
+        assert!(!n.watchdog(Instant::now(), 0), "no watchdog without systemd");
         n.stopping();
         assert_eq!(n.last_status, "y");
     }

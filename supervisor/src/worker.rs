@@ -6,12 +6,18 @@
 //! the supervisor (closing the race where it died before the prctl), so a worker never
 //! outlives its supervisor. The supervisor spawns workers from its main thread, which
 //! lives as long as it does (PDEATHSIG follows the spawning thread).
+//!
+//! A worker's stderr is a pipe of its own, relayed into ublkd's log by
+//! [`crate::worker_log`]. Nothing here waits for a worker without a bound: a killed worker stuck in the
+//! kernel (in D state on a hung backing file, say) is left to [`reap_lingering`], which
+//! the loop calls on every turn (SIGCHLD wakes it).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
@@ -20,11 +26,24 @@ use ublkd_proto::msg::{
 };
 use ublkd_proto::uapi;
 
+use crate::worker_log::PipeEnd;
+
 /// The most rings a worker may name: one per queue thread.
 const MAX_RINGS: usize = ublkd_config::MAX_THREADS as usize;
 
 /// The fd number at which a worker finds its control socket.
 pub const WORKER_CONTROL_FD: i32 = 3;
+
+/// How long a worker may take to exit after SIGKILL before it is left to be reaped
+/// once it does.
+const KILL_GRACE: Duration = Duration::from_millis(500);
+
+/// How long a stopped worker's last lines may take to reach the log.
+const STDERR_END_WAIT: Duration = Duration::from_millis(200);
+
+/// Workers that were let go before they exited (pids, still ours to reap: an unreaped
+/// child's pid is never reused).
+static LINGERING: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 /// Errors in starting or talking to a worker.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +89,8 @@ pub struct Worker {
     /// Held so that when the worker dies, [`Self::release_device`] can make the kernel
     /// let go of `/dev/ublkcN` at once.
     rings: Vec<OwnedFd>,
+    /// When the relay is done with the worker's stderr (`None`: ublkd's stderr).
+    stderr_end: Option<PipeEnd>,
 }
 
 impl Worker {
@@ -90,6 +111,10 @@ impl Worker {
             .arg("--dev-id")
             .arg(dev_id.to_string())
             .stdin(Stdio::null());
+        let relay = crate::worker_log::Relay::get();
+        if relay.is_some() {
+            cmd.stderr(Stdio::piped());
+        }
         match sandbox {
             Some(id) => {
                 cmd.arg("--sandbox-uid")
@@ -131,15 +156,19 @@ impl Worker {
         let pid = child.id();
         // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
         let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        let stderr_end = match (relay, child.stderr.take()) {
+            (Some(relay), Some(stderr)) => Some(relay.watch(stderr.into(), dev_id, pid)),
+            _ => None,
+        };
         if raw < 0 {
             let source = io::Error::last_os_error();
             let _ = child.kill();
-            let _ = child.wait();
+            linger(pid);
             return Err(WorkerError::Pidfd { pid, source });
         }
         // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
         let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-        Ok(Worker { child, control: ours, sandbox: None, pidfd, rings: Vec::new() })
+        Ok(Worker { child, control: ours, sandbox: None, pidfd, rings: Vec::new(), stderr_end })
     }
 
     /// Readable when the worker has exited.
@@ -274,21 +303,49 @@ impl Worker {
     }
 
     /// Asks the worker to exit, waits up to `grace`, then kills it. Returns how it ended.
+    /// Once it has exited, waits briefly for the relay to log its last lines and close
+    /// its stderr, so that nothing of a stopped worker is left open in ublkd.
     pub fn stop(mut self, grace: Duration) -> String {
         let _ = msg::send_packet(self.control(), &ToWorker::Shutdown, &[]);
-        self.reap(grace)
+        let how = self.reap(grace);
+        if let Some(end) = &self.stderr_end {
+            end.wait(STDERR_END_WAIT);
+        }
+        how
     }
 
-    /// Waits up to `grace` for the worker to exit (on its pidfd), killing it after that.
+    /// Waits up to `grace` for the worker to exit (on its pidfd), then kills it and
+    /// waits up to [`KILL_GRACE`] more. A worker that still has not exited (stuck in the
+    /// kernel) is not waited for: it is reaped once it exits (see [`reap_lingering`]).
     pub fn reap(&mut self, grace: Duration) -> String {
-        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ms = grace.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
-        let exited = unsafe { libc::poll(&mut pfd, 1, ms) } > 0;
-        if !exited {
+        if !self.exits_within(grace) {
             let _ = self.child.kill();
+            if !self.exits_within(KILL_GRACE) {
+                return format!(
+                    "did not exit within {} ms of SIGKILL (stuck in the kernel?); it is \
+                     reaped once it exits",
+                    KILL_GRACE.as_millis()
+                );
+            }
         }
+        // It has exited: this wait returns at once.
         self.child.wait().map_or_else(|e| e.to_string(), |s| describe_exit(&s))
+    }
+
+    /// Whether the worker exits within `limit` (its pidfd turns readable).
+    fn exits_within(&self, limit: Duration) -> bool {
+        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let deadline = Instant::now() + limit;
+        loop {
+            let ms = deadline.saturating_duration_since(Instant::now()).as_millis();
+            // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+            match unsafe { libc::poll(&mut pfd, 1, ms.min(i32::MAX as u128) as i32) } {
+                n if n > 0 => return true,
+                0 => return false,
+                _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+                _ => return false,
+            }
+        }
     }
 
     /// Sends SIGKILL (the worker is then reaped through its pidfd like any death).
@@ -300,6 +357,39 @@ impl Worker {
     pub fn exited(&mut self) -> Option<String> {
         self.child.try_wait().ok().flatten().map(|s| describe_exit(&s))
     }
+}
+
+impl Drop for Worker {
+    /// A worker let go before it was reaped (still running, or stuck after SIGKILL) is
+    /// reaped later by [`reap_lingering`], so that it never stays a zombie.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            linger(self.child.id());
+        }
+    }
+}
+
+fn linger(pid: u32) {
+    LINGERING.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
+}
+
+/// Reaps the workers that were let go before they exited and have exited since;
+/// never waits.
+pub fn reap_lingering() {
+    let mut lingering = LINGERING.lock().unwrap_or_else(|p| p.into_inner());
+    lingering.retain(|&pid| {
+        let mut status = 0;
+        // SAFETY: waitpid with WNOHANG on a child of ours writes only `status`.
+        match unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) } {
+            0 => true,
+            n if n > 0 => {
+                let how = describe_exit(&std::os::unix::process::ExitStatusExt::from_raw(status));
+                tracing::info!(worker_pid = pid, "a worker let go earlier has ended: {how}");
+                false
+            }
+            _ => false, // not ours (ECHILD): nothing to reap
+        }
+    });
 }
 
 /// Copies a worker's rings (fd numbers in the worker) into the supervisor, each
@@ -418,6 +508,21 @@ mod tests {
     fn io_uring_register(ring: RawFd, opcode: u32, arg: *const libc::c_void, n: u32) -> i64 {
         // SAFETY: `arg` points to `n` fds (or is null with `n` 0) for the call's duration.
         unsafe { libc::syscall(libc::SYS_io_uring_register, ring, opcode, arg, n) }
+    }
+
+    #[test]
+    fn a_worker_let_go_before_it_exited_is_reaped_once_it_has() {
+        let child = Command::new("/bin/sh").args(["-c", "sleep 0.2"]).spawn().unwrap();
+        let pid = child.id();
+        drop(child); // std neither kills nor reaps a dropped child
+        linger(pid);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while LINGERING.lock().unwrap().contains(&pid) {
+            assert!(Instant::now() < deadline, "worker {pid} was never reaped");
+            reap_lingering();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "{pid} is left a zombie");
     }
 
     #[test]

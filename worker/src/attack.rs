@@ -97,6 +97,13 @@ fn scribble(shm: &ublkd_proto::shm::ShmRegion) {
     narrow.into_iter().for_each(|a| a.store(u32::MAX, Relaxed));
 }
 
+/// Not an attack on the sandbox but on the supervisor's log: a line on stderr that
+/// mimics one of the supervisor's, then [`FLOOD_LINES`] lines as fast as it can write
+/// them (`flood line N`).
+pub const STDERR_FLOOD: &str = "stderr-flood";
+/// How many lines [`STDERR_FLOOD`] writes after its forged one.
+pub const FLOOD_LINES: u32 = 5000;
+
 /// Writes one line in one write, so it never interleaves with the supervisor's log.
 pub fn say(line: String) {
     use std::io::Write;
@@ -181,7 +188,18 @@ pub fn run(name: &str, supervisor: i32) {
             // SAFETY: see above.
             outcome(name, i64::from(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }));
         }
-        URING_OPENAT | COMMIT_UNOWNED | COMMIT_UNOWNED_BATCH | SCRIBBLE_REGION | STALL_THREAD => {} // made by a queue thread
+        // Made by a queue thread.
+        URING_OPENAT | COMMIT_UNOWNED | COMMIT_UNOWNED_BATCH | SCRIBBLE_REGION | STALL_THREAD => {}
+        STDERR_FLOOD => {
+            // The supervisor's own text format, a device event it never logged, and a
+            // carriage return that would hide the line's start on a terminal.
+            say("2026-01-01T00:00:00.000000Z ERROR ublkd::daemon: forged supervisor line \
+                 dev_id=0 event=\"deleted\"\r"
+                .into());
+            for i in 0..FLOOD_LINES {
+                say(format!("flood line {i}"));
+            }
+        }
         other => say(format!("attack {other}: unknown attack, nothing done")),
     }
 }

@@ -1,0 +1,443 @@
+//! Workers' stderr, relayed into ublkd's log: each worker (and standby) writes into a
+//! pipe of its own, never into ublkd's stderr (the journal, under systemd), and one
+//! relay thread reads every pipe with epoll and logs each line as an event of its own
+//! with the worker's identity as fields (`dev_id`, `worker_pid`) and the text after
+//! `worker: `, so that no line a worker writes can pass for one of the supervisor's.
+//!
+//! Bounds, per worker: lines of at most [`MAX_LINE`] bytes (the rest of a longer line is
+//! cut and counted); at most [`LINES_PER_SEC`] lines a second after a burst of
+//! [`BURST`] (a token bucket). Lines over the rate are read and dropped (never left in
+//! the pipe: a worker blocked on a full stderr would stall its I/O), and the next line
+//! that passes, or the pipe's end, is preceded by `worker: suppressed K lines`.
+//! Control characters are escaped, so a line cannot rewrite a terminal either.
+//!
+//! One thread for all workers, not one each: a host may run a thousand devices.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The longest line relayed whole, in bytes.
+pub const MAX_LINE: usize = 1024;
+/// Lines a second a worker may log once its burst is spent.
+pub const LINES_PER_SEC: u32 = 10;
+/// Lines a worker may log at once.
+pub const BURST: u32 = 50;
+/// The most bytes read from one pipe per wake-up, so that one flooding worker cannot
+/// keep the relay from the others.
+const READ_BUDGET: usize = 64 * 1024;
+
+/// The relay: an epoll set of pipes, and the thread that reads them.
+#[derive(Debug)]
+pub struct Relay {
+    epoll: OwnedFd,
+    /// Pipes handed over but not yet taken by the relay thread.
+    pending: Mutex<Vec<(u64, Pipe)>>,
+    next_key: AtomicU64,
+    /// Pipes handed over and not yet at their end.
+    open: AtomicUsize,
+}
+
+impl Relay {
+    /// The process's relay, started on first use; `None` if it could not be started
+    /// (workers then share ublkd's stderr, as the log says).
+    pub fn get() -> Option<&'static Relay> {
+        static RELAY: OnceLock<Option<Relay>> = OnceLock::new();
+        let relay = RELAY.get_or_init(|| match Relay::new() {
+            Ok(relay) => Some(relay),
+            Err(e) => {
+                tracing::error!("cannot relay workers' stderr ({e}): workers log to ublkd's");
+                None
+            }
+        });
+        let relay = relay.as_ref()?;
+        static THREAD: OnceLock<bool> = OnceLock::new();
+        let started = *THREAD.get_or_init(|| {
+            let spawned =
+                std::thread::Builder::new().name("worker-stderr".into()).spawn(|| relay.run());
+            if let Err(e) = &spawned {
+                tracing::error!(
+                    "cannot start the workers' stderr relay ({e}): workers log to ublkd's"
+                );
+            }
+            spawned.is_ok()
+        });
+        started.then_some(relay)
+    }
+
+    fn new() -> io::Result<Relay> {
+        // SAFETY: epoll_create1 takes flags and returns a new fd or -1.
+        let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a new fd owned by nothing else.
+        let epoll = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        Ok(Relay {
+            epoll,
+            pending: Mutex::new(Vec::new()),
+            next_key: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+        })
+    }
+
+    /// Relays `pipe` (the read end of a worker's stderr) as worker `worker_pid`'s of
+    /// device `dev_id`, until the worker closes it.
+    pub fn watch(&self, pipe: OwnedFd, dev_id: u32, worker_pid: u32) -> PipeEnd {
+        let end = PipeEnd(Arc::new(AtomicBool::new(false)));
+        if let Err(e) = set_nonblocking(&pipe) {
+            tracing::warn!(dev_id, worker_pid, "cannot make the worker's stderr nonblocking: {e}");
+        }
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let raw = pipe.as_raw_fd();
+        self.open.fetch_add(1, Ordering::Relaxed);
+        // Queued before the fd is added: the thread takes the queue on every wake-up, so
+        // it holds the pipe by the time the pipe's first event reaches it.
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push((
+            key,
+            Pipe {
+                fd: pipe,
+                dev_id,
+                worker_pid,
+                lines: Lines::default(),
+                bucket: Bucket::new(),
+                end: PipeEnd(Arc::clone(&end.0)),
+            },
+        ));
+        let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
+        // SAFETY: `event` is a valid epoll_event for the call; `raw` is open (the pipe is
+        // held in `pending` or by the thread until its end).
+        let rc = unsafe {
+            libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, raw, &mut event)
+        };
+        if rc < 0 {
+            self.open.fetch_sub(1, Ordering::Release);
+            end.0.store(true, Ordering::Release);
+            tracing::error!(
+                dev_id,
+                worker_pid,
+                "cannot watch the worker's stderr ({}): its lines are lost",
+                io::Error::last_os_error()
+            );
+        }
+        end
+    }
+
+    /// Waits up to `limit` for every pipe to reach its end (their workers gone) and its
+    /// last lines to be logged: ublkd calls it before it exits, so that the workers'
+    /// last words are not lost with the relay thread.
+    pub fn flush(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.open.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn run(&self) {
+        let mut pipes: HashMap<u64, Pipe> = HashMap::new();
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        loop {
+            // SAFETY: `events` is a valid, writable array of `events.len()` entries.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as i32,
+                    -1,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!("the workers' stderr relay failed: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                continue;
+            }
+            pipes.extend(self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..));
+            for event in &events[..n as usize] {
+                let key = event.u64;
+                let Some(pipe) = pipes.get_mut(&key) else { continue };
+                if !pipe.pump(Instant::now()) {
+                    // Dropping the pipe closes it, which takes it out of the epoll set.
+                    if let Some(pipe) = pipes.remove(&key) {
+                        drop(pipe.fd);
+                        pipe.end.0.store(true, Ordering::Release);
+                    }
+                    self.open.fetch_sub(1, Ordering::Release);
+                }
+            }
+        }
+    }
+}
+
+/// Says when a worker's stderr has been read to its end, logged and closed.
+#[derive(Debug)]
+pub struct PipeEnd(Arc<AtomicBool>);
+
+impl PipeEnd {
+    /// Waits up to `limit` for the end (the worker has exited, or is about to).
+    pub fn wait(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while !self.0.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+}
+
+/// One worker's stderr.
+#[derive(Debug)]
+struct Pipe {
+    fd: OwnedFd,
+    dev_id: u32,
+    worker_pid: u32,
+    lines: Lines,
+    bucket: Bucket,
+    end: PipeEnd,
+}
+
+impl Pipe {
+    /// Reads what the pipe holds (up to [`READ_BUDGET`]) and relays its lines; false at
+    /// the pipe's end.
+    fn pump(&mut self, now: Instant) -> bool {
+        let mut buf = [0u8; 8192];
+        let mut budget = READ_BUDGET;
+        let open = loop {
+            // SAFETY: `buf` is valid for writes of its length; the fd is open.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n < 0 {
+                match io::Error::last_os_error().kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => break true,
+                    _ => break false,
+                }
+            }
+            if n == 0 {
+                break false;
+            }
+            let n = n as usize;
+            let Pipe { lines, bucket, dev_id, worker_pid, .. } = self;
+            lines.feed(&buf[..n], |line, cut| {
+                relay_line(*dev_id, *worker_pid, bucket, now, line, cut)
+            });
+            budget = budget.saturating_sub(n);
+            if budget == 0 {
+                break true; // the rest on the next wake-up (epoll is level-triggered)
+            }
+        };
+        if !open {
+            let Pipe { lines, bucket, dev_id, worker_pid, .. } = self;
+            lines.finish(|line, cut| relay_line(*dev_id, *worker_pid, bucket, now, line, cut));
+            if bucket.suppressed > 0 {
+                report_suppressed(*dev_id, *worker_pid, std::mem::take(&mut bucket.suppressed));
+            }
+        }
+        open
+    }
+}
+
+fn relay_line(
+    dev_id: u32,
+    worker_pid: u32,
+    bucket: &mut Bucket,
+    now: Instant,
+    line: &[u8],
+    cut: usize,
+) {
+    let Some(suppressed) = bucket.admit(now) else { return };
+    if suppressed > 0 {
+        report_suppressed(dev_id, worker_pid, suppressed);
+    }
+    let text = sanitize(line);
+    let cut = if cut > 0 { format!(" [{cut} more bytes cut]") } else { String::new() };
+    if worker_says_routine(line) {
+        tracing::info!(dev_id, worker_pid, "worker: {text}{cut}");
+    } else {
+        tracing::warn!(dev_id, worker_pid, "worker: {text}{cut}");
+    }
+}
+
+fn report_suppressed(dev_id: u32, worker_pid: u32, lines: u64) {
+    tracing::warn!(
+        dev_id,
+        worker_pid,
+        suppressed = lines,
+        "worker: suppressed {lines} lines (over {LINES_PER_SEC} lines/s after a burst of {BURST})"
+    );
+}
+
+/// Whether the worker's own log tagged the line INFO, DEBUG or TRACE (its tracing
+/// format puts the level after the timestamp): relayed as info, everything else (its
+/// warnings and errors, and untagged lines such as a fatal error or the sandbox's
+/// report) as a warning. A worker can lower its lines' level this way, never raise it
+/// past warning.
+fn worker_says_routine(line: &[u8]) -> bool {
+    let head = &line[..line.len().min(48)];
+    [&b" INFO "[..], b" DEBUG ", b" TRACE "]
+        .iter()
+        .any(|tag| head.windows(tag.len()).any(|w| w == *tag))
+}
+
+/// The line as text, invalid UTF-8 replaced and control characters (but tab) escaped.
+fn sanitize(line: &[u8]) -> String {
+    let text = String::from_utf8_lossy(line);
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() && c != '\t' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Splits a byte stream into lines of at most [`MAX_LINE`] bytes.
+#[derive(Debug, Default)]
+struct Lines {
+    buf: Vec<u8>,
+    /// Bytes dropped from the current line past [`MAX_LINE`].
+    cut: usize,
+}
+
+impl Lines {
+    /// Feeds `data`; calls `line(text, bytes_cut)` for every line it completes.
+    fn feed(&mut self, mut data: &[u8], mut line: impl FnMut(&[u8], usize)) {
+        while !data.is_empty() {
+            let end = data.iter().position(|&b| b == b'\n');
+            let chunk = &data[..end.unwrap_or(data.len())];
+            let room = MAX_LINE - self.buf.len();
+            let take = chunk.len().min(room);
+            self.buf.extend_from_slice(&chunk[..take]);
+            self.cut += chunk.len() - take;
+            match end {
+                Some(end) => {
+                    line(&self.buf, self.cut);
+                    self.buf.clear();
+                    self.cut = 0;
+                    data = &data[end + 1..];
+                }
+                None => data = &[],
+            }
+        }
+    }
+
+    /// The pipe ended: the last line, if it had no newline.
+    fn finish(&mut self, mut line: impl FnMut(&[u8], usize)) {
+        if !self.buf.is_empty() || self.cut > 0 {
+            line(&self.buf, self.cut);
+        }
+        self.buf.clear();
+        self.cut = 0;
+    }
+}
+
+/// A token bucket of lines: [`BURST`] at once, then [`LINES_PER_SEC`].
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    last: Option<Instant>,
+    /// Lines dropped since the last one that passed.
+    suppressed: u64,
+}
+
+impl Bucket {
+    fn new() -> Bucket {
+        Bucket { tokens: f64::from(BURST), last: None, suppressed: 0 }
+    }
+
+    /// Whether a line at `now` passes: `Some(lines suppressed before it)`, or `None`
+    /// (dropped and counted).
+    fn admit(&mut self, now: Instant) -> Option<u64> {
+        if let Some(last) = self.last {
+            let refill =
+                now.saturating_duration_since(last).as_secs_f64() * f64::from(LINES_PER_SEC);
+            self.tokens = (self.tokens + refill).min(f64::from(BURST));
+        }
+        self.last = Some(now);
+        if self.tokens < 1.0 {
+            self.suppressed += 1;
+            return None;
+        }
+        self.tokens -= 1.0;
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
+fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl F_GETFL on an open fd takes no argument.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fcntl F_SETFL on an open fd takes an int argument.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(chunks: &[&[u8]]) -> Vec<(String, usize)> {
+        let mut lines = Lines::default();
+        let mut out = Vec::new();
+        for chunk in chunks {
+            lines.feed(chunk, |l, cut| out.push((String::from_utf8_lossy(l).into_owned(), cut)));
+        }
+        lines.finish(|l, cut| out.push((String::from_utf8_lossy(l).into_owned(), cut)));
+        out
+    }
+
+    #[test]
+    fn lines_are_split_across_reads_and_the_last_one_is_kept() {
+        let got = split(&[b"ab", b"c\nde", b"f\n\ng"]);
+        let want = [("abc", 0), ("def", 0), ("", 0), ("g", 0)];
+        assert_eq!(got, want.map(|(l, c)| (l.to_string(), c)));
+    }
+
+    #[test]
+    fn a_long_line_is_cut_at_the_bound_and_says_how_much() {
+        let long = vec![b'x'; MAX_LINE + 300];
+        let got = split(&[&long[..700], &long[700..], b"\nnext\n"]);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!((got[0].0.len(), got[0].1), (MAX_LINE, 300));
+        assert_eq!(got[1], ("next".to_string(), 0));
+    }
+
+    #[test]
+    fn the_bucket_passes_a_burst_then_the_rate_and_counts_the_rest() {
+        let mut b = Bucket::new();
+        let t0 = Instant::now();
+        let passed = (0..1000).filter(|_| b.admit(t0).is_some()).count();
+        assert_eq!(passed, BURST as usize);
+        assert_eq!(b.suppressed, 1000 - u64::from(BURST));
+        // One second later: LINES_PER_SEC more, the first saying what was dropped.
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(b.admit(t1), Some(1000 - u64::from(BURST)));
+        let more = (1..1000).filter(|_| b.admit(t1).is_some()).count();
+        assert_eq!(more + 1, LINES_PER_SEC as usize);
+    }
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(sanitize(b"a\rb\x1b[2Jc\td"), "a\\rb\\u{1b}[2Jc\td");
+        assert_eq!(sanitize(&[b'a', 0xff, b'b']), "a\u{fffd}b");
+    }
+
+    #[test]
+    fn only_the_workers_routine_levels_lower_a_line_to_info() {
+        assert!(worker_says_routine(b"2026-12-01T18:00:00.000000Z  INFO ublkd_worker: x"));
+        assert!(!worker_says_routine(b"2026-12-01T18:00:00.000000Z ERROR ublkd_worker: x"));
+        assert!(!worker_says_routine(b"ublkd-worker: sandbox: blocked system call 0231"));
+    }
+}
