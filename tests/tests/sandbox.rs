@@ -77,7 +77,8 @@ fn attacked_and_recovered(name: &str, attack: &str) -> (Ublkd, u32, serde_json::
 }
 
 /// An attack the sandbox answers by killing the worker: the device is recovered.
-fn assert_killed_and_recovered(name: &str, attack: &str) {
+/// Returns ublkd's log.
+fn assert_killed_and_recovered(name: &str, attack: &str) -> String {
     let _serial = serial();
     let (ublkd, id, status, reason) = attacked_and_recovered(name, attack);
     assert!(
@@ -90,6 +91,7 @@ fn assert_killed_and_recovered(name: &str, attack: &str) {
     assert_eq!(status["state"], "LIVE");
     assert_device_serves(id);
     ublkd.stop();
+    log
 }
 
 /// An attack the sandbox answers with an error: the worker reports it and serves on.
@@ -109,6 +111,14 @@ fn assert_refused(name: &str, attack: &str, error: &str) {
     ublkd.stop();
 }
 
+/// An attack on system call `nr`, which the policy allows with other arguments: the
+/// seccomp filter kills the worker on that very call, and the device is recovered.
+fn assert_argument_filter_kills(name: &str, attack: &str, nr: i64) {
+    let log = assert_killed_and_recovered(name, attack);
+    let report = format!("sandbox: blocked system call {nr:04}");
+    assert!(log.contains(&report), "attack {attack}: no {report:?} in:\n{log}");
+}
+
 #[test]
 fn opening_a_host_path_kills_the_worker() {
     assert_killed_and_recovered("sbx-open", "open-host-path");
@@ -116,8 +126,34 @@ fn opening_a_host_path_kills_the_worker() {
 
 #[test]
 fn a_host_path_is_not_even_visible() {
-    // stat is allowed (on the worker's own fds); the root is an empty tmpfs.
+    // statx with AT_EMPTY_PATH passes seccomp (it is how std stats its own fds), and a
+    // path given with it is still looked up: in the empty root, where it is not.
     assert_refused("sbx-stat", "stat-host-path", "No such file or directory");
+}
+
+#[test]
+fn stat_of_a_path_without_at_empty_path_kills_the_worker() {
+    assert_argument_filter_kills("sbx-stat-plain", "stat-host-path-plain", libc::SYS_statx);
+}
+
+#[test]
+fn mapping_executable_memory_kills_the_worker() {
+    assert_argument_filter_kills("sbx-mmap-exec", "mmap-exec", libc::SYS_mmap);
+}
+
+#[test]
+fn making_memory_executable_kills_the_worker() {
+    assert_argument_filter_kills("sbx-mprotect-exec", "mprotect-exec", libc::SYS_mprotect);
+}
+
+#[test]
+fn a_prctl_option_other_than_naming_a_thread_kills_the_worker() {
+    assert_argument_filter_kills("sbx-prctl", "prctl-dumpable", libc::SYS_prctl);
+}
+
+#[test]
+fn an_fcntl_command_other_than_dup_kills_the_worker() {
+    assert_argument_filter_kills("sbx-fcntl", "fcntl-setfl", libc::SYS_fcntl);
 }
 
 #[test]
@@ -175,6 +211,13 @@ fn a_new_io_uring_kills_the_worker() {
 #[test]
 fn a_forbidden_io_uring_opcode_is_refused_by_the_ring() {
     assert_refused("sbx-openat", "uring-openat", "Permission denied");
+}
+
+#[test]
+fn a_forbidden_io_uring_register_op_is_refused_by_the_ring() {
+    // IORING_REGISTER_PERSONALITY on the queue thread's enabled ring: the ring's
+    // register restrictions answer EACCES.
+    assert_refused("sbx-register", "uring-register-personality", "Permission denied");
 }
 
 /// A worker that COMMITs a tag it was never given (`fault`): the kernel refuses, the

@@ -44,7 +44,7 @@ use std::ffi::CString;
 use std::io;
 
 use io_uring::{IoUring, cqueue, squeue};
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
 use ublkd_proto::msg::SandboxReport as Report;
 
 /// The worker's exit code after a system call outside the policy.
@@ -241,21 +241,43 @@ fn drop_capabilities() -> Result<(), SandboxError> {
     caps::clear(None, caps::CapSet::Permitted).map_err(e)
 }
 
-/// On a trapped system call: say which, and exit with [`EXIT_SECCOMP`].
-extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+/// On a trapped system call: say which, with its first three arguments (what an
+/// argument filter looked at), and exit with [`EXIT_SECCOMP`].
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // siginfo_t for SIGSYS carries the syscall number at byte offset 24 on x86_64
     // (`si_syscall`, after si_call_addr), which the libc crate does not expose.
     // SAFETY: the kernel passes a valid siginfo_t for a SA_SIGINFO handler.
     let nr = unsafe { *(info.cast::<u8>().add(24).cast::<libc::c_int>()) };
-    let mut msg = *b"ublkd-worker: sandbox: blocked system call 0000\n";
+    // SAFETY: for a SA_SIGINFO handler the third argument is the interrupted context;
+    // at a seccomp trap its registers hold the system call's arguments.
+    let gregs = unsafe { (*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs };
+    let args = [libc::REG_RDI, libc::REG_RSI, libc::REG_RDX].map(|r| gregs[r as usize] as u64);
+    let mut msg = [0u8; 128];
+    let mut len = 0;
+    let mut put = |bytes: &[u8]| {
+        msg[len..len + bytes.len()].copy_from_slice(bytes);
+        len += bytes.len();
+    };
+    put(b"ublkd-worker: sandbox: blocked system call ");
+    let mut digits = [b'0'; 4];
     let mut n = nr.unsigned_abs();
-    for i in (43..47).rev() {
-        msg[i] = b'0' + (n % 10) as u8;
+    for d in digits.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
         n /= 10;
     }
-    // SAFETY: write and _exit are async-signal-safe; `msg` is a valid buffer.
+    put(&digits);
+    put(b" (args");
+    for arg in args {
+        let mut hex = *b" 0x0000000000000000";
+        for (i, h) in hex[3..].iter_mut().enumerate() {
+            *h = b"0123456789abcdef"[((arg >> (60 - 4 * i)) & 0xf) as usize];
+        }
+        put(&hex);
+    }
+    put(b")\n");
+    // SAFETY: write and _exit are async-signal-safe; `msg[..len]` is initialised.
     unsafe {
-        libc::write(2, msg.as_ptr().cast(), msg.len());
+        libc::write(2, msg.as_ptr().cast(), len);
         libc::_exit(EXIT_SECCOMP);
     }
 }
@@ -270,13 +292,41 @@ fn install_sigsys_handler() -> Result<(), SandboxError> {
     check("sigaction(SIGSYS)", unsafe { libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) })
 }
 
+/// The seccomp rule that lets through the calls `only` describes (`None`: all).
+fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError> {
+    use seccompiler::{SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond};
+    let err = |e: seccompiler::BackendError| SandboxError::Seccomp(e.to_string());
+    let one = |arg: u8, len: Len, op: Op, value: u64| -> Result<SeccompRule, SandboxError> {
+        SeccompRule::new(vec![Cond::new(arg, len, op, value).map_err(err)?]).map_err(err)
+    };
+    Ok(Some(match only {
+        policy::Only::Any => return Ok(None),
+        policy::Only::ArgIn { arg, values } => {
+            values.iter().map(|&v| one(arg, Len::Dword, Op::Eq, v)).collect::<Result<_, _>>()?
+        }
+        policy::Only::ArgLacks { arg, mask } => vec![one(arg, Len::Qword, Op::MaskedEq(mask), 0)?],
+        policy::Only::ArgHas { arg, mask } => {
+            vec![one(arg, Len::Qword, Op::MaskedEq(mask), mask)?]
+        }
+    }))
+}
+
 fn filter(setup: bool) -> Result<BpfProgram, SandboxError> {
-    let mut rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = BTreeMap::new();
+    // Per system call: `None` once any entry allows every call, else the union of the
+    // entries' rules.
+    let mut allowed: BTreeMap<i64, Option<Vec<SeccompRule>>> = BTreeMap::new();
     let lists: &[&[policy::Allowed]] =
         if setup { &[policy::ALWAYS, policy::SETUP_ONLY] } else { &[policy::ALWAYS] };
     for a in lists.iter().flat_map(|l| l.iter()) {
-        rules.insert(a.nr, Vec::new());
+        let rule = rule_of(a.only)?;
+        match (allowed.entry(a.nr).or_insert_with(|| Some(Vec::new())), rule) {
+            (slot, None) => *slot = None,
+            (Some(rules), Some(more)) => rules.extend(more),
+            (None, Some(_)) => {}
+        }
     }
+    // seccompiler: an empty rule list allows every call.
+    let rules = allowed.into_iter().map(|(nr, r)| (nr, r.unwrap_or_default())).collect();
     let f =
         SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, TargetArch::x86_64)
             .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
@@ -296,14 +346,16 @@ pub fn lock_down() -> Result<(), SandboxError> {
 }
 
 /// Restricts a ring created disabled (after its files and buffer rings are
-/// registered) to [`policy::URING_OPS`] and enables it. No register operation is
-/// allowed afterwards.
+/// registered) to [`policy::URING_OPS`] and, once enabled, to
+/// [`policy::URING_REGISTER_OPS`], and enables it.
 pub fn restrict_ring(ring: &IoUring<squeue::Entry, cqueue::Entry>) -> io::Result<()> {
-    let mut restrictions: Vec<io_uring::register::Restriction> = policy::URING_OPS
+    use io_uring::register::Restriction;
+    let mut restrictions: Vec<Restriction> = policy::URING_OPS
         .iter()
-        .map(|op| io_uring::register::Restriction::sqe_op(op.opcode))
+        .map(|op| Restriction::sqe_op(op.opcode))
+        .chain(policy::URING_REGISTER_OPS.iter().map(|op| Restriction::register_op(op.opcode)))
         .collect();
-    restrictions.push(io_uring::register::Restriction::sqe_flags_allowed(policy::URING_SQE_FLAGS));
+    restrictions.push(Restriction::sqe_flags_allowed(policy::URING_SQE_FLAGS));
     ring.submitter().register_restrictions(&mut restrictions)?;
     ring.submitter().register_enable_rings()
 }
@@ -311,12 +363,13 @@ pub fn restrict_ring(ring: &IoUring<squeue::Entry, cqueue::Entry>) -> io::Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ublkd_proto::uapi;
 
     #[test]
     fn policy_lists_have_no_duplicates_and_every_entry_has_a_reason() {
         let mut seen = std::collections::BTreeSet::new();
         for a in policy::ALWAYS.iter().chain(policy::SETUP_ONLY) {
-            assert!(seen.insert(a.nr), "{} listed twice", a.name);
+            assert!(seen.insert((a.nr, format!("{:?}", a.only))), "{} listed twice", a.name);
             assert!(!a.why.is_empty(), "{} has no reason", a.name);
         }
         for forbidden in [
@@ -332,6 +385,38 @@ mod tests {
             assert!(
                 !policy::ALWAYS.iter().any(|a| a.nr == forbidden),
                 "syscall {forbidden} must not be allowed after setup"
+            );
+        }
+    }
+
+    #[test]
+    fn arguments_are_filtered_where_the_reasons_say_so() {
+        let only =
+            |nr| policy::ALWAYS.iter().find(|a| a.nr == nr).map(|a| a.only).expect("allowed");
+        let no_exec = policy::Only::ArgLacks { arg: 2, mask: libc::PROT_EXEC as u64 };
+        assert_eq!(only(libc::SYS_mmap), no_exec);
+        assert_eq!(only(libc::SYS_mprotect), no_exec);
+        assert_eq!(
+            only(libc::SYS_prctl),
+            policy::Only::ArgIn { arg: 0, values: &[libc::PR_SET_NAME as u64] }
+        );
+        let empty_path = libc::AT_EMPTY_PATH as u64;
+        assert_eq!(only(libc::SYS_statx), policy::Only::ArgHas { arg: 2, mask: empty_path });
+        assert_eq!(only(libc::SYS_newfstatat), policy::Only::ArgHas { arg: 3, mask: empty_path });
+    }
+
+    #[test]
+    fn an_enabled_ring_allows_no_register_op_that_adds_power() {
+        for op in [
+            uapi::IORING_REGISTER_PERSONALITY,
+            22, // IORING_REGISTER_PBUF_RING
+            11, // IORING_REGISTER_RESTRICTIONS
+            0,  // IORING_REGISTER_BUFFERS
+            2,  // IORING_REGISTER_FILES
+        ] {
+            assert!(
+                !policy::URING_REGISTER_OPS.iter().any(|o| u32::from(o.opcode) == op),
+                "register op {op} allowed"
             );
         }
     }
