@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
 /// Stored in each device's `ublksrv_flags` (kept verbatim by the kernel): "ublkd",
 /// then the record format version.
@@ -52,6 +53,8 @@ pub struct DeviceRecord {
     pub block_size: u32,
     pub threads: u16,
     pub sandbox: bool,
+    #[serde(default)]
+    pub sandbox_optional: Vec<SandboxLayer>,
 }
 
 impl DeviceRecord {
@@ -74,6 +77,7 @@ impl DeviceRecord {
             block_size: spec.block_size,
             threads: spec.threads,
             sandbox: spec.sandbox,
+            sandbox_optional: spec.sandbox_optional.layers(),
         }
     }
 
@@ -102,6 +106,7 @@ impl DeviceRecord {
             block_size: self.block_size,
             threads: self.threads,
             sandbox: self.sandbox,
+            sandbox_optional: LayerSet::of(&self.sandbox_optional),
         })
     }
 }
@@ -262,6 +267,8 @@ mod tests {
             block_size: 4096,
             threads: 1,
             sandbox: true,
+            // Kept in the record: an adopted device keeps its opt-in.
+            sandbox_optional: LayerSet::of(&[SandboxLayer::UserNamespace]),
         }
     }
 

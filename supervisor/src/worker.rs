@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
-    self, Activation, FromWorker, MsgError, SandboxReport, ToWorker, WorkerSetup,
+    self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, ToWorker,
+    WorkerSetup,
 };
 use ublkd_proto::uapi;
 
@@ -56,6 +57,14 @@ pub struct WorkerIdentity {
     pub gid: u32,
 }
 
+/// A worker's sandbox: who it runs as, and which layers it may run without where they
+/// cannot be applied (any other it cannot apply makes it refuse to run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerSandbox {
+    pub identity: WorkerIdentity,
+    pub optional: LayerSet,
+}
+
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
@@ -77,7 +86,7 @@ impl Worker {
     pub fn spawn(
         binary: &Path,
         dev_id: u32,
-        sandbox: Option<WorkerIdentity>,
+        sandbox: Option<WorkerSandbox>,
     ) -> Result<Worker, WorkerError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
@@ -91,11 +100,14 @@ impl Worker {
             .arg(dev_id.to_string())
             .stdin(Stdio::null());
         match sandbox {
-            Some(id) => {
+            Some(WorkerSandbox { identity: id, optional }) => {
                 cmd.arg("--sandbox-uid")
                     .arg(id.uid.to_string())
                     .arg("--sandbox-gid")
                     .arg(id.gid.to_string());
+                if !optional.is_empty() {
+                    cmd.arg("--sandbox-optional").arg(SandboxLayer::join(&optional.layers()));
+                }
             }
             None => {
                 cmd.arg("--no-sandbox");
@@ -174,8 +186,16 @@ impl Worker {
         setup: &WorkerSetup,
         fds: &[BorrowedFd<'_>],
     ) -> Result<(), WorkerError> {
-        msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds)
-            .map_err(WorkerError::Send)
+        match msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds) {
+            Ok(()) => Ok(()),
+            // A worker that could not set its sandbox up said why before it ended.
+            Err(source) => match self.receive(Duration::from_millis(100)) {
+                Ok((FromWorker::Failed { reason }, _)) => {
+                    Err(WorkerError::Failed { pid: self.pid(), reason })
+                }
+                _ => Err(WorkerError::Send(source)),
+            },
+        }
     }
 
     /// Waits up to `timeout` for the answer to the setup: standing by, or why not.
@@ -258,7 +278,14 @@ impl Worker {
                 break;
             }
         }
-        match msg::recv_packet::<FromWorker>(self.control()) {
+        let mut received = msg::recv_packet::<FromWorker>(self.control());
+        // A worker that ends with our message unread (one whose sandbox failed ends
+        // before it reads its setup) resets the connection, which the kernel reports
+        // once, before the packets the worker sent first: its Failed among them.
+        if matches!(&received, Err(MsgError::Io(e)) if e.raw_os_error() == Some(libc::ECONNRESET)) {
+            received = msg::recv_packet::<FromWorker>(self.control());
+        }
+        match received {
             Ok(got) => Ok(got),
             Err(MsgError::Closed) => {
                 let status = self.reap(Duration::from_secs(2));

@@ -77,6 +77,13 @@ impl Ublkd {
     /// Like [`Ublkd::start`], with `extra` TOML appended to the `[daemon]` table (and
     /// any tables after it) and `env` set for ublkd (and so its workers).
     pub fn start_with(name: &str, extra: &str, env: &[(&str, &str)]) -> Ublkd {
+        Self::start_wrapped(name, extra, env, &[])
+    }
+
+    /// Like [`Ublkd::start_with`], with ublkd's command line after `wrapper` (a
+    /// program that ends by exec'ing its arguments, so ublkd keeps its pid), e.g. to
+    /// run it inside a chroot.
+    pub fn start_wrapped(name: &str, extra: &str, env: &[(&str, &str)], wrapper: &[&str]) -> Ublkd {
         let run_dir = PathBuf::from(format!("/run/ublkd-test-{name}"));
         let _ = std::fs::remove_dir_all(&run_dir);
         let socket = run_dir.join("ublkd.sock");
@@ -92,7 +99,16 @@ impl Ublkd {
         .unwrap();
         let log = PathBuf::from(format!("/tmp/ublkd-test-{name}.log"));
         let log_file = File::create(&log).unwrap();
-        let child = Command::new(bin("ublkd"))
+        let ublkd = bin("ublkd");
+        let mut cmd = match wrapper.split_first() {
+            None => Command::new(&ublkd),
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(&ublkd);
+                cmd
+            }
+        };
+        let child = cmd
             .envs(env.iter().copied())
             .arg("--config")
             .arg(&config)
