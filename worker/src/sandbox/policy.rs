@@ -90,7 +90,8 @@ pub const ALWAYS: &[Allowed] = &[
     allow(
         libc::SYS_io_uring_register,
         "io_uring_register",
-        "registering files, FETCH buffer rings and restrictions (before a ring is enabled)",
+        "registering files, FETCH buffer rings and restrictions while a ring is disabled; \
+         once enabled, the ring itself allows only URING_REGISTER_OPS",
     ),
     allow(libc::SYS_fstat, "fstat", "sizes of the target's fd and the shared region"),
     allow_only(
