@@ -387,12 +387,34 @@ fn the_config_default_allows_running_without_the_user_namespace() {
     ublkd.stop();
 }
 
+#[test]
+fn a_configured_device_without_its_user_namespace_fails_naming_the_layer() {
+    let _serial = serial();
+    let _refused = UserNamespacesRefused::new();
+    let extra = "worker_user = \"nobody\"\n\n[[device]]\ntarget = \"memory\"\nsize = \"16M\"\n";
+    let ublkd = Ublkd::start_with("sbx-no-userns-configured", extra, &[]);
+    ublkd.wait_until("the configured device's outcome", || {
+        ublkd.log().contains("configured device")
+    });
+    let log = ublkd.log();
+    let line = log.lines().find(|l| l.contains("configured device")).unwrap();
+    for part in ["ERROR", "sandbox layer user-namespace", "unshare(CLONE_NEWUSER)", "No space left"]
+    {
+        assert!(line.contains(part), "{part:?} missing from {line:?}");
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&ublkd.ctl_ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["devices"], serde_json::json!([]), "{status}");
+    ublkd.stop();
+}
+
 /// A root that is a plain directory (not a mount point) with the guest's top-level
 /// entries bound into it, in a mount namespace of its own (gone with ublkd): a chroot
 /// as a distribution's build or rescue environment makes one. Returns the wrapper
 /// that runs a command there.
 fn chroot_wrapper() -> Vec<&'static str> {
     const SCRIPT: &str = r#"set -e
+echo "test chroot: binding the guest's entries in at $(date +%T.%N)" >&2
 root=/tmp/ublkd-test-chroot
 mkdir -p "$root"
 for entry in /*; do
@@ -404,6 +426,7 @@ for entry in /*; do
         mount --rbind "$entry" "$root/$name"
     fi
 done
+echo "test chroot: $root ready at $(date +%T.%N)" >&2
 exec chroot "$root" "$@""#;
     vec!["unshare", "--mount", "--propagation", "private", "sh", "-c", SCRIPT, "sh"]
 }

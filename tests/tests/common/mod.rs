@@ -119,12 +119,15 @@ impl Ublkd {
             .expect("cannot start ublkd");
         let mut daemon = Ublkd { child: Some(child), socket, log, config };
         // Ready once it answers a request: it is then in its loop, signal handlers set.
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // A wrapper gets as long again (the chroot one starts a process per bind mount,
+        // slow under emulation on a loaded host).
+        let limit = Duration::from_secs(if wrapper.is_empty() { 30 } else { 60 });
+        let deadline = Instant::now() + limit;
         while !daemon.ctl(&["status"]).status.success() {
             if let Some(status) = daemon.child().try_wait().unwrap() {
                 panic!("ublkd exited at start ({status}):\n{}", daemon.log());
             }
-            assert!(Instant::now() < deadline, "ublkd did not listen within 30 s");
+            assert!(Instant::now() < deadline, "ublkd did not listen within {limit:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
         daemon
