@@ -9,6 +9,8 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
+use ublkd_proto::msg::{LayerSet, SandboxLayer};
+
 use crate::size::format_size;
 
 /// Largest device id ublkd accepts: the kernel's `UBLK_MAX_UBLKS - 1`, where
@@ -83,11 +85,20 @@ pub struct DeviceDefaults {
     pub threads: u16,
     /// Run the device's worker in the sandbox.
     pub sandbox: bool,
+    /// Sandbox layers the worker may run without where they cannot be applied.
+    pub sandbox_optional: LayerSet,
 }
 
 impl Default for DeviceDefaults {
     fn default() -> Self {
-        Self { queues: 1, queue_depth: 128, block_size: 4096, threads: 1, sandbox: true }
+        Self {
+            queues: 1,
+            queue_depth: 128,
+            block_size: 4096,
+            threads: 1,
+            sandbox: true,
+            sandbox_optional: LayerSet::EMPTY,
+        }
     }
 }
 
@@ -122,6 +133,10 @@ pub struct DeviceSpec {
     pub threads: u16,
     /// Run the worker in the sandbox.
     pub sandbox: bool,
+    /// Sandbox layers the worker may run without where they cannot be applied (a
+    /// chroot, a kernel that refuses user namespaces or lacks Landlock): it then runs
+    /// weaker and says so. Any other layer it cannot apply makes it refuse to run.
+    pub sandbox_optional: LayerSet,
 }
 
 /// A device setting that breaks a rule: which field, and what is wrong with it.
@@ -402,6 +417,16 @@ fn check_size(size: u64, block_size: u32) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// `sandbox_optional` as written: each name a [`SandboxLayer`].
+pub fn parse_sandbox_optional(names: &[String]) -> Result<LayerSet, FieldError> {
+    let layers = names
+        .iter()
+        .map(|n| SandboxLayer::from_name(n))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| FieldError { field: "sandbox_optional", problem: e.to_string() })?;
+    Ok(LayerSet::of(&layers))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,6 +441,7 @@ mod tests {
             block_size: 4096,
             threads: 1,
             sandbox: true,
+            sandbox_optional: LayerSet::EMPTY,
         }
     }
 

@@ -49,9 +49,11 @@ pub use size::{SizeError, format_size, parse_size};
 
 use device::{
     backing_file_metadata, check_absolute, check_block_size_wide, check_device_id, in_range,
+    parse_sandbox_optional,
 };
 use locate::KeyPath;
 use raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
+use ublkd_proto::msg::LayerSet;
 
 /// Where ublkctl finds the daemon when the config file does not say.
 pub const DEFAULT_SOCKET: &str = "/run/ublkd/ublkd.sock";
@@ -461,6 +463,12 @@ impl Checker<'_> {
             block_size: raw.block_size.map(|v| v.0),
             threads: raw.threads.map(|v| v.0),
             sandbox: raw.sandbox,
+            sandbox_optional: raw
+                .sandbox_optional
+                .as_deref()
+                .map(parse_sandbox_optional)
+                .transpose()
+                .map_err(|e| self.field(&table, e))?,
         }
         .apply(&builtin)
         .map_err(|e| self.field(&table, e))?;
@@ -481,6 +489,12 @@ impl Checker<'_> {
             block_size: raw.block_size.map(|v| v.0),
             threads: raw.threads.map(|v| v.0),
             sandbox: raw.sandbox,
+            sandbox_optional: raw
+                .sandbox_optional
+                .as_deref()
+                .map(parse_sandbox_optional)
+                .transpose()
+                .map_err(|e| self.field(&table, e))?,
         };
         let settings = overrides.apply(defaults).map_err(|e| self.field(&table, e))?;
 
@@ -579,6 +593,7 @@ impl Checker<'_> {
             block_size: settings.block_size,
             threads: settings.threads,
             sandbox: settings.sandbox,
+            sandbox_optional: settings.sandbox_optional,
         };
         spec.validate().map_err(|mut e| {
             if overrides.inherits(e.field) {
@@ -632,6 +647,7 @@ struct Overrides {
     block_size: Option<i128>,
     threads: Option<i128>,
     sandbox: Option<bool>,
+    sandbox_optional: Option<LayerSet>,
 }
 
 impl Overrides {
@@ -655,6 +671,7 @@ impl Overrides {
                 None => base.threads,
             },
             sandbox: self.sandbox.unwrap_or(base.sandbox),
+            sandbox_optional: self.sandbox_optional.unwrap_or(base.sandbox_optional),
         })
     }
 
@@ -776,6 +793,15 @@ mod tests {
             (
                 "[defaults]\nsandbox = \"yes\"\n".into(),
                 "defaults.sandbox: invalid type: string \"yes\", expected a boolean",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}sandbox_optional = [\"userns\"]\n"),
+                "device[0].sandbox_optional: \"userns\" is not a sandbox layer; expected \
+                 user-namespace, namespaces, empty-root or landlock",
+            ),
+            (
+                "[defaults]\nsandbox_optional = \"landlock\"\n".into(),
+                "defaults.sandbox_optional: invalid type: string \"landlock\", expected a sequence",
             ),
             ("[daemon]\nsocket = 5\n".into(), "daemon.socket: invalid type: integer `5`"),
             (
@@ -1098,6 +1124,7 @@ mod tests {
                 block_size: 4096,
                 threads: 1,
                 sandbox: true,
+                sandbox_optional: LayerSet::EMPTY,
             }]
         );
     }
@@ -1176,6 +1203,7 @@ mod tests {
                 block_size: 1024,
                 threads: 2,
                 sandbox: false,
+                sandbox_optional: LayerSet::EMPTY,
             }
         );
         assert_eq!(
@@ -1190,6 +1218,7 @@ mod tests {
                     block_size: 1024,
                     threads: 2,
                     sandbox: false,
+                    sandbox_optional: LayerSet::EMPTY,
                 },
                 DeviceSpec {
                     id: None,
@@ -1204,9 +1233,26 @@ mod tests {
                     block_size: 512,
                     threads: 64,
                     sandbox: true,
+                    sandbox_optional: LayerSet::EMPTY,
                 },
             ]
         );
+    }
+
+    #[test]
+    fn sandbox_optional_defaults_to_none_and_a_device_may_override_the_default() {
+        use ublkd_proto::msg::SandboxLayer;
+        let text = "[defaults]\nsandbox_optional = [\"user-namespace\", \"landlock\"]\n\n\
+                    [[device]]\ntarget = \"null\"\nsize = 4096\n\n\
+                    [[device]]\ntarget = \"null\"\nsize = 4096\nsandbox_optional = []\n";
+        let config = Config::parse(text, ORIGIN).expect("valid");
+        assert_eq!(
+            config.devices[0].sandbox_optional.layers(),
+            [SandboxLayer::UserNamespace, SandboxLayer::Landlock]
+        );
+        assert!(config.devices[1].sandbox_optional.is_empty());
+        let plain = Config::parse("[[device]]\ntarget = \"null\"\nsize = 4096\n", ORIGIN).unwrap();
+        assert!(plain.devices[0].sandbox_optional.is_empty(), "every layer is required by default");
     }
 
     #[test]
@@ -1433,7 +1479,10 @@ mod tests {
             "[recovery]",
             &["hung_timeout_secs", "restart_max", "restart_window_secs", "on_restart_limit"],
         ),
-        ("[defaults]", &["queues", "queue_depth", "block_size", "threads", "sandbox"]),
+        (
+            "[defaults]",
+            &["queues", "queue_depth", "block_size", "threads", "sandbox", "sandbox_optional"],
+        ),
         (
             "[[device]]",
             &[
@@ -1450,6 +1499,7 @@ mod tests {
                 "block_size",
                 "threads",
                 "sandbox",
+                "sandbox_optional",
             ],
         ),
         ("[device]", &["target", "size"]),
@@ -1480,6 +1530,7 @@ mod tests {
             "id" => &["\"auto\"", "0", "3", "1048575", "1048576", "\"x\""],
             "block_size" => &["512", "1024", "2048", "4096", "8192", "768"],
             "sandbox" | "direct" | "zero_copy" => &["true", "false"],
+            "sandbox_optional" => &["[]", "[\"user-namespace\"]", "[\"landlock\", \"x\"]"],
             _ => &["1", "1", "2", "4", "8", "64", "0", "65", "300", "4096", "4097"],
         };
         prop_oneof![
@@ -1587,6 +1638,7 @@ mod tests {
                             block_size,
                             threads,
                             sandbox,
+                            sandbox_optional: LayerSet::EMPTY,
                         };
                         (text, spec)
                     })

@@ -50,6 +50,7 @@ pub(crate) struct RawDefaults {
     pub block_size: Option<Int>,
     pub threads: Option<Int>,
     pub sandbox: Option<bool>,
+    pub sandbox_optional: Option<Vec<String>>,
 }
 
 /// The `[[device]]` array; its own type for a readable "expected" in type errors.
@@ -70,6 +71,7 @@ pub(crate) struct RawDevice {
     pub block_size: Option<Int>,
     pub threads: Option<Int>,
     pub sandbox: Option<bool>,
+    pub sandbox_optional: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -114,15 +114,122 @@ pub enum ToWorker {
     Shutdown,
 }
 
+/// A layer of the worker sandbox that a kernel (or where ublkd runs) can refuse. A
+/// worker that cannot apply one refuses to run, unless its device lists the layer as
+/// optional (`sandbox_optional`); then it runs without and says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SandboxLayer {
+    /// Its own user namespace, mapping only the worker's uid and gid. Refused inside a
+    /// chroot, and where user namespaces are restricted (`user.max_user_namespaces=0`,
+    /// Debian's `kernel.unprivileged_userns_clone=0`, Ubuntu's AppArmor restriction).
+    UserNamespace,
+    /// Its own mount, network, IPC, UTS and cgroup namespaces.
+    Namespaces,
+    /// An empty read-only root instead of the host's.
+    EmptyRoot,
+    /// Landlock denying every file access.
+    Landlock,
+}
+
+/// A name that is not a [`SandboxLayer`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a sandbox layer; expected user-namespace, namespaces, empty-root or landlock"
+)]
+pub struct UnknownLayer(pub String);
+
+impl SandboxLayer {
+    pub const ALL: [SandboxLayer; 4] =
+        [Self::UserNamespace, Self::Namespaces, Self::EmptyRoot, Self::Landlock];
+
+    /// The name the config file, the command lines and status use.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::UserNamespace => "user-namespace",
+            Self::Namespaces => "namespaces",
+            Self::EmptyRoot => "empty-root",
+            Self::Landlock => "landlock",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Result<Self, UnknownLayer> {
+        Self::ALL.into_iter().find(|l| l.name() == name).ok_or_else(|| UnknownLayer(name.into()))
+    }
+
+    /// A comma-separated list of names (the worker's `--sandbox-optional`), empty or
+    /// not; sorted, without repeats.
+    pub fn parse_list(list: &str) -> Result<Vec<Self>, UnknownLayer> {
+        let mut layers = list
+            .split(',')
+            .filter(|n| !n.is_empty())
+            .map(Self::from_name)
+            .collect::<Result<Vec<_>, _>>()?;
+        layers.sort();
+        layers.dedup();
+        Ok(layers)
+    }
+
+    /// `layers` as [`Self::parse_list`] reads them.
+    pub fn join(layers: &[Self]) -> String {
+        layers.iter().map(|l| l.name()).collect::<Vec<_>>().join(",")
+    }
+}
+
+impl std::fmt::Display for SandboxLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A set of [`SandboxLayer`]s (a device's `sandbox_optional`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerSet(u8);
+
+impl LayerSet {
+    pub const EMPTY: LayerSet = LayerSet(0);
+
+    pub fn of(layers: &[SandboxLayer]) -> Self {
+        LayerSet(layers.iter().fold(0, |bits, l| bits | 1 << *l as u8))
+    }
+
+    pub fn contains(self, layer: SandboxLayer) -> bool {
+        self.0 & 1 << layer as u8 != 0
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The layers, in [`SandboxLayer::ALL`]'s order.
+    pub fn layers(self) -> Vec<SandboxLayer> {
+        SandboxLayer::ALL.into_iter().filter(|l| self.contains(*l)).collect()
+    }
+}
+
+/// A sandbox layer a worker runs without, because its device allows that, and why
+/// it could not be applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MissingLayer {
+    pub layer: SandboxLayer,
+    pub cause: String,
+}
+
+impl std::fmt::Display for MissingLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.layer, self.cause)
+    }
+}
+
 /// What a worker says its sandbox achieved (informational: the supervisor checks
 /// what it can itself, from `/proc`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxReport {
     /// The namespaces it entered.
     pub namespaces: Vec<String>,
-    /// Why it has none, if the kernel refused them.
-    pub namespaces_note: Option<String>,
-    /// The Landlock ABI enforced, or `None` where the kernel lacks Landlock.
+    /// The layers it runs without (each one its device allowed to be missing).
+    pub missing: Vec<MissingLayer>,
+    /// The Landlock ABI enforced, or `None` where it is missing.
     pub landlock_abi: Option<u8>,
 }
 
@@ -283,6 +390,9 @@ pub struct AddRequest {
     pub zero_copy: Option<bool>,
     /// Run the worker in its sandbox; `None`: the daemon's default.
     pub sandbox: Option<bool>,
+    /// Sandbox layers the worker may run without where they cannot be applied;
+    /// `None`: the daemon's default (`defaults.sandbox_optional`).
+    pub sandbox_optional: Option<Vec<SandboxLayer>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -333,6 +443,9 @@ pub struct SandboxStatus {
     pub capabilities: String,
     /// `ABI n`, or `unsupported`.
     pub landlock: String,
+    /// The layers the worker runs without (its device allowed that), with why.
+    #[serde(default)]
+    pub missing: Vec<MissingLayer>,
 }
 
 /// One device as `ublkctl status` reports it.
@@ -490,7 +603,10 @@ mod tests {
             let msg = FromWorker::Standby {
                 sandbox: Some(SandboxReport {
                     namespaces: vec!["user".into(), "mnt".into()],
-                    namespaces_note: Some("refused".into()),
+                    missing: vec![MissingLayer {
+                        layer: SandboxLayer::UserNamespace,
+                        cause: "refused".into(),
+                    }],
                     landlock_abi: Some(4),
                 }),
                 rings: vec![5, 6, 7],

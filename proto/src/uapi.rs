@@ -147,6 +147,12 @@ pub const IORING_URING_CMD_MULTISHOT: u32 = 1 << 1;
 /// `Worker::release_device`): drop the ring's registered buffers and files.
 pub const IORING_UNREGISTER_BUFFERS: u32 = 1;
 pub const IORING_UNREGISTER_FILES: u32 = 3;
+/// io_uring_register(2): replace registered files (a worker puts `/dev/ublkcN` into its
+/// rings with it at activation).
+pub const IORING_REGISTER_FILES_UPDATE: u32 = 6;
+/// io_uring_register(2): give the ring a personality (the caller's credentials) that
+/// requests may run with. No worker ring allows it.
+pub const IORING_REGISTER_PERSONALITY: u32 = 9;
 
 // ---------------------------------------------------------------------------------------
 // Feature flags (`ublksrv_ctrl_dev_info.flags`, and the GET_FEATURES mask).

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ublkd_proto::msg::SandboxLayer;
 
 /// Exit codes, files and environment: the end of both `--help` texts and man pages.
 const UBLKD_AFTER_HELP: &str = "\
@@ -114,6 +115,13 @@ pub enum UblkctlCommand {
         /// sandbox): for measuring what the sandbox costs.
         #[arg(long)]
         no_sandbox: bool,
+        /// Sandbox layers this device's worker may run without where they cannot be
+        /// applied (comma-separated: user-namespace, namespaces, empty-root, landlock);
+        /// it then runs weaker and status and the journal say which layer is missing.
+        /// Without it: the daemon's default (defaults.sandbox_optional), and a worker
+        /// missing any other layer refuses to run.
+        #[arg(long, value_name = "LAYERS", value_parser = parse_layers, conflicts_with = "no_sandbox")]
+        sandbox_optional: Option<LayerList>,
         /// Device id (default: the kernel picks one).
         #[arg(short = 'n', long = "id")]
         id: Option<u32>,
@@ -158,6 +166,14 @@ pub enum UblkctlCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Sandbox layers as `--sandbox-optional` lists them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerList(pub Vec<SandboxLayer>);
+
+fn parse_layers(text: &str) -> Result<LayerList, String> {
+    SandboxLayer::parse_list(text).map(LayerList).map_err(|e| e.to_string())
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {

@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use ublkd_config::{Config, DeviceSpec, OnRestartLimit, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, TargetKind};
+use ublkd_proto::msg::{
+    AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
+};
 use ublkd_proto::uapi::DevState;
 
 use crate::control::ControlServer;
@@ -766,6 +768,10 @@ pub fn spec_from_request(
         block_size,
         threads: add.threads.unwrap_or(defaults.threads),
         sandbox: add.sandbox.unwrap_or(defaults.sandbox),
+        sandbox_optional: add
+            .sandbox_optional
+            .as_deref()
+            .map_or(defaults.sandbox_optional, LayerSet::of),
     };
     spec.validate().map_err(|e| flag_error(&e))?;
     Ok(spec)
@@ -845,7 +851,23 @@ mod tests {
             threads: None,
             zero_copy: None,
             sandbox: None,
+            sandbox_optional: None,
         }
+    }
+
+    #[test]
+    fn sandbox_optional_overrides_the_default_and_none_keeps_it() {
+        use ublkd_proto::msg::SandboxLayer;
+        let mut d = defaults();
+        d.sandbox_optional = LayerSet::of(&[SandboxLayer::Landlock]);
+        let a = add(TargetKind::Null);
+        let mut a = AddRequest { size: Some(1 << 20), ..a };
+        assert_eq!(spec_from_request(&a, &d).unwrap().sandbox_optional, d.sandbox_optional);
+        a.sandbox_optional = Some(vec![SandboxLayer::UserNamespace]);
+        assert_eq!(
+            spec_from_request(&a, &d).unwrap().sandbox_optional.layers(),
+            [SandboxLayer::UserNamespace]
+        );
     }
 
     #[test]

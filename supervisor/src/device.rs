@@ -26,7 +26,7 @@ use ublkd_proto::uapi::{
 
 use crate::hang::{HangWatch, Verdict};
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
-use crate::worker::{Worker, WorkerError, WorkerIdentity};
+use crate::worker::{Worker, WorkerError, WorkerIdentity, WorkerSandbox};
 
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
@@ -330,7 +330,10 @@ impl Device {
     fn spawn_worker(&self, ctx: &Context, fail_io: bool) -> Result<Worker, DeviceError> {
         let id = self.id;
         let worker_err = |source| DeviceError::Worker { id, source };
-        let sandbox = self.spec.sandbox.then_some(ctx.worker_identity);
+        let sandbox = self.spec.sandbox.then_some(WorkerSandbox {
+            identity: ctx.worker_identity,
+            optional: self.spec.sandbox_optional,
+        });
         let mut worker = Worker::spawn(&ctx.worker_binary, id, sandbox).map_err(worker_err)?;
         let setup = WorkerSetup {
             dev_id: id,
@@ -376,6 +379,17 @@ impl Device {
                 "standby worker failed ({how}): {source}"
             );
             return Err(DeviceError::Worker { id, source });
+        }
+        let missing = worker.sandbox.as_ref().map(|s| &s.missing[..]).unwrap_or_default();
+        if !missing.is_empty() {
+            let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
+            tracing::warn!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                event = "sandbox_weaker",
+                "the worker runs without the sandbox layer(s) {} (allowed by sandbox_optional)",
+                list.join(", ")
+            );
         }
         Ok(worker)
     }
@@ -805,6 +819,7 @@ mod tests {
             block_size,
             threads: 1,
             sandbox: true,
+            sandbox_optional: ublkd_proto::msg::LayerSet::EMPTY,
         }
     }
 

@@ -25,6 +25,7 @@ pub fn sandbox_of(pid: u32, reported: Option<&SandboxReport>) -> Option<SandboxS
         Some(abi) => format!("ABI {abi}"),
         None => "unsupported".into(),
     };
+    out.missing = reported.map(|r| r.missing.clone()).unwrap_or_default();
     Some(out)
 }
 
@@ -49,6 +50,7 @@ pub fn parse_status(text: &str) -> Option<SandboxStatus> {
         no_new_privs: field("NoNewPrivs:").as_deref() == Some("1"),
         capabilities: field("CapEff:").unwrap_or_default(),
         landlock: String::new(),
+        missing: Vec::new(),
     })
 }
 

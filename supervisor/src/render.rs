@@ -103,6 +103,13 @@ pub fn status_text(devs: &[DevStatus]) -> String {
             d.recoveries,
             d.note.as_ref().map(|n| format!(" ({n})")).unwrap_or_default()
         ));
+        if let Some(missing) = d.sandbox.as_ref().map(|s| &s.missing).filter(|m| !m.is_empty()) {
+            let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
+            out.push_str(&format!(
+                "  warning: its worker runs without the sandbox layer(s) {}\n",
+                list.join(", ")
+            ));
+        }
     }
     out
 }

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
 /// Stored in each device's `ublksrv_flags` (kept verbatim by the kernel): "ublkd",
 /// then the record format version.
@@ -92,6 +93,8 @@ pub struct DeviceRecord {
     pub block_size: u32,
     pub threads: u16,
     pub sandbox: bool,
+    #[serde(default)]
+    pub sandbox_optional: Vec<SandboxLayer>,
 }
 
 impl DeviceRecord {
@@ -114,6 +117,7 @@ impl DeviceRecord {
             block_size: spec.block_size,
             threads: spec.threads,
             sandbox: spec.sandbox,
+            sandbox_optional: spec.sandbox_optional.layers(),
         }
     }
 
@@ -142,6 +146,7 @@ impl DeviceRecord {
             block_size: self.block_size,
             threads: self.threads,
             sandbox: self.sandbox,
+            sandbox_optional: LayerSet::of(&self.sandbox_optional),
         })
     }
 }
@@ -348,6 +353,8 @@ mod tests {
             block_size: 4096,
             threads: 1,
             sandbox: true,
+            // Kept in the record: an adopted device keeps its opt-in.
+            sandbox_optional: LayerSet::of(&[SandboxLayer::UserNamespace]),
         }
     }
 

@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
-    self, Activation, FromWorker, MsgError, SandboxReport, ToWorker, WorkerSetup,
+    self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, ToWorker,
+    WorkerSetup,
 };
 use ublkd_proto::uapi;
 
@@ -30,6 +31,10 @@ use crate::worker_log::PipeEnd;
 
 /// The most rings a worker may name: one per queue thread.
 const MAX_RINGS: usize = ublkd_config::MAX_THREADS as usize;
+
+/// The most entries of a worker's sandbox report's lists kept (there are seven
+/// namespace kinds and four layers).
+const NAMESPACES_SHOWN: usize = 8;
 
 /// The fd number at which a worker finds its control socket.
 pub const WORKER_CONTROL_FD: i32 = 3;
@@ -75,6 +80,14 @@ pub struct WorkerIdentity {
     pub gid: u32,
 }
 
+/// A worker's sandbox: who it runs as, and which layers it may run without where they
+/// cannot be applied (any other it cannot apply makes it refuse to run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerSandbox {
+    pub identity: WorkerIdentity,
+    pub optional: LayerSet,
+}
+
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
@@ -98,7 +111,7 @@ impl Worker {
     pub fn spawn(
         binary: &Path,
         dev_id: u32,
-        sandbox: Option<WorkerIdentity>,
+        sandbox: Option<WorkerSandbox>,
     ) -> Result<Worker, WorkerError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
@@ -116,11 +129,14 @@ impl Worker {
             cmd.stderr(Stdio::piped());
         }
         match sandbox {
-            Some(id) => {
+            Some(WorkerSandbox { identity: id, optional }) => {
                 cmd.arg("--sandbox-uid")
                     .arg(id.uid.to_string())
                     .arg("--sandbox-gid")
                     .arg(id.gid.to_string());
+                if !optional.is_empty() {
+                    cmd.arg("--sandbox-optional").arg(SandboxLayer::join(&optional.layers()));
+                }
             }
             None => {
                 cmd.arg("--no-sandbox");
@@ -203,15 +219,34 @@ impl Worker {
         setup: &WorkerSetup,
         fds: &[BorrowedFd<'_>],
     ) -> Result<(), WorkerError> {
-        msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds)
-            .map_err(WorkerError::Send)
+        match msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds) {
+            Ok(()) => Ok(()),
+            // A worker that could not set its sandbox up said why before it ended.
+            Err(source) => match self.receive(Duration::from_millis(100)) {
+                Ok((FromWorker::Failed { reason }, _)) => {
+                    Err(WorkerError::Failed { pid: self.pid(), reason })
+                }
+                _ => Err(WorkerError::Send(source)),
+            },
+        }
     }
 
     /// Waits up to `timeout` for the answer to the setup: standing by, or why not.
     pub fn standby_answer(&mut self, timeout: Duration) -> Result<(), WorkerError> {
         match self.receive(timeout)? {
             (FromWorker::Standby { sandbox, rings }, _) => {
-                self.sandbox = sandbox;
+                // Its text reaches the journal and status: escaped, bounded.
+                self.sandbox = sandbox.map(|mut report| {
+                    report.namespaces.truncate(NAMESPACES_SHOWN);
+                    report.missing.truncate(NAMESPACES_SHOWN);
+                    for ns in &mut report.namespaces {
+                        *ns = msg::untrusted_text(ns);
+                    }
+                    for missing in &mut report.missing {
+                        missing.cause = msg::untrusted_text(&missing.cause);
+                    }
+                    report
+                });
                 self.rings = copy_rings(self.pidfd.as_fd(), self.pid(), &rings)?;
                 Ok(())
             }
@@ -292,7 +327,14 @@ impl Worker {
                 break;
             }
         }
-        match msg::recv_packet::<FromWorker>(self.control()) {
+        let mut received = msg::recv_packet::<FromWorker>(self.control());
+        // A worker that ends with our message unread (one whose sandbox failed ends
+        // before it reads its setup) resets the connection, which the kernel reports
+        // once, before the packets the worker sent first: its Failed among them.
+        if matches!(&received, Err(MsgError::Io(e)) if e.raw_os_error() == Some(libc::ECONNRESET)) {
+            received = msg::recv_packet::<FromWorker>(self.control());
+        }
+        match received {
             Ok(got) => Ok(got),
             Err(MsgError::Closed) => {
                 let status = self.reap(Duration::from_secs(2));

@@ -61,7 +61,8 @@ fn attacked_and_recovered(name: &str, attack: &str) -> (Ublkd, u32, serde_json::
 }
 
 /// An attack the sandbox answers by killing the worker: the device is recovered.
-fn assert_killed_and_recovered(name: &str, attack: &str) {
+/// Returns ublkd's log.
+fn assert_killed_and_recovered(name: &str, attack: &str) -> String {
     let _serial = serial();
     let (ublkd, id, status, reason) = attacked_and_recovered(name, attack);
     assert!(
@@ -74,6 +75,7 @@ fn assert_killed_and_recovered(name: &str, attack: &str) {
     assert_eq!(status["state"], "LIVE");
     assert_device_serves(id);
     ublkd.stop();
+    log
 }
 
 /// An attack the sandbox answers with an error: the worker reports it and serves on.
@@ -93,6 +95,14 @@ fn assert_refused(name: &str, attack: &str, error: &str) {
     ublkd.stop();
 }
 
+/// An attack on system call `nr`, which the policy allows with other arguments: the
+/// seccomp filter kills the worker on that very call, and the device is recovered.
+fn assert_argument_filter_kills(name: &str, attack: &str, nr: i64) {
+    let log = assert_killed_and_recovered(name, attack);
+    let report = format!("sandbox: blocked system call {nr:04}");
+    assert!(log.contains(&report), "attack {attack}: no {report:?} in:\n{log}");
+}
+
 #[test]
 fn opening_a_host_path_kills_the_worker() {
     assert_killed_and_recovered("sbx-open", "open-host-path");
@@ -100,8 +110,34 @@ fn opening_a_host_path_kills_the_worker() {
 
 #[test]
 fn a_host_path_is_not_even_visible() {
-    // stat is allowed (on the worker's own fds); the root is an empty tmpfs.
+    // statx with AT_EMPTY_PATH passes seccomp (it is how std stats its own fds), and a
+    // path given with it is still looked up: in the empty root, where it is not.
     assert_refused("sbx-stat", "stat-host-path", "No such file or directory");
+}
+
+#[test]
+fn stat_of_a_path_without_at_empty_path_kills_the_worker() {
+    assert_argument_filter_kills("sbx-stat-plain", "stat-host-path-plain", libc::SYS_statx);
+}
+
+#[test]
+fn mapping_executable_memory_kills_the_worker() {
+    assert_argument_filter_kills("sbx-mmap-exec", "mmap-exec", libc::SYS_mmap);
+}
+
+#[test]
+fn making_memory_executable_kills_the_worker() {
+    assert_argument_filter_kills("sbx-mprotect-exec", "mprotect-exec", libc::SYS_mprotect);
+}
+
+#[test]
+fn a_prctl_option_other_than_naming_a_thread_kills_the_worker() {
+    assert_argument_filter_kills("sbx-prctl", "prctl-dumpable", libc::SYS_prctl);
+}
+
+#[test]
+fn an_fcntl_command_other_than_dup_kills_the_worker() {
+    assert_argument_filter_kills("sbx-fcntl", "fcntl-setfl", libc::SYS_fcntl);
 }
 
 #[test]
@@ -161,6 +197,13 @@ fn a_forbidden_io_uring_opcode_is_refused_by_the_ring() {
     assert_refused("sbx-openat", "uring-openat", "Permission denied");
 }
 
+#[test]
+fn a_forbidden_io_uring_register_op_is_refused_by_the_ring() {
+    // IORING_REGISTER_PERSONALITY on the queue thread's enabled ring: the ring's
+    // register restrictions answer EACCES.
+    assert_refused("sbx-register", "uring-register-personality", "Permission denied");
+}
+
 /// A worker that COMMITs a tag it was never given (`fault`): the kernel refuses, the
 /// worker ends with its data-path exit code naming the refusal, and ublkd recovers the
 /// device, which serves on.
@@ -213,5 +256,180 @@ fn status_shows_the_sandbox_in_force() {
         assert!(namespaces.contains(&ns), "{ns} missing from {namespaces:?}");
     }
     assert!(sbx["landlock"].as_str().unwrap().starts_with("ABI "), "{sbx}");
+    ublkd.stop();
+}
+
+/// While alive, the guest refuses user namespaces to everyone
+/// (`user.max_user_namespaces = 0`, what a restricted kernel does); the old limit comes
+/// back on drop.
+struct UserNamespacesRefused {
+    old: String,
+}
+
+const MAX_USER_NAMESPACES: &str = "/proc/sys/user/max_user_namespaces";
+
+impl UserNamespacesRefused {
+    fn new() -> Self {
+        let old = std::fs::read_to_string(MAX_USER_NAMESPACES).unwrap();
+        std::fs::write(MAX_USER_NAMESPACES, "0").unwrap();
+        UserNamespacesRefused { old }
+    }
+}
+
+impl Drop for UserNamespacesRefused {
+    fn drop(&mut self) {
+        std::fs::write(MAX_USER_NAMESPACES, self.old.trim()).unwrap();
+    }
+}
+
+/// `ublkctl add ARGS` fails, naming the user-namespace layer, `cause`, and the setting
+/// that would allow it; no device is left.
+fn assert_add_refused_for_the_user_namespace(ublkd: &Ublkd, args: &[&str], cause: &str) {
+    let mut full = vec!["add"];
+    full.extend_from_slice(args);
+    let out = ublkd.ctl(&full);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "add must fail without a user namespace:\n{err}");
+    for part in
+        ["sandbox layer user-namespace", "unshare(CLONE_NEWUSER)", cause, "sandbox_optional"]
+    {
+        assert!(err.contains(part), "{part:?} missing from the refusal:\n{err}");
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&ublkd.ctl_ok(&["status", "--json"])).expect("status --json is JSON");
+    assert_eq!(status["devices"], serde_json::json!([]), "a refused device is left: {status}");
+}
+
+/// The worker of device `id` runs without its user namespace only, and every surface
+/// says so: status --json, status, and a warning in the journal.
+fn assert_runs_without_the_user_namespace(ublkd: &Ublkd, id: u32, cause: &str) {
+    let status = ublkd.status_of(id);
+    let sbx = &status["sandbox"];
+    let namespaces: Vec<&str> =
+        sbx["namespaces"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
+    assert_eq!(namespaces, ["mnt", "net", "ipc", "uts", "cgroup"], "{status}");
+    let missing = sbx["missing"].as_array().expect("missing layers listed");
+    assert_eq!(missing.len(), 1, "{status}");
+    assert_eq!(missing[0]["layer"], "user-namespace");
+    assert!(missing[0]["cause"].as_str().unwrap().contains(cause), "{status}");
+    assert_eq!(sbx["seccomp"], "filter");
+    assert_eq!(sbx["capabilities"], "0000000000000000");
+    assert!(sbx["landlock"].as_str().unwrap().starts_with("ABI "), "{sbx}");
+    let text = ublkd.ctl_ok(&["status"]);
+    assert!(
+        text.contains("warning: its worker runs without the sandbox layer(s) user-namespace"),
+        "{text}"
+    );
+    let log = ublkd.log();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("runs without the sandbox layer(s) user-namespace")),
+        "no warning in the journal:\n{log}"
+    );
+}
+
+/// The hooked worker's `stat-host-path` attack (statx of /etc/passwd, which seccomp
+/// lets through with AT_EMPTY_PATH) finds nothing: the worker's root is empty.
+fn assert_host_root_out_of_sight(ublkd: &Ublkd) {
+    let line = "attack stat-host-path: blocked";
+    ublkd.wait_until("the attack's outcome", || {
+        ublkd.log().contains(line) || ublkd.log().contains("ESCAPED")
+    });
+    let log = ublkd.log();
+    assert!(!log.contains("ESCAPED"), "the worker saw the host's root:\n{log}");
+    let outcome = log.lines().find(|l| l.contains(line)).unwrap();
+    assert!(outcome.contains("No such file or directory"), "{outcome}");
+}
+
+#[test]
+fn a_refused_user_namespace_refuses_the_device_unless_allowed_and_then_says_so() {
+    let _serial = serial();
+    let _refused = UserNamespacesRefused::new();
+    let extra =
+        format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
+    let env = [("UBLKD_WORKER_ATTACK", "stat-host-path")];
+    let ublkd = Ublkd::start_with("sbx-no-userns", &extra, &env);
+    // The kernel's answer to unshare(CLONE_NEWUSER) over the limit: ENOSPC.
+    let cause = "No space left on device";
+    assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
+    let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
+    assert_runs_without_the_user_namespace(&ublkd, id, cause);
+    assert_host_root_out_of_sight(&ublkd);
+    assert_device_serves(id);
+    ublkd.stop();
+}
+
+#[test]
+fn the_config_default_allows_running_without_the_user_namespace() {
+    let _serial = serial();
+    let _refused = UserNamespacesRefused::new();
+    let extra = "worker_user = \"nobody\"\n\n[defaults]\nsandbox_optional = [\"user-namespace\"]\n";
+    let ublkd = Ublkd::start_with("sbx-no-userns-config", extra, &[]);
+    let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    assert_runs_without_the_user_namespace(&ublkd, id, "No space left on device");
+    assert_device_serves(id);
+    ublkd.stop();
+}
+
+#[test]
+fn a_configured_device_without_its_user_namespace_fails_naming_the_layer() {
+    let _serial = serial();
+    let _refused = UserNamespacesRefused::new();
+    let extra = "worker_user = \"nobody\"\n\n[[device]]\ntarget = \"memory\"\nsize = \"16M\"\n";
+    let ublkd = Ublkd::start_with("sbx-no-userns-configured", extra, &[]);
+    ublkd.wait_until("the configured device's outcome", || {
+        ublkd.log().contains("configured device")
+    });
+    let log = ublkd.log();
+    let line = log.lines().find(|l| l.contains("configured device")).unwrap();
+    for part in ["ERROR", "sandbox layer user-namespace", "unshare(CLONE_NEWUSER)", "No space left"]
+    {
+        assert!(line.contains(part), "{part:?} missing from {line:?}");
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&ublkd.ctl_ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["devices"], serde_json::json!([]), "{status}");
+    ublkd.stop();
+}
+
+/// A root that is a plain directory (not a mount point) with the guest's top-level
+/// entries bound into it, in a mount namespace of its own (gone with ublkd): a chroot
+/// as a distribution's build or rescue environment makes one. Returns the wrapper
+/// that runs a command there.
+fn chroot_wrapper() -> Vec<&'static str> {
+    const SCRIPT: &str = r#"set -e
+echo "test chroot: binding the guest's entries in at $(date +%T.%N)" >&2
+root=/tmp/ublkd-test-chroot
+mkdir -p "$root"
+for entry in /*; do
+    name=${entry#/}
+    if [ -L "$entry" ]; then
+        ln -sfn "$(readlink "$entry")" "$root/$name"
+    elif [ -d "$entry" ]; then
+        mkdir -p "$root/$name"
+        mount --rbind "$entry" "$root/$name"
+    fi
+done
+echo "test chroot: $root ready at $(date +%T.%N)" >&2
+exec chroot "$root" "$@""#;
+    vec!["unshare", "--mount", "--propagation", "private", "sh", "-c", SCRIPT, "sh"]
+}
+
+#[test]
+fn inside_a_chroot_the_worker_keeps_every_other_layer_and_the_host_root_out_of_sight() {
+    let _serial = serial();
+    let extra =
+        format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
+    let env = [("UBLKD_WORKER_ATTACK", "stat-host-path")];
+    let ublkd = Ublkd::start_wrapped("sbx-chroot", &extra, &env, &chroot_wrapper());
+    // Inside a chroot the kernel refuses CLONE_NEWUSER to anyone, root included: EPERM.
+    let cause = "Operation not permitted";
+    assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
+    let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
+    assert_runs_without_the_user_namespace(&ublkd, id, cause);
+    // pivot_root is refused there too (`/` is not a mount point): the worker chroots
+    // into a detached empty tmpfs instead, and the chroot's files are out of sight.
+    assert_host_root_out_of_sight(&ublkd);
+    assert_device_serves(id);
     ublkd.stop();
 }

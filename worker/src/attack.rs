@@ -19,6 +19,8 @@ pub fn requested() -> Option<String> {
 
 /// Attacks the ring makes from inside a queue thread (see `queue_loop`).
 pub const URING_OPENAT: &str = "uring-openat";
+/// `io_uring_register(IORING_REGISTER_PERSONALITY)` on the queue thread's enabled ring.
+pub const URING_REGISTER_PERSONALITY: &str = "uring-register-personality";
 /// Not an attack on the sandbox but a fault towards the kernel: queue thread 0 COMMITs
 /// one tag it was never given (a one-element COMMIT, which completes only on failure).
 /// The kernel must refuse it, and the worker must notice, end, and be replaced.
@@ -110,7 +112,8 @@ pub fn say(line: String) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
-fn outcome(name: &str, rc: i64) {
+/// The outcome of a raw call that returned `rc` (negative: refused, errno set).
+pub fn outcome(name: &str, rc: i64) {
     if rc < 0 {
         let err = std::io::Error::last_os_error();
         say(format!("attack {name}: blocked ({err})"));
@@ -118,6 +121,16 @@ fn outcome(name: &str, rc: i64) {
         say(format!("attack {name}: ESCAPED (returned {rc})"));
         std::process::exit(99);
     }
+}
+
+/// `statx(AT_FDCWD, path, flags)`.
+fn statx(path: &CString, flags: libc::c_int) -> i64 {
+    // SAFETY: a zeroed statx is a valid out-buffer.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated and `st` a valid out-buffer, for the call.
+    i64::from(unsafe {
+        libc::statx(libc::AT_FDCWD, path.as_ptr(), flags, libc::STATX_SIZE, &mut st)
+    })
 }
 
 /// Makes attack `name`; `supervisor` is the supervisor's pid (read before the
@@ -133,25 +146,59 @@ pub fn run(name: &str, supervisor: i32) {
             // SAFETY: see above.
             outcome(name, i64::from(unsafe { libc::open(p.as_ptr(), libc::O_RDONLY) }));
         }
-        "stat-host-path" => {
-            let p = c("/etc/passwd");
-            // SAFETY: see above.
-            let mut st: libc::statx = unsafe { std::mem::zeroed() };
-            // SAFETY: see above.
-            let rc =
-                unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
-            outcome(name, i64::from(rc));
-        }
+        // With AT_EMPTY_PATH, which seccomp lets through: the path is still looked up
+        // (in the worker's root).
+        "stat-host-path" => outcome(name, statx(&c("/etc/passwd"), libc::AT_EMPTY_PATH)),
+        // Without AT_EMPTY_PATH, which seccomp refuses.
+        "stat-host-path-plain" => outcome(name, statx(&c("/etc/passwd"), 0)),
         "stat-other-device" => {
             // Another device's shared region, whose path the test knows.
             let path = std::env::var("UBLKD_WORKER_ATTACK_PATH").unwrap_or_default();
-            let p = c(&path);
-            // SAFETY: see above.
-            let mut st: libc::statx = unsafe { std::mem::zeroed() };
-            // SAFETY: see above.
-            let rc =
-                unsafe { libc::statx(libc::AT_FDCWD, p.as_ptr(), 0, libc::STATX_SIZE, &mut st) };
+            outcome(name, statx(&c(&path), libc::AT_EMPTY_PATH));
+        }
+        "mmap-exec" => {
+            // SAFETY: see above (an anonymous mapping; nothing is placed at a fixed address).
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_EXEC,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            outcome(name, if p == libc::MAP_FAILED { -1 } else { p as i64 });
+        }
+        "mprotect-exec" => {
+            // A page of its own, made writable first (allowed), then executable.
+            // SAFETY: see above (an anonymous mapping of its own, never dereferenced).
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                say(format!("attack {name}: the writable page failed, nothing tried"));
+                return;
+            }
+            // SAFETY: see above; `p` is the page just mapped.
+            let rc = unsafe { libc::mprotect(p, 4096, libc::PROT_READ | libc::PROT_EXEC) };
             outcome(name, i64::from(rc));
+        }
+        "prctl-dumpable" => {
+            // Would give its /proc files back to its uid (other workers share it).
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) }));
+        }
+        "fcntl-setfl" => {
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::fcntl(2, libc::F_SETFL, libc::O_APPEND) }));
         }
         "socket" => {
             // SAFETY: see above.
@@ -189,7 +236,12 @@ pub fn run(name: &str, supervisor: i32) {
             outcome(name, i64::from(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }));
         }
         // Made by a queue thread.
-        URING_OPENAT | COMMIT_UNOWNED | COMMIT_UNOWNED_BATCH | SCRIBBLE_REGION | STALL_THREAD => {}
+        URING_OPENAT
+        | URING_REGISTER_PERSONALITY
+        | COMMIT_UNOWNED
+        | COMMIT_UNOWNED_BATCH
+        | SCRIBBLE_REGION
+        | STALL_THREAD => {}
         STDERR_FLOOD => {
             // The supervisor's own text format, a device event it never logged, and a
             // carriage return that would hide the line's start on a terminal.

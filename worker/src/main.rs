@@ -28,7 +28,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier, mpsc};
 
-use ublkd_proto::msg::{self, FromWorker, ToWorker, WorkerSetup};
+use ublkd_proto::msg::{self, FromWorker, SandboxLayer, ToWorker, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmRegion};
 
 use crate::device::{DescArray, Device, TagBuffers};
@@ -80,7 +80,8 @@ fn main() -> ExitCode {
     // SAFETY: getppid has no preconditions (read before the sandbox forbids it).
     let supervisor = unsafe { libc::getppid() };
     // The sandbox goes up before the worker reads a single message.
-    let report = match identity.map(|id| sandbox::apply(id, fd)).transpose() {
+    let report = match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd)).transpose()
+    {
         Ok(report) => report,
         Err(e) => return ExitCode::from(fail(control.as_fd(), exit::SETUP, e.to_string())),
     };
@@ -95,16 +96,25 @@ fn main() -> ExitCode {
 #[cfg(feature = "test-hooks")]
 static ATTACK: std::sync::OnceLock<(String, i32)> = std::sync::OnceLock::new();
 
-/// `--sandbox-uid U --sandbox-gid G`, or `--no-sandbox`.
-fn sandbox_identity(args: &[String]) -> Result<Option<sandbox::Identity>, String> {
+/// `--sandbox-uid U --sandbox-gid G [--sandbox-optional LAYER,…]`, or `--no-sandbox`.
+type SandboxArgs = (sandbox::Identity, Vec<SandboxLayer>);
+
+fn sandbox_identity(args: &[String]) -> Result<Option<SandboxArgs>, String> {
+    let text = |flag: &str| args.iter().position(|a| a == flag).map(|at| args.get(at + 1));
     let value = |flag: &str| -> Result<Option<u32>, String> {
-        match args.iter().position(|a| a == flag) {
+        match text(flag) {
             None => Ok(None),
-            Some(at) => args
-                .get(at + 1)
+            Some(v) => v
                 .and_then(|v| v.parse().ok())
                 .map(Some)
                 .ok_or_else(|| format!("{flag} needs a number")),
+        }
+    };
+    let optional = match text("--sandbox-optional") {
+        None => Vec::new(),
+        Some(None) => return Err("--sandbox-optional needs a list of layers".into()),
+        Some(Some(list)) => {
+            SandboxLayer::parse_list(list).map_err(|e| format!("--sandbox-optional: {e}"))?
         }
     };
     match (
@@ -112,7 +122,7 @@ fn sandbox_identity(args: &[String]) -> Result<Option<sandbox::Identity>, String
         value("--sandbox-gid")?,
         args.iter().any(|a| a == "--no-sandbox"),
     ) {
-        (Some(uid), Some(gid), false) => Ok(Some(sandbox::Identity { uid, gid })),
+        (Some(uid), Some(gid), false) => Ok(Some((sandbox::Identity { uid, gid }, optional))),
         (None, None, true) => Ok(None),
         _ => Err("give --sandbox-uid and --sandbox-gid, or --no-sandbox".into()),
     }

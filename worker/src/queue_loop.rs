@@ -410,6 +410,26 @@ impl QueueThread {
             self.push(&sqe)?;
         }
         #[cfg(feature = "test-hooks")]
+        if crate::attack::requested().as_deref() == Some(crate::attack::URING_REGISTER_PERSONALITY)
+            && self.dev.generation == 1
+            && self.plan.index == 0
+        {
+            // Give the enabled ring this thread's credentials as a personality: its
+            // register restrictions must refuse.
+            // SAFETY: io_uring_register with a null argument and no entries reads no
+            // memory; the ring fd is this thread's own.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_register,
+                    self.ring.as_raw_fd(),
+                    uapi::IORING_REGISTER_PERSONALITY,
+                    std::ptr::null::<libc::c_void>(),
+                    0,
+                )
+            };
+            crate::attack::outcome(crate::attack::URING_REGISTER_PERSONALITY, rc);
+        }
+        #[cfg(feature = "test-hooks")]
         if self.dev.generation == 1 && self.plan.index == 0 {
             let tags: &[u16] = match crate::attack::requested().as_deref() {
                 Some(crate::attack::COMMIT_UNOWNED) => &[1],

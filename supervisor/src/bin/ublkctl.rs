@@ -29,6 +29,7 @@ fn main() -> ExitCode {
             zero_copy,
             copy,
             no_sandbox,
+            sandbox_optional,
             id,
         } => {
             let file = match file.map(|f| absolute(&f)).transpose() {
@@ -49,6 +50,7 @@ fn main() -> ExitCode {
                 threads,
                 zero_copy: if zero_copy { Some(true) } else { copy.then_some(false) },
                 sandbox: no_sandbox.then_some(false),
+                sandbox_optional: sandbox_optional.map(|l| l.0),
             })
         }
         Command::Del { id, all: _ } => CtlRequest::Del { id },

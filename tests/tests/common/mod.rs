@@ -112,6 +112,8 @@ pub struct Ublkd {
     config: PathBuf,
     /// ublkd's extra environment, for a restart.
     env: Vec<(String, String)>,
+    /// What ublkd's command line runs under (see [`Ublkd::start_wrapped`]).
+    wrapper: Vec<String>,
 }
 
 impl Ublkd {
@@ -123,6 +125,13 @@ impl Ublkd {
     /// Like [`Ublkd::start`], with `extra` TOML appended to the `[daemon]` table (and
     /// any tables after it) and `env` set for ublkd (and so its workers).
     pub fn start_with(name: &str, extra: &str, env: &[(&str, &str)]) -> Ublkd {
+        Self::start_wrapped(name, extra, env, &[])
+    }
+
+    /// Like [`Ublkd::start_with`], with ublkd's command line after `wrapper` (a
+    /// program that ends by exec'ing its arguments, so ublkd keeps its pid), e.g. to
+    /// run it inside a chroot.
+    pub fn start_wrapped(name: &str, extra: &str, env: &[(&str, &str)], wrapper: &[&str]) -> Ublkd {
         let run_dir = PathBuf::from(format!("/run/ublkd-test-{name}"));
         let _ = std::fs::remove_dir_all(&run_dir);
         let socket = run_dir.join("ublkd.sock");
@@ -139,7 +148,9 @@ impl Ublkd {
         let log = PathBuf::from(format!("/tmp/ublkd-test-{name}.log"));
         File::create(&log).unwrap();
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let mut daemon = Ublkd { child: None, ctl: Ctl { socket }, run_dir, log, config, env };
+        let wrapper = wrapper.iter().map(|a| a.to_string()).collect();
+        let mut daemon =
+            Ublkd { child: None, ctl: Ctl { socket }, run_dir, log, config, env, wrapper };
         daemon.spawn();
         daemon
     }
@@ -148,7 +159,16 @@ impl Ublkd {
     /// until it answers a request: it is then in its loop, signal handlers set.
     fn spawn(&mut self) {
         let log_file = OpenOptions::new().append(true).open(&self.log).unwrap();
-        let child = Command::new(bin("ublkd"))
+        let ublkd = bin("ublkd");
+        let mut cmd = match self.wrapper.split_first() {
+            None => Command::new(&ublkd),
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg(&ublkd);
+                cmd
+            }
+        };
+        let child = cmd
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .arg("--config")
             .arg(&self.config)
@@ -158,12 +178,15 @@ impl Ublkd {
             .spawn()
             .expect("cannot start ublkd");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // A wrapper gets as long again (the chroot one starts a process per bind mount,
+        // slow under emulation on a loaded host).
+        let limit = Duration::from_secs(if self.wrapper.is_empty() { 30 } else { 60 });
+        let deadline = Instant::now() + limit;
         while !self.ctl(&["status"]).status.success() {
             if let Some(status) = self.child().try_wait().unwrap() {
                 panic!("ublkd exited at start ({status}):\n{}", self.log());
             }
-            assert!(Instant::now() < deadline, "ublkd did not listen within 30 s");
+            assert!(Instant::now() < deadline, "ublkd did not listen within {limit:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
     }

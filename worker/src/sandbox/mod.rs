@@ -8,22 +8,37 @@
 //!    starts its io-wq kernel threads (fsync, fallocate, buffered loop I/O) as the
 //!    worker's user, so a low limit would starve the data path; thread creation is
 //!    closed by seccomp stage 2 instead.
-//! 3. identity: supplementary groups cleared, then gid and uid set to the dedicated
+//! 3. namespaces, still as root (which needs no user namespace for them): new mount,
+//!    network, IPC, UTS and cgroup namespaces, each unshared on its own so that a
+//!    refusal names the one refused.
+//! 4. root: an empty read-only tmpfs becomes `/`: pivot_root, the old root detached;
+//!    where `/` is not a mount point (ublkd runs in a chroot, where pivot_root is
+//!    refused), chroot into a tmpfs attached nowhere, which only another chroot could
+//!    leave (CAP_SYS_CHROOT, dropped below, and a call seccomp refuses).
+//! 5. identity: supplementary groups cleared, then gid and uid set to the dedicated
 //!    unprivileged user, after the capability bounding set was emptied.
-//! 4. namespaces: new user, mount, network, IPC, UTS and cgroup namespaces (the user
-//!    namespace maps only the worker's own uid/gid); where the kernel refuses user
-//!    namespaces, the worker goes on without them and says so.
-//! 5. root: an empty read-only tmpfs becomes `/` (pivot_root), the old root is
-//!    detached.
-//! 6. `no_new_privs`.
-//! 7. Landlock: every filesystem access right handled, none granted.
-//! 8. capabilities: every set emptied (effective, permitted, inheritable, ambient, and
+//! 6. user namespace, entered as that user and mapping only its uid/gid. Entered last,
+//!    it owns none of the namespaces above: those stay owned by the initial user
+//!    namespace, where the worker holds no capability. (`/proc/self` is opened before
+//!    step 4 to write its maps.)
+//! 7. `no_new_privs`.
+//! 8. Landlock: every filesystem access right handled, none granted.
+//! 9. capabilities: every set emptied (effective, permitted, inheritable, ambient, and
 //!    the namespace's bounding set).
-//! 9. seccomp, stage 1: [`policy::ALWAYS`] plus [`policy::SETUP_ONLY`]; anything else
-//!    traps and the worker exits [`EXIT_SECCOMP`].
+//! 10. seccomp, stage 1: [`policy::ALWAYS`] plus [`policy::SETUP_ONLY`]; anything else
+//!     traps and the worker exits [`EXIT_SECCOMP`].
+//!
+//! The sandbox fails closed: a layer the kernel refuses (the user namespace, the other
+//! namespaces, the empty root, Landlock: [`SandboxLayer`]) makes the worker refuse to
+//! run and tell the supervisor which and why, unless its device lists the layer in
+//! `sandbox_optional`; then the worker runs without it and reports it missing (status
+//! and a warning in the journal). Kernels refuse user namespaces inside a chroot and
+//! where they are restricted (`user.max_user_namespaces=0`, Debian's
+//! `kernel.unprivileged_userns_clone=0`, Ubuntu's AppArmor restriction).
 //!
 //! While standing by, the worker creates every queue thread and its ring, restricted
-//! to [`policy::URING_OPS`] and enabled ([`restrict_ring`]) before it runs anything,
+//! to [`policy::URING_OPS`] and [`policy::URING_REGISTER_OPS`] and enabled
+//! ([`restrict_ring`]) before it runs anything,
 //! then seccomp stage 2 ([`lock_down`]) drops `io_uring_setup` and thread creation for
 //! all threads, before the worker ever sees the device. At activation each ring gets
 //! `/dev/ublkcN` as a registered file.
@@ -40,12 +55,13 @@
 pub mod policy;
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
+use std::ffi::CStr;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use io_uring::{IoUring, cqueue, squeue};
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
-use ublkd_proto::msg::SandboxReport as Report;
+use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
+use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report};
 
 /// The worker's exit code after a system call outside the policy.
 pub const EXIT_SECCOMP: i32 = 159;
@@ -62,6 +78,11 @@ pub struct Identity {
 pub enum SandboxError {
     #[error("sandbox step {step} failed: {source}")]
     Step { step: &'static str, source: io::Error },
+    #[error(
+        "the sandbox layer {layer} cannot be applied: {cause}; the worker does not run \
+         without it unless its device allows that (sandbox_optional = [\"{layer}\"])"
+    )]
+    Layer { layer: SandboxLayer, cause: String },
     #[error("cannot build the seccomp filter: {0}")]
     Seccomp(String),
     #[error("cannot apply Landlock: {0}")]
@@ -78,26 +99,64 @@ fn check(step: &'static str, rc: libc::c_int) -> Result<(), SandboxError> {
     }
 }
 
-/// Applies steps 1–9. `keep_fd` is the control socket.
-pub fn apply(id: Identity, keep_fd: i32) -> Result<Report, SandboxError> {
-    let mut report = Report::default();
+/// `what` failed with the last OS error: the cause of a missing layer.
+fn os_cause(what: &str) -> String {
+    format!("{what}: {}", io::Error::last_os_error())
+}
+
+/// The report under construction, and which layers may be missing.
+struct Layers<'a> {
+    optional: &'a [SandboxLayer],
+    report: Report,
+}
+
+impl Layers<'_> {
+    /// `layer` cannot be applied because of `cause`: noted if it is optional, else the
+    /// worker's end.
+    fn missing(&mut self, layer: SandboxLayer, cause: String) -> Result<(), SandboxError> {
+        if !self.optional.contains(&layer) {
+            return Err(SandboxError::Layer { layer, cause });
+        }
+        self.report.missing.push(MissingLayer { layer, cause });
+        Ok(())
+    }
+}
+
+/// Applies steps 1–10. `keep_fd` is the control socket; `optional` the layers the
+/// worker may run without where they cannot be applied.
+pub fn apply(
+    id: Identity,
+    optional: &[SandboxLayer],
+    keep_fd: i32,
+) -> Result<Report, SandboxError> {
+    let mut layers = Layers { optional, report: Report::default() };
     close_other_fds(keep_fd)?;
     set_rlimits()?;
-    become_user(id)?;
-    match enter_namespaces(id)? {
-        Ok(names) => {
-            report.namespaces = names;
-            pivot_to_empty_root()?;
+    // The user namespace maps are written after the root is gone: through this.
+    let proc_self = open_proc_self();
+    let mount_ns = enter_root_namespaces(&mut layers)?;
+    if mount_ns {
+        if let Err(cause) = enter_empty_root() {
+            layers.missing(SandboxLayer::EmptyRoot, cause)?;
         }
-        Err(refused) => report.namespaces_note = Some(format!("no namespaces: {refused}")),
+    } else {
+        layers.missing(SandboxLayer::EmptyRoot, "no mount namespace to make it in".into())?;
+    }
+    become_user(id)?;
+    match proc_self.and_then(|dir| enter_user_namespace(id, &dir)) {
+        Ok(()) => layers.report.namespaces.insert(0, "user".into()),
+        Err(cause) => layers.missing(SandboxLayer::UserNamespace, cause)?,
     }
     // SAFETY: prctl with PR_SET_NO_NEW_PRIVS takes integer arguments only.
     check("no_new_privs", unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
-    report.landlock_abi = apply_landlock()?;
+    match apply_landlock()? {
+        Some(abi) => layers.report.landlock_abi = Some(abi),
+        None => layers.missing(SandboxLayer::Landlock, "the kernel does not enforce it".into())?,
+    }
     drop_capabilities()?;
     install_sigsys_handler()?;
     apply_seccomp(true)?;
-    Ok(report)
+    Ok(layers.report)
 }
 
 fn close_other_fds(keep_fd: i32) -> Result<(), SandboxError> {
@@ -132,75 +191,230 @@ fn become_user(id: Identity) -> Result<(), SandboxError> {
     check("setresuid", unsafe { libc::setresuid(id.uid, id.uid, id.uid) })
 }
 
-/// Enters the namespaces. `Ok(Err(why))` when the kernel refuses them (the worker
-/// goes on without); `Err` when they were entered but could not be set up.
-fn enter_namespaces(id: Identity) -> Result<Result<Vec<String>, io::Error>, SandboxError> {
-    let flags = libc::CLONE_NEWUSER
-        | libc::CLONE_NEWNS
-        | libc::CLONE_NEWNET
-        | libc::CLONE_NEWIPC
-        | libc::CLONE_NEWUTS
-        | libc::CLONE_NEWCGROUP;
+/// The namespaces root may create without a user namespace, each on its own, so that
+/// a refusal names the one refused. Returns whether the mount namespace is among them.
+fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> {
+    let mut refused = Vec::new();
+    let mut mount_ns = false;
+    for (flag, name, call) in [
+        (libc::CLONE_NEWNS, "mnt", "unshare(CLONE_NEWNS)"),
+        (libc::CLONE_NEWNET, "net", "unshare(CLONE_NEWNET)"),
+        (libc::CLONE_NEWIPC, "ipc", "unshare(CLONE_NEWIPC)"),
+        (libc::CLONE_NEWUTS, "uts", "unshare(CLONE_NEWUTS)"),
+        (libc::CLONE_NEWCGROUP, "cgroup", "unshare(CLONE_NEWCGROUP)"),
+    ] {
+        // SAFETY: unshare takes flags only; the process is single-threaded here.
+        if unsafe { libc::unshare(flag) } < 0 {
+            refused.push(os_cause(call));
+        } else {
+            mount_ns |= flag == libc::CLONE_NEWNS;
+            layers.report.namespaces.push(name.into());
+        }
+    }
+    if !refused.is_empty() {
+        layers.missing(SandboxLayer::Namespaces, refused.join(", "))?;
+    }
+    Ok(mount_ns)
+}
+
+/// `/proc/self` of this process, opened while the host's `/proc` is still in reach.
+fn open_proc_self() -> Result<OwnedFd, String> {
+    let path = c"/proc/self";
+    // SAFETY: a valid NUL-terminated path; the fd returned is owned below.
+    let fd =
+        unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(os_cause("open /proc/self"));
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A user namespace of its own that maps only the worker's uid and gid, entered after
+/// the worker became that user (so the namespaces made as root stay owned by the
+/// initial user namespace, where the worker holds no capability).
+fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), String> {
     // SAFETY: unshare takes flags only; the process is single-threaded here, as
     // CLONE_NEWUSER requires.
-    if unsafe { libc::unshare(flags) } < 0 {
-        return Ok(Err(io::Error::last_os_error()));
+    if unsafe { libc::unshare(libc::CLONE_NEWUSER) } < 0 {
+        return Err(os_cause("unshare(CLONE_NEWUSER)"));
     }
     // Changing uid made the process non-dumpable, which leaves its /proc files to
     // root: writable again for the maps, then closed again (another worker runs as
     // the same user).
     // SAFETY: integer arguments only.
-    check("set dumpable", unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) })?;
-    let write = |path: &'static str, text: String| {
-        std::fs::write(path, text).map_err(|source| SandboxError::Step { step: path, source })
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) } < 0 {
+        return Err(os_cause("set dumpable"));
+    }
+    let write = |name: &CStr, text: String| -> Result<(), String> {
+        // SAFETY: `proc_self` is an open directory fd and `name` NUL-terminated.
+        let fd = unsafe {
+            libc::openat(proc_self.as_raw_fd(), name.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC)
+        };
+        if fd < 0 {
+            return Err(os_cause(&format!("open /proc/self/{}", name.to_string_lossy())));
+        }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        io::Write::write_all(&mut file, text.as_bytes())
+            .map_err(|e| format!("write /proc/self/{}: {e}", name.to_string_lossy()))
     };
-    write("/proc/self/setgroups", "deny".into())?;
-    write("/proc/self/gid_map", format!("{0} {0} 1\n", id.gid))?;
-    write("/proc/self/uid_map", format!("{0} {0} 1\n", id.uid))?;
+    write(c"setgroups", "deny".into())?;
+    write(c"gid_map", format!("{0} {0} 1\n", id.gid))?;
+    write(c"uid_map", format!("{0} {0} 1\n", id.uid))?;
     // SAFETY: integer arguments only.
-    check("clear dumpable", unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })?;
-    Ok(Ok(["user", "mnt", "net", "ipc", "uts", "cgroup"].map(String::from).to_vec()))
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } < 0 {
+        return Err(os_cause("clear dumpable"));
+    }
+    Ok(())
 }
 
-fn pivot_to_empty_root() -> Result<(), SandboxError> {
-    let c = |s: &str| CString::new(s).expect("no NUL");
-    let (root, tmpfs, opts) = (c("/"), c("tmpfs"), c("size=4k,nr_inodes=2,mode=0555"));
+/// Makes an empty read-only tmpfs the root: with pivot_root where the current root is
+/// a mount point, else (ublkd runs in a chroot) by chroot into a tmpfs that is
+/// attached nowhere. Either way the host's files are out of reach: the old root is
+/// detached, or, after the chroot, reachable only by another chroot (CAP_SYS_CHROOT,
+/// which the worker drops, and a system call seccomp refuses).
+fn enter_empty_root() -> Result<(), String> {
     // SAFETY: all pointers are valid NUL-terminated strings or null, for the call.
-    check("make / private", unsafe {
+    let private = unsafe {
         libc::mount(
             std::ptr::null(),
-            root.as_ptr(),
+            c"/".as_ptr(),
             std::ptr::null(),
             libc::MS_REC | libc::MS_PRIVATE,
             std::ptr::null(),
         )
-    })?;
+    };
+    if private == 0 {
+        return pivot_to_empty_root();
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EINVAL) {
+        return Err(format!("make / private: {err}"));
+    }
+    // EINVAL: `/` is not a mount point, so this is a chroot, where pivot_root is
+    // refused too.
+    chroot_to_empty_root()
+}
+
+const EMPTY_ROOT_OPTIONS: &CStr = c"size=4k,nr_inodes=2,mode=0555";
+
+fn pivot_to_empty_root() -> Result<(), String> {
+    let fail = |what: &str| Err(os_cause(what));
     // The new root is mounted over an existing directory, then becomes `/`.
-    let mount_point = ["/tmp", "/mnt", "/run", "/var"]
+    let Some(mount_point) = [c"/tmp", c"/mnt", c"/run", c"/var"]
         .into_iter()
-        .find(|p| std::path::Path::new(p).is_dir())
-        .ok_or_else(|| SandboxError::Step {
-            step: "find a mount point",
-            source: io::ErrorKind::NotFound.into(),
-        })?;
-    let target = c(mount_point);
+        .find(|p| std::path::Path::new(&*p.to_string_lossy()).is_dir())
+    else {
+        return Err("no directory to mount it on (/tmp, /mnt, /run, /var)".into());
+    };
     let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY;
     // SAFETY: valid NUL-terminated strings, for the call.
-    check("mount the empty root", unsafe {
-        libc::mount(tmpfs.as_ptr(), target.as_ptr(), tmpfs.as_ptr(), flags, opts.as_ptr().cast())
-    })?;
+    if unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            mount_point.as_ptr(),
+            c"tmpfs".as_ptr(),
+            flags,
+            EMPTY_ROOT_OPTIONS.as_ptr().cast(),
+        )
+    } < 0
+    {
+        return fail("mount the empty root");
+    }
     // SAFETY: valid NUL-terminated string.
-    check("chdir to the new root", unsafe { libc::chdir(target.as_ptr()) })?;
-    let dot = c(".");
+    if unsafe { libc::chdir(mount_point.as_ptr()) } < 0 {
+        return fail("chdir to the new root");
+    }
     // pivot_root(".", ".") stacks the old root under the new one; detaching "." then
     // removes the old root from this mount namespace.
     // SAFETY: valid NUL-terminated strings.
-    let rc = unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) };
-    check("pivot_root", rc as libc::c_int)?;
+    if unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) } < 0 {
+        return fail("pivot_root");
+    }
     // SAFETY: valid NUL-terminated string.
-    check("detach the old root", unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) })?;
+    if unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) } < 0 {
+        return fail("detach the old root");
+    }
     // SAFETY: valid NUL-terminated string.
-    check("chdir /", unsafe { libc::chdir(root.as_ptr()) })
+    if unsafe { libc::chdir(c"/".as_ptr()) } < 0 {
+        return fail("chdir /");
+    }
+    Ok(())
+}
+
+fn chroot_to_empty_root() -> Result<(), String> {
+    // The new mount API makes a tmpfs mount without attaching it anywhere, so nothing
+    // propagates to the host's mounts (`/` cannot be made private from inside a
+    // chroot: it is not a mount point).
+    const FSCONFIG_SET_STRING: libc::c_uint = 1;
+    const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+    const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+    const MOUNT_ATTR_RDONLY: libc::c_uint = 0x1;
+    const MOUNT_ATTR_NOSUID: libc::c_uint = 0x2;
+    const MOUNT_ATTR_NODEV: libc::c_uint = 0x4;
+    const MOUNT_ATTR_NOEXEC: libc::c_uint = 0x8;
+    let owned = |fd: libc::c_long, what: &str| -> Result<OwnedFd, String> {
+        if fd < 0 {
+            return Err(os_cause(what));
+        }
+        // SAFETY: `fd` was just returned by the kernel and is owned by nothing else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    };
+    // SAFETY: a valid NUL-terminated filesystem name and a flag.
+    let fs = owned(
+        unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), 1 as libc::c_uint) },
+        "fsopen(tmpfs)",
+    )?;
+    for (key, value) in [(c"size", c"4k"), (c"nr_inodes", c"2"), (c"mode", c"0555")] {
+        // SAFETY: `fs` is an fs context; key and value are NUL-terminated strings.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_fsconfig,
+                fs.as_raw_fd(),
+                FSCONFIG_SET_STRING,
+                key.as_ptr(),
+                value.as_ptr(),
+                0,
+            )
+        };
+        if rc < 0 {
+            return Err(os_cause("fsconfig(tmpfs)"));
+        }
+    }
+    // SAFETY: `fs` is an fs context; no pointer arguments.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    };
+    if rc < 0 {
+        return Err(os_cause("create the tmpfs"));
+    }
+    let attrs = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+    // SAFETY: `fs` is a created fs context; flags only.
+    let mnt = owned(
+        unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) },
+        "fsmount(tmpfs)",
+    )?;
+    // SAFETY: `mnt` is an open directory fd (the tmpfs's root).
+    if unsafe { libc::fchdir(mnt.as_raw_fd()) } < 0 {
+        return Err(os_cause("fchdir to the new root"));
+    }
+    // SAFETY: valid NUL-terminated strings.
+    if unsafe { libc::chroot(c".".as_ptr()) } < 0 {
+        return Err(os_cause("chroot"));
+    }
+    // SAFETY: valid NUL-terminated string.
+    if unsafe { libc::chdir(c"/".as_ptr()) } < 0 {
+        return Err(os_cause("chdir /"));
+    }
+    Ok(())
 }
 
 fn apply_landlock() -> Result<Option<u8>, SandboxError> {
@@ -241,21 +455,43 @@ fn drop_capabilities() -> Result<(), SandboxError> {
     caps::clear(None, caps::CapSet::Permitted).map_err(e)
 }
 
-/// On a trapped system call: say which, and exit with [`EXIT_SECCOMP`].
-extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+/// On a trapped system call: say which, with its first three arguments (what an
+/// argument filter looked at), and exit with [`EXIT_SECCOMP`].
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // siginfo_t for SIGSYS carries the syscall number at byte offset 24 on x86_64
     // (`si_syscall`, after si_call_addr), which the libc crate does not expose.
     // SAFETY: the kernel passes a valid siginfo_t for a SA_SIGINFO handler.
     let nr = unsafe { *(info.cast::<u8>().add(24).cast::<libc::c_int>()) };
-    let mut msg = *b"ublkd-worker: sandbox: blocked system call 0000\n";
+    // SAFETY: for a SA_SIGINFO handler the third argument is the interrupted context;
+    // at a seccomp trap its registers hold the system call's arguments.
+    let gregs = unsafe { (*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs };
+    let args = [libc::REG_RDI, libc::REG_RSI, libc::REG_RDX].map(|r| gregs[r as usize] as u64);
+    let mut msg = [0u8; 128];
+    let mut len = 0;
+    let mut put = |bytes: &[u8]| {
+        msg[len..len + bytes.len()].copy_from_slice(bytes);
+        len += bytes.len();
+    };
+    put(b"ublkd-worker: sandbox: blocked system call ");
+    let mut digits = [b'0'; 4];
     let mut n = nr.unsigned_abs();
-    for i in (43..47).rev() {
-        msg[i] = b'0' + (n % 10) as u8;
+    for d in digits.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
         n /= 10;
     }
-    // SAFETY: write and _exit are async-signal-safe; `msg` is a valid buffer.
+    put(&digits);
+    put(b" (args");
+    for arg in args {
+        let mut hex = *b" 0x0000000000000000";
+        for (i, h) in hex[3..].iter_mut().enumerate() {
+            *h = b"0123456789abcdef"[((arg >> (60 - 4 * i)) & 0xf) as usize];
+        }
+        put(&hex);
+    }
+    put(b")\n");
+    // SAFETY: write and _exit are async-signal-safe; `msg[..len]` is initialised.
     unsafe {
-        libc::write(2, msg.as_ptr().cast(), msg.len());
+        libc::write(2, msg.as_ptr().cast(), len);
         libc::_exit(EXIT_SECCOMP);
     }
 }
@@ -270,13 +506,41 @@ fn install_sigsys_handler() -> Result<(), SandboxError> {
     check("sigaction(SIGSYS)", unsafe { libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) })
 }
 
+/// The seccomp rule that lets through the calls `only` describes (`None`: all).
+fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError> {
+    use seccompiler::{SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond};
+    let err = |e: seccompiler::BackendError| SandboxError::Seccomp(e.to_string());
+    let one = |arg: u8, len: Len, op: Op, value: u64| -> Result<SeccompRule, SandboxError> {
+        SeccompRule::new(vec![Cond::new(arg, len, op, value).map_err(err)?]).map_err(err)
+    };
+    Ok(Some(match only {
+        policy::Only::Any => return Ok(None),
+        policy::Only::ArgIn { arg, values } => {
+            values.iter().map(|&v| one(arg, Len::Dword, Op::Eq, v)).collect::<Result<_, _>>()?
+        }
+        policy::Only::ArgLacks { arg, mask } => vec![one(arg, Len::Qword, Op::MaskedEq(mask), 0)?],
+        policy::Only::ArgHas { arg, mask } => {
+            vec![one(arg, Len::Qword, Op::MaskedEq(mask), mask)?]
+        }
+    }))
+}
+
 fn filter(setup: bool) -> Result<BpfProgram, SandboxError> {
-    let mut rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = BTreeMap::new();
+    // Per system call: `None` once any entry allows every call, else the union of the
+    // entries' rules.
+    let mut allowed: BTreeMap<i64, Option<Vec<SeccompRule>>> = BTreeMap::new();
     let lists: &[&[policy::Allowed]] =
         if setup { &[policy::ALWAYS, policy::SETUP_ONLY] } else { &[policy::ALWAYS] };
     for a in lists.iter().flat_map(|l| l.iter()) {
-        rules.insert(a.nr, Vec::new());
+        let rule = rule_of(a.only)?;
+        match (allowed.entry(a.nr).or_insert_with(|| Some(Vec::new())), rule) {
+            (slot, None) => *slot = None,
+            (Some(rules), Some(more)) => rules.extend(more),
+            (None, Some(_)) => {}
+        }
     }
+    // seccompiler: an empty rule list allows every call.
+    let rules = allowed.into_iter().map(|(nr, r)| (nr, r.unwrap_or_default())).collect();
     let f =
         SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, TargetArch::x86_64)
             .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
@@ -296,14 +560,16 @@ pub fn lock_down() -> Result<(), SandboxError> {
 }
 
 /// Restricts a ring created disabled (after its files and buffer rings are
-/// registered) to [`policy::URING_OPS`] and enables it. No register operation is
-/// allowed afterwards.
+/// registered) to [`policy::URING_OPS`] and, once enabled, to
+/// [`policy::URING_REGISTER_OPS`], and enables it.
 pub fn restrict_ring(ring: &IoUring<squeue::Entry, cqueue::Entry>) -> io::Result<()> {
-    let mut restrictions: Vec<io_uring::register::Restriction> = policy::URING_OPS
+    use io_uring::register::Restriction;
+    let mut restrictions: Vec<Restriction> = policy::URING_OPS
         .iter()
-        .map(|op| io_uring::register::Restriction::sqe_op(op.opcode))
+        .map(|op| Restriction::sqe_op(op.opcode))
+        .chain(policy::URING_REGISTER_OPS.iter().map(|op| Restriction::register_op(op.opcode)))
         .collect();
-    restrictions.push(io_uring::register::Restriction::sqe_flags_allowed(policy::URING_SQE_FLAGS));
+    restrictions.push(Restriction::sqe_flags_allowed(policy::URING_SQE_FLAGS));
     ring.submitter().register_restrictions(&mut restrictions)?;
     ring.submitter().register_enable_rings()
 }
@@ -311,12 +577,13 @@ pub fn restrict_ring(ring: &IoUring<squeue::Entry, cqueue::Entry>) -> io::Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ublkd_proto::uapi;
 
     #[test]
     fn policy_lists_have_no_duplicates_and_every_entry_has_a_reason() {
         let mut seen = std::collections::BTreeSet::new();
         for a in policy::ALWAYS.iter().chain(policy::SETUP_ONLY) {
-            assert!(seen.insert(a.nr), "{} listed twice", a.name);
+            assert!(seen.insert((a.nr, format!("{:?}", a.only))), "{} listed twice", a.name);
             assert!(!a.why.is_empty(), "{} has no reason", a.name);
         }
         for forbidden in [
@@ -332,6 +599,38 @@ mod tests {
             assert!(
                 !policy::ALWAYS.iter().any(|a| a.nr == forbidden),
                 "syscall {forbidden} must not be allowed after setup"
+            );
+        }
+    }
+
+    #[test]
+    fn arguments_are_filtered_where_the_reasons_say_so() {
+        let only =
+            |nr| policy::ALWAYS.iter().find(|a| a.nr == nr).map(|a| a.only).expect("allowed");
+        let no_exec = policy::Only::ArgLacks { arg: 2, mask: libc::PROT_EXEC as u64 };
+        assert_eq!(only(libc::SYS_mmap), no_exec);
+        assert_eq!(only(libc::SYS_mprotect), no_exec);
+        assert_eq!(
+            only(libc::SYS_prctl),
+            policy::Only::ArgIn { arg: 0, values: &[libc::PR_SET_NAME as u64] }
+        );
+        let empty_path = libc::AT_EMPTY_PATH as u64;
+        assert_eq!(only(libc::SYS_statx), policy::Only::ArgHas { arg: 2, mask: empty_path });
+        assert_eq!(only(libc::SYS_newfstatat), policy::Only::ArgHas { arg: 3, mask: empty_path });
+    }
+
+    #[test]
+    fn an_enabled_ring_allows_no_register_op_that_adds_power() {
+        for op in [
+            uapi::IORING_REGISTER_PERSONALITY,
+            22, // IORING_REGISTER_PBUF_RING
+            11, // IORING_REGISTER_RESTRICTIONS
+            0,  // IORING_REGISTER_BUFFERS
+            2,  // IORING_REGISTER_FILES
+        ] {
+            assert!(
+                !policy::URING_REGISTER_OPS.iter().any(|o| u32::from(o.opcode) == op),
+                "register op {op} allowed"
             );
         }
     }

@@ -9,19 +9,48 @@
 //! [`super::EXIT_SECCOMP`], which the supervisor recognises.
 
 use io_uring::opcode;
+use ublkd_proto::uapi;
 
-/// One allowed system call. `name` and `why` are for the reader (and the tests).
+/// One allowed system call, with the arguments it is allowed with. `name` and `why`
+/// are for the reader (and the tests).
 #[derive(Debug, Clone, Copy)]
 #[allow(dead_code)]
 pub struct Allowed {
     pub nr: libc::c_long,
     pub name: &'static str,
+    pub only: Only,
     pub why: &'static str,
 }
 
-const fn allow(nr: libc::c_long, name: &'static str, why: &'static str) -> Allowed {
-    Allowed { nr, name, why }
+/// Which calls of an allowed system call the filter lets through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Only {
+    /// Every call.
+    Any,
+    /// Calls whose argument `arg` (a C `int`: the low 32 bits are compared) is one of
+    /// `values`.
+    ArgIn { arg: u8, values: &'static [u64] },
+    /// Calls whose argument `arg` has none of the bits in `mask` set.
+    ArgLacks { arg: u8, mask: u64 },
+    /// Calls whose argument `arg` has every bit in `mask` set.
+    ArgHas { arg: u8, mask: u64 },
 }
+
+const fn allow(nr: libc::c_long, name: &'static str, why: &'static str) -> Allowed {
+    Allowed { nr, name, only: Only::Any, why }
+}
+
+const fn allow_only(
+    nr: libc::c_long,
+    name: &'static str,
+    only: Only,
+    why: &'static str,
+) -> Allowed {
+    Allowed { nr, name, only, why }
+}
+
+/// `mmap`'s and `mprotect`'s `prot` argument.
+const PROT_ARG: u8 = 2;
 
 /// Allowed for the worker's whole life once sandboxed.
 pub const ALWAYS: &[Allowed] = &[
@@ -30,18 +59,25 @@ pub const ALWAYS: &[Allowed] = &[
         "read",
         "reading an fd the supervisor gave (rare; kept for std's fallbacks)",
     ),
-    allow(libc::SYS_write, "write", "log lines to stderr (the journal)"),
+    allow(libc::SYS_write, "write", "log lines to stderr (a pipe ublkd relays to its log)"),
     allow(libc::SYS_writev, "writev", "log lines to stderr, as the logger writes them"),
     allow(libc::SYS_close, "close", "dropping fds it no longer needs"),
     allow(libc::SYS_recvmsg, "recvmsg", "messages and fds from the supervisor (SCM_RIGHTS)"),
     allow(libc::SYS_sendmsg, "sendmsg", "answers to the supervisor"),
-    allow(
+    allow_only(
         libc::SYS_mmap,
         "mmap",
-        "descriptor arrays, the shared region, memory target, buffers, thread stacks",
+        Only::ArgLacks { arg: PROT_ARG, mask: libc::PROT_EXEC as u64 },
+        "descriptor arrays, the shared region, memory target, buffers, thread stacks; \
+         never executable: the worker loads no code once sandboxed",
     ),
     allow(libc::SYS_munmap, "munmap", "freeing mappings (allocator, thread stacks)"),
-    allow(libc::SYS_mprotect, "mprotect", "guard pages of thread stacks"),
+    allow_only(
+        libc::SYS_mprotect,
+        "mprotect",
+        Only::ArgLacks { arg: PROT_ARG, mask: libc::PROT_EXEC as u64 },
+        "guard pages of thread stacks; never making memory executable",
+    ),
     allow(libc::SYS_mremap, "mremap", "the allocator growing large blocks"),
     allow(libc::SYS_madvise, "madvise", "the allocator returning memory"),
     allow(libc::SYS_brk, "brk", "the allocator's heap"),
@@ -54,17 +90,33 @@ pub const ALWAYS: &[Allowed] = &[
     allow(
         libc::SYS_io_uring_register,
         "io_uring_register",
-        "registering files, FETCH buffer rings and restrictions (before a ring is enabled)",
+        "registering files, FETCH buffer rings and restrictions while a ring is disabled; \
+         once enabled, the ring itself allows only URING_REGISTER_OPS",
     ),
     allow(libc::SYS_fstat, "fstat", "sizes of the target's fd and the shared region"),
-    allow(
+    allow_only(
         libc::SYS_newfstatat,
         "newfstatat",
-        "fstat as std issues it (with AT_EMPTY_PATH on an fd)",
+        Only::ArgHas { arg: 3, mask: libc::AT_EMPTY_PATH as u64 },
+        "fstat as glibc issues it: AT_EMPTY_PATH on an fd (a path would still be looked \
+         up, in the empty root, where there is nothing to find)",
     ),
-    allow(libc::SYS_statx, "statx", "file metadata of a given fd (std's File::metadata)"),
+    allow_only(
+        libc::SYS_statx,
+        "statx",
+        Only::ArgHas { arg: 2, mask: libc::AT_EMPTY_PATH as u64 },
+        "file metadata of a given fd (std's File::metadata: AT_EMPTY_PATH; a path would \
+         still be looked up, in the empty root)",
+    ),
     allow(libc::SYS_lseek, "lseek", "size of a block device behind the loop target's fd"),
-    allow(libc::SYS_fcntl, "fcntl", "std duplicating fds with F_DUPFD_CLOEXEC"),
+    allow_only(
+        libc::SYS_fcntl,
+        "fcntl",
+        Only::ArgIn { arg: 1, values: &[libc::F_DUPFD_CLOEXEC as u64, libc::F_GETFD as u64] },
+        "std duplicating fds with F_DUPFD_CLOEXEC (try_clone of the region's and the \
+         target's fds), and std's check that an fd is open before it closes it (F_GETFD, \
+         which only reads the close-on-exec flag; debug builds); no other command",
+    ),
     allow(libc::SYS_ppoll, "ppoll", "waiting on the control socket"),
     allow(libc::SYS_poll, "poll", "waiting on the control socket"),
     allow(libc::SYS_gettid, "gettid", "the thread id it reports in the shared region"),
@@ -94,7 +146,12 @@ pub const ALWAYS: &[Allowed] = &[
         "pause",
         "std: a thread that calls exit while another thread exits waits here for its end",
     ),
-    allow(libc::SYS_prctl, "prctl", "std naming threads (PR_SET_NAME)"),
+    allow_only(
+        libc::SYS_prctl,
+        "prctl",
+        Only::ArgIn { arg: 0, values: &[libc::PR_SET_NAME as u64] },
+        "std naming threads (PR_SET_NAME); no other option",
+    ),
     allow(libc::SYS_set_robust_list, "set_robust_list", "glibc's per-thread setup"),
     allow(libc::SYS_rseq, "rseq", "glibc's per-thread setup"),
 ];
@@ -110,6 +167,12 @@ pub const SETUP_ONLY: &[Allowed] = &[
     allow(libc::SYS_sched_setaffinity, "sched_setaffinity", "pinning a queue thread to its CPU"),
     allow(libc::SYS_clone, "clone", "starting the queue threads (older glibc)"),
     allow(libc::SYS_seccomp, "seccomp", "installing stage 2 of this very filter"),
+    allow_only(
+        libc::SYS_prctl,
+        "prctl",
+        Only::ArgIn { arg: 0, values: &[libc::PR_SET_NO_NEW_PRIVS as u64] },
+        "seccompiler sets no_new_privs (already set) before it installs stage 2",
+    ),
 ];
 
 /// One allowed io_uring operation. `name` and `why` are for the reader.
@@ -156,6 +219,43 @@ pub const URING_OPS: &[AllowedOp] = &[
         opcode: opcode::Fallocate::CODE,
         name: "FALLOCATE",
         why: "loop target DISCARD/WRITE_ZEROES (punch hole)",
+    },
+];
+
+/// One allowed `io_uring_register` operation on an enabled ring.
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code)]
+pub struct AllowedRegisterOp {
+    pub opcode: u8,
+    pub name: &'static str,
+    pub why: &'static str,
+}
+
+/// The only `io_uring_register(2)` operations an enabled ring accepts
+/// (`IORING_RESTRICTION_REGISTER_OP`), from the worker and from the supervisor alike.
+/// Everything the rings need before they run (the file table, the target's file, the
+/// FETCH buffer rings, the zero-copy buffer table, the restrictions themselves,
+/// ENABLE_RINGS) is registered while the ring is still disabled, which the kernel
+/// exempts from its own register restrictions. So no PERSONALITY (running requests
+/// with other credentials), PBUF_RING, BUFFERS, FILES, EVENTFD, IOWQ_*, RESTRICTIONS
+/// again, MEM_REGION, ZCRX, BPF_FILTER, RESIZE_RINGS, CLONE_BUFFERS, …
+pub const URING_REGISTER_OPS: &[AllowedRegisterOp] = &[
+    AllowedRegisterOp {
+        opcode: uapi::IORING_REGISTER_FILES_UPDATE as u8,
+        name: "REGISTER_FILES_UPDATE",
+        why: "activation: /dev/ublkcN into the slot kept free for it while standing by",
+    },
+    AllowedRegisterOp {
+        opcode: uapi::IORING_UNREGISTER_BUFFERS as u8,
+        name: "UNREGISTER_BUFFERS",
+        why: "recovery.fast_release: the supervisor, on its copy of a dead worker's ring, \
+              lets go of the requests' pages (zero copy) so the device is released at once",
+    },
+    AllowedRegisterOp {
+        opcode: uapi::IORING_UNREGISTER_FILES as u8,
+        name: "UNREGISTER_FILES",
+        why: "recovery.fast_release: the supervisor, on its copy of a dead worker's ring, \
+              drops /dev/ublkcN so the device is released at once",
     },
 ];
 
