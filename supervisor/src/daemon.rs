@@ -30,7 +30,7 @@ use ublkd_proto::msg::{
 use ublkd_proto::uapi::DevState;
 
 use crate::control::ControlServer;
-use crate::device::{Context, Device, DeviceError};
+use crate::device::{Context, Device, DeviceError, Recovery};
 use crate::state::StateDir;
 use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
@@ -364,7 +364,8 @@ impl Daemon {
             // Heartbeats are compared four times per timeout: a hang is seen within 1.25
             // timeouts. No more often: an idle device's tick is the only thing that wakes
             // ublkd, and under emulation each wake-up costs milliseconds of CPU. The
-            // watchdog, a due standby and a control connection's deadline shorten it.
+            // watchdog, a due standby, a recovery waiting for the kernel's release and a
+            // control connection's deadline shorten it.
             let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));
             if let Some(w) = self.notifier.watchdog_interval() {
                 tick = tick.min(w);
@@ -393,7 +394,7 @@ impl Daemon {
                         revents: 0,
                     });
                 }
-                if let Some(due) = dev.standby_due() {
+                for due in [dev.standby_due(), dev.release_due()].into_iter().flatten() {
                     wake_by = wake_by.min(due);
                 }
             }
@@ -429,6 +430,7 @@ impl Daemon {
             // per worker.
             let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
             self.handle_deaths(woke, worker_events);
+            self.continue_recoveries();
             self.handle_hangs(hung_timeout);
             let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
             self.notifier.watchdog(Instant::now(), hung);
@@ -510,14 +512,38 @@ impl Daemon {
             return;
         }
         self.notifier.extend_timeout(Duration::from_secs(30));
-        match dev.recover(&self.ctx, reason) {
-            Ok(stall) => {
+        let outcome = dev.recover(&self.ctx, reason);
+        self.recovery_outcome(id, outcome, reason);
+    }
+
+    /// Goes on with every recovery that waits for the kernel's release and is due.
+    fn continue_recoveries(&mut self) {
+        let now = Instant::now();
+        let due: Vec<u32> = (self.devices.iter())
+            .filter(|(_, d)| d.release_due().is_some_and(|t| t <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            let Some(dev) = self.devices.get_mut(&id) else { continue };
+            let outcome = dev.continue_recovery(&self.ctx, Duration::ZERO);
+            self.recovery_outcome(id, outcome, "the recovery waiting for the release");
+        }
+    }
+
+    fn recovery_outcome(&mut self, id: u32, outcome: Result<Recovery, DeviceError>, after: &str) {
+        match outcome {
+            Ok(Recovery::Done(stall)) => {
                 self.last_event =
                     Some(format!("device {id} recovered in {} ms", stall.as_millis()));
             }
+            Ok(Recovery::Waiting) => {
+                self.last_event = Some(format!("device {id} waits for the kernel to release it"));
+            }
             Err(e) => {
                 tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
-                dev.note = Some(format!("recovery failed: {e} (after: {reason})"));
+                if let Some(dev) = self.devices.get_mut(&id) {
+                    dev.note = Some(format!("recovery failed: {e} (after: {after})"));
+                }
                 self.last_event = Some(format!("device {id}: recovery failed"));
             }
         }
@@ -630,10 +656,16 @@ impl Daemon {
         // The operator's recovery is timed from the command, not from a death that
         // the restart limit left waiting.
         dev.forget_death();
-        let stall = dev
-            .recover(&self.ctx, "ublkctl recover")
-            .map_err(|e| format!("recover device {id}: {e}"))?;
-        Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
+        match dev.recover(&self.ctx, "ublkctl recover") {
+            Ok(Recovery::Done(stall)) => {
+                Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
+            }
+            Ok(Recovery::Waiting) => Ok(format!(
+                "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
+                 (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"
+            )),
+            Err(e) => Err(format!("recover device {id}: {e}")),
+        }
     }
 
     fn listing(&self, id: u32) -> Option<DevListing> {

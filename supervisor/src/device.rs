@@ -67,8 +67,12 @@ fn decide_zero_copy(spec: &DeviceSpec, kernel_features: u64) -> Result<DeviceSpe
 const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a worker may take to exit when asked.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How long the kernel may take to release a dead worker's `/dev/ublkcN`.
-const RELEASE_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a recovery waits inline for the kernel to release a dead worker's
+/// `/dev/ublkcN` before it leaves the waiting to the loop's later turns.
+const RELEASE_WAIT_INLINE: Duration = Duration::from_millis(250);
+/// A release that has taken this long is logged and shown in status (and still
+/// waited for).
+const RELEASE_SLOW: Duration = Duration::from_secs(15);
 /// How long after a recovery the next standby worker starts.
 const STANDBY_DELAY: Duration = Duration::from_millis(300);
 /// After a standby failed to start, the next try waits this long (no tight loop).
@@ -89,10 +93,6 @@ pub enum DeviceError {
     CharDev { id: u32, path: PathBuf, source: io::Error },
     #[error("device {id}: {source}")]
     Worker { id: u32, source: WorkerError },
-    #[error(
-        "device {id}: the kernel did not release the old worker's /dev/ublkc{id} within {secs} s"
-    )]
-    NotReleased { id: u32, secs: u64 },
     #[error("device {id} is not ublkd's: {why}")]
     NotOurs { id: u32, why: String },
     #[error("device {id} was created by ublkd but never started (a create cut short)")]
@@ -113,6 +113,30 @@ pub struct Context {
     pub kernel_features: u64,
     /// `recovery.fast_release`, for the workers started from now on.
     pub fast_release: bool,
+}
+
+/// Where a recovery stands when the call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    /// LIVE again, after this stall (from the death seen, or the call).
+    Done(Duration),
+    /// Waiting for the kernel to release the old worker's file: the loop goes on
+    /// with it ([`Device::continue_recovery`]).
+    Waiting,
+}
+
+/// A recovery waiting for the kernel to release the dead worker's `/dev/ublkcN`.
+#[derive(Debug)]
+struct Releasing {
+    reason: String,
+    fail_io: bool,
+    /// When the death was seen (the stall counts from here).
+    seen: Instant,
+    started: Instant,
+    next_try: Instant,
+    delay: Duration,
+    /// Whether the slow release was logged.
+    warned: bool,
 }
 
 /// A device ublkd created (or adopted) and serves.
@@ -150,6 +174,8 @@ pub struct Device {
     generation: u64,
     /// Since when the worker has said it waits for a slow backend (logged once).
     backend_wait: Option<Duration>,
+    /// A recovery waiting for the kernel's release of the old worker's file.
+    releasing: Option<Releasing>,
     /// When the active worker's death was seen (see [`Self::worker_exited`]): the next
     /// recovery counts its stall from here.
     death_seen: Option<Instant>,
@@ -269,6 +295,7 @@ impl Device {
             hang: HangWatch::new(id),
             generation,
             backend_wait: None,
+            releasing: None,
         })
     }
 
@@ -467,10 +494,11 @@ impl Device {
     }
 
     /// Recovers the device: waits for the kernel to release the old worker's file
-    /// (START_USER_RECOVERY answers EBUSY until then), activates the standby, and ends
-    /// the recovery. Returns the stall: from the worker's death being seen (or the
-    /// call, if no death was) to LIVE.
-    pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Duration, DeviceError> {
+    /// (START_USER_RECOVERY answers EBUSY until then; past a short wait the loop goes
+    /// on with it, see [`Self::continue_recovery`]), activates the standby, and ends
+    /// the recovery. Done: the stall, from the worker's death being seen (or the call,
+    /// if no death was) to LIVE.
+    pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Recovery, DeviceError> {
         self.recover_with(ctx, reason, false)
     }
 
@@ -482,7 +510,7 @@ impl Device {
         &mut self,
         ctx: &Context,
         reason: &str,
-    ) -> Result<Duration, DeviceError> {
+    ) -> Result<Recovery, DeviceError> {
         self.recover_with(ctx, reason, true)
     }
 
@@ -491,8 +519,7 @@ impl Device {
         ctx: &Context,
         reason: &str,
         fail_io: bool,
-    ) -> Result<Duration, DeviceError> {
-        let id = self.id;
+    ) -> Result<Recovery, DeviceError> {
         let started = Instant::now();
         let seen = self.death_seen.take().unwrap_or(started);
         if let Some(mut old) = self.worker.take() {
@@ -501,25 +528,89 @@ impl Device {
             old.reap(STOP_GRACE);
             old.release_device();
         }
-        let mut delay = Duration::from_micros(200);
+        self.releasing = Some(Releasing {
+            reason: reason.to_string(),
+            fail_io,
+            seen,
+            started,
+            next_try: started,
+            delay: Duration::from_micros(200),
+            warned: false,
+        });
+        self.continue_recovery(ctx, RELEASE_WAIT_INLINE)
+    }
+
+    /// When a recovery waiting for the kernel's release tries again, if one waits.
+    pub fn release_due(&self) -> Option<Instant> {
+        self.releasing.as_ref().map(|r| r.next_try)
+    }
+
+    /// Goes on with a recovery that waits for the kernel to release the dead worker's
+    /// `/dev/ublkcN` (START_USER_RECOVERY answers EBUSY until then): tries again,
+    /// waiting here at most `inline` (short: the release usually takes tens of
+    /// milliseconds, and a recovery's stall should not wait for the loop's next turn),
+    /// then leaves the rest to the loop ([`Self::release_due`]), which is never held up
+    /// by a release that takes long (a dead worker's write stuck in a slow backend).
+    /// The device's I/O is held meanwhile, for as long as it takes.
+    pub fn continue_recovery(
+        &mut self,
+        ctx: &Context,
+        inline: Duration,
+    ) -> Result<Recovery, DeviceError> {
+        let id = self.id;
+        let Some(r) = self.releasing.as_mut() else { return Ok(Recovery::Waiting) };
+        let inline_until = Instant::now() + inline;
         loop {
             match ctx.ctrl.start_user_recovery(id) {
                 Ok(()) => break,
                 Err(e) if e.errno() == Some(libc::EBUSY) => {
-                    if started.elapsed() > RELEASE_TIMEOUT {
-                        return Err(DeviceError::NotReleased {
-                            id,
-                            secs: RELEASE_TIMEOUT.as_secs(),
-                        });
+                    let now = Instant::now();
+                    let waited = now.saturating_duration_since(r.started);
+                    if waited > RELEASE_SLOW && !r.warned {
+                        r.warned = true;
+                        let why = format!(
+                            "waiting for the kernel to release /dev/ublkc{id} ({:.0} s so far: \
+                             the dead worker's I/O has not ended); its I/O is held",
+                            waited.as_secs_f64()
+                        );
+                        tracing::warn!(dev_id = id, event = "release_slow", "{why}");
+                        self.note = Some(why);
                     }
-                    std::thread::sleep(delay);
-                    // The release usually takes tens of milliseconds: a short cap keeps
-                    // the overshoot past it small.
-                    delay = (delay * 2).min(Duration::from_millis(4));
+                    if now + r.delay > inline_until {
+                        // The loop tries again, less and less often.
+                        r.delay = r.delay.max(Duration::from_millis(5));
+                        r.next_try = now + r.delay;
+                        r.delay = (r.delay * 2).min(Duration::from_millis(100));
+                        return Ok(Recovery::Waiting);
+                    }
+                    std::thread::sleep(r.delay);
+                    // A short cap keeps the overshoot past a quick release small.
+                    r.delay = (r.delay * 2).min(Duration::from_millis(4));
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    self.releasing = None;
+                    return Err(e.into());
+                }
             }
         }
+        let Releasing { reason, fail_io, seen, started, warned, .. } =
+            self.releasing.take().expect("checked above");
+        if warned {
+            self.note = None;
+        }
+        self.finish_recovery(ctx, &reason, fail_io, seen, started).map(Recovery::Done)
+    }
+
+    /// The rest of a recovery once the kernel has released the old worker's file.
+    fn finish_recovery(
+        &mut self,
+        ctx: &Context,
+        reason: &str,
+        fail_io: bool,
+        seen: Instant,
+        started: Instant,
+    ) -> Result<Duration, DeviceError> {
+        let id = self.id;
         let released = started.elapsed();
         let next = if fail_io {
             let starting = self.spawn_worker(ctx, true)?;
