@@ -11,13 +11,13 @@ mod common;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{Ublkd, block_dev, serial, signal};
+use common::{Ublkd, block_dev, hooked_worker, serial, signal};
 use ublkd_proto::msg::{self, CtlRequest, CtlResponse};
 
 /// A client that connects and sends a request one byte every 100 ms, never finishing
@@ -234,20 +234,6 @@ fn a_worker_kill_beside_trickling_clients_recovers_promptly() {
     assert_eq!(ublkd.status_of(id)["state"], "LIVE");
     drop(tricklers);
     ublkd.stop();
-}
-
-fn hooked_worker() -> PathBuf {
-    // target/debug/deps/hostile_client-… → target/test-hooks/debug/ublkd-worker
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().unwrap().parent().unwrap().parent().unwrap();
-    let worker = target.join("test-hooks/debug/ublkd-worker");
-    assert!(
-        worker.is_file(),
-        "{} is missing: build it with `cargo build -p ublkd-worker --features test-hooks \
-         --target-dir target/test-hooks` (run-tests does)",
-        worker.display()
-    );
-    worker
 }
 
 /// What the worker's `stderr-flood` attack writes after its forged line.
