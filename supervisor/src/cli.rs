@@ -151,7 +151,9 @@ pub enum UblkctlCommand {
         json: bool,
     },
     /// Recover a device now (after fixing what made its worker fail), resetting its
-    /// restart budget; on a LIVE device it says so and does nothing.
+    /// restart budget; on a LIVE device it says so and does nothing. If the kernel has
+    /// not yet released the old worker's device (its I/O still in a slow backend), it
+    /// says so and ublkd finishes the recovery by itself; `ublkctl status` shows when.
     Recover {
         /// The device id.
         #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]

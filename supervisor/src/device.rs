@@ -523,9 +523,10 @@ impl Device {
         let started = Instant::now();
         let seen = self.death_seen.take().unwrap_or(started);
         if let Some(mut old) = self.worker.take() {
-            // A live worker (a hung one, or an operator's recover) must go first.
+            // A live worker (an operator's recover) must go first. Already killed:
+            // waiting for it is bounded by the kill's grace, not a polite stop's.
             old.kill();
-            old.reap(STOP_GRACE);
+            old.reap(Duration::ZERO);
             old.release_device();
         }
         self.releasing = Some(Releasing {
