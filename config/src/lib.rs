@@ -348,6 +348,15 @@ impl Checker<'_> {
         self.invalid(&table.key(error.field), error.problem)
     }
 
+    /// A table's `sandbox_optional` list, if it has one.
+    fn sandbox_optional(
+        &self,
+        table: &KeyPath,
+        names: Option<&[String]>,
+    ) -> Result<Option<LayerSet>, ConfigError> {
+        names.map(parse_sandbox_optional).transpose().map_err(|e| self.field(table, e))
+    }
+
     /// A serde error from toml: unknown key, wrong type, missing key.
     fn decode_error(&self, error: &toml::de::Error) -> ConfigError {
         let offset = error.span().map_or(0, |span| span.start);
@@ -463,12 +472,7 @@ impl Checker<'_> {
             block_size: raw.block_size.map(|v| v.0),
             threads: raw.threads.map(|v| v.0),
             sandbox: raw.sandbox,
-            sandbox_optional: raw
-                .sandbox_optional
-                .as_deref()
-                .map(parse_sandbox_optional)
-                .transpose()
-                .map_err(|e| self.field(&table, e))?,
+            sandbox_optional: self.sandbox_optional(&table, raw.sandbox_optional.as_deref())?,
         }
         .apply(&builtin)
         .map_err(|e| self.field(&table, e))?;
@@ -489,12 +493,7 @@ impl Checker<'_> {
             block_size: raw.block_size.map(|v| v.0),
             threads: raw.threads.map(|v| v.0),
             sandbox: raw.sandbox,
-            sandbox_optional: raw
-                .sandbox_optional
-                .as_deref()
-                .map(parse_sandbox_optional)
-                .transpose()
-                .map_err(|e| self.field(&table, e))?,
+            sandbox_optional: self.sandbox_optional(&table, raw.sandbox_optional.as_deref())?,
         };
         let settings = overrides.apply(defaults).map_err(|e| self.field(&table, e))?;
 
