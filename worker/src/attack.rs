@@ -13,8 +13,11 @@
 use std::ffi::CString;
 
 /// The attack named in the environment, if any.
-pub fn requested() -> Option<String> {
-    std::env::var("UBLKD_WORKER_ATTACK").ok().filter(|a| !a.is_empty())
+pub fn requested() -> Option<&'static str> {
+    // Read once: the queue threads ask after every turn.
+    static NAME: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| std::env::var("UBLKD_WORKER_ATTACK").ok().filter(|a| !a.is_empty()))
+        .as_deref()
 }
 
 /// Attacks the ring makes from inside a queue thread (see `queue_loop`).
@@ -41,9 +44,8 @@ pub const STALL_THREAD: &str = "stall-thread";
 /// Whether the attack applies to device `dev_id`: `UBLKD_WORKER_ATTACK_DEV` limits it
 /// to one device (a test with two devices attacks one and watches the other).
 pub fn targets(dev_id: u32) -> bool {
-    std::env::var("UBLKD_WORKER_ATTACK_DEV")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
+    static DEV: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    DEV.get_or_init(|| std::env::var("UBLKD_WORKER_ATTACK_DEV").ok()?.parse().ok())
         .is_none_or(|id| id == dev_id)
 }
 
@@ -55,7 +57,7 @@ pub fn after_turn(dev: &crate::device::Device, thread: usize, turn: u64, handled
     if dev.generation != 1 || turn < 50 || !targets(dev.dev_id) {
         return;
     }
-    match requested().as_deref() {
+    match requested() {
         Some(SCRIBBLE_REGION) if thread == 0 => {
             scribble(&dev.shm);
             say(format!("attack {SCRIBBLE_REGION}: region scribbled, exiting"));

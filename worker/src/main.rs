@@ -87,7 +87,7 @@ fn main() -> ExitCode {
     };
     #[cfg(feature = "test-hooks")]
     if let Some(name) = attack::requested() {
-        ATTACK.get_or_init(|| (name, supervisor));
+        ATTACK.get_or_init(|| (name.to_string(), supervisor));
     }
     ExitCode::from(run(control, report))
 }

@@ -397,7 +397,7 @@ impl QueueThread {
             self.arm_fetch(qi)?;
         }
         #[cfg(feature = "test-hooks")]
-        if crate::attack::requested().as_deref() == Some(crate::attack::URING_OPENAT)
+        if crate::attack::requested() == Some(crate::attack::URING_OPENAT)
             && self.dev.generation == 1
             && self.plan.index == 0
         {
@@ -410,7 +410,7 @@ impl QueueThread {
             self.push(&sqe)?;
         }
         #[cfg(feature = "test-hooks")]
-        if crate::attack::requested().as_deref() == Some(crate::attack::URING_REGISTER_PERSONALITY)
+        if crate::attack::requested() == Some(crate::attack::URING_REGISTER_PERSONALITY)
             && self.dev.generation == 1
             && self.plan.index == 0
         {
@@ -431,7 +431,7 @@ impl QueueThread {
         }
         #[cfg(feature = "test-hooks")]
         if self.dev.generation == 1 && self.plan.index == 0 {
-            let tags: &[u16] = match crate::attack::requested().as_deref() {
+            let tags: &[u16] = match crate::attack::requested() {
                 Some(crate::attack::COMMIT_UNOWNED) => &[1],
                 Some(crate::attack::COMMIT_UNOWNED_BATCH) => &[1, 2],
                 _ => &[],
