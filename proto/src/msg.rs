@@ -265,16 +265,22 @@ pub enum FromWorker {
 /// passes on to its log, an operator's error or status.
 pub const MAX_UNTRUSTED_TEXT: usize = 512;
 
-/// A worker's text made safe to show: control characters (a newline that would start
-/// a forged log line, terminal escapes) escaped, and cut at [`MAX_UNTRUSTED_TEXT`]
-/// characters with a mark that it was.
+/// A worker's text made safe to show: control characters but tab (a newline that
+/// would start a forged log line, terminal escapes) escaped, and cut at
+/// [`MAX_UNTRUSTED_TEXT`] characters with a mark that it was.
 pub fn untrusted_text(text: &str) -> String {
+    untrusted_text_within(text, MAX_UNTRUSTED_TEXT)
+}
+
+/// [`untrusted_text`] cut at `max` characters (escapes counted as shown), for a caller
+/// that bounds the text its own way.
+pub fn untrusted_text_within(text: &str, max: usize) -> String {
     let mut out = String::new();
-    let mut shown = 0;
+    let mut shown = 0usize;
     for c in text.chars() {
-        let escaped = c.is_control().then(|| c.escape_default());
+        let escaped = (c.is_control() && c != '\t').then(|| c.escape_default());
         let width = escaped.clone().map_or(1, Iterator::count);
-        if shown + width > MAX_UNTRUSTED_TEXT {
+        if shown.saturating_add(width) > max {
             out.push_str("…(cut)");
             break;
         }

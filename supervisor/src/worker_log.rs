@@ -285,18 +285,10 @@ fn worker_says_routine(line: &[u8]) -> bool {
         .any(|tag| head.windows(tag.len()).any(|w| w == *tag))
 }
 
-/// The line as text, invalid UTF-8 replaced and control characters (but tab) escaped.
+/// The line as text, invalid UTF-8 replaced and control characters (but tab) escaped;
+/// its length is bounded already (cut at [`MAX_LINE`] bytes by the reader).
 fn sanitize(line: &[u8]) -> String {
-    let text = String::from_utf8_lossy(line);
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if c.is_control() && c != '\t' {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    ublkd_proto::msg::untrusted_text_within(&String::from_utf8_lossy(line), usize::MAX)
 }
 
 /// Splits a byte stream into lines of at most [`MAX_LINE`] bytes.
