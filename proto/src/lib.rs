@@ -7,6 +7,7 @@
 //! - [`ctrl`]: the control-plane client for `/dev/ublk-control`.
 //! - [`codec`]: the one wire codec for messages between processes, with size limits.
 //! - [`msg`]: the supervisor↔worker and ctl↔supervisor messages and their transport.
+//! - [`exit`]: the worker's exit codes and what each means.
 //! - [`shm`]: the versioned shared-memory region a device's supervisor and worker share.
 //!
 //! The supervisor and the worker both import this crate and never each other.
@@ -15,6 +16,7 @@ pub mod batch;
 pub mod codec;
 pub mod ctrl;
 pub mod errno;
+pub mod exit;
 pub mod msg;
 pub mod shm;
 pub mod sqe;

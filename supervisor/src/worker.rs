@@ -371,7 +371,7 @@ impl Worker {
             }
         }
         // It has exited: this wait returns at once.
-        self.child.wait().map_or_else(|e| e.to_string(), |s| describe_exit(&s))
+        self.child.wait().map_or_else(|e| e.to_string(), |s| ublkd_proto::exit::describe(&s))
     }
 
     /// Whether the worker exits within `limit` (its pidfd turns readable).
@@ -397,7 +397,7 @@ impl Worker {
 
     /// Whether the worker has exited (reaping it if so), and how.
     pub fn exited(&mut self) -> Option<String> {
-        self.child.try_wait().ok().flatten().map(|s| describe_exit(&s))
+        self.child.try_wait().ok().flatten().map(|s| ublkd_proto::exit::describe(&s))
     }
 }
 
@@ -425,7 +425,9 @@ pub fn reap_lingering() {
         match unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) } {
             0 => true,
             n if n > 0 => {
-                let how = describe_exit(&std::os::unix::process::ExitStatusExt::from_raw(status));
+                let how = ublkd_proto::exit::describe(
+                    &std::os::unix::process::ExitStatusExt::from_raw(status),
+                );
                 tracing::info!(worker_pid = pid, "a worker let go earlier has ended: {how}");
                 false
             }
@@ -508,27 +510,6 @@ fn not_an_io_uring(fd: BorrowedFd<'_>) -> Option<String> {
         Ok(target) if target.as_os_str() == "anon_inode:[io_uring]" => None,
         Ok(target) => Some(format!("an fd to {}", target.display())),
         Err(e) => Some(format!("an fd it cannot inspect ({e})")),
-    }
-}
-
-/// How a worker ended, in words an operator can act on.
-pub fn describe_exit(status: &std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    if let Some(sig) = status.signal() {
-        // SAFETY: strsignal returns a pointer to a static or thread-local string.
-        let name = unsafe { std::ffi::CStr::from_ptr(libc::strsignal(sig)) };
-        return format!("killed by signal {sig} ({})", name.to_string_lossy());
-    }
-    match status.code() {
-        Some(0) => "exited cleanly".into(),
-        Some(64) => "exited 64 (protocol mismatch with the supervisor)".into(),
-        Some(65) => "exited 65 (device setup failed)".into(),
-        Some(70) => {
-            "exited 70 (data path error: the kernel refused a COMMIT or sent a bad FETCH)".into()
-        }
-        Some(71) => "exited 71 (lost its supervisor)".into(),
-        Some(c) => format!("exited {c}"),
-        None => "ended".into(),
     }
 }
 

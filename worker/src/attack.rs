@@ -62,7 +62,7 @@ pub fn after_turn(dev: &crate::device::Device, thread: usize, turn: u64, handled
             scribble(&dev.shm);
             say(format!("attack {SCRIBBLE_REGION}: region scribbled, exiting"));
             // SAFETY: _exit has no preconditions; the process ends here.
-            unsafe { libc::_exit(97) };
+            unsafe { libc::_exit(i32::from(ublkd_proto::exit::WorkerExit::TestHook.code())) };
         }
         // Whichever thread gets there first (only one fetches a queue's requests at a
         // time); the others serve on.

@@ -14,7 +14,7 @@
 //! activation itself, so a recovery waits for no process, thread or ring to start and
 //! for no thread hand-off.
 //!
-//! Exit codes (see [`exit`]) tell the supervisor why a worker ended.
+//! Exit codes (see [`WorkerExit`]) tell the supervisor why a worker ended.
 
 #[cfg(feature = "test-hooks")]
 mod attack;
@@ -28,25 +28,12 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier, mpsc};
 
+use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::{self, FromWorker, SandboxLayer, ToWorker, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmRegion};
 
 use crate::device::{DescArray, Device, TagBuffers};
 use crate::queue_loop::{QueueThread, StandbyRing, plan};
-
-/// Exit codes, one per cause.
-mod exit {
-    /// The device's queues were closed by the kernel, or the supervisor asked.
-    pub const CLEAN: u8 = 0;
-    /// Bad arguments or a malformed setup message: a supervisor/worker mismatch.
-    pub const PROTOCOL: u8 = 64;
-    /// Setting the device up failed (mapping, PREP, the target's fd).
-    pub const SETUP: u8 = 65;
-    /// The kernel refused a COMMIT or sent a malformed FETCH: recover the device.
-    pub const DATA_PATH: u8 = 70;
-    /// The supervisor went away.
-    pub const ORPHANED: u8 = 71;
-}
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -64,13 +51,13 @@ fn main() -> ExitCode {
     }
     let Some(fd) = control_fd(&args) else {
         eprintln!("ublkd-worker: started by ublkd only (usage: ublkd-worker --control-fd N)");
-        return ExitCode::from(exit::PROTOCOL);
+        return ExitCode::from(WorkerExit::Protocol);
     };
     let identity = match sandbox_identity(&args) {
         Ok(id) => id,
         Err(e) => {
             eprintln!("ublkd-worker: {e}");
-            return ExitCode::from(exit::PROTOCOL);
+            return ExitCode::from(WorkerExit::Protocol);
         }
     };
     // SAFETY: the supervisor placed the control socket at this fd for us alone; it is
@@ -83,7 +70,7 @@ fn main() -> ExitCode {
     let report = match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd)).transpose()
     {
         Ok(report) => report,
-        Err(e) => return ExitCode::from(fail(control.as_fd(), exit::SETUP, e.to_string())),
+        Err(e) => return ExitCode::from(fail(control.as_fd(), WorkerExit::Setup, e.to_string())),
     };
     #[cfg(feature = "test-hooks")]
     if let Some(name) = attack::requested() {
@@ -133,24 +120,30 @@ fn control_fd(args: &[String]) -> Option<i32> {
     args.get(at + 1)?.parse().ok().filter(|fd| *fd >= 3)
 }
 
-fn fail(control: BorrowedFd<'_>, code: u8, reason: String) -> u8 {
+fn fail(control: BorrowedFd<'_>, code: WorkerExit, reason: String) -> WorkerExit {
     tracing::error!("{reason}");
     let _ = msg::send_packet(control, &FromWorker::Failed { reason }, &[]);
     code
 }
 
-fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
+fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerExit {
     let sandboxed = sandbox_report.is_some();
     let (setup, mut fds) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
         Ok((ToWorker::Setup(setup), fds)) => (setup, fds),
         Ok((other, _)) => {
-            return fail(control.as_fd(), exit::PROTOCOL, format!("expected Setup, got {other:?}"));
+            return fail(
+                control.as_fd(),
+                WorkerExit::Protocol,
+                format!("expected Setup, got {other:?}"),
+            );
         }
-        Err(e) => return fail(control.as_fd(), exit::PROTOCOL, format!("no setup message: {e}")),
+        Err(e) => {
+            return fail(control.as_fd(), WorkerExit::Protocol, format!("no setup message: {e}"));
+        }
     };
     if fds.len() != setup.fd_count() {
         let reason = format!("setup came with {} fds, expected {}", fds.len(), setup.fd_count());
-        return fail(control.as_fd(), exit::PROTOCOL, reason);
+        return fail(control.as_fd(), WorkerExit::Protocol, reason);
     }
     let target_fds = fds.split_off(1);
     let shm_fd = fds.pop().expect("one fd");
@@ -158,44 +151,44 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
     // mappings, the target, every thread and its ring.
     let standby = match Standby::prepare(&setup, shm_fd.as_fd(), target_fds) {
         Ok(s) => s,
-        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+        Err(reason) => return fail(control.as_fd(), WorkerExit::Setup, reason),
     };
     drop(shm_fd);
     let threads = match ThreadSet::start(&setup, standby.target.fixed_file(), &control, sandboxed) {
         Ok(t) => t,
-        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+        Err(reason) => return fail(control.as_fd(), WorkerExit::Setup, reason),
     };
     // Every ring and thread exists: from here on, none can be created (all threads).
     if sandboxed && let Err(e) = sandbox::lock_down() {
-        return fail(control.as_fd(), exit::SETUP, e.to_string());
+        return fail(control.as_fd(), WorkerExit::Setup, e.to_string());
     }
     let rings = if setup.fast_release { threads.ring_fds.clone() } else { Vec::new() };
     let standby_msg = FromWorker::Standby { sandbox: sandbox_report, rings };
     if let Err(e) = msg::send_packet(control.as_fd(), &standby_msg, &[]) {
         tracing::error!("cannot report standby: {e}");
-        return exit::ORPHANED;
+        return WorkerExit::Orphaned;
     }
     let (generation, ublkc) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
         Ok((ToWorker::Activate { generation }, mut fds)) if fds.len() == 1 => {
             (generation, fds.pop().expect("one fd"))
         }
-        Ok((ToWorker::Shutdown, _)) => return exit::CLEAN,
+        Ok((ToWorker::Shutdown, _)) => return WorkerExit::Clean,
         Ok((other, fds)) => {
             let reason = format!("expected Activate with 1 fd, got {other:?} with {}", fds.len());
-            return fail(control.as_fd(), exit::PROTOCOL, reason);
+            return fail(control.as_fd(), WorkerExit::Protocol, reason);
         }
         // The supervisor let a standby go (or died): nothing to do.
-        Err(_) => return exit::ORPHANED,
+        Err(_) => return WorkerExit::Orphaned,
     };
     let activating = std::time::Instant::now();
     let dev = match standby.activate(ublkc.as_fd(), generation) {
         Ok(dev) => Arc::new(dev),
-        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+        Err(reason) => return fail(control.as_fd(), WorkerExit::Setup, reason),
     };
     let mapped = activating.elapsed();
     let (own, running) = match threads.activate(&dev, ublkc.as_raw_fd()) {
         Ok(t) => t,
-        Err(reason) => return fail(control.as_fd(), exit::SETUP, reason),
+        Err(reason) => return fail(control.as_fd(), WorkerExit::Setup, reason),
     };
     let prepped = activating.elapsed();
     let micros = |d: std::time::Duration| d.as_micros().min(u128::from(u32::MAX)) as u32;
@@ -205,7 +198,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> u8 {
     });
     if let Err(e) = msg::send_packet(control.as_fd(), &ready, &[]) {
         tracing::error!("cannot report ready: {e}");
-        return exit::ORPHANED;
+        return WorkerExit::Orphaned;
     }
     // From here the control thread listens to the supervisor.
     let _ = running.control_go.send(generation);
@@ -325,13 +318,13 @@ impl ThreadSet {
                         Ok(Ok(())) => {}
                         Ok(Err(reason)) => {
                             tracing::error!("data path failed: {reason}");
-                            std::process::exit(i32::from(exit::DATA_PATH));
+                            std::process::exit(i32::from(WorkerExit::DataPath.code()));
                         }
-                        Err(_) => std::process::exit(i32::from(exit::DATA_PATH)),
+                        Err(_) => std::process::exit(i32::from(WorkerExit::DataPath.code())),
                     }
                 }
                 tracing::info!(dev_id, "queues closed, exiting");
-                std::process::exit(i32::from(exit::CLEAN));
+                std::process::exit(i32::from(WorkerExit::Clean.code()));
             })
             .map_err(|e| format!("cannot start the worker's end thread: {e}"))?;
         let (control_go, go) = mpsc::channel::<u64>();
@@ -354,11 +347,11 @@ impl ThreadSet {
                 // returns while the worker serves (it parks), so the fd stays open.
                 let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
                 let code = match msg::recv_packet::<ToWorker>(control) {
-                    Ok((ToWorker::Shutdown, _)) => exit::CLEAN,
-                    Ok(_) => exit::PROTOCOL,
-                    Err(_) => exit::ORPHANED,
+                    Ok((ToWorker::Shutdown, _)) => WorkerExit::Clean,
+                    Ok(_) => WorkerExit::Protocol,
+                    Err(_) => WorkerExit::Orphaned,
                 };
-                std::process::exit(i32::from(code));
+                std::process::exit(i32::from(code.code()));
             })
             .map_err(|e| format!("cannot start the worker's control thread: {e}"))?;
         Ok(ThreadSet {

@@ -64,7 +64,7 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetA
 use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report};
 
 /// The worker's exit code after a system call outside the policy.
-pub const EXIT_SECCOMP: i32 = 159;
+pub const EXIT_SECCOMP: i32 = ublkd_proto::exit::WorkerExit::Seccomp.code() as i32;
 
 /// Who the worker becomes.
 #[derive(Debug, Clone, Copy)]
