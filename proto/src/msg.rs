@@ -50,8 +50,8 @@ pub enum TargetSetup {
     /// RAM: a memfd of the device's size, owned by the supervisor.
     Memory,
     /// A file or block device at least the device's size, opened by the supervisor
-    /// (O_DIRECT if `direct`).
-    Loop { direct: bool },
+    /// (with O_DIRECT or not: the fd carries it).
+    Loop,
     /// Fails every I/O with EIO, touching no backend: what a device serves once its
     /// restart budget is spent and `recovery.on_restart_limit` is `"fail-io"`.
     FailIo,
@@ -62,7 +62,7 @@ impl TargetSetup {
     pub const fn target_fds(&self) -> usize {
         match self {
             TargetSetup::Null | TargetSetup::FailIo => 0,
-            TargetSetup::Memory | TargetSetup::Loop { .. } => 1,
+            TargetSetup::Memory | TargetSetup::Loop => 1,
         }
     }
 }

@@ -373,7 +373,7 @@ impl Device {
                 _ if fail_io => TargetSetup::FailIo,
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
-                TargetSpec::Loop { .. } => TargetSetup::Loop { direct: self.direct },
+                TargetSpec::Loop { .. } => TargetSetup::Loop,
             },
             zero_copy: zero_copy(&self.spec),
             fast_release: ctx.fast_release && self.fast_release_is_safe(),

@@ -90,7 +90,7 @@ pub fn build(
         let target = match setup {
             TargetSetup::Null => "null",
             TargetSetup::Memory => "memory",
-            TargetSetup::Loop { .. } => "loop",
+            TargetSetup::Loop => "loop",
             TargetSetup::FailIo => "fail-io",
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
@@ -98,7 +98,7 @@ pub fn build(
     Ok(match *setup {
         TargetSetup::Null => Box::new(NullTarget),
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
-        TargetSetup::Loop { direct: _ } => Box::new(LoopTarget::new(fds.remove(0), size)?),
+        TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
         TargetSetup::FailIo => Box::new(FailTarget),
     })
 }
