@@ -7,157 +7,28 @@ Run through `bench/run` (see bench/README.md). Three halves, one file:
   guest   (inside the VM) the rounds: add a device per server, run fio, measure, delete
   report  re-render the table and the plot of an earlier results dir
 
-Python 3 standard library only. The parameters are in bench/params.py.
+Python 3 standard library only. The parameters are in bench/params.py; what this
+shares with recovery.py (builds, the VM run, the servers) is in bench/benchlib.py.
 """
 
-import argparse
-import datetime
-import glob
-import json
 import os
-import re
-import shutil
-import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import params as P  # noqa: E402
+import benchlib as L  # noqa: E402
+from benchlib import REPO, log, die, run, sh, stats, emit  # noqa: E402
 
 REC = "@@UBLKD-BENCH-REC@@ "
 META = "@@UBLKD-BENCH-META@@ "
 DONE = "@@UBLKD-BENCH-DONE@@"
 
 
-def log(msg):
-    print(f"[bench] {msg}", flush=True)
-
-
-def die(msg, code=1):
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
 # ======================================================================================
-# host: peers
-# ======================================================================================
-
-def run(cmd, **kw):
-    """Run a command; on failure raise with its last output lines."""
-    kw.setdefault("stdout", subprocess.PIPE)
-    kw.setdefault("stderr", subprocess.STDOUT)
-    kw.setdefault("text", True)
-    p = subprocess.run(cmd, **kw)
-    if p.returncode != 0:
-        out = (p.stdout or "").strip().splitlines()
-        tail = "\n    ".join(out[-15:])
-        raise RuntimeError(f"`{' '.join(cmd)}` exited {p.returncode}:\n    {tail}")
-    return p.stdout or ""
-
-
-def apt_version(pkg, release):
-    out = run(["apt-cache", "show", "--no-all-versions", f"{pkg}/{release}"])
-    m = re.search(r"^Version: (\S+)", out, re.M)
-    if not m:
-        raise RuntimeError(f"apt has no {pkg} in {release} (try `apt-get update`)")
-    return m.group(1)
-
-
-def pick_linux_source():
-    if P.KUBLK_SOURCE_PACKAGE != "auto":
-        return P.KUBLK_SOURCE_PACKAGE
-    names = run(["apt-cache", "pkgnames", "linux-source-"]).split()
-    best = None
-    for n in names:
-        m = re.fullmatch(r"linux-source-(\d+)\.(\d+)", n)
-        if m and (best is None or (int(m[1]), int(m[2])) > best[0]):
-            best = ((int(m[1]), int(m[2])), n)
-    if not best:
-        raise RuntimeError("apt knows no linux-source-X.Y package (try `apt-get update`)")
-    return best[1]
-
-
-def build_kublk(cache, rebuild):
-    """kublk, the kernel's ublk selftest server, from Debian's linux-source, compiled
-    against the same release's uapi headers and liburing (static), none installed."""
-    rel = P.KUBLK_RELEASE
-    src = pick_linux_source()
-    vsrc = apt_version(src, rel)
-    vlibc = apt_version("linux-libc-dev", rel)
-    vuring = apt_version("liburing-dev", rel)
-    m = re.match(r"(\d+)\.(\d+)", vuring)
-    if not m or (int(m[1]), int(m[2])) < P.LIBURING_MIN:
-        raise RuntimeError(f"liburing-dev/{rel} is {vuring}, need >= "
-                           + ".".join(map(str, P.LIBURING_MIN)))
-    versions = {"source": f"{src} {vsrc}", "linux-libc-dev": vlibc, "liburing-dev": vuring}
-    key = f"{src}_{vsrc}+libc_{vlibc}+uring_{vuring}".replace(":", "_")
-    out = os.path.join(cache, "kublk", key, "kublk")
-    if os.path.exists(out) and not rebuild:
-        return out, versions
-    log(f"building kublk from {src} {vsrc} ({rel}), liburing {vuring}, headers {vlibc}")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    work = tempfile.mkdtemp(prefix="build-", dir=os.path.join(cache, "kublk"))
-    try:
-        os.chmod(work, 0o755)  # lets apt's _apt user write there (else a warning)
-        run(["apt-get", "download", "-q", f"{src}/{rel}", f"linux-libc-dev/{rel}",
-             f"liburing-dev/{rel}"], cwd=work)
-        x = os.path.join(work, "x")
-        for deb in glob.glob(os.path.join(work, "*.deb")):
-            run(["dpkg-deb", "-x", deb, x])
-        tarball = glob.glob(os.path.join(x, "usr/src/linux-source-*.tar.*"))
-        if not tarball:
-            raise RuntimeError(f"{src} holds no usr/src/linux-source-*.tar.*")
-        run(["tar", "-xf", tarball[0], "-C", work, "--wildcards",
-             "*/tools/testing/selftests/ublk/*"])
-        srcdir = glob.glob(os.path.join(work, "*/tools/testing/selftests/ublk"))[0]
-        sources = sorted(f for f in glob.glob(os.path.join(srcdir, "*.c"))
-                         if os.path.basename(f) != "metadata_size.c")
-        triplet = run(["gcc", "-print-multiarch"]).strip() or "x86_64-linux-gnu"
-        inc = os.path.join(x, "usr/include")
-        run(["gcc", "-O3", "-Wall", "-D_GNU_SOURCE", "-I", inc,
-             "-I", os.path.join(inc, triplet), "-o", out + ".tmp", *sources,
-             os.path.join(x, "usr/lib", triplet, "liburing.a"), "-lpthread", "-lm"])
-        os.rename(out + ".tmp", out)
-        with open(os.path.join(os.path.dirname(out), "versions.json"), "w") as f:
-            json.dump(versions, f, indent=1)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out, versions
-
-
-def build_rublk(cache, rebuild):
-    """rublk from crates.io with `cargo install`, into the cache."""
-    root = os.path.join(cache, "rublk")
-    binp = os.path.join(root, "bin", "rublk")
-    if os.path.exists(binp) and not rebuild:
-        ver = run([binp, "--version"]).strip()
-        return binp, {"rublk": ver}
-    if subprocess.run(["dpkg", "-s", "libclang-dev"], stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL).returncode != 0:
-        log("installing libclang-dev (rublk's bindgen needs it)")
-        run(["apt-get", "install", "-y", "-q", "-t", "bookworm",
-             "--no-install-recommends", "libclang-dev"],
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-    spec = ["rublk"] + (["--version", P.RUBLK_VERSION] if P.RUBLK_VERSION else [])
-    log(f"building rublk with cargo install (a few minutes) into {root}")
-    cmd = ["cargo", "install", *spec, "--locked", "--force", "--root", root]
-    env = {**os.environ, "CARGO_TARGET_DIR": os.path.join(cache, "rublk-target")}
-    try:
-        # cwd = the cache: the repository's rust-toolchain.toml must not apply.
-        run(cmd, cwd=cache, env=env, timeout=P.RUBLK_BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"`cargo install rublk` took over {P.RUBLK_BUILD_TIMEOUT_S} s")
-    ver = run([binp, "--version"]).strip()
-    return binp, {"rublk": ver}
-
-
-# ======================================================================================
-# host: the run
+# host
 # ======================================================================================
 
 def effective_params(args):
@@ -219,172 +90,33 @@ def build_baseline(rev):
     return os.path.join(tgt, "release"), full[:12]
 
 
-def git_rev():
-    try:
-        rev = run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]).strip()
-        dirty = run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
-        return rev + ("-dirty" if dirty.strip() else "")
-    except Exception:
-        return "unknown"
-
-
-def host_sample(root):
-    """(host busy CPU s, CPU s of `root`'s live process tree — the VM —, monotonic s)."""
-    kids, cpu = {}, {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            kids.setdefault(int(rest[1]), []).append(int(d))
-            cpu[int(d)] = (int(rest[11]) + int(rest[12])) / CLK_TCK
-    tree, todo = 0.0, [root]
-    while todo:
-        p = todo.pop()
-        tree += cpu.get(p, 0.0)
-        todo.extend(kids.get(p, []))
-    return sys_busy_s(), tree, time.monotonic()
-
-
-def run_guest(cmd, outdir, markers):
-    """Runs `cmd` (the VM with a guest script) and follows its console: every line goes
-    to outdir/console.log, progress and errors to the terminal, and the guest's records
-    (`markers` = (record, meta, done) prefixes) are collected, each record with the
-    host's load and the CPU the host spent on other work than the VM meanwhile.
-    Returns (records, meta, exit status, whether the guest said it was done)."""
-    rec, meta_marker, done_marker = markers
-    records, meta, done = [], {}, False
-    console = open(os.path.join(outdir, "console.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", bufsize=1)
-    prev = host_sample(proc.pid)
-    try:
-        for line in proc.stdout:
-            console.write(line)
-            console.flush()
-            for marker in (rec, meta_marker):
-                i = line.find(marker)
-                if i >= 0:
-                    try:
-                        obj = json.loads(line[i + len(marker):])
-                    except ValueError:
-                        print(f"bench: a record line was garbled on the console, dropped: "
-                              f"{line.strip()[:200]}", flush=True)
-                        break
-                    if marker == rec:
-                        obj["host_load1"] = os.getloadavg()[0]
-                        cur = host_sample(proc.pid)
-                        if cur[2] > prev[2]:
-                            obj["host_other_cpu_pct"] = round(
-                                100 * ((cur[0] - prev[0]) - (cur[1] - prev[1]))
-                                / (cur[2] - prev[2]), 1)
-                        prev = cur
-                        records.append(obj)
-                    else:
-                        meta.update(obj)
-                    break
-            else:
-                if done_marker in line:
-                    done = True
-                    continue
-                m = re.match(r"\[vm\] booting (\S+) \((\w+), (\d+) vCPU", line)
-                if m:
-                    meta.setdefault("accel", m.group(2))
-                if (line.startswith(("[bench]", "[vm]", "install-host-deps"))
-                        or "error" in line.lower() or "panic" in line.lower()):
-                    print(line.rstrip("\n"), flush=True)
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait()
-    console.close()
-    return records, meta, rc, done
-
-
-def link_latest(outdir, name):
-    """Points results/<name> at `outdir`, unless something else than a link is there."""
-    latest = os.path.join(os.path.dirname(outdir), name)
-    if os.path.islink(latest) or not os.path.exists(latest):
-        if os.path.islink(latest):
-            os.unlink(latest)
-        os.symlink(os.path.basename(outdir), latest)
-
-
 def host(args):
-    if os.geteuid() != 0:
-        die("needs root (the VM harness, apt-get download, the cache dir)")
+    L.need_root()
     prm = effective_params(args)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    outdir = os.path.abspath(os.path.join(args.out or os.path.join(HERE, "results"), stamp))
-    os.makedirs(outdir)
-    cache = prm["CACHE_DIR"]
-    os.makedirs(cache, exist_ok=True)
-    t0 = time.monotonic()
-
-    log("building ublkd: cargo build --release --workspace --bins")
-    try:
-        run(["cargo", "build", "--release", "--workspace", "--bins"], cwd=REPO)
-    except RuntimeError as e:
-        die(f"ublkd does not build: {e}")
-    bindir = os.path.join(REPO, "target", "release")
-
-    paths, versions, peer_errors = {"ublkd": bindir}, {"ublkd": git_rev()}, {}
+    hr = L.HostRun(args, prm["CACHE_DIR"])
     if args.baseline:
-        paths["ublkd-base"], versions["ublkd-base"] = build_baseline(args.baseline)
+        hr.paths["ublkd-base"], hr.versions["ublkd-base"] = build_baseline(args.baseline)
         prm["SERVERS"] = prm["SERVERS"] + ["ublkd-base"]
     want = set(prm["SERVERS"])
     if any(s.startswith("kublk") for s in want):
-        try:
-            paths["kublk"], v = build_kublk(cache, args.rebuild_peers)
-            versions["kublk"] = v
-            log(f"kublk: {paths['kublk']}")
-        except Exception as e:
-            peer_errors["kublk"] = str(e)
-            log(f"kublk unavailable, continuing without it: {e}")
+        hr.build_peer("kublk", L.build_kublk, args.rebuild_peers)
     if "rublk" in want:
-        try:
-            paths["rublk"], v = build_rublk(cache, args.rebuild_peers)
-            versions["rublk"] = v["rublk"]
-            log(f"rublk: {paths['rublk']} ({v['rublk']})")
-        except Exception as e:
-            peer_errors["rublk"] = str(e)
-            log(f"rublk unavailable, continuing without it: {e}")
+        hr.build_peer("rublk", L.build_rublk, args.rebuild_peers)
     servers = [s for s in prm["SERVERS"]
-               if not (s.startswith("kublk") and "kublk" not in paths)
-               and not (s == "rublk" and "rublk" not in paths)]
+               if not (s.startswith("kublk") and "kublk" not in hr.paths)
+               and not (s == "rublk" and "rublk" not in hr.paths)]
     prm["SERVERS"] = servers
-    log(f"peers ready after {time.monotonic() - t0:.0f} s")
+    log(f"peers ready after {time.monotonic() - hr.t0:.0f} s")
 
-    plan = {"params": prm, "paths": paths, "versions": versions,
-            "peer_errors": peer_errors, "outdir": outdir}
-    plan_path = os.path.join(outdir, "plan.json")
-    with open(plan_path, "w") as f:
-        json.dump(plan, f, indent=1)
-
+    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
     timeout = int(1.6 * est + 180)
     log(f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
-        f"~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {outdir}")
-    cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
-           "--mem", str(prm["VM_MEM_MB"]), "--",
-           "python3", "-u", os.path.join(HERE, "bench.py"), "guest", plan_path]
-    records, meta, rc, done = run_guest(cmd, outdir, (REC, META, DONE))
-
-    results = {"meta": {**meta, "date": stamp, "host_elapsed_s": round(time.monotonic() - t0),
-                        "vm_exit": rc, "complete": done},
-               "params": prm, "versions": {**versions, **meta.get("versions", {})},
-               "peer_errors": peer_errors, "records": records}
-    results["summary"] = summarize(results)
-    write_outputs(results, outdir)
-    link_latest(outdir, "latest")
-    if not done or rc != 0:
-        die(f"the VM run did not finish (exit {rc}; see {outdir}/console.log); "
-            f"the table above holds the {len(records)} runs it recorded", 1)
-    errs = [r for r in records if r.get("error")]
+        f"~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {hr.outdir}")
+    vm = hr.run_vm("bench.py", plan_path, timeout, prm["VM_MEM_MB"], (REC, META, DONE))
+    errs = hr.finish(prm, vm, summarize, table, svg_plot, "latest", "runs it recorded")
     if errs:
-        print(f"bench: {len(errs)} of {len(records)} runs failed; see results.json", flush=True)
+        print(f"bench: {len(errs)} of {len(vm[0])} runs failed; see results.json", flush=True)
         sys.exit(1)
 
 
@@ -394,15 +126,6 @@ def host(args):
 
 METRICS = ["iops", "p50_us", "p99_us", "cpu_us_per_io", "sys_cpu_us_per_io", "server_cpu_pct",
            "window_iops"]
-
-
-def stats(vals):
-    vals = sorted(v for v in vals if v is not None)
-    if not vals:
-        return None
-    q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else [vals[0]] * 3
-    return {"n": len(vals), "median": statistics.median(vals), "min": vals[0],
-            "max": vals[-1], "q1": q[0], "q3": q[2]}
 
 
 def summarize(results):
@@ -519,15 +242,7 @@ def table(results):
                  "inside the fio run;")
     lines.append("srv CPU% = the same in % of one CPU; sys CPU = all CPUs' busy time per I/O "
                  "(fio and kernel included). Ratios are of medians; spreads min-max over rounds.")
-    other = [r["host_other_cpu_pct"] for r in results["records"] if "host_other_cpu_pct" in r]
-    if other:
-        med = statistics.median(other)
-        lines.append(f"host CPU used by other work than this VM during the run: median "
-                     f"{med:.0f}%, max {max(other):.0f}% of one CPU"
-                     + (" -- the host was busy: these numbers are noisier than usual"
-                        if med > 20 else ""))
-    for peer, err in results.get("peer_errors", {}).items():
-        lines.append(f"{peer} was left out: {err.splitlines()[0]}")
+    lines += L.footer(results)
     return "\n".join(lines)
 
 
@@ -637,211 +352,21 @@ def svg_plot(results):
     return "\n".join(o) + "\n"
 
 
-def write_outputs(results, outdir, render_table=None, render_plot=None):
-    """Writes results.json, table.txt and (where there is one) plot.svg into `outdir`
-    and prints the table. `render_table` and `render_plot` default to this benchmark's;
-    recovery.py passes its own table and no plot."""
-    render_table = render_table or table
-    if render_plot is None and render_table is table:
-        render_plot = svg_plot
-    with open(os.path.join(outdir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = render_table(results)
-    with open(os.path.join(outdir, "table.txt"), "w") as f:
-        f.write(text + "\n")
-    names = ["results.json", "table.txt"]
-    if render_plot:
-        with open(os.path.join(outdir, "plot.svg"), "w") as f:
-            f.write(render_plot(results))
-        names.append("plot.svg")
-    print()
-    print(text)
-    print()
-    print(f"results: {outdir}/{', '.join(names + ['console.log'])}", flush=True)
-
-
-def report(args, summarize_fn=None, render_table=None):
-    """`report DIR`: re-renders an earlier run's outputs from its results.json."""
-    path = args.dir
-    if os.path.isdir(path):
-        path = os.path.join(path, "results.json")
-    with open(path) as f:
-        results = json.load(f)
-    results["summary"] = (summarize_fn or summarize)(results)
-    write_outputs(results, os.path.dirname(os.path.abspath(path)), render_table)
-
-
-# ======================================================================================
-# guest: measurement helpers
-# ======================================================================================
-
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def proc_cpu_s(pid):
-    """utime+stime of the whole process (every thread, live or exited), in seconds."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    if rest[0] == "Z":
-        return None
-    return (int(rest[11]) + int(rest[12])) / CLK_TCK
-
-
-def sys_busy_s():
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / CLK_TCK  # all but idle and iowait
-
-
-def disk_ios(dev):
-    with open(f"/sys/block/{dev}/stat") as f:
-        v = [int(x) for x in f.read().split()]
-    return v[0] + v[4]  # reads + writes completed
-
-
-def fd_holders(path):
-    """Pids of the processes that have `path` open."""
-    pids = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            for fd in os.listdir(f"/proc/{d}/fd"):
-                try:
-                    if os.readlink(f"/proc/{d}/fd/{fd}") == path:
-                        pids.add(int(d))
-                        break
-                except OSError:
-                    pass
-        except OSError:
-            pass
-    return pids
-
-
-def alive(pid):
-    return proc_cpu_s(pid) is not None
-
-
-def wait_gone(pids, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(alive(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def sh(cmd, timeout=60):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout)
-    if p.returncode != 0:
-        raise RuntimeError(f"`{' '.join(map(str, cmd))}` exited {p.returncode}: "
-                           + " | ".join(p.stdout.strip().splitlines()[-6:]))
-    return p.stdout
+def report(args):
+    L.report(args, summarize, table, svg_plot)
 
 
 # ======================================================================================
 # guest: servers
 # ======================================================================================
 
-class Ublkd:
-    SOCK = "/run/ublkd-bench.sock"
-    CFG = "/run/ublkd-bench.toml"
-    LOG = "/run/ublkd-bench.log"
-
-    def __init__(self, plan, copy=False, sandbox=True, fast_release=True, build="ublkd"):
-        self.bindir = plan["paths"][build]
-        self.prm = plan["params"]
-        self.copy, self.sandbox, self.fast_release = copy, sandbox, fast_release
-        self.proc = None
-
-    def ctl(self, *a):
-        return sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
-
-    def config(self):
-        text = f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
-        if not self.fast_release:
-            text += "[recovery]\nfast_release = false\n"
-        return text
-
-    def start(self):
-        with open(self.CFG, "w") as f:
-            f.write(self.config())
-        logf = open(self.LOG, "a")
-        self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
-                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
-        end = time.monotonic() + 20
-        while not os.path.exists(self.SOCK):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ublkd exited {self.proc.returncode} at start: "
-                                   + tail(self.LOG))
-            if time.monotonic() > end:
-                raise RuntimeError("ublkd's socket did not appear within 20 s")
-            time.sleep(0.05)
-
-    def add(self, target):
-        a = ["add", "-q", str(self.prm["QUEUES"]), "-d", str(self.prm["QUEUE_DEPTH"])]
-        if target == "null":
-            a += ["-t", "null", "-s", self.prm["NULL_SIZE"]]
-        else:
-            a += ["-t", "loop", "-f", self.prm["LOOP_FILE"]]
-            if self.copy:
-                a.append("--copy")
-        if not self.sandbox:
-            a.append("--no-sandbox")
-        out = self.ctl(*a).strip().splitlines()
-        return int(out[-1])
-
-    def pids(self, dev_id):
-        pids = {self.proc.pid}
-        st = json.loads(self.ctl("status", "--json"))
-        for d in st.get("devices", []):
-            if d.get("id") == dev_id:
-                for k in ("worker_pid", "standby_pid"):
-                    if d.get(k):
-                        pids.add(int(d[k]))
-        return pids | fd_holders(f"/dev/ublkc{dev_id}")
-
-    def delete(self, dev_id):
-        self.ctl("del", "-n", str(dev_id))
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise RuntimeError("ublkd did not stop within 20 s of SIGTERM")
-        self.proc = None
+Ublkd = L.Ublkd
 
 
-class Kublk:
+class Kublk(L.Peer):
     def __init__(self, plan, batch, auto_zc=False):
-        self.bin = plan["paths"]["kublk"]
-        self.prm = plan["params"]
+        super().__init__(plan)
         self.batch, self.auto_zc = batch, auto_zc
-        self.daemon = {}
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def _parse(self, out):
-        m = re.search(r"dev id (\d+):", out)
-        if not m:
-            raise RuntimeError(f"no 'dev id N:' in the add output: {out.strip()[:300]}")
-        dev_id = int(m.group(1))
-        p = re.search(r"daemon pid (\d+)", out)
-        if p:
-            self.daemon[dev_id] = int(p.group(1))
-        return dev_id
 
     def add(self, target):
         a = [self.bin, "add", "-t", target, "-q", str(self.prm["QUEUES"]),
@@ -852,21 +377,10 @@ class Kublk:
             a.append(self.prm["LOOP_FILE"])
         return self._parse(sh(a))
 
-    def pids(self, dev_id):
-        p = fd_holders(f"/dev/ublkc{dev_id}")
-        if dev_id in self.daemon:
-            p.add(self.daemon[dev_id])
-        return p
 
-    def delete(self, dev_id):
-        sh([self.bin, "del", "-n", str(dev_id)])
-
-
-class Rublk(Kublk):
+class Rublk(L.Peer):
     def __init__(self, plan):
-        self.bin = plan["paths"]["rublk"]
-        self.prm = plan["params"]
-        self.daemon = {}
+        super().__init__(plan, "rublk")
 
     def add(self, target):
         a = [self.bin, "add", target, "-q", str(self.prm["QUEUES"]),
@@ -887,14 +401,6 @@ def make_server(name, plan):
             "kublk": lambda: Kublk(plan, False), "rublk": lambda: Rublk(plan)}[name]()
 
 
-def tail(path, n=8):
-    try:
-        with open(path, errors="replace") as f:
-            return " | ".join(f.read().strip().splitlines()[-n:])
-    except OSError:
-        return ""
-
-
 # ======================================================================================
 # guest: the rounds
 # ======================================================================================
@@ -912,8 +418,7 @@ def fio_cmd(dev, job, spec, prm):
 
 
 def fio_parse(out, rw):
-    data = json.loads(out[out.index("{"):])
-    jb = data["jobs"][0]
+    jb = L.fio_job(out)
     if jb.get("error"):
         raise RuntimeError(f"fio job error {jb['error']}")
     d = jb["write" if "write" in rw else "read"]
@@ -923,22 +428,9 @@ def fio_parse(out, rw):
             "clat_mean_us": d["clat_ns"]["mean"] / 1000, "fio_ios": d["total_ios"]}
 
 
-def wait_dev(dev_id, timeout=20):
-    path = f"/dev/ublkb{dev_id}"
-    end = time.monotonic() + timeout
-    while not (os.path.exists(path) and os.path.exists(f"/sys/block/ublkb{dev_id}/stat")):
-        if time.monotonic() > end:
-            raise RuntimeError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.05)
-    return f"ublkb{dev_id}"
-
-
-def emit(marker, obj):
-    print(marker + json.dumps(obj, separators=(",", ":")), flush=True)
-
-
 def sample(pids, dev):
-    return {p: proc_cpu_s(p) for p in pids}, sys_busy_s(), disk_ios(dev), time.monotonic()
+    return ({p: L.proc_cpu_s(p) for p in pids}, L.sys_busy_s(), L.disk_ios(dev),
+            time.monotonic())
 
 
 def window(pids, a, b):
@@ -965,14 +457,14 @@ def measure(srv, dev_id, dev, job, spec, prm):
     cover a window inside it: from RAMP_S after the device sees its first I/O to
     RUNTIME_S - 0.3 s later, so fio's start-up (~2 s under TCG) and exit are left out."""
     pids = srv.pids(dev_id)
-    d_start = disk_ios(dev)
+    d_start = L.disk_ios(dev)
     proc = subprocess.Popen(fio_cmd(dev, job, spec, prm), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     t_launch = time.monotonic()
     deadline = t_launch + prm["RUNTIME_S"] + prm["RAMP_S"] + 120
     note = None
     try:
-        while disk_ios(dev) == d_start and proc.poll() is None:
+        while L.disk_ios(dev) == d_start and proc.poll() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError("fio did no I/O within the deadline")
             time.sleep(0.02)
@@ -1007,29 +499,24 @@ def measure(srv, dev_id, dev, job, spec, prm):
 
 
 def guest(args):
-    with open(args.plan) as f:
-        plan = json.load(f)
+    plan = L.read_plan(args.plan)
     prm = plan["params"]
     t_start = time.monotonic()
-    meta = {"kernel": os.uname().release, "cpus": os.cpu_count(),
-            "fio": sh(["fio", "--version"]).strip(), "versions": {}}
-    emit(META, meta)
+    emit(META, {**L.guest_meta(), "versions": {}})
 
     jobs = prm["JOBS"]
     targets = [t for t in ("null", "loop") if any(s[0] == t for s in jobs.values())]
     if "loop" in targets:
         log(f"creating the loop target's backing file {prm['LOOP_FILE']} "
             f"({prm['LOOP_FILE_MB']} MiB, tmpfs)")
-        sh(["dd", "if=/dev/zero", f"of={prm['LOOP_FILE']}", "bs=1M",
-            f"count={prm['LOOP_FILE_MB']}", "status=none"], timeout=600)
+        L.zero_file(prm["LOOP_FILE"], prm["LOOP_FILE_MB"])
 
     servers = prm["SERVERS"]
     nrounds = prm["ROUNDS"]
     total = nrounds * sum(1 for s in servers for j in jobs if runs_job(prm, s, j))
     count = 0
     for rnd in range(nrounds):
-        order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
-        for sname in order:
+        for sname in L.rotated(servers, rnd):
             srv = make_server(sname, plan)
             try:
                 srv.start()
@@ -1049,7 +536,7 @@ def guest(args):
                 dev_id, err = None, None
                 try:
                     dev_id = srv.add(target)
-                    dev = wait_dev(dev_id)
+                    dev = L.wait_dev(dev_id)
                 except Exception as e:
                     err = f"add {target}: {e}"
                     log(f"round {rnd + 1}/{nrounds} {sname}: {err}")
@@ -1089,7 +576,7 @@ def guest(args):
                         pids = srv.pids(dev_id) - ({srv.proc.pid} if isinstance(srv, Ublkd)
                                                    else set())
                         srv.delete(dev_id)
-                        if not wait_gone(pids):
+                        if not L.wait_gone(pids):
                             log(f"round {rnd + 1}/{nrounds} {sname}: its processes "
                                 f"{sorted(pids)} outlived the device by 10 s")
                     except Exception as e:
@@ -1099,21 +586,15 @@ def guest(args):
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {sname}: stop failed: {e}")
     log(f"done: {count} runs in {time.monotonic() - t_start:.0f} s in the VM")
-    if os.path.exists(Ublkd.LOG) and "ublkd" in servers:
-        errs = [ln for ln in open(Ublkd.LOG, errors="replace")
-                if re.search(r"\b(ERROR|WARN)\b", ln)]
-        if errs:
-            log(f"ublkd logged {len(errs)} warnings/errors; the last: {errs[-1].strip()[:300]}")
+    probs = Ublkd.log_problems() if "ublkd" in servers else None
+    if probs:
+        log(f"ublkd logged {probs[0]} warnings/errors; the last: {probs[1]}")
     print(DONE, flush=True)
 
 
 # ======================================================================================
 
-def main():
-    ap = argparse.ArgumentParser(prog="bench/run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd")
-    h = sub.add_parser("host", help="build, run the VM, write the results (the default)")
+def host_args(h):
     h.add_argument("--quick", action="store_true",
                    help="smoke check: 2 rounds, 2 s runs, 3 jobs (~5 min)")
     h.add_argument("--rounds", type=int, help="override ROUNDS")
@@ -1126,16 +607,9 @@ def main():
                         "to measure a change in the same boot")
     h.add_argument("--rebuild-peers", action="store_true",
                    help="rebuild kublk and rublk even if cached")
-    g = sub.add_parser("guest", help="(inside the VM) run the rounds of a plan")
-    g.add_argument("plan")
-    r = sub.add_parser("report", help="re-render the table and plot of a results dir")
-    r.add_argument("dir")
-    argv = sys.argv[1:]
-    if not argv or argv[0] not in ("host", "guest", "report", "-h", "--help"):
-        argv = ["host"] + argv
-    args = ap.parse_args(argv)
-    {"host": host, "guest": guest, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
-    main()
+    L.main("bench/run", __doc__, host_args, {"host": host, "guest": guest, "report": report},
+           guest_help="(inside the VM) run the rounds of a plan",
+           report_help="re-render the table and plot of a results dir")

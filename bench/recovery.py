@@ -12,11 +12,10 @@ Run through `bench/run recovery` (see bench/README.md). Three halves, one file:
 The stall of one kill = from the kill(2) to the first I/O the device completes after
 the killed process is gone (`/sys/block/ublkbN/stat`, reads + writes completed, polled
 every RECOVERY_POLL_S). Python 3 standard library only; parameters in bench/params.py
-(the RECOVERY_* block). Shares its helpers (peer build, VM console parsing) with bench.py.
+(the RECOVERY_* block). What this shares with bench.py (builds, the VM run, the
+servers) is in bench/benchlib.py.
 """
 
-import argparse
-import datetime
 import json
 import os
 import re
@@ -28,10 +27,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import params as P  # noqa: E402
-import bench as B  # noqa: E402
+import benchlib as L  # noqa: E402
+from benchlib import log, die, emit, sh, stats  # noqa: E402
 
 REC = "@@UBLKD-RECOVERY-REC@@ "
 META = "@@UBLKD-RECOVERY-META@@ "
@@ -42,8 +41,6 @@ DONE = "@@UBLKD-RECOVERY-DONE@@"
 # waits for the kernel to tear the dead worker's rings down, as kublk's does.
 SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc", "ublkd-deferred")
 PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"), ("ublkd-deferred", "kublk-b"))
-
-log, die, emit = B.log, B.die, B.emit
 
 
 # ======================================================================================
@@ -78,61 +75,22 @@ def estimate_s(prm):
 
 
 def host(args):
-    if os.geteuid() != 0:
-        die("needs root (the VM harness, apt-get download, the cache dir)")
+    L.need_root()
     prm = effective_params(args)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parent = os.path.abspath(args.out or os.path.join(HERE, "results"))
-    outdir = os.path.join(parent, f"recovery-{stamp}")
-    os.makedirs(outdir)
-    cache = prm["CACHE_DIR"]
-    os.makedirs(cache, exist_ok=True)
-    t0 = time.monotonic()
-
-    log("building ublkd: cargo build --release --workspace --bins")
-    try:
-        B.run(["cargo", "build", "--release", "--workspace", "--bins"], cwd=REPO)
-    except RuntimeError as e:
-        die(f"ublkd does not build: {e}")
-    paths = {"ublkd": os.path.join(REPO, "target", "release")}
-    versions, peer_errors = {"ublkd": B.git_rev()}, {}
+    hr = L.HostRun(args, prm["CACHE_DIR"], prefix="recovery-")
     if any(s.startswith("kublk") for s in prm["RECOVERY_SERVERS"]):
-        try:
-            paths["kublk"], versions["kublk"] = B.build_kublk(cache, args.rebuild_peers)
-            log(f"kublk: {paths['kublk']}")
-        except Exception as e:
-            peer_errors["kublk"] = str(e)
+        if not hr.build_peer("kublk", L.build_kublk, args.rebuild_peers):
             prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"]
                                        if not s.startswith("kublk")]
-            log(f"kublk unavailable, continuing without it: {e}")
 
-    plan = {"params": prm, "paths": paths, "versions": versions,
-            "peer_errors": peer_errors, "outdir": outdir}
-    plan_path = os.path.join(outdir, "plan.json")
-    with open(plan_path, "w") as f:
-        json.dump(plan, f, indent=1)
-
+    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
     timeout = int(2 * est + 180)
     log(f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
         f"{prm['RECOVERY_ROUNDS']} rounds, ~{est / 60:.0f} min in the VM (timeout "
-        f"{timeout} s); results: {outdir}")
-    cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
-           "--mem", str(prm["VM_MEM_MB"]), "--",
-           "python3", "-u", os.path.join(HERE, "recovery.py"), "guest", plan_path]
-    records, meta, rc, done = B.run_guest(cmd, outdir, (REC, META, DONE))
-
-    results = {"meta": {**meta, "date": stamp, "host_elapsed_s": round(time.monotonic() - t0),
-                        "vm_exit": rc, "complete": done},
-               "params": prm, "versions": {**versions, **meta.get("versions", {})},
-               "peer_errors": peer_errors, "records": records}
-    results["summary"] = summarize(results)
-    write_outputs(results, outdir)
-    B.link_latest(outdir, "latest-recovery")
-    if not done or rc != 0:
-        die(f"the VM run did not finish (exit {rc}; see {outdir}/console.log); "
-            f"the table above holds the {len(records)} records it got", 1)
-    bad = [r for r in records if r.get("error")]
+        f"{timeout} s); results: {hr.outdir}")
+    vm = hr.run_vm("recovery.py", plan_path, timeout, prm["VM_MEM_MB"], (REC, META, DONE))
+    bad = hr.finish(prm, vm, summarize, table, None, "latest-recovery", "records it got")
     if bad:
         print(f"bench: {len(bad)} kills or series failed; see results.json", flush=True)
         sys.exit(1)
@@ -151,15 +109,15 @@ def summarize(results):
         series = [r for r in recs if r.get("kind") == "series" and r["server"] == srv]
         out[srv] = {
             "kills": len(ok), "failed_kills": len(kills) - len(ok),
-            "stall_ms": B.stats([r["stall_ms"] for r in ok]),
-            "death_ms": B.stats([r.get("death_ms") for r in ok]),
-            "poll_ms": B.stats([r.get("poll_ms") for r in ok]),
-            "last_recovery_ms": B.stats([r.get("last_recovery_ms") for r in ok]),
-            "recover_cmd_ms": B.stats([r.get("recover_cmd_ms") for r in ok]),
-            "recover_attempts": B.stats([r.get("recover_attempts") for r in ok]),
+            "stall_ms": stats([r["stall_ms"] for r in ok]),
+            "death_ms": stats([r.get("death_ms") for r in ok]),
+            "poll_ms": stats([r.get("poll_ms") for r in ok]),
+            "last_recovery_ms": stats([r.get("last_recovery_ms") for r in ok]),
+            "recover_cmd_ms": stats([r.get("recover_cmd_ms") for r in ok]),
+            "recover_attempts": stats([r.get("recover_attempts") for r in ok]),
             # ublkd's own phases, and what is left of the stall after them: the worker's
             # death, noticing it, and the first I/O after LIVE
-            **{k: B.stats([r.get(k) for r in ok])
+            **{k: stats([r.get(k) for r in ok])
                for k in ("detect_ms", "release_ms", "activate_ms", "map_ms", "prep_ms",
                          "end_ms", "rest_ms")},
             "series": len(series),
@@ -254,15 +212,7 @@ def table(results):
     lines.append("kublk-b: kublk add -t loop -b -r 1 -i 1; kill -9 of its daemon, then at once "
                  "`kublk recover -n ID` with the add's arguments, re-run until it succeeds "
                  "(recover: kill -> the successful command's exit; Nx = attempts).")
-    other = [r["host_other_cpu_pct"] for r in results["records"] if "host_other_cpu_pct" in r]
-    if other:
-        med = statistics.median(other)
-        lines.append(f"host CPU used by other work than this VM during the run: median "
-                     f"{med:.0f}%, max {max(other):.0f}% of one CPU"
-                     + (" -- the host was busy: these numbers are noisier than usual"
-                        if med > 20 else ""))
-    for peer, err in results.get("peer_errors", {}).items():
-        lines.append(f"{peer} was left out: {err.splitlines()[0]}")
+    lines += L.footer(results)
     errs = [r for r in results["records"] if r.get("error")]
     for r in errs[:10]:
         what = f"kill {r['kill']}" if r.get("kind") == "kill" else f"series {r.get('round')}"
@@ -270,12 +220,8 @@ def table(results):
     return "\n".join(lines)
 
 
-def write_outputs(results, outdir):
-    B.write_outputs(results, outdir, table)
-
-
 def report(args):
-    B.report(args, summarize, table)
+    L.report(args, summarize, table)
 
 
 # ======================================================================================
@@ -324,11 +270,33 @@ def watch_resume(ctr, t0, pidfd, prm, on_poll=None):
         time.sleep(poll_s)
 
 
-class Ublkd(B.Ublkd):
+def kill_and_watch(pid, ctr, prm, after_kill=None, on_poll=None):
+    """SIGKILLs `pid`, runs `after_kill`, and watches the device resume (watch_resume).
+    Returns (t0: the kill's time, the kill's record so far: pid, death_ms, polls, and
+    stall_ms and poll_ms to add once the server is checked, or None if no I/O completed
+    within RECOVERY_TIMEOUT_S)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        if after_kill:
+            after_kill()
+        t_dead, t_io, polls = watch_resume(ctr, t0, pidfd, prm, on_poll)
+    finally:
+        os.close(pidfd)
+    res = {"pid": pid, "death_ms": (t_dead - t0) * 1e3, "polls": polls}
+    if t_io is None:
+        return t0, res, None
+    return t0, res, {"stall_ms": (t_io - t0) * 1e3, "poll_ms": (t_io - t_dead) * 1e3 / polls}
+
+
+class Ublkd(L.Ublkd):
     """The throughput benchmark's ublkd, with its own config, log and loop device."""
     name = "ublkd"
     CFG = "/run/ublkd-bench-recovery.toml"
     LOG = "/run/ublkd-bench-recovery.log"
+    # the kills themselves are logged as errors: count only the other lines
+    EXPECTED = r"killed by signal 9\b"
 
     def __init__(self, plan, zero_copy=False, fast_release=True):
         super().__init__(plan, fast_release=fast_release)
@@ -371,20 +339,12 @@ class Ublkd(B.Ublkd):
     def kill_once(self, dev_id, ctr):
         d = self.ready(dev_id)
         pid, rec0 = int(d["worker_pid"]), d.get("recoveries", 0)
-        pidfd = os.pidfd_open(pid)
-        try:
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            t_dead, t_io, polls = watch_resume(ctr, t0, pidfd, self.prm)
-        finally:
-            os.close(pidfd)
-        res = {"pid": pid, "death_ms": (t_dead - t0) * 1e3, "polls": polls}
-        if t_io is None:
+        t0, res, stall = kill_and_watch(pid, ctr, self.prm)
+        if stall is None:
             res["error"] = (f"no I/O completed within {self.prm['RECOVERY_TIMEOUT_S']} s of "
                             f"the kill; status: {json.dumps(self.status(dev_id))[:400]}")
             return res
-        res["stall_ms"] = (t_io - t0) * 1e3
-        res["poll_ms"] = (t_io - t_dead) * 1e3 / polls
+        res.update(stall)
         d = self.ready(dev_id, old_pid=pid, recoveries=rec0)
         res["ready_ms"] = (time.monotonic() - t0) * 1e3
         res["last_recovery_ms"] = d.get("last_recovery_ms")
@@ -418,51 +378,27 @@ class Ublkd(B.Ublkd):
                 return got
         return {}
 
-    def log_problems(self):
-        if not os.path.exists(self.LOG):
-            return None
-        # the kills themselves are logged as errors: count only the other lines
-        errs = [ln for ln in open(self.LOG, errors="replace")
-                if re.search(r"\b(ERROR|WARN)\b", ln)
-                and not re.search(r"killed by signal 9\b", ln)]
-        return (len(errs), errs[-1].strip()[:300]) if errs else None
 
-
-class Kublk:
+class Kublk(L.Peer):
     """kublk -b with USER_RECOVERY|REISSUE; recovery is `kublk recover` run by us."""
     name = "kublk-b"
+    NEED_PID = True
 
     def __init__(self, plan, auto_zc=False):
+        super().__init__(plan)
         self.auto_zc = auto_zc
-        self.bin = plan["paths"]["kublk"]
-        self.prm = plan["params"]
-        self.daemon = {}
         self.outf = "/run/ublkd-bench-kublk-recover.out"
 
     def args(self):
         return (["-t", "loop", "-q", "1", "-d", "128", "-b", "-r", "1", "-i", "1"]
                 + (["--auto_zc"] if self.auto_zc else []))
 
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def _parse(self, out):
-        m = re.search(r"dev id (\d+):", out)
-        p = re.search(r"daemon pid (\d+)", out)
-        if not m or not p:
-            raise RuntimeError(f"no 'dev id N:' / 'daemon pid P' in: {out.strip()[:300]}")
-        self.daemon[int(m.group(1))] = int(p.group(1))
-        return int(m.group(1))
-
     def add(self):
-        return self._parse(B.sh([self.bin, "add", *self.args(),
+        return self._parse(sh([self.bin, "add", *self.args(),
                                  self.prm["RECOVERY_LOOP_FILE"]]))
 
     def ready(self, dev_id):
-        out = B.sh([self.bin, "list", "-n", str(dev_id)])
+        out = sh([self.bin, "list", "-n", str(dev_id)])
         if "state LIVE" not in out:
             raise RuntimeError(f"kublk device {dev_id} is not LIVE: {out.strip()[:300]}")
         self._parse(out)
@@ -473,7 +409,7 @@ class Kublk:
 
     def kill_once(self, dev_id, ctr):
         pid = self.daemon[dev_id]
-        holders = B.fd_holders(f"/dev/ublkc{dev_id}")
+        holders = L.fd_holders(f"/dev/ublkc{dev_id}")
         if holders != {pid}:
             raise RuntimeError(f"/dev/ublkc{dev_id} is held by {sorted(holders)}, "
                                f"kublk's daemon pid is {pid}")
@@ -497,21 +433,13 @@ class Kublk:
             if p.returncode == 0:
                 state["t_ok"] = now
                 return
-            state["last_err"] = B.tail(self.outf, 3)
+            state["last_err"] = L.tail(self.outf, 3)
             if state["attempts"] >= self.prm["RECOVERY_KUBLK_MAX_ATTEMPTS"]:
                 return
             time.sleep(0.01)
             launch()
 
-        pidfd = os.pidfd_open(pid)
-        try:
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            launch()
-            t_dead, t_io, polls = watch_resume(ctr, t0, pidfd, self.prm, check)
-        finally:
-            os.close(pidfd)
-        res = {"pid": pid, "death_ms": (t_dead - t0) * 1e3, "polls": polls}
+        t0, res, stall = kill_and_watch(pid, ctr, self.prm, after_kill=launch, on_poll=check)
         # the recover command's exit (LIVE) may come after the first I/O
         end = t0 + self.prm["RECOVERY_TIMEOUT_S"]
         while state["t_ok"] is None and time.monotonic() < end:
@@ -521,7 +449,7 @@ class Kublk:
                 continue
             if p.returncode != 0 and state["attempts"] >= self.prm["RECOVERY_KUBLK_MAX_ATTEMPTS"]:
                 state["out"].close()
-                state["last_err"] = B.tail(self.outf, 3)
+                state["last_err"] = L.tail(self.outf, 3)
                 break
             check(time.monotonic())
         res["recover_attempts"] = state["attempts"]
@@ -540,19 +468,12 @@ class Kublk:
         except RuntimeError:
             self.ready(dev_id)
         res["new_pid"] = self.daemon[dev_id]
-        if t_io is None:
+        if stall is None:
             res["error"] = (f"no I/O completed within {self.prm['RECOVERY_TIMEOUT_S']} s of "
                             f"the kill (recover succeeded after {res['recover_cmd_ms']:.0f} ms)")
             return res
-        res["stall_ms"] = (t_io - t0) * 1e3
-        res["poll_ms"] = (t_io - t_dead) * 1e3 / polls
+        res.update(stall)
         return res
-
-    def delete(self, dev_id):
-        B.sh([self.bin, "del", "-n", str(dev_id)])
-
-    def log_problems(self):
-        return None
 
 
 # ======================================================================================
@@ -578,10 +499,9 @@ def fio_check(rc, out, err):
     if rc != 0:
         raise RuntimeError(f"fio exited {rc}: {tail}")
     try:
-        data = json.loads(out[out.index("{"):])
+        jb = L.fio_job(out)
     except ValueError:
         raise RuntimeError(f"fio printed no json: {tail} {out[:200]}")
-    jb = data["jobs"][0]
     if jb.get("error"):
         raise RuntimeError(f"fio job error {jb['error']}: {tail}")
     bad = [ln for ln in (err or "").splitlines()
@@ -607,7 +527,7 @@ def run_series(sname, plan, rnd, nkills, first_kill, total):
     try:
         srv.start()
         dev_id = srv.add()
-        dev = B.wait_dev(dev_id)
+        dev = L.wait_dev(dev_id)
         srv.ready(dev_id)
         ctr = Counter(dev)
         runtime = int(nkills * (prm["RECOVERY_INTERVAL_S"] + 30) + 120)
@@ -681,21 +601,17 @@ def run_series(sname, plan, rnd, nkills, first_kill, total):
 
 
 def guest(args):
-    with open(args.plan) as f:
-        plan = json.load(f)
+    plan = L.read_plan(args.plan)
     prm = plan["params"]
     t_start = time.monotonic()
-    emit(META, {"kernel": os.uname().release, "cpus": os.cpu_count(),
-                "fio": B.sh(["fio", "--version"]).strip()})
+    emit(META, L.guest_meta())
     log(f"creating the loop file {prm['RECOVERY_LOOP_FILE']} "
         f"({prm['RECOVERY_LOOP_FILE_MB']} MiB, tmpfs)")
-    B.sh(["dd", "if=/dev/zero", f"of={prm['RECOVERY_LOOP_FILE']}", "bs=1M",
-          f"count={prm['RECOVERY_LOOP_FILE_MB']}", "status=none"], timeout=600)
+    L.zero_file(prm["RECOVERY_LOOP_FILE"], prm["RECOVERY_LOOP_FILE_MB"])
     servers, rounds, total = prm["RECOVERY_SERVERS"], prm["RECOVERY_ROUNDS"], prm["RECOVERY_KILLS"]
     done = {s: 0 for s in servers}
     for rnd in range(rounds):
-        order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
-        for sname in order:
+        for sname in L.rotated(servers, rnd):
             n = total * (rnd + 1) // rounds - total * rnd // rounds
             run_series(sname, plan, rnd + 1, n, done[sname], total)
             done[sname] += n
@@ -705,27 +621,17 @@ def guest(args):
 
 # ======================================================================================
 
-def main():
-    ap = argparse.ArgumentParser(prog="bench/run recovery", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd")
-    h = sub.add_parser("host", help="build, run the VM, write the results (the default)")
+def host_args(h):
     h.add_argument("--kills", type=int, help="override RECOVERY_KILLS (per server)")
     h.add_argument("--rounds", type=int, help="override RECOVERY_ROUNDS")
     h.add_argument("--interval", type=float, help="override RECOVERY_INTERVAL_S")
     h.add_argument("--servers", help="comma-separated subset of " + ",".join(SERVERS))
     h.add_argument("--out", help="results parent dir (default bench/results)")
     h.add_argument("--rebuild-peers", action="store_true", help="rebuild kublk even if cached")
-    g = sub.add_parser("guest", help="(inside the VM) run the series of a plan")
-    g.add_argument("plan")
-    r = sub.add_parser("report", help="re-print the table of a results dir")
-    r.add_argument("dir")
-    argv = sys.argv[1:]
-    if not argv or argv[0] not in ("host", "guest", "report", "-h", "--help"):
-        argv = ["host"] + argv
-    args = ap.parse_args(argv)
-    {"host": host, "guest": guest, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
-    main()
+    L.main("bench/run recovery", __doc__, host_args,
+           {"host": host, "guest": guest, "report": report},
+           guest_help="(inside the VM) run the series of a plan",
+           report_help="re-print the table of a results dir")

@@ -1,0 +1,664 @@
+"""What bench.py (throughput) and recovery.py (recovery stall) share: building ublkd and
+the peers, a host run (results dir, plan, the VM and its console, the outputs), the
+guest's measurement helpers, and the servers as both drive them.
+
+Each benchmark keeps its own parameters, jobs, summary and table; this module knows
+none of them. Python 3 standard library only.
+"""
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import params as P  # noqa: E402
+
+
+def log(msg):
+    print(f"[bench] {msg}", flush=True)
+
+
+def die(msg, code=1):
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+# ======================================================================================
+# host: builds
+# ======================================================================================
+
+def run(cmd, **kw):
+    """Run a command; on failure raise with its last output lines."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.STDOUT)
+    kw.setdefault("text", True)
+    p = subprocess.run(cmd, **kw)
+    if p.returncode != 0:
+        out = (p.stdout or "").strip().splitlines()
+        tail = "\n    ".join(out[-15:])
+        raise RuntimeError(f"`{' '.join(cmd)}` exited {p.returncode}:\n    {tail}")
+    return p.stdout or ""
+
+
+def apt_version(pkg, release):
+    out = run(["apt-cache", "show", "--no-all-versions", f"{pkg}/{release}"])
+    m = re.search(r"^Version: (\S+)", out, re.M)
+    if not m:
+        raise RuntimeError(f"apt has no {pkg} in {release} (try `apt-get update`)")
+    return m.group(1)
+
+
+def pick_linux_source():
+    if P.KUBLK_SOURCE_PACKAGE != "auto":
+        return P.KUBLK_SOURCE_PACKAGE
+    names = run(["apt-cache", "pkgnames", "linux-source-"]).split()
+    best = None
+    for n in names:
+        m = re.fullmatch(r"linux-source-(\d+)\.(\d+)", n)
+        if m and (best is None or (int(m[1]), int(m[2])) > best[0]):
+            best = ((int(m[1]), int(m[2])), n)
+    if not best:
+        raise RuntimeError("apt knows no linux-source-X.Y package (try `apt-get update`)")
+    return best[1]
+
+
+def build_kublk(cache, rebuild):
+    """kublk, the kernel's ublk selftest server, from Debian's linux-source, compiled
+    against the same release's uapi headers and liburing (static), none installed.
+    Returns (path, its versions: a dict)."""
+    rel = P.KUBLK_RELEASE
+    src = pick_linux_source()
+    vsrc = apt_version(src, rel)
+    vlibc = apt_version("linux-libc-dev", rel)
+    vuring = apt_version("liburing-dev", rel)
+    m = re.match(r"(\d+)\.(\d+)", vuring)
+    if not m or (int(m[1]), int(m[2])) < P.LIBURING_MIN:
+        raise RuntimeError(f"liburing-dev/{rel} is {vuring}, need >= "
+                           + ".".join(map(str, P.LIBURING_MIN)))
+    versions = {"source": f"{src} {vsrc}", "linux-libc-dev": vlibc, "liburing-dev": vuring}
+    key = f"{src}_{vsrc}+libc_{vlibc}+uring_{vuring}".replace(":", "_")
+    out = os.path.join(cache, "kublk", key, "kublk")
+    if os.path.exists(out) and not rebuild:
+        return out, versions
+    log(f"building kublk from {src} {vsrc} ({rel}), liburing {vuring}, headers {vlibc}")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    work = tempfile.mkdtemp(prefix="build-", dir=os.path.join(cache, "kublk"))
+    try:
+        os.chmod(work, 0o755)  # lets apt's _apt user write there (else a warning)
+        run(["apt-get", "download", "-q", f"{src}/{rel}", f"linux-libc-dev/{rel}",
+             f"liburing-dev/{rel}"], cwd=work)
+        x = os.path.join(work, "x")
+        for deb in glob.glob(os.path.join(work, "*.deb")):
+            run(["dpkg-deb", "-x", deb, x])
+        tarball = glob.glob(os.path.join(x, "usr/src/linux-source-*.tar.*"))
+        if not tarball:
+            raise RuntimeError(f"{src} holds no usr/src/linux-source-*.tar.*")
+        run(["tar", "-xf", tarball[0], "-C", work, "--wildcards",
+             "*/tools/testing/selftests/ublk/*"])
+        srcdir = glob.glob(os.path.join(work, "*/tools/testing/selftests/ublk"))[0]
+        sources = sorted(f for f in glob.glob(os.path.join(srcdir, "*.c"))
+                         if os.path.basename(f) != "metadata_size.c")
+        triplet = run(["gcc", "-print-multiarch"]).strip() or "x86_64-linux-gnu"
+        inc = os.path.join(x, "usr/include")
+        run(["gcc", "-O3", "-Wall", "-D_GNU_SOURCE", "-I", inc,
+             "-I", os.path.join(inc, triplet), "-o", out + ".tmp", *sources,
+             os.path.join(x, "usr/lib", triplet, "liburing.a"), "-lpthread", "-lm"])
+        os.rename(out + ".tmp", out)
+        with open(os.path.join(os.path.dirname(out), "versions.json"), "w") as f:
+            json.dump(versions, f, indent=1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out, versions
+
+
+def build_rublk(cache, rebuild):
+    """rublk from crates.io with `cargo install`, into the cache. Returns (path, its
+    version: a string)."""
+    root = os.path.join(cache, "rublk")
+    binp = os.path.join(root, "bin", "rublk")
+    if os.path.exists(binp) and not rebuild:
+        return binp, run([binp, "--version"]).strip()
+    if subprocess.run(["dpkg", "-s", "libclang-dev"], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL).returncode != 0:
+        log("installing libclang-dev (rublk's bindgen needs it)")
+        run(["apt-get", "install", "-y", "-q", "-t", "bookworm",
+             "--no-install-recommends", "libclang-dev"],
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    spec = ["rublk"] + (["--version", P.RUBLK_VERSION] if P.RUBLK_VERSION else [])
+    log(f"building rublk with cargo install (a few minutes) into {root}")
+    cmd = ["cargo", "install", *spec, "--locked", "--force", "--root", root]
+    env = {**os.environ, "CARGO_TARGET_DIR": os.path.join(cache, "rublk-target")}
+    try:
+        # cwd = the cache: the repository's rust-toolchain.toml must not apply.
+        run(cmd, cwd=cache, env=env, timeout=P.RUBLK_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`cargo install rublk` took over {P.RUBLK_BUILD_TIMEOUT_S} s")
+    return binp, run([binp, "--version"]).strip()
+
+
+def git_rev():
+    try:
+        rev = run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]).strip()
+        dirty = run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
+        return rev + ("-dirty" if dirty.strip() else "")
+    except Exception:
+        return "unknown"
+
+
+# ======================================================================================
+# host: the run
+# ======================================================================================
+
+def need_root():
+    if os.geteuid() != 0:
+        die("needs root (the VM harness, apt-get download, the cache dir)")
+
+
+class HostRun:
+    """One run on the host: its results dir, ublkd and the peers built, the plan, the
+    VM and its records, the outputs."""
+
+    def __init__(self, args, cache, prefix=""):
+        """Creates bench/results/<prefix><date>/ (or under --out) and the peer cache,
+        and builds ublkd."""
+        self.stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        parent = os.path.abspath(args.out or os.path.join(HERE, "results"))
+        self.outdir = os.path.join(parent, prefix + self.stamp)
+        os.makedirs(self.outdir)
+        self.cache = cache
+        os.makedirs(cache, exist_ok=True)
+        self.t0 = time.monotonic()
+
+        log("building ublkd: cargo build --release --workspace --bins")
+        try:
+            run(["cargo", "build", "--release", "--workspace", "--bins"], cwd=REPO)
+        except RuntimeError as e:
+            die(f"ublkd does not build: {e}")
+        self.paths = {"ublkd": os.path.join(REPO, "target", "release")}
+        self.versions = {"ublkd": git_rev()}
+        self.peer_errors = {}
+
+    def build_peer(self, name, build, rebuild):
+        """Builds a peer with `build` (build_kublk, build_rublk); one that fails is left
+        out, its reason kept for the table's footer. Returns whether it is there."""
+        try:
+            self.paths[name], v = build(self.cache, rebuild)
+            self.versions[name] = v
+        except Exception as e:
+            self.peer_errors[name] = str(e)
+            log(f"{name} unavailable, continuing without it: {e}")
+            return False
+        # a version string is short enough for the line; kublk's is a dict of three
+        log(f"{name}: {self.paths[name]}" + (f" ({v})" if isinstance(v, str) else ""))
+        return True
+
+    def write_plan(self, prm):
+        """The plan the guest half runs: outdir/plan.json; returns its path."""
+        plan = {"params": prm, "paths": self.paths, "versions": self.versions,
+                "peer_errors": self.peer_errors, "outdir": self.outdir}
+        plan_path = os.path.join(self.outdir, "plan.json")
+        with open(plan_path, "w") as f:
+            json.dump(plan, f, indent=1)
+        return plan_path
+
+    def run_vm(self, script, plan_path, timeout, mem_mb, markers):
+        """Boots the test VM running `script guest PLAN`; returns run_guest's answer."""
+        cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
+               "--mem", str(mem_mb), "--",
+               "python3", "-u", os.path.join(HERE, script), "guest", plan_path]
+        return run_guest(cmd, self.outdir, markers)
+
+    def finish(self, prm, vm, summarize, render_table, render_plot, latest, recorded):
+        """Writes the outputs from the VM's records (`vm`: run_vm's answer), points
+        results/<latest> at them, and dies if the VM did not finish (`recorded` names
+        what the table then holds). Returns the records that failed."""
+        records, meta, rc, done = vm
+        results = {"meta": {**meta, "date": self.stamp,
+                            "host_elapsed_s": round(time.monotonic() - self.t0),
+                            "vm_exit": rc, "complete": done},
+                   "params": prm, "versions": {**self.versions, **meta.get("versions", {})},
+                   "peer_errors": self.peer_errors, "records": records}
+        results["summary"] = summarize(results)
+        write_outputs(results, self.outdir, render_table, render_plot)
+        link_latest(self.outdir, latest)
+        if not done or rc != 0:
+            die(f"the VM run did not finish (exit {rc}; see {self.outdir}/console.log); "
+                f"the table above holds the {len(records)} {recorded}", 1)
+        return [r for r in records if r.get("error")]
+
+
+def host_sample(root):
+    """(host busy CPU s, CPU s of `root`'s live process tree — the VM —, monotonic s)."""
+    kids, cpu = {}, {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            kids.setdefault(int(rest[1]), []).append(int(d))
+            cpu[int(d)] = (int(rest[11]) + int(rest[12])) / CLK_TCK
+    tree, todo = 0.0, [root]
+    while todo:
+        p = todo.pop()
+        tree += cpu.get(p, 0.0)
+        todo.extend(kids.get(p, []))
+    return sys_busy_s(), tree, time.monotonic()
+
+
+def run_guest(cmd, outdir, markers):
+    """Runs `cmd` (the VM with a guest script) and follows its console: every line goes
+    to outdir/console.log, progress and errors to the terminal, and the guest's records
+    (`markers` = (record, meta, done) prefixes) are collected, each record with the
+    host's load and the CPU the host spent on other work than the VM meanwhile.
+    Returns (records, meta, exit status, whether the guest said it was done)."""
+    rec, meta_marker, done_marker = markers
+    records, meta, done = [], {}, False
+    console = open(os.path.join(outdir, "console.log"), "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", bufsize=1)
+    prev = host_sample(proc.pid)
+    try:
+        for line in proc.stdout:
+            console.write(line)
+            console.flush()
+            for marker in (rec, meta_marker):
+                i = line.find(marker)
+                if i >= 0:
+                    try:
+                        obj = json.loads(line[i + len(marker):])
+                    except ValueError:
+                        print(f"bench: a record line was garbled on the console, dropped: "
+                              f"{line.strip()[:200]}", flush=True)
+                        break
+                    if marker == rec:
+                        obj["host_load1"] = os.getloadavg()[0]
+                        cur = host_sample(proc.pid)
+                        if cur[2] > prev[2]:
+                            obj["host_other_cpu_pct"] = round(
+                                100 * ((cur[0] - prev[0]) - (cur[1] - prev[1]))
+                                / (cur[2] - prev[2]), 1)
+                        prev = cur
+                        records.append(obj)
+                    else:
+                        meta.update(obj)
+                    break
+            else:
+                if done_marker in line:
+                    done = True
+                    continue
+                m = re.match(r"\[vm\] booting (\S+) \((\w+), (\d+) vCPU", line)
+                if m:
+                    meta.setdefault("accel", m.group(2))
+                if (line.startswith(("[bench]", "[vm]", "install-host-deps"))
+                        or "error" in line.lower() or "panic" in line.lower()):
+                    print(line.rstrip("\n"), flush=True)
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait()
+    console.close()
+    return records, meta, rc, done
+
+
+def link_latest(outdir, name):
+    """Points results/<name> at `outdir`, unless something else than a link is there."""
+    latest = os.path.join(os.path.dirname(outdir), name)
+    if os.path.islink(latest) or not os.path.exists(latest):
+        if os.path.islink(latest):
+            os.unlink(latest)
+        os.symlink(os.path.basename(outdir), latest)
+
+
+# ======================================================================================
+# results: statistics, the footer, the output files
+# ======================================================================================
+
+def stats(vals):
+    vals = sorted(v for v in vals if v is not None)
+    if not vals:
+        return None
+    q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else [vals[0]] * 3
+    return {"n": len(vals), "median": statistics.median(vals), "min": vals[0],
+            "max": vals[-1], "q1": q[0], "q3": q[2]}
+
+
+def footer(results):
+    """The table's last lines: how busy the host was with other work, and the peers
+    left out."""
+    lines = []
+    other = [r["host_other_cpu_pct"] for r in results["records"] if "host_other_cpu_pct" in r]
+    if other:
+        med = statistics.median(other)
+        lines.append(f"host CPU used by other work than this VM during the run: median "
+                     f"{med:.0f}%, max {max(other):.0f}% of one CPU"
+                     + (" -- the host was busy: these numbers are noisier than usual"
+                        if med > 20 else ""))
+    for peer, err in results.get("peer_errors", {}).items():
+        lines.append(f"{peer} was left out: {err.splitlines()[0]}")
+    return lines
+
+
+def write_outputs(results, outdir, render_table, render_plot=None):
+    """Writes results.json, table.txt and (with `render_plot`) plot.svg into `outdir`
+    and prints the table."""
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = render_table(results)
+    with open(os.path.join(outdir, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    names = ["results.json", "table.txt"]
+    if render_plot:
+        with open(os.path.join(outdir, "plot.svg"), "w") as f:
+            f.write(render_plot(results))
+        names.append("plot.svg")
+    print()
+    print(text)
+    print()
+    print(f"results: {outdir}/{', '.join(names + ['console.log'])}", flush=True)
+
+
+def report(args, summarize, render_table, render_plot=None):
+    """`report DIR`: re-renders an earlier run's outputs from its results.json."""
+    path = args.dir
+    if os.path.isdir(path):
+        path = os.path.join(path, "results.json")
+    with open(path) as f:
+        results = json.load(f)
+    results["summary"] = summarize(results)
+    write_outputs(results, os.path.dirname(os.path.abspath(path)), render_table, render_plot)
+
+
+# ======================================================================================
+# guest: measurement helpers
+# ======================================================================================
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_s(pid):
+    """utime+stime of the whole process (every thread, live or exited), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    if rest[0] == "Z":
+        return None
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK
+
+
+def sys_busy_s():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / CLK_TCK  # all but idle and iowait
+
+
+def disk_ios(dev):
+    with open(f"/sys/block/{dev}/stat") as f:
+        v = [int(x) for x in f.read().split()]
+    return v[0] + v[4]  # reads + writes completed
+
+
+def fd_holders(path):
+    """Pids of the processes that have `path` open."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{d}/fd"):
+                try:
+                    if os.readlink(f"/proc/{d}/fd/{fd}") == path:
+                        pids.add(int(d))
+                        break
+                except OSError:
+                    pass
+        except OSError:
+            pass
+    return pids
+
+
+def alive(pid):
+    return proc_cpu_s(pid) is not None
+
+
+def wait_gone(pids, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def sh(cmd, timeout=60):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"`{' '.join(map(str, cmd))}` exited {p.returncode}: "
+                           + " | ".join(p.stdout.strip().splitlines()[-6:]))
+    return p.stdout
+
+
+def tail(path, n=8):
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def wait_dev(dev_id, timeout=20):
+    path = f"/dev/ublkb{dev_id}"
+    end = time.monotonic() + timeout
+    while not (os.path.exists(path) and os.path.exists(f"/sys/block/ublkb{dev_id}/stat")):
+        if time.monotonic() > end:
+            raise RuntimeError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+    return f"ublkb{dev_id}"
+
+
+def fio_job(out):
+    """The first job of fio's --output-format=json output (which may follow other
+    lines); ValueError where there is no json."""
+    return json.loads(out[out.index("{"):])["jobs"][0]
+
+
+# ======================================================================================
+# guest: the run
+# ======================================================================================
+
+def emit(marker, obj):
+    print(marker + json.dumps(obj, separators=(",", ":")), flush=True)
+
+
+def read_plan(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def guest_meta():
+    """What the host's results record of the guest: its kernel, CPUs and fio."""
+    return {"kernel": os.uname().release, "cpus": os.cpu_count(),
+            "fio": sh(["fio", "--version"]).strip()}
+
+
+def zero_file(path, mb):
+    """A loop target's backing file of `mb` MiB of zeros (in the guest's tmpfs)."""
+    sh(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "status=none"],
+       timeout=600)
+
+
+def rotated(servers, rnd):
+    """Round `rnd`'s order: each round starts one server later."""
+    return servers[rnd % len(servers):] + servers[:rnd % len(servers)]
+
+
+# ======================================================================================
+# guest: servers
+# ======================================================================================
+
+class Ublkd:
+    """ublkd started with its own config (socket, state dir, log under /run), devices
+    added and deleted with ublkctl."""
+    SOCK = "/run/ublkd-bench.sock"
+    CFG = "/run/ublkd-bench.toml"
+    LOG = "/run/ublkd-bench.log"
+    # log lines that are expected (a regex), not counted by log_problems
+    EXPECTED = None
+
+    def __init__(self, plan, copy=False, sandbox=True, fast_release=True, build="ublkd"):
+        self.bindir = plan["paths"][build]
+        self.prm = plan["params"]
+        self.copy, self.sandbox, self.fast_release = copy, sandbox, fast_release
+        self.proc = None
+
+    def ctl(self, *a):
+        return sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
+
+    def config(self):
+        text = f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
+        if not self.fast_release:
+            text += "[recovery]\nfast_release = false\n"
+        return text
+
+    def start(self):
+        with open(self.CFG, "w") as f:
+            f.write(self.config())
+        logf = open(self.LOG, "a")
+        self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
+                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
+        end = time.monotonic() + 20
+        while not os.path.exists(self.SOCK):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ublkd exited {self.proc.returncode} at start: "
+                                   + tail(self.LOG))
+            if time.monotonic() > end:
+                raise RuntimeError("ublkd's socket did not appear within 20 s")
+            time.sleep(0.05)
+
+    def add(self, target):
+        a = ["add", "-q", str(self.prm["QUEUES"]), "-d", str(self.prm["QUEUE_DEPTH"])]
+        if target == "null":
+            a += ["-t", "null", "-s", self.prm["NULL_SIZE"]]
+        else:
+            a += ["-t", "loop", "-f", self.prm["LOOP_FILE"]]
+            if self.copy:
+                a.append("--copy")
+        if not self.sandbox:
+            a.append("--no-sandbox")
+        out = self.ctl(*a).strip().splitlines()
+        return int(out[-1])
+
+    def pids(self, dev_id):
+        pids = {self.proc.pid}
+        st = json.loads(self.ctl("status", "--json"))
+        for d in st.get("devices", []):
+            if d.get("id") == dev_id:
+                for k in ("worker_pid", "standby_pid"):
+                    if d.get(k):
+                        pids.add(int(d[k]))
+        return pids | fd_holders(f"/dev/ublkc{dev_id}")
+
+    def delete(self, dev_id):
+        self.ctl("del", "-n", str(dev_id))
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError("ublkd did not stop within 20 s of SIGTERM")
+        self.proc = None
+
+    @classmethod
+    def log_problems(cls):
+        """(how many, the last) of the WARN and ERROR lines in ublkd's log, but the
+        EXPECTED ones; None if there are none."""
+        if not os.path.exists(cls.LOG):
+            return None
+        errs = [ln for ln in open(cls.LOG, errors="replace")
+                if re.search(r"\b(ERROR|WARN)\b", ln)
+                and not (cls.EXPECTED and re.search(cls.EXPECTED, ln))]
+        return (len(errs), errs[-1].strip()[:300]) if errs else None
+
+
+class Peer:
+    """A peer server driven by its command line, kublk or rublk (whose `add` prints the
+    same "dev id N:" and "daemon pid P" lines): there is nothing to start or stop, its
+    daemon lives as long as its device."""
+    NEED_PID = False  # whether _parse refuses output without the daemon's pid
+
+    def __init__(self, plan, peer="kublk"):
+        self.bin = plan["paths"][peer]
+        self.prm = plan["params"]
+        self.daemon = {}
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def _parse(self, out):
+        """The device id in `add` (or `list`, `recover`) output; keeps its daemon pid."""
+        m = re.search(r"dev id (\d+):", out)
+        p = re.search(r"daemon pid (\d+)", out)
+        if self.NEED_PID and not (m and p):
+            raise RuntimeError(f"no 'dev id N:' / 'daemon pid P' in: {out.strip()[:300]}")
+        if not m:
+            raise RuntimeError(f"no 'dev id N:' in the add output: {out.strip()[:300]}")
+        dev_id = int(m.group(1))
+        if p:
+            self.daemon[dev_id] = int(p.group(1))
+        return dev_id
+
+    def pids(self, dev_id):
+        p = fd_holders(f"/dev/ublkc{dev_id}")
+        if dev_id in self.daemon:
+            p.add(self.daemon[dev_id])
+        return p
+
+    def delete(self, dev_id):
+        sh([self.bin, "del", "-n", str(dev_id)])
+
+    def log_problems(self):
+        return None
+
+
+# ======================================================================================
+
+def main(prog, doc, host_args, commands, guest_help, report_help):
+    """The command line both scripts share: `host` (the default; its flags added by
+    `host_args`), `guest PLAN` and `report DIR`, each run by `commands[name](args)`."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    h = sub.add_parser("host", help="build, run the VM, write the results (the default)")
+    host_args(h)
+    g = sub.add_parser("guest", help=guest_help)
+    g.add_argument("plan")
+    r = sub.add_parser("report", help=report_help)
+    r.add_argument("dir")
+    argv = sys.argv[1:]
+    if not argv or argv[0] not in ("host", "guest", "report", "-h", "--help"):
+        argv = ["host"] + argv
+    args = ap.parse_args(argv)
+    commands[args.cmd](args)
