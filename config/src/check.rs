@@ -1,0 +1,416 @@
+//! From the text to a [`Config`]: TOML syntax and serde errors turned into
+//! [`ConfigError`]s that name the key and its line, then every table resolved
+//! (defaults applied) and checked against its limits, and the devices against each
+//! other (ids and backing files used once).
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::de::DeTable;
+use ublkd_proto::msg::LayerSet;
+
+use crate::daemon::check_user_name;
+use crate::device::{
+    backing_file_metadata, check_absolute, check_block_size_wide, check_device_id, in_range,
+    parse_sandbox_optional,
+};
+use crate::locate::{self, KeyPath};
+use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
+use crate::{
+    Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceDefaults,
+    DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_QUEUE_DEPTH, MAX_QUEUES,
+    MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS, RecoveryConfig, TargetSpec, parse_size,
+};
+
+/// Checks config `text`; `origin` names it in messages. See [`Config::parse`].
+pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+    let doc = DeTable::parse(text).map_err(|error| syntax_error(text, origin, &error))?;
+    let checker = Checker { origin, text, doc: doc.get_ref() };
+    let raw = RawFile::deserialize(toml::de::Deserializer::from(doc.clone()))
+        .map_err(|error| checker.decode_error(&error))?;
+    checker.resolve(raw)
+}
+
+fn syntax_error(text: &str, origin: &str, error: &toml::de::Error) -> ConfigError {
+    let offset = error.span().map_or(0, |span| span.start);
+    let mut message = error.message().trim_end().to_owned();
+    // "duplicate key" alone does not say which one.
+    if let Some(span) = error.span()
+        && let Some(found) = text.get(span.clone())
+        && !found.is_empty()
+        && found.len() <= 64
+        && !found.contains('\n')
+        && !message.contains('`')
+    {
+        message = format!("{message} `{found}`");
+    }
+    ConfigError::Syntax {
+        origin: origin.to_owned(),
+        message,
+        location: locate::location(text, offset),
+    }
+}
+
+/// Turns the raw file into a [`Config`], turning each problem into a [`ConfigError`]
+/// that names the key and its line.
+struct Checker<'a> {
+    origin: &'a str,
+    text: &'a str,
+    doc: &'a DeTable<'a>,
+}
+
+impl Checker<'_> {
+    fn invalid(&self, path: &KeyPath, problem: impl Into<String>) -> ConfigError {
+        let location =
+            locate::span_of(self.doc, path).map(|span| locate::location(self.text, span.start));
+        ConfigError::Invalid {
+            origin: self.origin.to_owned(),
+            key: path.to_string(),
+            problem: problem.into(),
+            location,
+        }
+    }
+
+    fn field(&self, table: &KeyPath, error: FieldError) -> ConfigError {
+        self.invalid(&table.key(error.field), error.problem)
+    }
+
+    /// A table's `sandbox_optional` list, if it has one.
+    fn sandbox_optional(
+        &self,
+        table: &KeyPath,
+        names: Option<&[String]>,
+    ) -> Result<Option<LayerSet>, ConfigError> {
+        names.map(parse_sandbox_optional).transpose().map_err(|e| self.field(table, e))
+    }
+
+    /// A serde error from toml: unknown key, wrong type, missing key.
+    fn decode_error(&self, error: &toml::de::Error) -> ConfigError {
+        let offset = error.span().map_or(0, |span| span.start);
+        let mut path = locate::path_at(self.doc, offset);
+        let message = error.message().trim_end();
+        let location = Some(locate::location(self.text, offset));
+        let problem = match message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.strip_suffix('`'))
+        {
+            Some(missing) => {
+                path = path.key(missing);
+                match missing {
+                    "target" => "missing; every device needs a target: \"null\", \"memory\" or \
+                                 \"loop\""
+                        .to_owned(),
+                    _ => "missing; this key is required".to_owned(),
+                }
+            }
+            None => message.to_owned(),
+        };
+        ConfigError::Invalid {
+            origin: self.origin.to_owned(),
+            key: path.to_string(),
+            problem,
+            location: if path.is_root() { None } else { location },
+        }
+    }
+
+    fn resolve(&self, raw: RawFile) -> Result<Config, ConfigError> {
+        let daemon = self.daemon(raw.daemon)?;
+        let recovery = self.recovery(raw.recovery)?;
+        let defaults = self.defaults(raw.defaults)?;
+        let mut devices = Vec::with_capacity(raw.device.0.len());
+        for (index, device) in raw.device.0.iter().enumerate() {
+            devices.push(self.device(index, device, &defaults)?);
+        }
+        self.check_unique(&devices)?;
+        Ok(Config { daemon, recovery, defaults, devices })
+    }
+
+    fn daemon(&self, raw: RawDaemon) -> Result<DaemonConfig, ConfigError> {
+        let table = KeyPath::root().key("daemon");
+        let defaults = DaemonConfig::default();
+        let socket = raw.socket.unwrap_or(defaults.socket);
+        check_absolute("socket", &socket, DEFAULT_SOCKET).map_err(|e| self.field(&table, e))?;
+        let length = socket.as_os_str().len();
+        if length > MAX_SOCKET_PATH_BYTES {
+            return Err(self.invalid(
+                &table.key("socket"),
+                format!(
+                    "{} is {length} bytes long; a unix socket path must be at most \
+                     {MAX_SOCKET_PATH_BYTES} bytes",
+                    socket.display()
+                ),
+            ));
+        }
+        let state_dir = raw.state_dir.unwrap_or(defaults.state_dir);
+        check_absolute("state_dir", &state_dir, DEFAULT_STATE_DIR)
+            .map_err(|e| self.field(&table, e))?;
+        if let Some(binary) = &raw.worker_binary {
+            check_absolute("worker_binary", binary, "/usr/libexec/ublkd/ublkd-worker")
+                .map_err(|e| self.field(&table, e))?;
+        }
+        if let Some(user) = &raw.worker_user {
+            check_user_name(user).map_err(|e| self.field(&table, e))?;
+        }
+        Ok(DaemonConfig {
+            socket,
+            state_dir,
+            worker_binary: raw.worker_binary,
+            worker_user: raw.worker_user,
+        })
+    }
+
+    fn recovery(&self, raw: RawRecovery) -> Result<RecoveryConfig, ConfigError> {
+        let table = KeyPath::root().key("recovery");
+        let defaults = RecoveryConfig::default();
+        let mut recovery = defaults;
+        if let Some(secs) = raw.hung_timeout_secs {
+            let secs = in_range("hung_timeout_secs", secs.0, 1, MAX_HUNG_TIMEOUT_SECS)
+                .map_err(|e| self.field(&table, e))?;
+            recovery.hung_timeout = Duration::from_secs(secs.into());
+        }
+        if let Some(max) = raw.restart_max {
+            recovery.restart_max =
+                in_range("restart_max", max.0, 0, u32::MAX).map_err(|e| self.field(&table, e))?;
+        }
+        if let Some(secs) = raw.restart_window_secs {
+            let secs = in_range("restart_window_secs", secs.0, 1, u32::MAX).map_err(|mut e| {
+                if secs.0 == 0 {
+                    e.problem.push_str("; to turn automatic recovery off, set restart_max = 0");
+                }
+                self.field(&table, e)
+            })?;
+            recovery.restart_window = Duration::from_secs(secs.into());
+        }
+        if let Some(policy) = raw.on_restart_limit {
+            recovery.on_restart_limit = policy;
+        }
+        if let Some(fast) = raw.fast_release {
+            recovery.fast_release = fast;
+        }
+        Ok(recovery)
+    }
+
+    fn defaults(&self, raw: RawDefaults) -> Result<DeviceDefaults, ConfigError> {
+        let table = KeyPath::root().key("defaults");
+        let builtin = DeviceDefaults::default();
+        let overridden = Overrides {
+            queues: raw.queues.map(|v| v.0),
+            queue_depth: raw.queue_depth.map(|v| v.0),
+            block_size: raw.block_size.map(|v| v.0),
+            threads: raw.threads.map(|v| v.0),
+            sandbox: raw.sandbox,
+            sandbox_optional: self.sandbox_optional(&table, raw.sandbox_optional.as_deref())?,
+        }
+        .apply(&builtin)
+        .map_err(|e| self.field(&table, e))?;
+        overridden.validate().map_err(|e| self.field(&table, e))?;
+        Ok(overridden)
+    }
+
+    fn device(
+        &self,
+        index: usize,
+        raw: &RawDevice,
+        defaults: &DeviceDefaults,
+    ) -> Result<DeviceSpec, ConfigError> {
+        let table = KeyPath::root().key("device").index(index);
+        let overrides = Overrides {
+            queues: raw.queues.map(|v| v.0),
+            queue_depth: raw.queue_depth.map(|v| v.0),
+            block_size: raw.block_size.map(|v| v.0),
+            threads: raw.threads.map(|v| v.0),
+            sandbox: raw.sandbox,
+            sandbox_optional: self.sandbox_optional(&table, raw.sandbox_optional.as_deref())?,
+        };
+        let settings = overrides.apply(defaults).map_err(|e| self.field(&table, e))?;
+
+        let id = match raw.id.as_ref().map(|id| &id.0) {
+            None => None,
+            Some(IntOrString::String(s)) if s == "auto" => None,
+            Some(IntOrString::String(s)) => {
+                return Err(self.invalid(
+                    &table.key("id"),
+                    format!(
+                        "{s:?} is not a device id; expected an integer in \
+                         0..={MAX_DEVICE_ID} or \"auto\""
+                    ),
+                ));
+            }
+            Some(IntOrString::Int(id)) => {
+                Some(check_device_id(*id).map_err(|e| self.field(&table, e))?)
+            }
+        };
+
+        let size = match raw.size.as_ref().map(|size| &size.0) {
+            None => None,
+            Some(IntOrString::Int(bytes)) => Some(u64::try_from(*bytes).map_err(|_| {
+                let problem = if *bytes < 0 {
+                    format!(
+                        "{bytes} is negative; expected a number of bytes such as 4096 or \"4G\""
+                    )
+                } else {
+                    format!("{bytes} is too large; the largest device is {MAX_SIZE_BYTES} bytes")
+                };
+                self.invalid(&table.key("size"), problem)
+            })?),
+            Some(IntOrString::String(text)) => Some(
+                parse_size(text).map_err(|e| self.invalid(&table.key("size"), e.to_string()))?,
+            ),
+        };
+
+        let (target, size_bytes) = match raw.target {
+            RawTarget::Null | RawTarget::Memory => {
+                let target = if matches!(raw.target, RawTarget::Null) {
+                    TargetSpec::Null
+                } else {
+                    TargetSpec::Memory
+                };
+                for (key, present) in [
+                    ("file", raw.file.is_some()),
+                    ("direct", raw.direct.is_some()),
+                    ("zero_copy", raw.zero_copy.is_some()),
+                ] {
+                    if present {
+                        return Err(self.invalid(
+                            &table.key(key),
+                            format!(
+                                "only a loop target has a backing file, this one is {}; \
+                                 remove {key} or set target = \"loop\"",
+                                target.name()
+                            ),
+                        ));
+                    }
+                }
+                let Some(size) = size else {
+                    return Err(self.invalid(
+                        &table.key("size"),
+                        format!(
+                            "missing; a {} device needs a size, such as size = \"1G\"",
+                            target.name()
+                        ),
+                    ));
+                };
+                (target, size)
+            }
+            RawTarget::Loop => {
+                let Some(file) = raw.file.clone() else {
+                    return Err(self.invalid(
+                        &table.key("file"),
+                        "missing; a loop device needs file = the absolute path of a \
+                         regular file or block device",
+                    ));
+                };
+                let size = match size {
+                    Some(size) => size,
+                    None => DeviceSpec::loop_size_from_file(&file, settings.block_size)
+                        .map_err(|e| self.field(&table, e))?,
+                };
+                let direct = raw.direct.unwrap_or(true);
+                (TargetSpec::Loop { file, direct, zero_copy: raw.zero_copy }, size)
+            }
+        };
+
+        let spec = DeviceSpec {
+            id,
+            target,
+            size_bytes,
+            queues: settings.queues,
+            queue_depth: settings.queue_depth,
+            block_size: settings.block_size,
+            threads: settings.threads,
+            sandbox: settings.sandbox,
+            sandbox_optional: settings.sandbox_optional,
+        };
+        spec.validate().map_err(|mut e| {
+            if overrides.inherits(e.field) {
+                e.problem.push_str(&format!(" (the value comes from defaults.{})", e.field));
+            }
+            self.field(&table, e)
+        })?;
+        Ok(spec)
+    }
+
+    /// Device ids and loop backing files are each used at most once.
+    fn check_unique(&self, devices: &[DeviceSpec]) -> Result<(), ConfigError> {
+        let mut ids = HashMap::new();
+        let mut files = HashMap::new();
+        for (index, device) in devices.iter().enumerate() {
+            let table = KeyPath::root().key("device").index(index);
+            if let Some(id) = device.id
+                && let Some(first) = ids.insert(id, index)
+            {
+                return Err(self.invalid(
+                    &table.key("id"),
+                    format!(
+                        "{id} is already used by device[{first}]; give each device its \
+                         own id or use \"auto\""
+                    ),
+                ));
+            }
+            if let TargetSpec::Loop { file, .. } = &device.target {
+                let metadata = backing_file_metadata(file).map_err(|e| self.field(&table, e))?;
+                if let Some(first) = files.insert((metadata.dev(), metadata.ino()), index) {
+                    return Err(self.invalid(
+                        &table.key("file"),
+                        format!(
+                            "{} is already the backing file of device[{first}]; two \
+                             devices writing one file corrupt it",
+                            file.display()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The per-device settings a `[[device]]` or `[defaults]` table may set, as written.
+#[derive(Debug, Clone, Copy)]
+struct Overrides {
+    queues: Option<i128>,
+    queue_depth: Option<i128>,
+    block_size: Option<i128>,
+    threads: Option<i128>,
+    sandbox: Option<bool>,
+    sandbox_optional: Option<LayerSet>,
+}
+
+impl Overrides {
+    /// `base` with every set value replaced, each checked against its own limit.
+    fn apply(&self, base: &DeviceDefaults) -> Result<DeviceDefaults, FieldError> {
+        Ok(DeviceDefaults {
+            queues: match self.queues {
+                Some(v) => in_range("queues", v, 1, MAX_QUEUES)?,
+                None => base.queues,
+            },
+            queue_depth: match self.queue_depth {
+                Some(v) => in_range("queue_depth", v, 1, MAX_QUEUE_DEPTH)?,
+                None => base.queue_depth,
+            },
+            block_size: match self.block_size {
+                Some(v) => check_block_size_wide(v)?,
+                None => base.block_size,
+            },
+            threads: match self.threads {
+                Some(v) => in_range("threads", v, 1, MAX_THREADS)?,
+                None => base.threads,
+            },
+            sandbox: self.sandbox.unwrap_or(base.sandbox),
+            sandbox_optional: self.sandbox_optional.unwrap_or(base.sandbox_optional),
+        })
+    }
+
+    /// Whether `field` was left to `[defaults]`.
+    fn inherits(&self, field: &str) -> bool {
+        match field {
+            "queues" => self.queues.is_none(),
+            "queue_depth" => self.queue_depth.is_none(),
+            "block_size" => self.block_size.is_none(),
+            "threads" => self.threads.is_none(),
+            _ => false,
+        }
+    }
+}
