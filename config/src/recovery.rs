@@ -21,11 +21,12 @@ pub struct RecoveryConfig {
     /// (`recovery.on_restart_limit`).
     pub on_restart_limit: OnRestartLimit,
     /// Whether workers' rings are made so that ublkd can take `/dev/ublkcN` out of a
-    /// dead worker's rings at once (`recovery.fast_release`): a shorter recovery stall
-    /// (20-30 ms less under emulation), for fewer IOPS (the rings then cannot use
-    /// io_uring's DEFER_TASKRUN; see `ublkd.example.toml`). Applies to workers started after it
-    /// changes. Never to copying O_DIRECT loop devices (see `Device::fast_release_is_safe`
-    /// in the supervisor).
+    /// dead worker's rings at once (`recovery.fast_release`): a shorter recovery stall,
+    /// since the kernel need not tear the dead rings down before it lets the device go,
+    /// for fewer IOPS, since the rings then cannot use io_uring's DEFER_TASKRUN (see
+    /// `ublkd.example.toml`). Applies to workers started after it changes. Never to
+    /// copying O_DIRECT loop devices (see `Device::fast_release_is_safe` in the
+    /// supervisor).
     pub fast_release: bool,
 }
 
