@@ -20,7 +20,7 @@ pub fn requested() -> Option<&'static str> {
         .as_deref()
 }
 
-/// Attacks the ring makes from inside a queue thread (see `queue_loop`).
+/// Attacks the ring makes from inside a queue thread (see `hooks`).
 pub const URING_OPENAT: &str = "uring-openat";
 /// `io_uring_register(IORING_REGISTER_PERSONALITY)` on the queue thread's enabled ring.
 pub const URING_REGISTER_PERSONALITY: &str = "uring-register-personality";

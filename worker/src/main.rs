@@ -20,7 +20,8 @@
 mod attack;
 mod bufring;
 mod device;
-mod queue_loop;
+mod hooks;
+mod queue;
 mod sandbox;
 mod target;
 
@@ -33,7 +34,7 @@ use ublkd_proto::msg::{self, FromWorker, SandboxLayer, ToWorker, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmRegion};
 
 use crate::device::{DescArray, Device, TagBuffers};
-use crate::queue_loop::{QueueThread, StandbyRing, plan};
+use crate::queue::{QueueThread, StandbyRing, plan};
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -63,25 +64,15 @@ fn main() -> ExitCode {
     // SAFETY: the supervisor placed the control socket at this fd for us alone; it is
     // not otherwise owned in this process.
     let control = unsafe { OwnedFd::from_raw_fd(fd) };
-    #[cfg(feature = "test-hooks")]
-    // SAFETY: getppid has no preconditions (read before the sandbox forbids it).
-    let supervisor = unsafe { libc::getppid() };
+    hooks::before_sandbox();
     // The sandbox goes up before the worker reads a single message.
     let report = match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd)).transpose()
     {
         Ok(report) => report,
         Err(e) => return ExitCode::from(fail(control.as_fd(), WorkerExit::Setup, e.to_string())),
     };
-    #[cfg(feature = "test-hooks")]
-    if let Some(name) = attack::requested() {
-        ATTACK.get_or_init(|| (name.to_string(), supervisor));
-    }
     ExitCode::from(run(control, report))
 }
-
-/// The test-only attack to make once Ready (see `attack`).
-#[cfg(feature = "test-hooks")]
-static ATTACK: std::sync::OnceLock<(String, i32)> = std::sync::OnceLock::new();
 
 /// `--sandbox-uid U --sandbox-gid G [--sandbox-optional LAYER,…]`, or `--no-sandbox`.
 type SandboxArgs = (sandbox::Identity, Vec<SandboxLayer>);
@@ -253,10 +244,8 @@ impl ThreadSet {
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), String>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), String>>();
         // Each queue thread on its own CPU, spread by device and thread number.
-        let cpus = queue_loop::allowed_cpus();
-        let cpu_of = |thread: usize| -> Option<usize> {
-            (!cpus.is_empty()).then(|| cpus[(setup.dev_id as usize + thread) % cpus.len()])
-        };
+        let cpus = queue::allowed_cpus();
+        let cpu_of = |thread: usize| queue::cpu_of(&cpus, setup.dev_id, thread);
         let own = StandbyRing::new(plans.remove(0), setup, target_fd, cpu_of(0), restricted)
             .map_err(|e| e.to_string())?;
         let mut activate = Vec::with_capacity(nr_threads);
@@ -335,14 +324,7 @@ impl ThreadSet {
                 // A standby that is let go never gets here: the main thread reads the
                 // socket until activation, then hands it over.
                 let Ok(generation) = go.recv() else { return };
-                #[cfg(feature = "test-hooks")]
-                if let Some((name, supervisor)) = ATTACK.get()
-                    && generation == 1
-                {
-                    attack::run(name, *supervisor);
-                }
-                #[cfg(not(feature = "test-hooks"))]
-                let _ = generation;
+                hooks::on_serving(generation);
                 // SAFETY: the control socket is owned by `main`'s frame, which never
                 // returns while the worker serves (it parks), so the fd stays open.
                 let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
