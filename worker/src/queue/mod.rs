@@ -28,9 +28,22 @@ pub enum LoopError {
     #[error("PREP of queue {q_id} failed: {}", Errno(-res))]
     Prep { q_id: u16, res: i32 },
     #[error("the kernel refused a COMMIT on queue {q_id} (tag {tag}): {what}")]
-    Commit { q_id: u16, tag: u16, what: String },
+    Commit { q_id: u16, tag: u16, what: CommitRefusal },
     #[error("FETCH on queue {q_id} delivered a malformed batch: {source}")]
     Fetch { q_id: u16, source: batch::BatchError },
     #[error("io_uring wait failed in thread {thread}: {source}")]
     Wait { thread: usize, source: std::io::Error },
+}
+
+/// How a COMMIT went wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitRefusal {
+    #[error("{0}")]
+    Errno(Errno),
+    #[error("unexpected completion {0}")]
+    Unexpected(i32),
+    #[error(transparent)]
+    Batch(#[from] batch::BatchError),
+    #[error("only {done} of {sent} elements were taken")]
+    Partial { done: usize, sent: usize },
 }

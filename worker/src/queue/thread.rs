@@ -16,10 +16,10 @@ use ublkd_proto::shm::{CounterSnapshot, TagRecord, tag_state};
 use ublkd_proto::sqe;
 use ublkd_proto::uapi;
 
-use super::LoopError;
 use super::plan::ThreadPlan;
 use super::ring::{UBLKC_FIXED_FD, elem_format};
 use super::user_data::UserData;
+use super::{CommitRefusal, LoopError};
 use crate::bufring::BufRing;
 use crate::device::Device;
 use crate::hooks;
@@ -297,9 +297,9 @@ impl QueueThread {
                 q_id,
                 tag,
                 what: if res < 0 {
-                    Errno(-res).to_string()
+                    CommitRefusal::Errno(Errno(-res))
                 } else {
-                    format!("unexpected completion {res}")
+                    CommitRefusal::Unexpected(res)
                 },
             }),
             Some(UserData::Attack) => {
@@ -453,7 +453,7 @@ impl QueueThread {
         self.inflight = self.inflight.saturating_sub(1);
         let elem = self.elem(q_id, tag, res);
         let Some(q) = self.queues.iter_mut().find(|q| q.q_id == q_id) else { return Ok(()) };
-        q.pending.push(elem).map_err(|e| LoopError::Commit { q_id, tag, what: e.to_string() })
+        q.pending.push(elem).map_err(|e| LoopError::Commit { q_id, tag, what: e.into() })
     }
 
     /// Submits one COMMIT per queue with finished requests.
@@ -505,19 +505,20 @@ impl QueueThread {
         let sent = elems.len();
         let first = elems.get(0).map_or(0, |e| e.tag);
         if res < 0 {
-            return Err(LoopError::Commit { q_id, tag: first, what: Errno(-res).to_string() });
+            let what = CommitRefusal::Errno(Errno(-res));
+            return Err(LoopError::Commit { q_id, tag: first, what });
         }
         let done = elems.consume_committed(res as usize).map_err(|e| LoopError::Commit {
             q_id,
             tag: first,
-            what: e.to_string(),
+            what: e.into(),
         })?;
         if done != sent {
             let tag = elems.get(0).map_or(0, |e| e.tag);
             return Err(LoopError::Commit {
                 q_id,
                 tag,
-                what: format!("only {done} of {sent} elements were taken"),
+                what: CommitRefusal::Partial { done, sent },
             });
         }
         elems.clear();

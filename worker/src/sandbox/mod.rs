@@ -54,6 +54,7 @@
 
 pub mod policy;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::io;
@@ -84,11 +85,13 @@ pub enum SandboxError {
     )]
     Layer { layer: SandboxLayer, cause: String },
     #[error("cannot build the seccomp filter: {0}")]
-    Seccomp(String),
+    SeccompFilter(seccompiler::BackendError),
+    #[error("cannot install the seccomp filter: {0}")]
+    SeccompInstall(seccompiler::Error),
     #[error("cannot apply Landlock: {0}")]
-    Landlock(String),
+    Landlock(landlock::RulesetError),
     #[error("cannot drop capabilities: {0}")]
-    Caps(String),
+    Caps(caps::errors::CapsError),
 }
 
 fn check(step: &'static str, rc: libc::c_int) -> Result<(), SandboxError> {
@@ -99,9 +102,18 @@ fn check(step: &'static str, rc: libc::c_int) -> Result<(), SandboxError> {
     }
 }
 
-/// `what` failed with the last OS error: the cause of a missing layer.
-fn os_cause(what: &str) -> String {
-    format!("{what}: {}", io::Error::last_os_error())
+/// Why a layer cannot be applied: the step the kernel refused, and its error.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("{step}: {source}")]
+    Call { step: Cow<'static, str>, source: io::Error },
+    #[error("no directory to mount it on (/tmp, /mnt, /run, /var)")]
+    NoMountPoint,
+}
+
+/// `step` failed with the last OS error: the cause of a missing layer.
+fn refused(step: impl Into<Cow<'static, str>>) -> Refused {
+    Refused::Call { step: step.into(), source: io::Error::last_os_error() }
 }
 
 /// The report under construction, and which layers may be missing.
@@ -137,7 +149,7 @@ pub fn apply(
     let mount_ns = enter_root_namespaces(&mut layers)?;
     if mount_ns {
         if let Err(cause) = enter_empty_root() {
-            layers.missing(SandboxLayer::EmptyRoot, cause)?;
+            layers.missing(SandboxLayer::EmptyRoot, cause.to_string())?;
         }
     } else {
         layers.missing(SandboxLayer::EmptyRoot, "no mount namespace to make it in".into())?;
@@ -145,7 +157,7 @@ pub fn apply(
     become_user(id)?;
     match proc_self.and_then(|dir| enter_user_namespace(id, &dir)) {
         Ok(()) => layers.report.namespaces.insert(0, "user".into()),
-        Err(cause) => layers.missing(SandboxLayer::UserNamespace, cause)?,
+        Err(cause) => layers.missing(SandboxLayer::UserNamespace, cause.to_string())?,
     }
     // SAFETY: prctl with PR_SET_NO_NEW_PRIVS takes integer arguments only.
     check("no_new_privs", unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
@@ -181,7 +193,7 @@ fn set_rlimits() -> Result<(), SandboxError> {
 
 fn become_user(id: Identity) -> Result<(), SandboxError> {
     // The bounding set can only be emptied while the worker still holds CAP_SETPCAP.
-    caps::clear(None, caps::CapSet::Bounding).map_err(|e| SandboxError::Caps(e.to_string()))?;
+    caps::clear(None, caps::CapSet::Bounding).map_err(SandboxError::Caps)?;
     // SAFETY: setgroups with a zero length reads no memory.
     check("setgroups", unsafe { libc::setgroups(0, std::ptr::null()) })?;
     // SAFETY: integer arguments only.
@@ -205,7 +217,7 @@ fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> 
     ] {
         // SAFETY: unshare takes flags only; the process is single-threaded here.
         if unsafe { libc::unshare(flag) } < 0 {
-            refused.push(os_cause(call));
+            refused.push(self::refused(call).to_string());
         } else {
             mount_ns |= flag == libc::CLONE_NEWNS;
             layers.report.namespaces.push(name.into());
@@ -218,13 +230,13 @@ fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> 
 }
 
 /// `/proc/self` of this process, opened while the host's `/proc` is still in reach.
-fn open_proc_self() -> Result<OwnedFd, String> {
+fn open_proc_self() -> Result<OwnedFd, Refused> {
     let path = c"/proc/self";
     // SAFETY: a valid NUL-terminated path; the fd returned is owned below.
     let fd =
         unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
     if fd < 0 {
-        return Err(os_cause("open /proc/self"));
+        return Err(refused("open /proc/self"));
     }
     // SAFETY: `fd` was just opened and is owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -233,38 +245,40 @@ fn open_proc_self() -> Result<OwnedFd, String> {
 /// A user namespace of its own that maps only the worker's uid and gid, entered after
 /// the worker became that user (so the namespaces made as root stay owned by the
 /// initial user namespace, where the worker holds no capability).
-fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), String> {
+fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), Refused> {
     // SAFETY: unshare takes flags only; the process is single-threaded here, as
     // CLONE_NEWUSER requires.
     if unsafe { libc::unshare(libc::CLONE_NEWUSER) } < 0 {
-        return Err(os_cause("unshare(CLONE_NEWUSER)"));
+        return Err(refused("unshare(CLONE_NEWUSER)"));
     }
     // Changing uid made the process non-dumpable, which leaves its /proc files to
     // root: writable again for the maps, then closed again (another worker runs as
     // the same user).
     // SAFETY: integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) } < 0 {
-        return Err(os_cause("set dumpable"));
+        return Err(refused("set dumpable"));
     }
-    let write = |name: &CStr, text: String| -> Result<(), String> {
+    let write = |name: &CStr, text: String| -> Result<(), Refused> {
         // SAFETY: `proc_self` is an open directory fd and `name` NUL-terminated.
         let fd = unsafe {
             libc::openat(proc_self.as_raw_fd(), name.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC)
         };
         if fd < 0 {
-            return Err(os_cause(&format!("open /proc/self/{}", name.to_string_lossy())));
+            return Err(refused(format!("open /proc/self/{}", name.to_string_lossy())));
         }
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        io::Write::write_all(&mut file, text.as_bytes())
-            .map_err(|e| format!("write /proc/self/{}: {e}", name.to_string_lossy()))
+        io::Write::write_all(&mut file, text.as_bytes()).map_err(|source| Refused::Call {
+            step: format!("write /proc/self/{}", name.to_string_lossy()).into(),
+            source,
+        })
     };
     write(c"setgroups", "deny".into())?;
     write(c"gid_map", format!("{0} {0} 1\n", id.gid))?;
     write(c"uid_map", format!("{0} {0} 1\n", id.uid))?;
     // SAFETY: integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } < 0 {
-        return Err(os_cause("clear dumpable"));
+        return Err(refused("clear dumpable"));
     }
     Ok(())
 }
@@ -274,7 +288,7 @@ fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), String>
 /// attached nowhere. Either way the host's files are out of reach: the old root is
 /// detached, or, after the chroot, reachable only by another chroot (CAP_SYS_CHROOT,
 /// which the worker drops, and a system call seccomp refuses).
-fn enter_empty_root() -> Result<(), String> {
+fn enter_empty_root() -> Result<(), Refused> {
     // SAFETY: all pointers are valid NUL-terminated strings or null, for the call.
     let private = unsafe {
         libc::mount(
@@ -290,7 +304,7 @@ fn enter_empty_root() -> Result<(), String> {
     }
     let err = io::Error::last_os_error();
     if err.raw_os_error() != Some(libc::EINVAL) {
-        return Err(format!("make / private: {err}"));
+        return Err(Refused::Call { step: "make / private".into(), source: err });
     }
     // EINVAL: `/` is not a mount point, so this is a chroot, where pivot_root is
     // refused too.
@@ -299,14 +313,14 @@ fn enter_empty_root() -> Result<(), String> {
 
 const EMPTY_ROOT_OPTIONS: &CStr = c"size=4k,nr_inodes=2,mode=0555";
 
-fn pivot_to_empty_root() -> Result<(), String> {
-    let fail = |what: &str| Err(os_cause(what));
+fn pivot_to_empty_root() -> Result<(), Refused> {
+    let fail = |step: &'static str| Err(refused(step));
     // The new root is mounted over an existing directory, then becomes `/`.
     let Some(mount_point) = [c"/tmp", c"/mnt", c"/run", c"/var"]
         .into_iter()
         .find(|p| std::path::Path::new(&*p.to_string_lossy()).is_dir())
     else {
-        return Err("no directory to mount it on (/tmp, /mnt, /run, /var)".into());
+        return Err(Refused::NoMountPoint);
     };
     let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY;
     // SAFETY: valid NUL-terminated strings, for the call.
@@ -343,7 +357,7 @@ fn pivot_to_empty_root() -> Result<(), String> {
     Ok(())
 }
 
-fn chroot_to_empty_root() -> Result<(), String> {
+fn chroot_to_empty_root() -> Result<(), Refused> {
     // The new mount API makes a tmpfs mount without attaching it anywhere, so nothing
     // propagates to the host's mounts (`/` cannot be made private from inside a
     // chroot: it is not a mount point).
@@ -354,9 +368,9 @@ fn chroot_to_empty_root() -> Result<(), String> {
     const MOUNT_ATTR_NOSUID: libc::c_uint = 0x2;
     const MOUNT_ATTR_NODEV: libc::c_uint = 0x4;
     const MOUNT_ATTR_NOEXEC: libc::c_uint = 0x8;
-    let owned = |fd: libc::c_long, what: &str| -> Result<OwnedFd, String> {
+    let owned = |fd: libc::c_long, step: &'static str| -> Result<OwnedFd, Refused> {
         if fd < 0 {
-            return Err(os_cause(what));
+            return Err(refused(step));
         }
         // SAFETY: `fd` was just returned by the kernel and is owned by nothing else.
         Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
@@ -379,7 +393,7 @@ fn chroot_to_empty_root() -> Result<(), String> {
             )
         };
         if rc < 0 {
-            return Err(os_cause("fsconfig(tmpfs)"));
+            return Err(refused("fsconfig(tmpfs)"));
         }
     }
     // SAFETY: `fs` is an fs context; no pointer arguments.
@@ -394,7 +408,7 @@ fn chroot_to_empty_root() -> Result<(), String> {
         )
     };
     if rc < 0 {
-        return Err(os_cause("create the tmpfs"));
+        return Err(refused("create the tmpfs"));
     }
     let attrs = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
     // SAFETY: `fs` is a created fs context; flags only.
@@ -404,15 +418,15 @@ fn chroot_to_empty_root() -> Result<(), String> {
     )?;
     // SAFETY: `mnt` is an open directory fd (the tmpfs's root).
     if unsafe { libc::fchdir(mnt.as_raw_fd()) } < 0 {
-        return Err(os_cause("fchdir to the new root"));
+        return Err(refused("fchdir to the new root"));
     }
     // SAFETY: valid NUL-terminated strings.
     if unsafe { libc::chroot(c".".as_ptr()) } < 0 {
-        return Err(os_cause("chroot"));
+        return Err(refused("chroot"));
     }
     // SAFETY: valid NUL-terminated string.
     if unsafe { libc::chdir(c"/".as_ptr()) } < 0 {
-        return Err(os_cause("chdir /"));
+        return Err(refused("chdir /"));
     }
     Ok(())
 }
@@ -424,7 +438,7 @@ fn apply_landlock() -> Result<Option<u8>, SandboxError> {
         .handle_access(AccessFs::from_all(abi))
         .and_then(|r| r.create())
         .and_then(|r| r.restrict_self())
-        .map_err(|e| SandboxError::Landlock(e.to_string()))?;
+        .map_err(SandboxError::Landlock)?;
     Ok(match status.ruleset {
         RulesetStatus::NotEnforced => None,
         RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced => Some(landlock_abi()),
@@ -447,7 +461,7 @@ fn landlock_abi() -> u8 {
 }
 
 fn drop_capabilities() -> Result<(), SandboxError> {
-    let e = |e: caps::errors::CapsError| SandboxError::Caps(e.to_string());
+    let e = SandboxError::Caps;
     caps::clear(None, caps::CapSet::Ambient).map_err(e)?;
     caps::clear(None, caps::CapSet::Bounding).map_err(e)?;
     caps::clear(None, caps::CapSet::Inheritable).map_err(e)?;
@@ -509,7 +523,7 @@ fn install_sigsys_handler() -> Result<(), SandboxError> {
 /// The seccomp rule that lets through the calls `only` describes (`None`: all).
 fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError> {
     use seccompiler::{SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond};
-    let err = |e: seccompiler::BackendError| SandboxError::Seccomp(e.to_string());
+    let err = SandboxError::SeccompFilter;
     let one = |arg: u8, len: Len, op: Op, value: u64| -> Result<SeccompRule, SandboxError> {
         SeccompRule::new(vec![Cond::new(arg, len, op, value).map_err(err)?]).map_err(err)
     };
@@ -543,15 +557,15 @@ fn filter(setup: bool) -> Result<BpfProgram, SandboxError> {
     let rules = allowed.into_iter().map(|(nr, r)| (nr, r.unwrap_or_default())).collect();
     let f =
         SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, TargetArch::x86_64)
-            .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
-    f.try_into().map_err(|e: seccompiler::BackendError| SandboxError::Seccomp(e.to_string()))
+            .map_err(SandboxError::SeccompFilter)?;
+    f.try_into().map_err(SandboxError::SeccompFilter)
 }
 
 fn apply_seccomp(setup: bool) -> Result<(), SandboxError> {
     let prog = filter(setup)?;
     let apply =
         if setup { seccompiler::apply_filter } else { seccompiler::apply_filter_all_threads };
-    apply(&prog).map_err(|e| SandboxError::Seccomp(e.to_string()))
+    apply(&prog).map_err(SandboxError::SeccompInstall)
 }
 
 /// Seccomp stage 2, for every thread: no new rings, no new threads.
