@@ -7,7 +7,7 @@
 //! `UBLKD_WORKER_ATTACK=<name>` picks the attack; the first incarnation of the worker
 //! makes it right after reporting Ready. Outcomes, on stderr (the supervisor's log):
 //! `attack <name>: blocked (<why>)` and the worker goes on serving; or the sandbox
-//! kills it (seccomp: exit 159) and the supervisor recovers the device; or
+//! kills it (seccomp: `WorkerExit::Seccomp`) and the supervisor recovers the device; or
 //! `attack <name>: ESCAPED` and exit 99, which the tests treat as a failure.
 
 use std::ffi::CString;

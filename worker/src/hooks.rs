@@ -1,6 +1,6 @@
-//! Where the test-only attacks of `attack` (`src/attack.rs`) attach to the worker: one call per
-//! hook point. Without the `test-hooks` feature every hook is an empty inline function
-//! and the attack module is not compiled, so release builds carry none of it.
+//! Where the test-only attacks of `attack` (`src/attack.rs`) attach to the worker: one
+//! call per hook point. Without the `test-hooks` feature every hook is an empty inline
+//! function and the attack module is not compiled, so release builds carry none of it.
 
 use io_uring::squeue;
 

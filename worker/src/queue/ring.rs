@@ -21,11 +21,10 @@ use crate::target::TARGET_FIXED_FD;
 /// plain fd: a command holds a reference to a plain fd's file, and ublk does not end a
 /// batch FETCH that is busy delivering when its worker dies until the device's file is
 /// released, so a worker killed at that moment would leave the file held for good,
-/// and the device never recovered. A registered
-/// file would be let go only when io_uring tears the dead worker's ring down (tens of
-/// milliseconds of a recovery's stall under emulation); with `recovery.fast_release`
-/// (the default) the supervisor, which holds a copy of each ring, unregisters it at
-/// once instead (see `msg::FromWorker::Standby`).
+/// and the device never recovered. A registered file is let go when io_uring tears
+/// the dead worker's ring down, which a recovery would wait for; with
+/// `recovery.fast_release` (the default) the supervisor, which holds a copy of each
+/// ring, unregisters it at once instead (see `msg::FromWorker::Standby`).
 pub const UBLKC_FIXED_FD: u32 = 1;
 
 /// The PREP/COMMIT element format: kernel-copy mode names each tag's buffer address;
@@ -102,7 +101,7 @@ impl StandbyRing {
             queues.push(QueueState::new(q_id, bufring, pending));
         }
         // Restricted and enabled now, not at activation: it runs nothing until then, and
-        // a recovery's stall need not wait for these two syscalls (~1-3 ms under TCG).
+        // a recovery's stall need not wait for these two syscalls.
         if restricted {
             crate::sandbox::restrict_ring(&ring).map_err(ring_err)?;
         } else {
