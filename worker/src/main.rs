@@ -24,6 +24,7 @@ mod hooks;
 mod queue;
 mod sandbox;
 mod standby;
+mod sys;
 mod target;
 mod threads;
 

@@ -6,6 +6,9 @@
 //! hands each batch of tags to one of them. A tag is handled start to finish by the
 //! thread that fetched it, so no per-tag state is shared between threads.
 
+use nix::sched::{self, CpuSet};
+use nix::unistd::Pid;
+
 /// Which queues a thread serves, and which of them it PREPs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThreadPlan {
@@ -48,15 +51,8 @@ pub fn cpu_of(cpus: &[usize], dev_id: u32, thread: usize) -> Option<usize> {
 /// The CPUs the calling thread may run on now. Read once, before any thread is pinned
 /// (a thread inherits its creator's pinning).
 pub fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes only the
-    // set given, of the size given, and CPU_ISSET reads inside it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
-    }
+    let Ok(set) = sched::sched_getaffinity(Pid::from_raw(0)) else { return Vec::new() };
+    (0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect()
 }
 
 /// Pins the calling thread to `cpu`. Best effort: a failure leaves it unpinned.
@@ -68,14 +64,9 @@ pub fn allowed_cpus() -> Vec<usize> {
 /// markedly faster and null I/O no slower (bench/README.md, "Pinning the queue
 /// thread").
 pub fn pin_to_cpu(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_ZERO/CPU_SET index inside it
-    // (`cpu` comes from `allowed_cpus`, below CPU_SETSIZE) and sched_setaffinity reads
-    // only the set given, of the size given.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_ZERO(&mut set);
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+    let mut set = CpuSet::new();
+    if set.set(cpu).is_ok() {
+        let _ = sched::sched_setaffinity(Pid::from_raw(0), &set);
     }
 }
 

@@ -203,8 +203,7 @@ impl QueueThread {
         barrier.wait();
         let slot_index = self.plan.index;
         if let Some(slot) = self.dev.shm.thread(slot_index) {
-            // SAFETY: gettid has no preconditions.
-            let tid = unsafe { libc::gettid() };
+            let tid = nix::unistd::gettid().as_raw();
             slot.tid.store(tid as u32, Ordering::Relaxed);
             slot.generation.store(self.dev.generation, Ordering::Relaxed);
         }
