@@ -1,10 +1,10 @@
 //! `ublkd-worker`: serves one ublk device's queues, started by `ublkd` (never by hand)
 //! with a control socket on the fd given by `--control-fd`.
 //!
-//! Life of a worker: receive [`WorkerSetup`] and its fds (the shared region, the
-//! target's fd); map the region and the target, allocate the tags' buffers, make every
-//! queue thread's ring (created disabled; the main thread is the first queue thread),
-//! lock the sandbox down, and report [`FromWorker::Standby`]. A standby waits, warm,
+//! Life of a worker: receive [`WorkerSetup`](msg::WorkerSetup) and its fds (the shared
+//! region, the target's fd); map the region and the target, allocate the tags'
+//! buffers, make every queue thread's ring (created disabled; the main thread is the
+//! first queue thread), lock the sandbox down, and report [`FromWorker::Standby`]. A standby waits, warm,
 //! until the supervisor activates it with the device (`/dev/ublkcN`): then it maps the
 //! descriptor arrays, each thread registers the device in its ring, enables it and
 //! PREPs its tags, the worker reports [`FromWorker::Ready`], and it serves until the

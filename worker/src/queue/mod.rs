@@ -1,7 +1,8 @@
-//! The worker's queue threads: which queues each serves ([`plan`]), its ring made
-//! while standing by ([`ring`]), and its io_uring loop ([`thread`]): PREP its queues,
-//! keep a multishot FETCH armed on each queue it serves, run the target for every
-//! delivered tag, and COMMIT results in batches (one COMMIT per queue per loop turn).
+//! The worker's queue threads: which queues each serves ([`plan`](mod@plan)), its ring
+//! made while standing by ([`ring`]), and its io_uring loop ([`thread`]): PREP its
+//! queues, keep a multishot FETCH armed on each queue it serves, run the target for
+//! every delivered tag, and COMMIT results in batches (one COMMIT per queue per loop
+//! turn).
 //!
 //! A COMMIT the kernel refuses (even partly) means the worker and the kernel disagree
 //! about who owns a tag. The loop does not guess: it fails, the worker exits, and the
