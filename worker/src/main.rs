@@ -2,17 +2,17 @@
 //! with a control socket on the fd given by `--control-fd`.
 //!
 //! Life of a worker: receive [`WorkerSetup`](msg::WorkerSetup) and its fds (the shared
-//! region, the target's fd); map the region and the target, allocate the tags'
-//! buffers, make every queue thread's ring (created disabled; the main thread is the
-//! first queue thread), lock the sandbox down, and report [`FromWorker::Standby`]. A standby waits, warm,
-//! until the supervisor activates it with the device (`/dev/ublkcN`): then it maps the
-//! descriptor arrays, each thread registers the device in its ring, enables it and
-//! PREPs its tags, the worker reports [`FromWorker::Ready`], and it serves until the
-//! kernel closes the queues (device stopped) or the supervisor says
-//! [`ToWorker::Shutdown`] (a control thread listens from then on). Everything that
-//! can be done before the device is known is, and the main thread does the
-//! activation itself, so a recovery waits for no process, thread or ring to start and
-//! for no thread hand-off.
+//! region, the target's fd); map the region and the target, allocate the tags' buffers,
+//! make every queue thread's ring (created disabled; the main thread is the first queue
+//! thread), lock the sandbox down, and report [`FromWorker::Standby`]. A standby waits,
+//! warm, until the supervisor activates it with the device (`/dev/ublkcN`): then it
+//! maps the descriptor arrays, each thread registers the device in its ring, enables it
+//! and PREPs its tags, the worker reports [`FromWorker::Ready`], and it serves until
+//! the kernel closes the queues (device stopped) or the supervisor says
+//! [`ToWorker::Shutdown`] (a control thread listens from then on). Everything that can
+//! be done before the device is known is, and the main thread does the activation
+//! itself, so a recovery waits for no process, thread or ring to start and for no
+//! thread hand-off.
 //!
 //! Exit codes (see [`WorkerExit`]) tell the supervisor why a worker ended.
 
