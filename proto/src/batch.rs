@@ -167,10 +167,6 @@ impl ElemBuf {
         ElemBuf { format, bytes, capacity }
     }
 
-    pub fn format(&self) -> ElemFormat {
-        self.format
-    }
-
     pub fn len(&self) -> usize {
         self.bytes.len() / usize::from(self.format.elem_bytes())
     }

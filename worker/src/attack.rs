@@ -7,7 +7,7 @@
 //! `UBLKD_WORKER_ATTACK=<name>` picks the attack; the first incarnation of the worker
 //! makes it right after reporting Ready. Outcomes, on stderr (the supervisor's log):
 //! `attack <name>: blocked (<why>)` and the worker goes on serving; or the sandbox
-//! kills it (seccomp: exit 159) and the supervisor recovers the device; or
+//! kills it (seccomp: `WorkerExit::Seccomp`) and the supervisor recovers the device; or
 //! `attack <name>: ESCAPED` and exit 99, which the tests treat as a failure.
 
 use std::ffi::CString;
@@ -20,7 +20,7 @@ pub fn requested() -> Option<&'static str> {
         .as_deref()
 }
 
-/// Attacks the ring makes from inside a queue thread (see `queue_loop`).
+/// Attacks the ring makes from inside a queue thread (see `hooks`).
 pub const URING_OPENAT: &str = "uring-openat";
 /// `io_uring_register(IORING_REGISTER_PERSONALITY)` on the queue thread's enabled ring.
 pub const URING_REGISTER_PERSONALITY: &str = "uring-register-personality";

@@ -161,9 +161,8 @@ pub fn map_anonymous(len: usize, flags: libc::c_int) -> io::Result<NonNull<u8>> 
 
 /// The system page size.
 pub fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(page).unwrap_or(4096)
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE);
+    page.ok().flatten().and_then(|p| usize::try_from(p).ok()).unwrap_or(4096)
 }
 
 /// Everything the queue threads share.

@@ -54,14 +54,25 @@
 
 pub mod policy;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 use io_uring::{IoUring, cqueue, squeue};
+use nix::errno::Errno;
+use nix::fcntl::{self, OFlag};
+use nix::mount::{self, MntFlags, MsFlags};
+use nix::sched::{self, CloneFlags};
+use nix::sys::prctl;
+use nix::sys::resource::{self, Resource};
+use nix::sys::stat::Mode;
+use nix::unistd::{self, Gid, Uid};
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
 use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report};
+
+use crate::sys;
 
 /// The worker's exit code after a system call outside the policy.
 pub const EXIT_SECCOMP: i32 = ublkd_proto::exit::WorkerExit::Seccomp.code() as i32;
@@ -84,24 +95,37 @@ pub enum SandboxError {
     )]
     Layer { layer: SandboxLayer, cause: String },
     #[error("cannot build the seccomp filter: {0}")]
-    Seccomp(String),
+    SeccompFilter(seccompiler::BackendError),
+    #[error("cannot install the seccomp filter: {0}")]
+    SeccompInstall(seccompiler::Error),
     #[error("cannot apply Landlock: {0}")]
-    Landlock(String),
+    Landlock(landlock::RulesetError),
     #[error("cannot drop capabilities: {0}")]
-    Caps(String),
+    Caps(caps::errors::CapsError),
 }
 
-fn check(step: &'static str, rc: libc::c_int) -> Result<(), SandboxError> {
-    if rc < 0 {
-        Err(SandboxError::Step { step, source: io::Error::last_os_error() })
-    } else {
-        Ok(())
-    }
+/// The sandbox step `step` failed with `errno`.
+fn step_failed(step: &'static str) -> impl FnOnce(Errno) -> SandboxError {
+    move |errno| SandboxError::Step { step, source: errno.into() }
 }
 
-/// `what` failed with the last OS error: the cause of a missing layer.
-fn os_cause(what: &str) -> String {
-    format!("{what}: {}", io::Error::last_os_error())
+/// Why a layer cannot be applied: the step the kernel refused, and its error.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("{step}: {source}")]
+    Call { step: Cow<'static, str>, source: io::Error },
+    #[error("no directory to mount it on (/tmp, /mnt, /run, /var)")]
+    NoMountPoint,
+}
+
+/// `step` failed: the cause of a missing layer, for `map_err`.
+fn failed<E: Into<io::Error>>(step: &'static str) -> impl FnOnce(E) -> Refused {
+    move |err| refused(step, err)
+}
+
+/// `step` failed with `err`: the cause of a missing layer.
+fn refused(step: impl Into<Cow<'static, str>>, err: impl Into<io::Error>) -> Refused {
+    Refused::Call { step: step.into(), source: err.into() }
 }
 
 /// The report under construction, and which layers may be missing.
@@ -137,7 +161,7 @@ pub fn apply(
     let mount_ns = enter_root_namespaces(&mut layers)?;
     if mount_ns {
         if let Err(cause) = enter_empty_root() {
-            layers.missing(SandboxLayer::EmptyRoot, cause)?;
+            layers.missing(SandboxLayer::EmptyRoot, cause.to_string())?;
         }
     } else {
         layers.missing(SandboxLayer::EmptyRoot, "no mount namespace to make it in".into())?;
@@ -145,10 +169,9 @@ pub fn apply(
     become_user(id)?;
     match proc_self.and_then(|dir| enter_user_namespace(id, &dir)) {
         Ok(()) => layers.report.namespaces.insert(0, "user".into()),
-        Err(cause) => layers.missing(SandboxLayer::UserNamespace, cause)?,
+        Err(cause) => layers.missing(SandboxLayer::UserNamespace, cause.to_string())?,
     }
-    // SAFETY: prctl with PR_SET_NO_NEW_PRIVS takes integer arguments only.
-    check("no_new_privs", unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+    prctl::set_no_new_privs().map_err(step_failed("no_new_privs"))?;
     match apply_landlock()? {
         Some(abi) => layers.report.landlock_abi = Some(abi),
         None => layers.missing(SandboxLayer::Landlock, "the kernel does not enforce it".into())?,
@@ -160,35 +183,30 @@ pub fn apply(
 }
 
 fn close_other_fds(keep_fd: i32) -> Result<(), SandboxError> {
-    // Keep 0, 1, 2 and the control socket (the supervisor puts it at 3).
-    let first = (keep_fd + 1) as libc::c_uint;
-    // SAFETY: close_range takes integers and only closes fds of this process; nothing
-    // else in the process owns fds above the control socket at this point.
-    let rc = unsafe { libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, 0) };
-    check("close_range", rc as libc::c_int)
+    // Keep 0, 1, 2 and the control socket (the supervisor puts it at 3); nothing else
+    // in the process owns fds above it at this point.
+    sys::close_from(keep_fd + 1)
+        .map_err(|source| SandboxError::Step { step: "close_range", source })
 }
 
 fn set_rlimits() -> Result<(), SandboxError> {
     let set = |step, resource, value: u64| {
-        let lim = libc::rlimit { rlim_cur: value, rlim_max: value };
-        // SAFETY: `lim` is a valid rlimit for the duration of the call.
-        check(step, unsafe { libc::setrlimit(resource, &lim) })
+        resource::setrlimit(resource, value, value).map_err(step_failed(step))
     };
-    set("RLIMIT_NOFILE", libc::RLIMIT_NOFILE, policy::MAX_FDS)?;
-    set("RLIMIT_CORE", libc::RLIMIT_CORE, 0)?;
-    set("RLIMIT_MEMLOCK", libc::RLIMIT_MEMLOCK, policy::MAX_LOCKED_BYTES)
+    set("RLIMIT_NOFILE", Resource::RLIMIT_NOFILE, policy::MAX_FDS)?;
+    set("RLIMIT_CORE", Resource::RLIMIT_CORE, 0)?;
+    set("RLIMIT_MEMLOCK", Resource::RLIMIT_MEMLOCK, policy::MAX_LOCKED_BYTES)
 }
 
 fn become_user(id: Identity) -> Result<(), SandboxError> {
     // The bounding set can only be emptied while the worker still holds CAP_SETPCAP.
-    caps::clear(None, caps::CapSet::Bounding).map_err(|e| SandboxError::Caps(e.to_string()))?;
-    // SAFETY: setgroups with a zero length reads no memory.
-    check("setgroups", unsafe { libc::setgroups(0, std::ptr::null()) })?;
-    // SAFETY: integer arguments only.
-    check("setresgid", unsafe { libc::setresgid(id.gid, id.gid, id.gid) })?;
-    // SAFETY: integer arguments only. Changing every uid away from 0 clears the
-    // permitted, effective and ambient capability sets.
-    check("setresuid", unsafe { libc::setresuid(id.uid, id.uid, id.uid) })
+    caps::clear(None, caps::CapSet::Bounding).map_err(SandboxError::Caps)?;
+    unistd::setgroups(&[]).map_err(step_failed("setgroups"))?;
+    let (uid, gid) = (Uid::from_raw(id.uid), Gid::from_raw(id.gid));
+    unistd::setresgid(gid, gid, gid).map_err(step_failed("setresgid"))?;
+    // Changing every uid away from 0 clears the permitted, effective and ambient
+    // capability sets.
+    unistd::setresuid(uid, uid, uid).map_err(step_failed("setresuid"))
 }
 
 /// The namespaces root may create without a user namespace, each on its own, so that
@@ -197,18 +215,19 @@ fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> 
     let mut refused = Vec::new();
     let mut mount_ns = false;
     for (flag, name, call) in [
-        (libc::CLONE_NEWNS, "mnt", "unshare(CLONE_NEWNS)"),
-        (libc::CLONE_NEWNET, "net", "unshare(CLONE_NEWNET)"),
-        (libc::CLONE_NEWIPC, "ipc", "unshare(CLONE_NEWIPC)"),
-        (libc::CLONE_NEWUTS, "uts", "unshare(CLONE_NEWUTS)"),
-        (libc::CLONE_NEWCGROUP, "cgroup", "unshare(CLONE_NEWCGROUP)"),
+        (CloneFlags::CLONE_NEWNS, "mnt", "unshare(CLONE_NEWNS)"),
+        (CloneFlags::CLONE_NEWNET, "net", "unshare(CLONE_NEWNET)"),
+        (CloneFlags::CLONE_NEWIPC, "ipc", "unshare(CLONE_NEWIPC)"),
+        (CloneFlags::CLONE_NEWUTS, "uts", "unshare(CLONE_NEWUTS)"),
+        (CloneFlags::CLONE_NEWCGROUP, "cgroup", "unshare(CLONE_NEWCGROUP)"),
     ] {
-        // SAFETY: unshare takes flags only; the process is single-threaded here.
-        if unsafe { libc::unshare(flag) } < 0 {
-            refused.push(os_cause(call));
-        } else {
-            mount_ns |= flag == libc::CLONE_NEWNS;
-            layers.report.namespaces.push(name.into());
+        // The process is single-threaded here.
+        match sched::unshare(flag) {
+            Err(errno) => refused.push(self::refused(call, errno).to_string()),
+            Ok(()) => {
+                mount_ns |= flag == CloneFlags::CLONE_NEWNS;
+                layers.report.namespaces.push(name.into());
+            }
         }
     }
     if !refused.is_empty() {
@@ -218,55 +237,33 @@ fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> 
 }
 
 /// `/proc/self` of this process, opened while the host's `/proc` is still in reach.
-fn open_proc_self() -> Result<OwnedFd, String> {
-    let path = c"/proc/self";
-    // SAFETY: a valid NUL-terminated path; the fd returned is owned below.
-    let fd =
-        unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(os_cause("open /proc/self"));
-    }
-    // SAFETY: `fd` was just opened and is owned by nothing else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+fn open_proc_self() -> Result<OwnedFd, Refused> {
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    fcntl::open(c"/proc/self", flags, Mode::empty()).map_err(|e| refused("open /proc/self", e))
 }
 
 /// A user namespace of its own that maps only the worker's uid and gid, entered after
 /// the worker became that user (so the namespaces made as root stay owned by the
 /// initial user namespace, where the worker holds no capability).
-fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), String> {
-    // SAFETY: unshare takes flags only; the process is single-threaded here, as
-    // CLONE_NEWUSER requires.
-    if unsafe { libc::unshare(libc::CLONE_NEWUSER) } < 0 {
-        return Err(os_cause("unshare(CLONE_NEWUSER)"));
-    }
+fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), Refused> {
+    // The process is single-threaded here, as CLONE_NEWUSER requires.
+    sched::unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| refused("unshare(CLONE_NEWUSER)", e))?;
     // Changing uid made the process non-dumpable, which leaves its /proc files to
     // root: writable again for the maps, then closed again (another worker runs as
     // the same user).
-    // SAFETY: integer arguments only.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) } < 0 {
-        return Err(os_cause("set dumpable"));
-    }
-    let write = |name: &CStr, text: String| -> Result<(), String> {
-        // SAFETY: `proc_self` is an open directory fd and `name` NUL-terminated.
-        let fd = unsafe {
-            libc::openat(proc_self.as_raw_fd(), name.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC)
-        };
-        if fd < 0 {
-            return Err(os_cause(&format!("open /proc/self/{}", name.to_string_lossy())));
-        }
-        // SAFETY: `fd` was just opened and is owned by nothing else.
-        let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        io::Write::write_all(&mut file, text.as_bytes())
-            .map_err(|e| format!("write /proc/self/{}: {e}", name.to_string_lossy()))
+    prctl::set_dumpable(true).map_err(|e| refused("set dumpable", e))?;
+    let write = |name: &CStr, text: String| -> Result<(), Refused> {
+        let path = || format!("/proc/self/{}", name.to_string_lossy());
+        let flags = OFlag::O_WRONLY | OFlag::O_CLOEXEC;
+        let fd = fcntl::openat(proc_self, name, flags, Mode::empty())
+            .map_err(|e| refused(format!("open {}", path()), e))?;
+        io::Write::write_all(&mut std::fs::File::from(fd), text.as_bytes())
+            .map_err(|e| refused(format!("write {}", path()), e))
     };
     write(c"setgroups", "deny".into())?;
     write(c"gid_map", format!("{0} {0} 1\n", id.gid))?;
     write(c"uid_map", format!("{0} {0} 1\n", id.uid))?;
-    // SAFETY: integer arguments only.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } < 0 {
-        return Err(os_cause("clear dumpable"));
-    }
-    Ok(())
+    prctl::set_dumpable(false).map_err(|e| refused("clear dumpable", e))
 }
 
 /// Makes an empty read-only tmpfs the root: with pivot_root where the current root is
@@ -274,147 +271,58 @@ fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), String>
 /// attached nowhere. Either way the host's files are out of reach: the old root is
 /// detached, or, after the chroot, reachable only by another chroot (CAP_SYS_CHROOT,
 /// which the worker drops, and a system call seccomp refuses).
-fn enter_empty_root() -> Result<(), String> {
-    // SAFETY: all pointers are valid NUL-terminated strings or null, for the call.
-    let private = unsafe {
-        libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    };
-    if private == 0 {
-        return pivot_to_empty_root();
+fn enter_empty_root() -> Result<(), Refused> {
+    let none = None::<&CStr>;
+    match mount::mount(none, c"/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none) {
+        Ok(()) => pivot_to_empty_root(),
+        // `/` is not a mount point, so this is a chroot, where pivot_root is refused
+        // too.
+        Err(Errno::EINVAL) => chroot_to_empty_root(),
+        Err(e) => Err(refused("make / private", e)),
     }
-    let err = io::Error::last_os_error();
-    if err.raw_os_error() != Some(libc::EINVAL) {
-        return Err(format!("make / private: {err}"));
-    }
-    // EINVAL: `/` is not a mount point, so this is a chroot, where pivot_root is
-    // refused too.
-    chroot_to_empty_root()
 }
 
 const EMPTY_ROOT_OPTIONS: &CStr = c"size=4k,nr_inodes=2,mode=0555";
 
-fn pivot_to_empty_root() -> Result<(), String> {
-    let fail = |what: &str| Err(os_cause(what));
+fn pivot_to_empty_root() -> Result<(), Refused> {
     // The new root is mounted over an existing directory, then becomes `/`.
     let Some(mount_point) = [c"/tmp", c"/mnt", c"/run", c"/var"]
         .into_iter()
         .find(|p| std::path::Path::new(&*p.to_string_lossy()).is_dir())
     else {
-        return Err("no directory to mount it on (/tmp, /mnt, /run, /var)".into());
+        return Err(Refused::NoMountPoint);
     };
-    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY;
-    // SAFETY: valid NUL-terminated strings, for the call.
-    if unsafe {
-        libc::mount(
-            c"tmpfs".as_ptr(),
-            mount_point.as_ptr(),
-            c"tmpfs".as_ptr(),
-            flags,
-            EMPTY_ROOT_OPTIONS.as_ptr().cast(),
-        )
-    } < 0
-    {
-        return fail("mount the empty root");
-    }
-    // SAFETY: valid NUL-terminated string.
-    if unsafe { libc::chdir(mount_point.as_ptr()) } < 0 {
-        return fail("chdir to the new root");
-    }
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY;
+    mount::mount(Some(c"tmpfs"), mount_point, Some(c"tmpfs"), flags, Some(EMPTY_ROOT_OPTIONS))
+        .map_err(failed("mount the empty root"))?;
+    unistd::chdir(mount_point).map_err(failed("chdir to the new root"))?;
     // pivot_root(".", ".") stacks the old root under the new one; detaching "." then
     // removes the old root from this mount namespace.
-    // SAFETY: valid NUL-terminated strings.
-    if unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) } < 0 {
-        return fail("pivot_root");
-    }
-    // SAFETY: valid NUL-terminated string.
-    if unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) } < 0 {
-        return fail("detach the old root");
-    }
-    // SAFETY: valid NUL-terminated string.
-    if unsafe { libc::chdir(c"/".as_ptr()) } < 0 {
-        return fail("chdir /");
-    }
-    Ok(())
+    unistd::pivot_root(c".", c".").map_err(failed("pivot_root"))?;
+    mount::umount2(c".", MntFlags::MNT_DETACH).map_err(failed("detach the old root"))?;
+    unistd::chdir(c"/").map_err(failed("chdir /"))
 }
 
-fn chroot_to_empty_root() -> Result<(), String> {
+fn chroot_to_empty_root() -> Result<(), Refused> {
     // The new mount API makes a tmpfs mount without attaching it anywhere, so nothing
     // propagates to the host's mounts (`/` cannot be made private from inside a
     // chroot: it is not a mount point).
-    const FSCONFIG_SET_STRING: libc::c_uint = 1;
-    const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+    const FSOPEN_CLOEXEC: libc::c_uint = 1;
     const FSMOUNT_CLOEXEC: libc::c_uint = 1;
     const MOUNT_ATTR_RDONLY: libc::c_uint = 0x1;
     const MOUNT_ATTR_NOSUID: libc::c_uint = 0x2;
     const MOUNT_ATTR_NODEV: libc::c_uint = 0x4;
     const MOUNT_ATTR_NOEXEC: libc::c_uint = 0x8;
-    let owned = |fd: libc::c_long, what: &str| -> Result<OwnedFd, String> {
-        if fd < 0 {
-            return Err(os_cause(what));
-        }
-        // SAFETY: `fd` was just returned by the kernel and is owned by nothing else.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-    };
-    // SAFETY: a valid NUL-terminated filesystem name and a flag.
-    let fs = owned(
-        unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), 1 as libc::c_uint) },
-        "fsopen(tmpfs)",
-    )?;
+    let fs = sys::fsopen(c"tmpfs", FSOPEN_CLOEXEC).map_err(failed("fsopen(tmpfs)"))?;
     for (key, value) in [(c"size", c"4k"), (c"nr_inodes", c"2"), (c"mode", c"0555")] {
-        // SAFETY: `fs` is an fs context; key and value are NUL-terminated strings.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_fsconfig,
-                fs.as_raw_fd(),
-                FSCONFIG_SET_STRING,
-                key.as_ptr(),
-                value.as_ptr(),
-                0,
-            )
-        };
-        if rc < 0 {
-            return Err(os_cause("fsconfig(tmpfs)"));
-        }
+        sys::fsconfig_set_string(fs.as_fd(), key, value).map_err(failed("fsconfig(tmpfs)"))?;
     }
-    // SAFETY: `fs` is an fs context; no pointer arguments.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_fsconfig,
-            fs.as_raw_fd(),
-            FSCONFIG_CMD_CREATE,
-            std::ptr::null::<libc::c_char>(),
-            std::ptr::null::<libc::c_void>(),
-            0,
-        )
-    };
-    if rc < 0 {
-        return Err(os_cause("create the tmpfs"));
-    }
+    sys::fsconfig_create(fs.as_fd()).map_err(failed("create the tmpfs"))?;
     let attrs = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-    // SAFETY: `fs` is a created fs context; flags only.
-    let mnt = owned(
-        unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) },
-        "fsmount(tmpfs)",
-    )?;
-    // SAFETY: `mnt` is an open directory fd (the tmpfs's root).
-    if unsafe { libc::fchdir(mnt.as_raw_fd()) } < 0 {
-        return Err(os_cause("fchdir to the new root"));
-    }
-    // SAFETY: valid NUL-terminated strings.
-    if unsafe { libc::chroot(c".".as_ptr()) } < 0 {
-        return Err(os_cause("chroot"));
-    }
-    // SAFETY: valid NUL-terminated string.
-    if unsafe { libc::chdir(c"/".as_ptr()) } < 0 {
-        return Err(os_cause("chdir /"));
-    }
-    Ok(())
+    let mnt = sys::fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, attrs).map_err(failed("fsmount(tmpfs)"))?;
+    unistd::fchdir(&mnt).map_err(failed("fchdir to the new root"))?;
+    unistd::chroot(c".").map_err(failed("chroot"))?;
+    unistd::chdir(c"/").map_err(failed("chdir /"))
 }
 
 fn apply_landlock() -> Result<Option<u8>, SandboxError> {
@@ -424,30 +332,17 @@ fn apply_landlock() -> Result<Option<u8>, SandboxError> {
         .handle_access(AccessFs::from_all(abi))
         .and_then(|r| r.create())
         .and_then(|r| r.restrict_self())
-        .map_err(|e| SandboxError::Landlock(e.to_string()))?;
+        .map_err(SandboxError::Landlock)?;
     Ok(match status.ruleset {
         RulesetStatus::NotEnforced => None,
-        RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced => Some(landlock_abi()),
+        RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced => {
+            Some(sys::landlock_abi())
+        }
     })
 }
 
-/// The kernel's Landlock ABI version.
-fn landlock_abi() -> u8 {
-    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
-    // SAFETY: with the VERSION flag, landlock_create_ruleset reads no memory.
-    let v = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_create_ruleset,
-            std::ptr::null::<u8>(),
-            0usize,
-            LANDLOCK_CREATE_RULESET_VERSION,
-        )
-    };
-    u8::try_from(v).unwrap_or(0)
-}
-
 fn drop_capabilities() -> Result<(), SandboxError> {
-    let e = |e: caps::errors::CapsError| SandboxError::Caps(e.to_string());
+    let e = SandboxError::Caps;
     caps::clear(None, caps::CapSet::Ambient).map_err(e)?;
     caps::clear(None, caps::CapSet::Bounding).map_err(e)?;
     caps::clear(None, caps::CapSet::Inheritable).map_err(e)?;
@@ -503,13 +398,14 @@ fn install_sigsys_handler() -> Result<(), SandboxError> {
     sa.sa_sigaction = handler as usize;
     sa.sa_flags = libc::SA_SIGINFO;
     // SAFETY: `sa` is a valid sigaction for the call; the handler is async-signal-safe.
-    check("sigaction(SIGSYS)", unsafe { libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) })
+    let rc = unsafe { libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) };
+    if rc < 0 { Err(step_failed("sigaction(SIGSYS)")(Errno::last())) } else { Ok(()) }
 }
 
 /// The seccomp rule that lets through the calls `only` describes (`None`: all).
 fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError> {
     use seccompiler::{SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond};
-    let err = |e: seccompiler::BackendError| SandboxError::Seccomp(e.to_string());
+    let err = SandboxError::SeccompFilter;
     let one = |arg: u8, len: Len, op: Op, value: u64| -> Result<SeccompRule, SandboxError> {
         SeccompRule::new(vec![Cond::new(arg, len, op, value).map_err(err)?]).map_err(err)
     };
@@ -543,15 +439,15 @@ fn filter(setup: bool) -> Result<BpfProgram, SandboxError> {
     let rules = allowed.into_iter().map(|(nr, r)| (nr, r.unwrap_or_default())).collect();
     let f =
         SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, TargetArch::x86_64)
-            .map_err(|e| SandboxError::Seccomp(e.to_string()))?;
-    f.try_into().map_err(|e: seccompiler::BackendError| SandboxError::Seccomp(e.to_string()))
+            .map_err(SandboxError::SeccompFilter)?;
+    f.try_into().map_err(SandboxError::SeccompFilter)
 }
 
 fn apply_seccomp(setup: bool) -> Result<(), SandboxError> {
     let prog = filter(setup)?;
     let apply =
         if setup { seccompiler::apply_filter } else { seccompiler::apply_filter_all_threads };
-    apply(&prog).map_err(|e| SandboxError::Seccomp(e.to_string()))
+    apply(&prog).map_err(SandboxError::SeccompInstall)
 }
 
 /// Seccomp stage 2, for every thread: no new rings, no new threads.

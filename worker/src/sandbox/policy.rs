@@ -6,7 +6,8 @@
 //! opens a path: no `open`, `openat`, `execve`, `socket`, `connect`, `ptrace`, `kill`
 //! of other processes, `mount`, `setrlimit`/`prlimit64`, `setuid`, `bpf`, `unshare`.
 //! Anything not listed traps (SIGSYS): the worker reports the call and exits with
-//! [`super::EXIT_SECCOMP`], which the supervisor recognises.
+//! [`super::EXIT_SECCOMP`] (`ublkd_proto::exit::WorkerExit::Seccomp`), which the
+//! supervisor describes as such (`ublkd_proto::exit::describe`).
 
 use io_uring::opcode;
 use ublkd_proto::uapi;

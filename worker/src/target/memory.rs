@@ -30,7 +30,7 @@ impl MemoryTarget {
         Ok(MemoryTarget { map, size })
     }
 
-    /// The device range `[offset, offset+len)` in the mapping. The queue loop has
+    /// The device range `[offset, offset+len)` in the mapping. `IoReq::from_desc`
     /// checked it against the device size, which `new` checked against the mapping.
     fn range(&self, req: &IoReq) -> *mut u8 {
         debug_assert!(req.offset + u64::from(req.len) <= self.size);

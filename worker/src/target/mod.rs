@@ -9,6 +9,7 @@ mod fail;
 mod loopback;
 mod memory;
 mod null;
+mod request;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
@@ -19,30 +20,10 @@ pub use fail::FailTarget;
 pub use loopback::LoopTarget;
 pub use memory::MemoryTarget;
 pub use null::NullTarget;
+pub use request::{Bounds, IoReq};
 
 /// Index of the target's file in each ring's registered files (1 is `/dev/ublkcN`).
 pub const TARGET_FIXED_FD: u32 = 0;
-
-/// One request, validated by the queue loop: `offset + len` is inside the device and
-/// `len` fits the tag's buffer.
-#[derive(Debug, Clone, Copy)]
-pub struct IoReq {
-    /// `UBLK_IO_OP_*`.
-    pub op: u8,
-    /// `UBLK_IO_F_*`.
-    pub flags: u32,
-    /// Byte offset on the device.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u32,
-    /// The tag's buffer, `len` bytes valid (at least): WRITE data is in it, READ data
-    /// goes into it. Null with zero copy.
-    pub buf: *mut u8,
-    /// Zero copy: the request's own pages, registered by the kernel at this index of
-    /// the ring's buffer table (address 0 is their start); READ_FIXED/WRITE_FIXED move
-    /// the data.
-    pub buf_index: Option<u16>,
-}
 
 /// What to do next with a request.
 #[derive(Debug)]

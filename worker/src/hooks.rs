@@ -1,0 +1,133 @@
+//! Where the test-only attacks of `attack` (`src/attack.rs`) attach to the worker: one
+//! call per hook point. Without the `test-hooks` feature every hook is an empty inline
+//! function and the attack module is not compiled, so release builds carry none of it.
+
+use io_uring::squeue;
+
+/// What a queue thread does for a test hook before its first turn.
+#[derive(Debug, Default)]
+pub struct ThreadStart {
+    /// An SQE to submit, with [`UserData::Attack`](crate::queue::user_data::UserData::Attack); its
+    /// completion goes to [`on_attack_cqe`].
+    pub sqe: Option<squeue::Entry>,
+    /// Tags of the thread's first queue to COMMIT though the kernel never gave them.
+    pub unowned_tags: Vec<u16>,
+}
+
+#[cfg(feature = "test-hooks")]
+mod imp {
+    use std::os::fd::RawFd;
+    use std::sync::OnceLock;
+
+    use super::ThreadStart;
+    use crate::attack;
+    use crate::device::Device;
+    use crate::queue::user_data::UserData;
+
+    /// The attack to make once serving, and the supervisor's pid.
+    static ATTACK: OnceLock<(&'static str, i32)> = OnceLock::new();
+
+    /// Before the sandbox goes up: notes the supervisor's pid, which the sandbox then
+    /// forbids asking for.
+    pub fn before_sandbox() {
+        let supervisor = nix::unistd::getppid().as_raw();
+        if let Some(name) = attack::requested() {
+            ATTACK.get_or_init(|| (name, supervisor));
+        }
+    }
+
+    /// On the control thread once the device `generation` is served: the first
+    /// incarnation makes the requested process-level attack.
+    pub fn on_serving(generation: u64) {
+        if let Some(&(name, supervisor)) = ATTACK.get()
+            && generation == 1
+        {
+            attack::run(name, supervisor);
+        }
+    }
+
+    /// Before queue thread `thread`'s first turn on its ring `ring_fd`: the ring-level
+    /// attacks and faults, made by thread 0 of the first incarnation.
+    pub fn on_thread_start(dev: &Device, thread: usize, ring_fd: RawFd) -> ThreadStart {
+        let mut start = ThreadStart::default();
+        if dev.generation != 1 || thread != 0 {
+            return start;
+        }
+        match attack::requested() {
+            // Ask the ring to open a host file: its restrictions must refuse.
+            Some(attack::URING_OPENAT) => {
+                let path = c"/etc/passwd";
+                let at = io_uring::types::Fd(libc::AT_FDCWD);
+                let sqe = io_uring::opcode::OpenAt::new(at, path.as_ptr()).build();
+                start.sqe = Some(sqe.user_data(UserData::Attack.encode()));
+            }
+            // Give the enabled ring this thread's credentials as a personality: its
+            // register restrictions must refuse.
+            Some(attack::URING_REGISTER_PERSONALITY) => {
+                // SAFETY: io_uring_register with a null argument and no entries reads no
+                // memory; the ring fd is this thread's own.
+                let rc = unsafe {
+                    libc::syscall(
+                        libc::SYS_io_uring_register,
+                        ring_fd,
+                        ublkd_proto::uapi::IORING_REGISTER_PERSONALITY,
+                        std::ptr::null::<libc::c_void>(),
+                        0,
+                    )
+                };
+                attack::outcome(attack::URING_REGISTER_PERSONALITY, rc);
+            }
+            // The highest tags: blk-mq hands out the lowest first, so these are idle.
+            Some(attack::COMMIT_UNOWNED) => start.unowned_tags = vec![dev.depth - 1],
+            Some(attack::COMMIT_UNOWNED_BATCH) => {
+                start.unowned_tags = vec![dev.depth - 1, dev.depth - 2];
+            }
+            _ => {}
+        }
+        start
+    }
+
+    /// After each turn of queue thread `thread`: `turn` counts its turns, `handled`
+    /// says whether this one handled requests.
+    pub fn after_turn(dev: &Device, thread: usize, turn: u64, handled: bool) {
+        attack::after_turn(dev, thread, turn, handled);
+    }
+
+    /// The completion of a hook's SQE (see [`ThreadStart::sqe`]).
+    pub fn on_attack_cqe(res: i32) {
+        if res < 0 {
+            let err = std::io::Error::from_raw_os_error(-res);
+            attack::say(format!("attack {}: blocked ({err})", attack::URING_OPENAT));
+        } else {
+            attack::say(format!("attack {}: ESCAPED (fd {res})", attack::URING_OPENAT));
+            std::process::exit(99);
+        }
+    }
+}
+
+#[cfg(not(feature = "test-hooks"))]
+mod imp {
+    use std::os::fd::RawFd;
+
+    use super::ThreadStart;
+    use crate::device::Device;
+
+    #[inline(always)]
+    pub fn before_sandbox() {}
+
+    #[inline(always)]
+    pub fn on_serving(_generation: u64) {}
+
+    #[inline(always)]
+    pub fn on_thread_start(_dev: &Device, _thread: usize, _ring_fd: RawFd) -> ThreadStart {
+        ThreadStart::default()
+    }
+
+    #[inline(always)]
+    pub fn after_turn(_dev: &Device, _thread: usize, _turn: u64, _handled: bool) {}
+
+    #[inline(always)]
+    pub fn on_attack_cqe(_res: i32) {}
+}
+
+pub use imp::*;

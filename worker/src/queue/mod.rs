@@ -1,0 +1,50 @@
+//! The worker's queue threads: which queues each serves ([`plan`](mod@plan)), its ring
+//! made while standing by ([`ring`]), and its io_uring loop ([`thread`]): PREP its
+//! queues, keep a multishot FETCH armed on each queue it serves, run the target for
+//! every delivered tag, and COMMIT results in batches (one COMMIT per queue per loop
+//! turn).
+//!
+//! A COMMIT the kernel refuses (even partly) means the worker and the kernel disagree
+//! about who owns a tag. The loop does not guess: it fails, the worker exits, and the
+//! supervisor recovers the device, whose in-flight I/O the kernel reissues (REISSUE) to
+//! the next worker, so no I/O fails.
+
+pub mod plan;
+pub mod ring;
+pub mod thread;
+pub mod user_data;
+
+use ublkd_proto::batch;
+use ublkd_proto::errno::Errno;
+
+pub use plan::{allowed_cpus, cpu_of, plan};
+pub use ring::StandbyRing;
+pub use thread::QueueThread;
+
+/// Errors that end a thread (and so the worker).
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error("cannot set up thread {thread}'s io_uring: {source}")]
+    Ring { thread: usize, source: std::io::Error },
+    #[error("PREP of queue {q_id} failed: {}", Errno(-res))]
+    Prep { q_id: u16, res: i32 },
+    #[error("the kernel refused a COMMIT on queue {q_id} (tag {tag}): {what}")]
+    Commit { q_id: u16, tag: u16, what: CommitRefusal },
+    #[error("FETCH on queue {q_id} delivered a malformed batch: {source}")]
+    Fetch { q_id: u16, source: batch::BatchError },
+    #[error("io_uring wait failed in thread {thread}: {source}")]
+    Wait { thread: usize, source: std::io::Error },
+}
+
+/// How a COMMIT went wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitRefusal {
+    #[error("{0}")]
+    Errno(Errno),
+    #[error("unexpected completion {0}")]
+    Unexpected(i32),
+    #[error(transparent)]
+    Batch(#[from] batch::BatchError),
+    #[error("only {done} of {sent} elements were taken")]
+    Partial { done: usize, sent: usize },
+}

@@ -1,0 +1,195 @@
+//! The worker's threads: the queue threads (the main thread serves the first plan
+//! itself), started while standing by, each with its ring made and waiting for the
+//! device; the control thread, which listens to the supervisor once the device is
+//! served; and the end thread, which ends the worker when the queue threads end.
+
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::{Arc, Barrier, mpsc};
+
+use ublkd_proto::exit::WorkerExit;
+use ublkd_proto::msg::{self, ToWorker, WorkerSetup};
+
+use crate::device::Device;
+use crate::hooks;
+use crate::queue::{self, LoopError, QueueThread, StandbyRing, plan};
+
+/// Why the worker's threads cannot be started or activated.
+#[derive(Debug, thiserror::Error)]
+pub enum ThreadError {
+    #[error(transparent)]
+    Loop(#[from] LoopError),
+    #[error("cannot start {what}: {source}")]
+    Spawn { what: String, source: std::io::Error },
+    #[error("a queue thread died")]
+    Died,
+}
+
+/// The queue threads (the main thread serves the first plan itself), started while
+/// standing by, each with its ring made and waiting for the device.
+pub struct ThreadSet {
+    own: StandbyRing,
+    /// Every thread's ring, the main thread's first.
+    pub ring_fds: Vec<RawFd>,
+    activate: Vec<mpsc::Sender<(Arc<Device>, RawFd)>>,
+    prepped: mpsc::Receiver<Result<(), LoopError>>,
+    running: Running,
+}
+
+/// What the main thread needs once it serves.
+pub struct Running {
+    pub barrier: Arc<Barrier>,
+    pub done: mpsc::Sender<Result<(), LoopError>>,
+    /// Tells the control thread (with the generation) that the device is being served.
+    pub control_go: mpsc::Sender<u64>,
+    /// Tells the end thread the same.
+    pub end_go: mpsc::Sender<()>,
+}
+
+impl ThreadSet {
+    /// Makes the main thread's ring, starts one thread per other plan entry and waits
+    /// until each has its ring (`restricted` for a sandboxed worker), starts the control
+    /// thread (idle until activation), and the thread that ends the worker when the
+    /// queue threads end (the queues closed, or the data path failed).
+    pub fn start(
+        setup: &WorkerSetup,
+        target_file: Option<BorrowedFd<'_>>,
+        control: &OwnedFd,
+        restricted: bool,
+    ) -> Result<Self, ThreadError> {
+        let mut plans = plan(setup.nr_threads, setup.nr_queues);
+        let nr_threads = plans.len();
+        let barrier = Arc::new(Barrier::new(nr_threads));
+        let target_fd = target_file.map(|f| f.as_raw_fd());
+        let (ring_tx, ring_rx) = mpsc::channel::<Result<RawFd, LoopError>>();
+        let (prepped_tx, prepped) = mpsc::channel::<Result<(), LoopError>>();
+        let (done_tx, done_rx) = mpsc::channel::<Result<(), LoopError>>();
+        // Each queue thread on its own CPU, spread by device and thread number.
+        let cpus = queue::allowed_cpus();
+        let cpu_of = |thread: usize| queue::cpu_of(&cpus, setup.dev_id, thread);
+        let own = StandbyRing::new(plans.remove(0), setup, target_fd, cpu_of(0), restricted)?;
+        let mut activate = Vec::with_capacity(nr_threads);
+        for p in plans {
+            let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
+            activate.push(activate_tx);
+            let (barrier, ring_tx, prepped_tx, done_tx) =
+                (Arc::clone(&barrier), ring_tx.clone(), prepped_tx.clone(), done_tx.clone());
+            let index = p.index;
+            let cpu = cpu_of(index);
+            let setup = setup.clone();
+            std::thread::Builder::new()
+                .name(format!("ublk-q{index}"))
+                .spawn(move || {
+                    let standby = match StandbyRing::new(p, &setup, target_fd, cpu, restricted) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = ring_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ring_tx.send(Ok(standby.ring_fd()));
+                    // No device: the standby was let go and the process is exiting.
+                    let Ok((dev, ublkc)) = activate_rx.recv() else { return };
+                    match standby.activate(dev, ublkc).and_then(|mut t| t.prep().map(|()| t)) {
+                        Ok(t) => {
+                            let _ = prepped_tx.send(Ok(()));
+                            let _ = done_tx.send(t.run(&barrier));
+                        }
+                        Err(e) => {
+                            let _ = prepped_tx.send(Err(e));
+                        }
+                    }
+                })
+                .map_err(|source| ThreadError::Spawn { what: format!("thread {index}"), source })?;
+        }
+        drop((ring_tx, prepped_tx));
+        let mut ring_fds = vec![own.ring_fd()];
+        for _ in 1..nr_threads {
+            match ring_rx.recv() {
+                Ok(Ok(fd)) => ring_fds.push(fd),
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => return Err(ThreadError::Died),
+            }
+        }
+        let dev_id = setup.dev_id;
+        let (end_go, end_go_rx) = mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("ublk-end".into())
+            .spawn(move || {
+                // Only a serving worker ends here. A standby that is let go (or fails to
+                // activate) ends through the main thread with its own exit code; its
+                // queue threads end without a result then, which is no data-path error.
+                if end_go_rx.recv().is_err() {
+                    return;
+                }
+                for _ in 0..nr_threads {
+                    match done_rx.recv() {
+                        Ok(Ok(())) => {}
+                        Ok(Err(reason)) => {
+                            tracing::error!("data path failed: {reason}");
+                            std::process::exit(i32::from(WorkerExit::DataPath.code()));
+                        }
+                        Err(_) => std::process::exit(i32::from(WorkerExit::DataPath.code())),
+                    }
+                }
+                tracing::info!(dev_id, "queues closed, exiting");
+                std::process::exit(i32::from(WorkerExit::Clean.code()));
+            })
+            .map_err(|source| ThreadError::Spawn {
+                what: "the worker's end thread".into(),
+                source,
+            })?;
+        let (control_go, go) = mpsc::channel::<u64>();
+        let control_raw = control.as_raw_fd();
+        std::thread::Builder::new()
+            .name("ublk-control".into())
+            .spawn(move || {
+                // A standby that is let go never gets here: the main thread reads the
+                // socket until activation, then hands it over.
+                let Ok(generation) = go.recv() else { return };
+                hooks::on_serving(generation);
+                // SAFETY: the control socket is owned by `main`'s frame, which never
+                // returns while the worker serves (it parks), so the fd stays open.
+                let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
+                let code = match msg::recv_packet::<ToWorker>(control) {
+                    Ok((ToWorker::Shutdown, _)) => WorkerExit::Clean,
+                    Ok(_) => WorkerExit::Protocol,
+                    Err(_) => WorkerExit::Orphaned,
+                };
+                std::process::exit(i32::from(code.code()));
+            })
+            .map_err(|source| ThreadError::Spawn {
+                what: "the worker's control thread".into(),
+                source,
+            })?;
+        Ok(ThreadSet {
+            own,
+            ring_fds,
+            activate,
+            prepped,
+            running: Running { barrier, done: done_tx, control_go, end_go },
+        })
+    }
+
+    /// Gives every thread the device, activates and PREPs the main thread's own ring,
+    /// and waits until every other thread has PREPed its queues. Returns the main
+    /// thread's loop, to run once Ready is sent.
+    pub fn activate(
+        self,
+        dev: &Arc<Device>,
+        ublkc: RawFd,
+    ) -> Result<(QueueThread, Running), ThreadError> {
+        for tx in &self.activate {
+            tx.send((Arc::clone(dev), ublkc)).map_err(|_| ThreadError::Died)?;
+        }
+        let mut own = self.own.activate(Arc::clone(dev), ublkc)?;
+        own.prep()?;
+        for _ in 0..self.activate.len() {
+            match self.prepped.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => return Err(ThreadError::Died),
+            }
+        }
+        Ok((own, self.running))
+    }
+}
