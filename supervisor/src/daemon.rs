@@ -31,6 +31,7 @@ use ublkd_proto::uapi::DevState;
 
 use crate::control::ControlServer;
 use crate::device::{Context, Device, DeviceError, Recovery};
+use crate::device_state::Summary;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
@@ -223,7 +224,8 @@ impl Daemon {
     /// the same id if the config gives one) is not created again.
     pub fn create_configured(&mut self) -> usize {
         let mut failed = 0;
-        let mut adopted: Vec<DeviceSpec> = self.devices.values().map(|d| d.spec.clone()).collect();
+        let mut adopted: Vec<DeviceSpec> =
+            self.devices.values().map(|d| d.spec().clone()).collect();
         for spec in self.config.devices.clone() {
             let same = |a: &DeviceSpec| {
                 let mut a = a.clone();
@@ -260,11 +262,9 @@ impl Daemon {
     }
 
     fn summary(&self) -> String {
-        let waiting =
-            self.devices.values().filter(|d| d.worker.is_none() && d.note.is_some()).count();
-        let recovering =
-            self.devices.values().filter(|d| d.worker.is_none() && d.note.is_none()).count();
-        let live = self.devices.len() - waiting - recovering;
+        let count = |s| self.devices.values().filter(|d| d.state().summary() == s).count();
+        let (live, recovering, waiting) =
+            (count(Summary::Live), count(Summary::Recovering), count(Summary::Waiting));
         crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
     }
 
@@ -352,7 +352,7 @@ impl Daemon {
 
     fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
         let dev = Device::create(&self.ctx, spec)?;
-        let id = dev.id;
+        let id = dev.id();
         self.devices.insert(id, dev);
         Ok(id)
     }
@@ -379,7 +379,7 @@ impl Daemon {
             self.control.pollfds(&mut fds);
             let control_fds = 1..fds.len();
             for dev in self.devices.values() {
-                for w in [&dev.worker, &dev.standby].into_iter().flatten() {
+                for w in [dev.worker(), dev.standby()].into_iter().flatten() {
                     fds.push(libc::pollfd {
                         fd: w.pidfd().as_raw_fd(),
                         events: libc::POLLIN,
@@ -387,7 +387,7 @@ impl Daemon {
                     });
                 }
                 // A starting standby answers (or hangs up) on its control socket.
-                if let Some(w) = &dev.starting {
+                if let Some(w) = dev.starting() {
                     fds.push(libc::pollfd {
                         fd: w.control().as_raw_fd(),
                         events: libc::POLLIN,
@@ -469,14 +469,10 @@ impl Daemon {
                 tracing::warn!(dev_id = id, "{how}; starting another");
                 dev.refill_standby(&self.ctx);
             }
-            let pid = dev.worker.as_ref().map(|w| w.pid());
-            let Some(how) = dev.worker_exited(woke) else { continue };
-            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{how}");
-            // The note says why a hung worker was killed; a worker failing I/O past the
-            // restart limit has the limit's note instead, which is no cause of death.
-            let note = dev.note.take().filter(|_| !dev.failing_io);
-            let reason = note.unwrap_or(how);
-            self.recover_within_budget(id, &reason);
+            let pid = dev.worker().map(|w| w.pid());
+            let Some(death) = dev.worker_exited(woke) else { continue };
+            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{}", death.how);
+            self.recover_within_budget(id, &death.reason());
         }
     }
 
@@ -492,22 +488,32 @@ impl Daemon {
             );
             let fix = format!("fix the cause, then run `ublkctl recover {id}`");
             let note = match rc.on_restart_limit {
-                OnRestartLimit::Quiesce => format!(
-                    "{limit}; the device waits QUIESCED (its I/O is held, not failed): {fix}"
-                ),
-                OnRestartLimit::FailIo => match dev.recover_failing_io(&self.ctx, reason) {
-                    Ok(_) => format!(
+                OnRestartLimit::Quiesce => {
+                    let note = format!(
+                        "{limit}; the device waits QUIESCED (its I/O is held, not failed): {fix}"
+                    );
+                    dev.wait_for_operator(note.clone());
+                    note
+                }
+                OnRestartLimit::FailIo => {
+                    let failing = format!(
                         "{limit}; every I/O fails with EIO (on_restart_limit = \"fail-io\"): \
                          {fix}"
-                    ),
-                    Err(e) => format!(
-                        "{limit}; failing its I/O did not work ({e}), so the device waits \
-                         QUIESCED (its I/O is held): {fix}"
-                    ),
-                },
+                    );
+                    match dev.recover_failing_io(&self.ctx, reason, failing.clone()) {
+                        Ok(_) => failing,
+                        Err(e) => {
+                            let note = format!(
+                                "{limit}; failing its I/O did not work ({e}), so the device \
+                                 waits QUIESCED (its I/O is held): {fix}"
+                            );
+                            dev.wait_for_operator(note.clone());
+                            note
+                        }
+                    }
+                }
             };
             tracing::error!(dev_id = id, event = "restart_limit", "{note}");
-            dev.note = Some(note);
             self.last_event = Some(format!("device {id} reached its restart limit"));
             return;
         }
@@ -542,7 +548,7 @@ impl Daemon {
             Err(e) => {
                 tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
                 if let Some(dev) = self.devices.get_mut(&id) {
-                    dev.note = Some(format!("recovery failed: {e} (after: {after})"));
+                    dev.wait_for_operator(format!("recovery failed: {e} (after: {after})"));
                 }
                 self.last_event = Some(format!("device {id}: recovery failed"));
             }
@@ -554,14 +560,14 @@ impl Daemon {
     fn handle_hangs(&mut self, timeout: Duration) {
         for (id, dev) in &mut self.devices {
             if let Some(reason) = dev.hung(timeout) {
-                let pid = dev.worker.as_ref().map(|w| w.pid());
+                let pid = dev.worker().map(|w| w.pid());
                 tracing::error!(
                     dev_id = id,
                     worker_pid = pid,
                     event = "worker_hung",
                     "{reason}; killing it"
                 );
-                dev.note = Some(reason);
+                dev.mark_hung(reason);
                 dev.kill_worker();
             }
         }
@@ -624,7 +630,7 @@ impl Daemon {
             let in_use = self
                 .devices
                 .values()
-                .any(|d| matches!(&d.spec.target, TargetSpec::Loop { file: f, .. } if f == file));
+                .any(|d| matches!(&d.spec().target, TargetSpec::Loop { file: f, .. } if f == file));
             if in_use {
                 return Err(format!("{} already backs another device", file.display()));
             }
@@ -650,7 +656,7 @@ impl Daemon {
             self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
         dev.reset_restarts();
         let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
-        if live && dev.worker.is_some() && !dev.failing_io {
+        if live && dev.state().has_worker() && !dev.state().failing_io() {
             return Ok(format!("device {id} is LIVE: nothing to recover"));
         }
         // The operator's recovery is timed from the command, not from a death that
@@ -664,7 +670,10 @@ impl Daemon {
                 "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
                  (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"
             )),
-            Err(e) => Err(format!("recover device {id}: {e}")),
+            Err(e) => {
+                dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
+                Err(format!("recover device {id}: {e}"))
+            }
         }
     }
 
@@ -702,24 +711,23 @@ impl Daemon {
         Some(DevStatus {
             id,
             state,
-            target: dev.spec.target.name().to_string(),
-            worker_pid: dev.worker.as_ref().map(|w| w.pid()),
-            standby_pid: dev.standby.as_ref().map(|w| w.pid()),
+            target: dev.spec().target.name().to_string(),
+            worker_pid: dev.worker().map(|w| w.pid()),
+            standby_pid: dev.standby().map(|w| w.pid()),
             sandbox: dev
-                .worker
-                .as_ref()
+                .worker()
                 .filter(|w| w.sandbox.is_some())
                 .and_then(|w| crate::inspect::sandbox_of(w.pid(), w.sandbox.as_ref())),
-            last_recovery_ms: dev.last_recovery_ms,
-            last_recovery_reason: dev.last_recovery_reason.clone(),
-            size_bytes: dev.spec.size_bytes,
-            queues: dev.spec.queues,
-            queue_depth: dev.spec.queue_depth,
-            threads: dev.spec.threads,
-            recoveries: dev.recoveries,
+            last_recovery_ms: dev.last_recovery_ms(),
+            last_recovery_reason: dev.last_recovery_reason().map(str::to_owned),
+            size_bytes: dev.spec().size_bytes,
+            queues: dev.spec().queues,
+            queue_depth: dev.spec().queue_depth,
+            threads: dev.spec().threads,
+            recoveries: dev.recoveries(),
             counters,
-            note: dev.note.clone(),
-            failing_io: dev.failing_io,
+            note: dev.state().note().map(str::to_owned),
+            failing_io: dev.state().failing_io(),
         })
     }
 }

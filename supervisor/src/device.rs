@@ -24,6 +24,7 @@ use ublkd_proto::uapi::{
     self, DevState, UblkParamBasic, UblkParamDiscard, UblkParams, UblksrvCtrlDevInfo,
 };
 
+use crate::device_state::{DeviceState, Release, StateKind, TransitionError};
 use crate::hang::{HangWatch, Verdict};
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
 use crate::worker::{Worker, WorkerError, WorkerIdentity, WorkerSandbox};
@@ -99,6 +100,8 @@ pub enum DeviceError {
     NeverStarted { id: u32 },
     #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
     ZeroCopyUnsupported,
+    #[error(transparent)]
+    Transition(#[from] TransitionError),
 }
 
 /// What every device operation needs from the daemon.
@@ -125,25 +128,29 @@ pub enum Recovery {
     Waiting,
 }
 
-/// A recovery waiting for the kernel to release the dead worker's `/dev/ublkcN`.
+/// How a device's active worker died.
 #[derive(Debug)]
-struct Releasing {
-    reason: String,
-    fail_io: bool,
-    /// When the death was seen (the stall counts from here).
-    seen: Instant,
-    started: Instant,
-    next_try: Instant,
-    delay: Duration,
-    /// Whether the slow release was logged.
-    warned: bool,
+pub struct WorkerDeath {
+    /// The exit, as the log says it (`worker PID killed by signal 9`).
+    pub how: String,
+    /// Why the worker was killed, if it was found hung.
+    pub hang: Option<String>,
+}
+
+impl WorkerDeath {
+    /// The recovery's reason: the hang that got the worker killed, else its exit.
+    pub fn reason(self) -> String {
+        self.hang.unwrap_or(self.how)
+    }
 }
 
 /// A device ublkd created (or adopted) and serves.
 #[derive(Debug)]
 pub struct Device {
-    pub id: u32,
-    pub spec: DeviceSpec,
+    id: u32,
+    spec: DeviceSpec,
+    /// Where the device stands; changed only through [`Self::transition`].
+    state: DeviceState,
     shm: ShmRegion,
     shm_fd: OwnedFd,
     /// The memory target's data file or the loop target's file, held so workers can
@@ -151,19 +158,17 @@ pub struct Device {
     target_fd: Option<OwnedFd>,
     /// Whether the loop file really is O_DIRECT (a filesystem may refuse it).
     direct: bool,
-    pub worker: Option<Worker>,
+    /// The active worker: present exactly in the states that have one
+    /// ([`DeviceState::has_worker`]).
+    worker: Option<Worker>,
     /// Set up and waiting, so a recovery does not wait for a process to start.
-    pub standby: Option<Worker>,
+    standby: Option<Worker>,
     /// A standby on its way: sent its setup, not yet standing by. The poll loop
     /// watches its control socket, so starting one never blocks the supervisor.
-    pub starting: Option<Worker>,
-    /// Why the device is not being served, when it is not.
-    pub note: Option<String>,
-    /// Served by a worker that fails every I/O (see [`Self::recover_failing_io`]).
-    pub failing_io: bool,
-    pub recoveries: u64,
-    pub last_recovery_ms: Option<u64>,
-    pub last_recovery_reason: Option<String>,
+    starting: Option<Worker>,
+    recoveries: u64,
+    last_recovery_ms: Option<u64>,
+    last_recovery_reason: Option<String>,
     /// When recent recoveries happened, for the restart budget.
     restarts: VecDeque<Instant>,
     /// When to start the next standby (set by a recovery).
@@ -174,8 +179,6 @@ pub struct Device {
     generation: u64,
     /// Since when the worker has said it waits for a slow backend (logged once).
     backend_wait: Option<Duration>,
-    /// A recovery waiting for the kernel's release of the old worker's file.
-    releasing: Option<Releasing>,
     /// When the active worker's death was seen (see [`Self::worker_exited`]): the next
     /// recovery counts its stall from here.
     death_seen: Option<Instant>,
@@ -228,7 +231,7 @@ impl Device {
         spec.id = Some(id);
         ctx.state.write_record(&DeviceRecord::new(id, &spec)).map_err(state_err)?;
         ctx.ctrl.set_params(id, &params(&spec))?;
-        let mut dev = Self::open(ctx, id, spec, true)?;
+        let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
         let standby = dev.ensure_standby(ctx)?;
         let (worker, activation) = dev.activate(standby)?;
         ctx.ctrl.start_dev(id, std::process::id() as i32)?;
@@ -241,13 +244,21 @@ impl Device {
             event = "live",
             "device LIVE"
         );
+        dev.transition(DeviceState::Live)?;
         dev.worker = Some(worker);
         dev.refill_standby(ctx);
         Ok(dev)
     }
 
-    /// The device's state from its record: region, target data.
-    fn open(ctx: &Context, id: u32, spec: DeviceSpec, fresh: bool) -> Result<Device, DeviceError> {
+    /// The device's state from its record: region, target data. A device `Starting`
+    /// gets a new region; an adopted one (`Recovering`) keeps its own if it is sound.
+    fn open(
+        ctx: &Context,
+        id: u32,
+        spec: DeviceSpec,
+        state: DeviceState,
+    ) -> Result<Device, DeviceError> {
+        let fresh = state == DeviceState::Starting;
         let state_err = |source| DeviceError::State { id, source };
         let geometry = Geometry {
             dev_id: id,
@@ -277,6 +288,7 @@ impl Device {
         Ok(Device {
             id,
             spec,
+            state,
             shm,
             shm_fd,
             target_fd,
@@ -284,8 +296,6 @@ impl Device {
             worker: None,
             standby: None,
             starting: None,
-            note: None,
-            failing_io: false,
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
@@ -295,7 +305,6 @@ impl Device {
             hang: HangWatch::new(id),
             generation,
             backend_wait: None,
-            releasing: None,
         })
     }
 
@@ -333,7 +342,7 @@ impl Device {
             // never served anything; the caller deletes it rather than leak its id.
             return Err(DeviceError::NeverStarted { id });
         }
-        let mut dev = Self::open(ctx, id, spec, false)?;
+        let mut dev = Self::open(ctx, id, spec, DeviceState::Recovering)?;
         dev.recover(ctx, "the supervisor restarted")?;
         Ok(dev)
     }
@@ -499,29 +508,43 @@ impl Device {
     /// the recovery. Done: the stall, from the worker's death being seen (or the call,
     /// if no death was) to LIVE.
     pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Recovery, DeviceError> {
-        self.recover_with(ctx, reason, false)
+        self.recover_with(ctx, reason, None)
     }
 
     /// Recovers the device with a worker that fails every request with EIO: what
     /// `on_restart_limit = "fail-io"` asks for once the restart budget is spent. The
     /// device stays (LIVE, failing fast) for `ublkctl recover`, which puts a real
-    /// worker back. Not counted as a recovery.
+    /// worker back. Not counted as a recovery. `cause` is what status says meanwhile
+    /// and after ([`DeviceState::FailingIo`]).
     pub fn recover_failing_io(
         &mut self,
         ctx: &Context,
         reason: &str,
+        cause: String,
     ) -> Result<Recovery, DeviceError> {
-        self.recover_with(ctx, reason, true)
+        self.recover_with(ctx, reason, Some(cause))
     }
 
     fn recover_with(
         &mut self,
         ctx: &Context,
         reason: &str,
-        fail_io: bool,
+        fail_io: Option<String>,
     ) -> Result<Recovery, DeviceError> {
         let started = Instant::now();
         let seen = self.death_seen.take().unwrap_or(started);
+        if self.state.kind() != StateKind::Recovering {
+            self.transition(DeviceState::Recovering)?;
+        }
+        self.transition(DeviceState::Releasing(Release {
+            reason: reason.to_string(),
+            fail_io,
+            seen,
+            started,
+            next_try: started,
+            delay: Duration::from_micros(200),
+            slow: None,
+        }))?;
         if let Some(mut old) = self.worker.take() {
             // A live worker (an operator's recover) must go first. Already killed:
             // waiting for it is bounded by the kill's grace, not a polite stop's.
@@ -529,21 +552,15 @@ impl Device {
             old.reap(Duration::ZERO);
             old.release_device();
         }
-        self.releasing = Some(Releasing {
-            reason: reason.to_string(),
-            fail_io,
-            seen,
-            started,
-            next_try: started,
-            delay: Duration::from_micros(200),
-            warned: false,
-        });
         self.continue_recovery(ctx, RELEASE_WAIT_INLINE)
     }
 
     /// When a recovery waiting for the kernel's release tries again, if one waits.
     pub fn release_due(&self) -> Option<Instant> {
-        self.releasing.as_ref().map(|r| r.next_try)
+        match &self.state {
+            DeviceState::Releasing(r) => Some(r.next_try),
+            _ => None,
+        }
     }
 
     /// Goes on with a recovery that waits for the kernel to release the dead worker's
@@ -552,14 +569,15 @@ impl Device {
     /// milliseconds, and a recovery's stall should not wait for the loop's next turn),
     /// then leaves the rest to the loop ([`Self::release_due`]), which is never held up
     /// by a release that takes long (a dead worker's write stuck in a slow backend).
-    /// The device's I/O is held meanwhile, for as long as it takes.
+    /// The device's I/O is held meanwhile, for as long as it takes. A recovery that
+    /// fails leaves the device `Recovering`, for the recovery policy to decide on.
     pub fn continue_recovery(
         &mut self,
         ctx: &Context,
         inline: Duration,
     ) -> Result<Recovery, DeviceError> {
         let id = self.id;
-        let Some(r) = self.releasing.as_mut() else { return Ok(Recovery::Waiting) };
+        let DeviceState::Releasing(r) = &mut self.state else { return Ok(Recovery::Waiting) };
         let inline_until = Instant::now() + inline;
         loop {
             match ctx.ctrl.start_user_recovery(id) {
@@ -567,15 +585,14 @@ impl Device {
                 Err(e) if e.errno() == Some(libc::EBUSY) => {
                     let now = Instant::now();
                     let waited = now.saturating_duration_since(r.started);
-                    if waited > RELEASE_SLOW && !r.warned {
-                        r.warned = true;
+                    if waited > RELEASE_SLOW && r.slow.is_none() {
                         let why = format!(
                             "waiting for the kernel to release /dev/ublkc{id} ({:.0} s so far: \
                              the dead worker's I/O has not ended); its I/O is held",
                             waited.as_secs_f64()
                         );
                         tracing::warn!(dev_id = id, event = "release_slow", "{why}");
-                        self.note = Some(why);
+                        r.slow = Some(why);
                     }
                     if now + r.delay > inline_until {
                         // The loop tries again, less and less often.
@@ -589,17 +606,18 @@ impl Device {
                     r.delay = (r.delay * 2).min(Duration::from_millis(4));
                 }
                 Err(e) => {
-                    self.releasing = None;
+                    self.enter(DeviceState::Recovering);
                     return Err(e.into());
                 }
             }
         }
-        let Releasing { reason, fail_io, seen, started, warned, .. } =
-            self.releasing.take().expect("checked above");
-        if warned {
-            self.note = None;
+        let (reason, fail_io, seen, started) =
+            (r.reason.clone(), r.fail_io.clone(), r.seen, r.started);
+        let finished = self.finish_recovery(ctx, &reason, fail_io, seen, started);
+        if finished.is_err() {
+            self.enter(DeviceState::Recovering);
         }
-        self.finish_recovery(ctx, &reason, fail_io, seen, started).map(Recovery::Done)
+        finished.map(Recovery::Done)
     }
 
     /// The rest of a recovery once the kernel has released the old worker's file.
@@ -607,13 +625,13 @@ impl Device {
         &mut self,
         ctx: &Context,
         reason: &str,
-        fail_io: bool,
+        fail_io: Option<String>,
         seen: Instant,
         started: Instant,
     ) -> Result<Duration, DeviceError> {
         let id = self.id;
         let released = started.elapsed();
-        let next = if fail_io {
+        let next = if fail_io.is_some() {
             let starting = self.spawn_worker(ctx, true)?;
             self.await_standby(starting, WORKER_TIMEOUT)?
         } else {
@@ -624,17 +642,16 @@ impl Device {
         ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
         let stall = seen.elapsed();
         let detect = started - seen;
-        self.failing_io = fail_io;
-        self.worker = Some(worker);
-        if fail_io {
+        if let Some(cause) = fail_io {
+            self.transition(DeviceState::FailingIo { cause })?;
+            self.worker = Some(worker);
             tracing::warn!(dev_id = id, "device LIVE, failing every I/O with EIO ({reason})");
             return Ok(stall);
         }
-        let worker = self.worker.as_ref().expect("just set");
+        self.transition(DeviceState::Live)?;
         self.recoveries += 1;
         self.last_recovery_ms = Some(stall.as_millis() as u64);
         self.last_recovery_reason = Some(reason.to_string());
-        self.note = None;
         tracing::info!(
             dev_id = id,
             worker_pid = worker.pid(),
@@ -652,6 +669,7 @@ impl Device {
             event = "recovered",
             "device recovered ({reason})"
         );
+        self.worker = Some(worker);
         // The next standby starts a little later, not while the requeued I/O is being
         // served: on a small machine it would compete with the new worker for CPU.
         self.standby_due = Some(Instant::now() + STANDBY_DELAY);
@@ -720,16 +738,94 @@ impl Device {
         &self.shm
     }
 
-    /// If the active worker exited, reaps it and says how; `seen` is when its death became
-    /// visible (its pidfd readable), from which the next recovery counts its stall.
-    pub fn worker_exited(&mut self, seen: Instant) -> Option<String> {
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The device's description, its zero copy and queue count as decided at creation.
+    pub fn spec(&self) -> &DeviceSpec {
+        &self.spec
+    }
+
+    pub fn state(&self) -> &DeviceState {
+        &self.state
+    }
+
+    /// The worker serving the device, if one does.
+    pub fn worker(&self) -> Option<&Worker> {
+        self.worker.as_ref()
+    }
+
+    /// The worker standing by for the next recovery, if one does.
+    pub fn standby(&self) -> Option<&Worker> {
+        self.standby.as_ref()
+    }
+
+    /// The standby on its way, if one is.
+    pub fn starting(&self) -> Option<&Worker> {
+        self.starting.as_ref()
+    }
+
+    /// How many times the device was recovered (fail-io workers not counted).
+    pub fn recoveries(&self) -> u64 {
+        self.recoveries
+    }
+
+    pub fn last_recovery_ms(&self) -> Option<u64> {
+        self.last_recovery_ms
+    }
+
+    pub fn last_recovery_reason(&self) -> Option<&str> {
+        self.last_recovery_reason.as_deref()
+    }
+
+    /// Moves the device to `to` if the state machine allows it
+    /// ([`crate::device_state::StateKind::may_become`]); a refusal leaves the state
+    /// as it is and is logged.
+    pub fn transition(&mut self, to: DeviceState) -> Result<(), TransitionError> {
+        match self.state.check(self.id, &to) {
+            Ok(()) => {
+                self.state = to;
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(dev_id = self.id, event = "illegal_transition", "{e}");
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Self::transition`] where a refusal needs nothing more than its log line.
+    fn enter(&mut self, to: DeviceState) {
+        let _refused_and_logged = self.transition(to);
+    }
+
+    /// Leaves the device QUIESCED, without a worker, until an operator recovers it.
+    pub fn wait_for_operator(&mut self, cause: String) {
+        self.enter(DeviceState::WaitingForOperator { cause });
+    }
+
+    /// Records why the active worker is about to be killed as hung.
+    pub fn mark_hung(&mut self, cause: String) {
+        self.enter(DeviceState::Hung { cause });
+    }
+
+    /// If the active worker exited, reaps it and says how, and leaves the device
+    /// `Recovering`; `seen` is when its death became visible (its pidfd readable), from
+    /// which the next recovery counts its stall.
+    pub fn worker_exited(&mut self, seen: Instant) -> Option<WorkerDeath> {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
         let pid = w.pid();
         w.release_device();
         self.worker = None;
         self.death_seen = Some(seen);
-        Some(format!("worker {pid} {how}"))
+        let hang = match &self.state {
+            DeviceState::Hung { cause } => Some(cause.clone()),
+            _ => None,
+        };
+        self.enter(DeviceState::Recovering);
+        Some(WorkerDeath { how: format!("worker {pid} {how}"), hang })
     }
 
     /// Forgets when the last worker's death was seen: the next recovery counts its
@@ -782,8 +878,8 @@ impl Device {
     }
 
     /// False while the worker holds I/O and none completes for longer than `limit` (the
-    /// loop counts such devices; the watchdog does not wait for them). Devices waiting
-    /// for an operator (no worker, a note saying why) and idle ones count as fine: they
+    /// loop counts such devices; the watchdog does not wait for them). Devices without a
+    /// worker (waiting for an operator or a release) and idle ones count as fine: they
     /// are not wedged, they are waiting.
     pub fn progressing(&self, limit: Duration) -> bool {
         self.worker.is_none() || self.hang.quiet_for() <= limit

@@ -5,6 +5,7 @@
 //! - [`daemon`]: the running supervisor: devices, the control socket, signals.
 //! - [`control`]: the `ublkctl` socket's connections, served without blocking the loop.
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
+//! - [`device_state`]: a device's state and the transitions allowed between states.
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod control;
 pub mod daemon;
 pub mod device;
+pub mod device_state;
 pub mod exit;
 pub mod features;
 pub mod hang;
