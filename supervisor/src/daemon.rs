@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use ublkd_config::{Config, DeviceSpec, OnRestartLimit, TargetSpec};
+use ublkd_config::{Config, DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
@@ -35,7 +35,7 @@ use crate::device_state::Summary;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
-use crate::{exit, features};
+use crate::{exit, features, recovery};
 
 /// Fatal errors of the daemon, each with its exit code.
 #[derive(Debug, thiserror::Error)]
@@ -431,7 +431,9 @@ impl Daemon {
             let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
             self.handle_deaths(woke, worker_events);
             self.continue_recoveries();
-            self.handle_hangs(hung_timeout);
+            for dev in self.devices.values_mut() {
+                recovery::kill_if_hung(dev, hung_timeout);
+            }
             let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
             self.notifier.watchdog(Instant::now(), hung);
             let status = self.summary();
@@ -455,9 +457,7 @@ impl Daemon {
     /// standbys that are due. `events`: whether the poll reported a ready fd (without
     /// one no worker died and no starting standby answered).
     fn handle_deaths(&mut self, woke: Instant, events: bool) {
-        let ids: Vec<u32> = self.devices.keys().copied().collect();
-        for id in ids {
-            let Some(dev) = self.devices.get_mut(&id) else { continue };
+        for (&id, dev) in &mut self.devices {
             if events {
                 dev.standby_progress();
             }
@@ -472,103 +472,18 @@ impl Daemon {
             let pid = dev.worker().map(|w| w.pid());
             let Some(death) = dev.worker_exited(woke) else { continue };
             tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{}", death.how);
-            self.recover_within_budget(id, &death.reason());
+            let rc = &self.config.recovery;
+            let event = recovery::after_death(dev, &self.ctx, rc, &death.reason(), &self.notifier);
+            self.last_event = Some(event);
         }
-    }
-
-    fn recover_within_budget(&mut self, id: u32, reason: &str) {
-        let rc = &self.config.recovery;
-        let Some(dev) = self.devices.get_mut(&id) else { return };
-        if !rc.automatic_recovery() || !dev.take_restart(rc.restart_max, rc.restart_window) {
-            let limit = format!(
-                "not recovered: {} recoveries within {} s reached the restart limit \
-                 (last cause: {reason})",
-                dev.recent_restarts(),
-                rc.restart_window.as_secs()
-            );
-            let fix = format!("fix the cause, then run `ublkctl recover {id}`");
-            let note = match rc.on_restart_limit {
-                OnRestartLimit::Quiesce => {
-                    let note = format!(
-                        "{limit}; the device waits QUIESCED (its I/O is held, not failed): {fix}"
-                    );
-                    dev.wait_for_operator(note.clone());
-                    note
-                }
-                OnRestartLimit::FailIo => {
-                    let failing = format!(
-                        "{limit}; every I/O fails with EIO (on_restart_limit = \"fail-io\"): \
-                         {fix}"
-                    );
-                    match dev.recover_failing_io(&self.ctx, reason, failing.clone()) {
-                        Ok(_) => failing,
-                        Err(e) => {
-                            let note = format!(
-                                "{limit}; failing its I/O did not work ({e}), so the device \
-                                 waits QUIESCED (its I/O is held): {fix}"
-                            );
-                            dev.wait_for_operator(note.clone());
-                            note
-                        }
-                    }
-                }
-            };
-            tracing::error!(dev_id = id, event = "restart_limit", "{note}");
-            self.last_event = Some(format!("device {id} reached its restart limit"));
-            return;
-        }
-        self.notifier.extend_timeout(Duration::from_secs(30));
-        let outcome = dev.recover(&self.ctx, reason);
-        self.recovery_outcome(id, outcome, reason);
     }
 
     /// Goes on with every recovery that waits for the kernel's release and is due.
     fn continue_recoveries(&mut self) {
         let now = Instant::now();
-        let due: Vec<u32> = (self.devices.iter())
-            .filter(|(_, d)| d.release_due().is_some_and(|t| t <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in due {
-            let Some(dev) = self.devices.get_mut(&id) else { continue };
-            let outcome = dev.continue_recovery(&self.ctx, Duration::ZERO);
-            self.recovery_outcome(id, outcome, "the recovery waiting for the release");
-        }
-    }
-
-    fn recovery_outcome(&mut self, id: u32, outcome: Result<Recovery, DeviceError>, after: &str) {
-        match outcome {
-            Ok(Recovery::Done(stall)) => {
-                self.last_event =
-                    Some(format!("device {id} recovered in {} ms", stall.as_millis()));
-            }
-            Ok(Recovery::Waiting) => {
-                self.last_event = Some(format!("device {id} waits for the kernel to release it"));
-            }
-            Err(e) => {
-                tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
-                if let Some(dev) = self.devices.get_mut(&id) {
-                    dev.wait_for_operator(format!("recovery failed: {e} (after: {after})"));
-                }
-                self.last_event = Some(format!("device {id}: recovery failed"));
-            }
-        }
-    }
-
-    /// Kills workers that hold I/O and make no progress; their death is then handled
-    /// like any other.
-    fn handle_hangs(&mut self, timeout: Duration) {
-        for (id, dev) in &mut self.devices {
-            if let Some(reason) = dev.hung(timeout) {
-                let pid = dev.worker().map(|w| w.pid());
-                tracing::error!(
-                    dev_id = id,
-                    worker_pid = pid,
-                    event = "worker_hung",
-                    "{reason}; killing it"
-                );
-                dev.mark_hung(reason);
-                dev.kill_worker();
+        for dev in self.devices.values_mut() {
+            if let Some(event) = recovery::continue_if_due(dev, &self.ctx, now) {
+                self.last_event = Some(event);
             }
         }
     }
@@ -654,7 +569,7 @@ impl Daemon {
         let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
         let dev =
             self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
-        dev.reset_restarts();
+        dev.restart_budget_mut().reset();
         let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
         if live && dev.state().has_worker() && !dev.state().failing_io() {
             return Ok(format!("device {id} is LIVE: nothing to recover"));

@@ -8,7 +8,6 @@
 //! Because the supervisor is the opener, the kernel records the supervisor's pid as the
 //! device's server, and START_DEV / END_USER_RECOVERY carry that pid.
 
-use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -25,7 +24,8 @@ use ublkd_proto::uapi::{
 };
 
 use crate::device_state::{DeviceState, Release, StateKind, TransitionError};
-use crate::hang::{HangWatch, Verdict};
+use crate::hang::HangWatch;
+use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
 use crate::worker::{Worker, WorkerError, WorkerIdentity, WorkerSandbox};
 
@@ -74,10 +74,6 @@ const RELEASE_WAIT_INLINE: Duration = Duration::from_millis(250);
 /// A release that has taken this long is logged and shown in status (and still
 /// waited for).
 const RELEASE_SLOW: Duration = Duration::from_secs(15);
-/// How long after a recovery the next standby worker starts.
-const STANDBY_DELAY: Duration = Duration::from_millis(300);
-/// After a standby failed to start, the next try waits this long (no tight loop).
-const STANDBY_RETRY: Duration = Duration::from_secs(2);
 
 /// Errors in a device's lifecycle. Each names the device.
 #[derive(Debug, thiserror::Error)]
@@ -169,16 +165,13 @@ pub struct Device {
     recoveries: u64,
     last_recovery_ms: Option<u64>,
     last_recovery_reason: Option<String>,
-    /// When recent recoveries happened, for the restart budget.
-    restarts: VecDeque<Instant>,
-    /// When to start the next standby (set by a recovery).
-    standby_due: Option<Instant>,
+    restart_budget: RestartBudget,
+    standby_schedule: StandbySchedule,
     hang: HangWatch,
+    hang_policy: HangPolicy,
     /// The worker incarnation the region is prepared for: the supervisor's own count,
     /// never read back from the region (a worker can write anything there).
     generation: u64,
-    /// Since when the worker has said it waits for a slow backend (logged once).
-    backend_wait: Option<Duration>,
     /// When the active worker's death was seen (see [`Self::worker_exited`]): the next
     /// recovery counts its stall from here.
     death_seen: Option<Instant>,
@@ -299,12 +292,12 @@ impl Device {
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
-            restarts: VecDeque::new(),
-            standby_due: None,
+            restart_budget: RestartBudget::default(),
+            standby_schedule: StandbySchedule::default(),
             death_seen: None,
             hang: HangWatch::new(id),
+            hang_policy: HangPolicy::default(),
             generation,
-            backend_wait: None,
         })
     }
 
@@ -454,7 +447,7 @@ impl Device {
             Ok(worker) => self.starting = Some(worker),
             Err(e) => {
                 tracing::warn!(dev_id = self.id, "no standby worker: {e}");
-                self.standby_due = Some(Instant::now() + STANDBY_RETRY);
+                self.standby_schedule.after_failure();
             }
         }
     }
@@ -473,7 +466,7 @@ impl Device {
             }
             Err(e) => {
                 tracing::warn!(dev_id = self.id, "no standby worker: {e}");
-                self.standby_due = Some(Instant::now() + STANDBY_RETRY);
+                self.standby_schedule.after_failure();
             }
         }
     }
@@ -498,7 +491,7 @@ impl Device {
             }
         };
         self.hang.reset(&self.shm);
-        self.backend_wait = None;
+        self.hang_policy.reset();
         Ok((worker, activation))
     }
 
@@ -670,47 +663,25 @@ impl Device {
             "device recovered ({reason})"
         );
         self.worker = Some(worker);
-        // The next standby starts a little later, not while the requeued I/O is being
-        // served: on a small machine it would compete with the new worker for CPU.
-        self.standby_due = Some(Instant::now() + STANDBY_DELAY);
+        self.standby_schedule.after_recovery();
         Ok(stall)
     }
 
     /// When the next standby is due to start, if one waits.
     pub fn standby_due(&self) -> Option<Instant> {
-        self.standby_due
+        self.standby_schedule.due()
     }
 
     /// Starts the standby a recovery left for later, once it is due.
     pub fn refill_standby_if_due(&mut self, ctx: &Context) {
-        if self.standby_due.is_some_and(|due| Instant::now() >= due) {
-            self.standby_due = None;
+        if self.standby_schedule.take_due(Instant::now()) {
             self.refill_standby(ctx);
         }
     }
 
-    /// Records a recovery attempt against the budget of `max` in `window`; false when
-    /// the budget is spent.
-    pub fn take_restart(&mut self, max: u32, window: Duration) -> bool {
-        let now = Instant::now();
-        while self.restarts.front().is_some_and(|t| now.duration_since(*t) > window) {
-            self.restarts.pop_front();
-        }
-        if self.restarts.len() >= max as usize {
-            return false;
-        }
-        self.restarts.push_back(now);
-        true
-    }
-
-    /// Forgets past recoveries (an operator fixed the cause).
-    pub fn reset_restarts(&mut self) {
-        self.restarts.clear();
-    }
-
-    /// How many recoveries the budget holds now.
-    pub fn recent_restarts(&self) -> usize {
-        self.restarts.len()
+    /// The device's recent recoveries, for the recovery policy.
+    pub fn restart_budget_mut(&mut self) -> &mut RestartBudget {
+        &mut self.restart_budget
     }
 
     /// Stops and deletes the device: STOP_DEV, the workers' exit, DEL_DEV (which waits
@@ -843,38 +814,12 @@ impl Device {
         Some(format!("standby worker {pid} {how}"))
     }
 
-    /// Why the worker is hung, if it is (see [`crate::hang`]). A worker waiting for a
-    /// slow backend is not hung: that is logged once per wait, not acted on.
+    /// Why the worker is hung, if it is (see [`crate::hang`] and
+    /// [`crate::recovery::HangPolicy`]).
     pub fn hung(&mut self, timeout: Duration) -> Option<String> {
         let pid = self.worker.as_ref()?.pid();
-        match self.hang.check(&self.shm, pid, timeout) {
-            Verdict::Hung(why) => Some(why),
-            Verdict::Backend(quiet) => {
-                if self.backend_wait.is_none() {
-                    tracing::warn!(
-                        dev_id = self.id,
-                        worker_pid = pid,
-                        event = "backend_slow",
-                        "no I/O completed for {:.1} s: the worker waits for its backend \
-                         (not hung; it is not replaced)",
-                        quiet.as_secs_f64()
-                    );
-                }
-                self.backend_wait = Some(quiet);
-                None
-            }
-            Verdict::Fine => {
-                if let Some(quiet) = self.backend_wait.take() {
-                    tracing::info!(
-                        dev_id = self.id,
-                        event = "backend_progress",
-                        "the backend completed I/O again after {:.1} s",
-                        quiet.as_secs_f64()
-                    );
-                }
-                None
-            }
-        }
+        let verdict = self.hang.check(&self.shm, pid, timeout);
+        self.hang_policy.judge(self.id, pid, verdict)
     }
 
     /// False while the worker holds I/O and none completes for longer than `limit` (the

@@ -10,6 +10,7 @@
 //! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
+//! - [`recovery`]: recovery policy: the restart budget, hang verdicts, standby timing.
 //! - [`logging`]: the log, to the journal under systemd, else to stderr.
 //! - [`render`]: `ublkctl`'s output formats.
 //! - [`systemd`]: readiness, status, reload and watchdog notifications.
@@ -26,6 +27,7 @@ pub mod features;
 pub mod hang;
 pub mod inspect;
 pub mod logging;
+pub mod recovery;
 pub mod render;
 pub mod state;
 pub mod systemd;
