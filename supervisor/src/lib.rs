@@ -6,6 +6,7 @@
 //! - [`control`]: the `ublkctl` socket's connections, served without blocking the loop.
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
 //! - [`device_state`]: a device's state and the transitions allowed between states.
+//! - [`target`]: a device's flags, kernel parameters and target files.
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
@@ -31,6 +32,7 @@ pub mod recovery;
 pub mod render;
 pub mod state;
 pub mod systemd;
+pub mod target;
 pub mod worker;
 pub mod worker_log;
 
