@@ -10,7 +10,9 @@
 //!
 //! A worker's death starts a recovery at once, within the device's restart budget;
 //! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
-//! status` says why until an operator runs `ublkctl recover`.
+//! status` says why until an operator runs `ublkctl recover`. That policy is
+//! [`crate::recovery`]'s; the requests of `ublkctl` are answered in `handlers`, and
+//! SIGHUP's config reload is `reload`.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -283,7 +285,7 @@ impl Daemon {
             let hung_timeout = self.config.recovery.hung_timeout;
             // Heartbeats are compared four times per timeout: a hang is seen within 1.25
             // timeouts. No more often: an idle device's tick is the only thing that wakes
-            // ublkd, and under emulation each wake-up costs milliseconds of CPU. The
+            // ublkd, and each wake-up costs CPU (much of it on an emulated machine). The
             // watchdog, a due standby, a recovery waiting for the kernel's release and a
             // control connection's deadline shorten it.
             let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));

@@ -7,6 +7,12 @@
 //! copy at once: any copy it kept would keep the kernel from ever starting a recovery.
 //! Because the supervisor is the opener, the kernel records the supervisor's pid as the
 //! device's server, and START_DEV / END_USER_RECOVERY carry that pid.
+//!
+//! This module creates, adopts and deletes devices and keeps their state
+//! ([`crate::device_state`]); `workers` starts and activates their workers,
+//! `user_recovery` replaces a worker through the kernel's user recovery, and
+//! [`crate::target`] sets up what the workers are given. When to recover is
+//! [`crate::recovery`]'s decision.
 
 mod user_recovery;
 mod workers;
