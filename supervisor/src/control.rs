@@ -82,11 +82,6 @@ impl ControlServer {
         Ok(ControlServer { listener, conns: Vec::new(), next_token: 0 })
     }
 
-    /// How many pollfds [`Self::pollfds`] adds.
-    pub fn poll_count(&self) -> usize {
-        1 + self.conns.len()
-    }
-
     /// Appends the listener's and every connection's pollfd, in the order
     /// [`Self::service`] expects them back.
     pub fn pollfds(&self, fds: &mut Vec<libc::pollfd>) {
@@ -306,8 +301,7 @@ fn peer_allowed(stream: &UnixStream) -> Result<(), String> {
     let cred =
         nix::sys::socket::getsockopt(&stream.as_fd(), nix::sys::socket::sockopt::PeerCredentials)
             .map_err(|e| format!("cannot read the client's credentials: {e}"))?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     if cred.uid() == 0 || cred.uid() == me {
         Ok(())
     } else {

@@ -10,7 +10,9 @@
 //!
 //! A worker's death starts a recovery at once, within the device's restart budget;
 //! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
-//! status` says why until an operator runs `ublkctl recover`.
+//! status` says why until an operator runs `ublkctl recover`. That policy is
+//! [`crate::recovery`]'s; the requests of `ublkctl` are answered in `handlers`, and
+//! SIGHUP's config reload is `reload`.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -22,19 +24,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use ublkd_config::{Config, DeviceSpec, OnRestartLimit, TargetSpec};
+use ublkd_config::{Config, DeviceSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{
-    AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
-};
-use ublkd_proto::uapi::DevState;
+
+mod handlers;
+mod reload;
+
+use handlers::describe_spec;
+pub use handlers::spec_from_request;
 
 use crate::control::ControlServer;
-use crate::device::{Context, Device, DeviceError, Recovery};
+use crate::device::{Context, Device, DeviceError};
+use crate::device_state::Summary;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
-use crate::{exit, features};
+use crate::{exit, features, recovery};
 
 /// Fatal errors of the daemon, each with its exit code.
 #[derive(Debug, thiserror::Error)]
@@ -223,7 +228,8 @@ impl Daemon {
     /// the same id if the config gives one) is not created again.
     pub fn create_configured(&mut self) -> usize {
         let mut failed = 0;
-        let mut adopted: Vec<DeviceSpec> = self.devices.values().map(|d| d.spec.clone()).collect();
+        let mut adopted: Vec<DeviceSpec> =
+            self.devices.values().map(|d| d.spec().clone()).collect();
         for spec in self.config.devices.clone() {
             let same = |a: &DeviceSpec| {
                 let mut a = a.clone();
@@ -243,9 +249,9 @@ impl Daemon {
             match self.add(&spec) {
                 Ok(id) => self.configured.push((spec.clone(), id)),
                 Err(e) => {
-                    tracing::error!("configured device {}: {e}", describe(&spec));
+                    tracing::error!("configured device {}: {e}", describe_spec(&spec));
                     self.last_event =
-                        Some(format!("configured device {} failed: {e}", describe(&spec)));
+                        Some(format!("configured device {} failed: {e}", describe_spec(&spec)));
                     failed += 1;
                 }
             }
@@ -260,99 +266,15 @@ impl Daemon {
     }
 
     fn summary(&self) -> String {
-        let waiting =
-            self.devices.values().filter(|d| d.worker.is_none() && d.note.is_some()).count();
-        let recovering =
-            self.devices.values().filter(|d| d.worker.is_none() && d.note.is_none()).count();
-        let live = self.devices.len() - waiting - recovering;
+        let count = |s| self.devices.values().filter(|d| d.state().summary() == s).count();
+        let (live, recovering, waiting) =
+            (count(Summary::Live), count(Summary::Recovering), count(Summary::Waiting));
         crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
-    }
-
-    /// SIGHUP: re-reads the config file. Devices added to it are created, devices removed
-    /// from it deleted; a changed device or daemon setting is reported as needing a
-    /// restart. A config with errors is rejected whole and nothing changes.
-    fn reload(&mut self) {
-        self.notifier.reloading();
-        let outcome = match &self.config_path {
-            None => "reload: ublkd runs on built-in defaults, without a config file".to_string(),
-            Some(path) => match Config::load(path) {
-                Err(e) => {
-                    let msg =
-                        format!("reload rejected, nothing changed: {}", crate::error_chain(&e));
-                    tracing::error!(event = "reload_rejected", "{msg}");
-                    msg
-                }
-                Ok(new) => {
-                    let msg = self.apply_config(new);
-                    tracing::info!(event = "reloaded", "{msg}");
-                    msg
-                }
-            },
-        };
-        self.last_event = Some(outcome);
-        let status = self.summary();
-        self.notifier.ready(&status);
-    }
-
-    fn apply_config(&mut self, new: Config) -> String {
-        let mut restart_needed = Vec::new();
-        if new.daemon != self.config.daemon {
-            restart_needed.push("[daemon] settings".to_string());
-        }
-        let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
-        let mut added = 0;
-        let mut removed = 0;
-        // Removed (or changed) devices.
-        for (spec, id) in std::mem::take(&mut self.configured) {
-            if new.devices.contains(&spec) {
-                self.configured.push((spec, id));
-                continue;
-            }
-            let changed = spec.id.is_some() && new.devices.iter().any(|d| d.id == spec.id);
-            if changed {
-                restart_needed.push(format!("device {id}"));
-                self.configured.push((spec, id));
-                continue;
-            }
-            if let Some(dev) = self.devices.remove(&id) {
-                match dev.destroy(&self.ctx) {
-                    Ok(()) => removed += 1,
-                    Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
-                }
-            }
-        }
-        // New devices.
-        for spec in &new.devices {
-            if old_specs.contains(spec) || spec.id.is_some_and(|id| self.devices.contains_key(&id))
-            {
-                continue;
-            }
-            match self.add(spec) {
-                Ok(id) => {
-                    self.configured.push((spec.clone(), id));
-                    added += 1;
-                }
-                Err(e) => tracing::error!("reload: configured device {}: {e}", describe(spec)),
-            }
-        }
-        let daemon = self.config.daemon.clone();
-        self.ctx.fast_release = new.recovery.fast_release;
-        self.config = new;
-        // Socket, state dir and worker settings only change with a restart.
-        self.config.daemon = daemon;
-        let mut msg = format!("reloaded: {added} device(s) added, {removed} deleted");
-        if !restart_needed.is_empty() {
-            msg.push_str(&format!(
-                "; changed, applied at the next restart: {}",
-                restart_needed.join(", ")
-            ));
-        }
-        msg
     }
 
     fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
         let dev = Device::create(&self.ctx, spec)?;
-        let id = dev.id;
+        let id = dev.id();
         self.devices.insert(id, dev);
         Ok(id)
     }
@@ -363,7 +285,7 @@ impl Daemon {
             let hung_timeout = self.config.recovery.hung_timeout;
             // Heartbeats are compared four times per timeout: a hang is seen within 1.25
             // timeouts. No more often: an idle device's tick is the only thing that wakes
-            // ublkd, and under emulation each wake-up costs milliseconds of CPU. The
+            // ublkd, and each wake-up costs CPU (much of it on an emulated machine). The
             // watchdog, a due standby, a recovery waiting for the kernel's release and a
             // control connection's deadline shorten it.
             let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));
@@ -379,7 +301,7 @@ impl Daemon {
             self.control.pollfds(&mut fds);
             let control_fds = 1..fds.len();
             for dev in self.devices.values() {
-                for w in [&dev.worker, &dev.standby].into_iter().flatten() {
+                for w in [dev.worker(), dev.standby()].into_iter().flatten() {
                     fds.push(libc::pollfd {
                         fd: w.pidfd().as_raw_fd(),
                         events: libc::POLLIN,
@@ -387,7 +309,7 @@ impl Daemon {
                     });
                 }
                 // A starting standby answers (or hangs up) on its control socket.
-                if let Some(w) = &dev.starting {
+                if let Some(w) = dev.starting() {
                     fds.push(libc::pollfd {
                         fd: w.control().as_raw_fd(),
                         events: libc::POLLIN,
@@ -431,7 +353,9 @@ impl Daemon {
             let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
             self.handle_deaths(woke, worker_events);
             self.continue_recoveries();
-            self.handle_hangs(hung_timeout);
+            for dev in self.devices.values_mut() {
+                recovery::kill_if_hung(dev, hung_timeout);
+            }
             let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
             self.notifier.watchdog(Instant::now(), hung);
             let status = self.summary();
@@ -455,9 +379,7 @@ impl Daemon {
     /// standbys that are due. `events`: whether the poll reported a ready fd (without
     /// one no worker died and no starting standby answered).
     fn handle_deaths(&mut self, woke: Instant, events: bool) {
-        let ids: Vec<u32> = self.devices.keys().copied().collect();
-        for id in ids {
-            let Some(dev) = self.devices.get_mut(&id) else { continue };
+        for (&id, dev) in &mut self.devices {
             if events {
                 dev.standby_progress();
             }
@@ -469,100 +391,21 @@ impl Daemon {
                 tracing::warn!(dev_id = id, "{how}; starting another");
                 dev.refill_standby(&self.ctx);
             }
-            let pid = dev.worker.as_ref().map(|w| w.pid());
-            let Some(how) = dev.worker_exited(woke) else { continue };
-            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{how}");
-            // The note says why a hung worker was killed; a worker failing I/O past the
-            // restart limit has the limit's note instead, which is no cause of death.
-            let note = dev.note.take().filter(|_| !dev.failing_io);
-            let reason = note.unwrap_or(how);
-            self.recover_within_budget(id, &reason);
+            let pid = dev.worker().map(|w| w.pid());
+            let Some(death) = dev.worker_exited(woke) else { continue };
+            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{}", death.how);
+            let rc = &self.config.recovery;
+            let event = recovery::after_death(dev, &self.ctx, rc, &death.reason(), &self.notifier);
+            self.last_event = Some(event);
         }
-    }
-
-    fn recover_within_budget(&mut self, id: u32, reason: &str) {
-        let rc = &self.config.recovery;
-        let Some(dev) = self.devices.get_mut(&id) else { return };
-        if !rc.automatic_recovery() || !dev.take_restart(rc.restart_max, rc.restart_window) {
-            let limit = format!(
-                "not recovered: {} recoveries within {} s reached the restart limit \
-                 (last cause: {reason})",
-                dev.recent_restarts(),
-                rc.restart_window.as_secs()
-            );
-            let fix = format!("fix the cause, then run `ublkctl recover {id}`");
-            let note = match rc.on_restart_limit {
-                OnRestartLimit::Quiesce => format!(
-                    "{limit}; the device waits QUIESCED (its I/O is held, not failed): {fix}"
-                ),
-                OnRestartLimit::FailIo => match dev.recover_failing_io(&self.ctx, reason) {
-                    Ok(_) => format!(
-                        "{limit}; every I/O fails with EIO (on_restart_limit = \"fail-io\"): \
-                         {fix}"
-                    ),
-                    Err(e) => format!(
-                        "{limit}; failing its I/O did not work ({e}), so the device waits \
-                         QUIESCED (its I/O is held): {fix}"
-                    ),
-                },
-            };
-            tracing::error!(dev_id = id, event = "restart_limit", "{note}");
-            dev.note = Some(note);
-            self.last_event = Some(format!("device {id} reached its restart limit"));
-            return;
-        }
-        self.notifier.extend_timeout(Duration::from_secs(30));
-        let outcome = dev.recover(&self.ctx, reason);
-        self.recovery_outcome(id, outcome, reason);
     }
 
     /// Goes on with every recovery that waits for the kernel's release and is due.
     fn continue_recoveries(&mut self) {
         let now = Instant::now();
-        let due: Vec<u32> = (self.devices.iter())
-            .filter(|(_, d)| d.release_due().is_some_and(|t| t <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in due {
-            let Some(dev) = self.devices.get_mut(&id) else { continue };
-            let outcome = dev.continue_recovery(&self.ctx, Duration::ZERO);
-            self.recovery_outcome(id, outcome, "the recovery waiting for the release");
-        }
-    }
-
-    fn recovery_outcome(&mut self, id: u32, outcome: Result<Recovery, DeviceError>, after: &str) {
-        match outcome {
-            Ok(Recovery::Done(stall)) => {
-                self.last_event =
-                    Some(format!("device {id} recovered in {} ms", stall.as_millis()));
-            }
-            Ok(Recovery::Waiting) => {
-                self.last_event = Some(format!("device {id} waits for the kernel to release it"));
-            }
-            Err(e) => {
-                tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
-                if let Some(dev) = self.devices.get_mut(&id) {
-                    dev.note = Some(format!("recovery failed: {e} (after: {after})"));
-                }
-                self.last_event = Some(format!("device {id}: recovery failed"));
-            }
-        }
-    }
-
-    /// Kills workers that hold I/O and make no progress; their death is then handled
-    /// like any other.
-    fn handle_hangs(&mut self, timeout: Duration) {
-        for (id, dev) in &mut self.devices {
-            if let Some(reason) = dev.hung(timeout) {
-                let pid = dev.worker.as_ref().map(|w| w.pid());
-                tracing::error!(
-                    dev_id = id,
-                    worker_pid = pid,
-                    event = "worker_hung",
-                    "{reason}; killing it"
-                );
-                dev.note = Some(reason);
-                dev.kill_worker();
+        for dev in self.devices.values_mut() {
+            if let Some(event) = recovery::continue_if_due(dev, &self.ctx, now) {
+                self.last_event = Some(event);
             }
         }
     }
@@ -577,150 +420,6 @@ impl Daemon {
             }
         }
         ids
-    }
-
-    fn handle(&mut self, req: CtlRequest) -> CtlResponse {
-        let result = match req {
-            CtlRequest::Add(add) => self.handle_add(&add).map(|id| CtlResponse::Added { id }),
-            CtlRequest::Del { id } => self.handle_del(id).map(|ids| CtlResponse::Deleted { ids }),
-            CtlRequest::List { id } => self.selected(id).map(|ids| {
-                CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
-            }),
-            CtlRequest::Status { id } => self.selected(id).map(|ids| {
-                CtlResponse::Status(ids.iter().filter_map(|id| self.status(*id)).collect())
-            }),
-            CtlRequest::Recover { id } => {
-                self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
-            }
-        };
-        result.unwrap_or_else(|message| CtlResponse::Error { message })
-    }
-
-    fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
-        match id {
-            None => Ok(self.devices.keys().copied().collect()),
-            Some(id) if self.devices.contains_key(&id) => Ok(vec![id]),
-            Some(id) => Err(self.unknown(id)),
-        }
-    }
-
-    fn unknown(&self, id: u32) -> String {
-        let ids: Vec<String> = self.devices.keys().map(u32::to_string).collect();
-        if ids.is_empty() {
-            format!("no device {id}: ublkd serves no devices")
-        } else {
-            format!("no device {id}: ublkd serves {}", ids.join(", "))
-        }
-    }
-
-    fn handle_add(&mut self, add: &AddRequest) -> Result<u32, String> {
-        let spec = spec_from_request(add, &self.config.defaults)?;
-        if let Some(id) = spec.id
-            && self.devices.contains_key(&id)
-        {
-            return Err(format!("device {id} already exists"));
-        }
-        if let TargetSpec::Loop { file, .. } = &spec.target {
-            let in_use = self
-                .devices
-                .values()
-                .any(|d| matches!(&d.spec.target, TargetSpec::Loop { file: f, .. } if f == file));
-            if in_use {
-                return Err(format!("{} already backs another device", file.display()));
-            }
-        }
-        self.add(&spec).map_err(|e| e.to_string())
-    }
-
-    fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {
-        match id {
-            None => Ok(self.delete_all()),
-            Some(id) => {
-                let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
-                dev.destroy(&self.ctx).map_err(|e| e.to_string())?;
-                Ok(vec![id])
-            }
-        }
-    }
-
-    /// `ublkctl recover`: recovers the device now and resets its restart budget.
-    fn handle_recover(&mut self, id: u32) -> Result<String, String> {
-        let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
-        let dev =
-            self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
-        dev.reset_restarts();
-        let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
-        if live && dev.worker.is_some() && !dev.failing_io {
-            return Ok(format!("device {id} is LIVE: nothing to recover"));
-        }
-        // The operator's recovery is timed from the command, not from a death that
-        // the restart limit left waiting.
-        dev.forget_death();
-        match dev.recover(&self.ctx, "ublkctl recover") {
-            Ok(Recovery::Done(stall)) => {
-                Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
-            }
-            Ok(Recovery::Waiting) => Ok(format!(
-                "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
-                 (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"
-            )),
-            Err(e) => Err(format!("recover device {id}: {e}")),
-        }
-    }
-
-    fn listing(&self, id: u32) -> Option<DevListing> {
-        self.devices.contains_key(&id).then_some(())?;
-        let info = self.ctx.ctrl.get_dev_info(id).ok()?;
-        let params = self.ctx.ctrl.get_params(id).ok()?;
-        Some(DevListing {
-            id,
-            nr_hw_queues: info.nr_hw_queues,
-            queue_depth: info.queue_depth,
-            block_size: 1 << params.basic.logical_bs_shift.min(31),
-            dev_capacity: params.basic.dev_sectors,
-            max_rq_size: info.max_io_buf_bytes,
-            daemon_pid: info.ublksrv_pid,
-            flags: info.flags,
-            state: DevState::from_raw(info.state).to_string(),
-        })
-    }
-
-    fn status(&self, id: u32) -> Option<DevStatus> {
-        let dev = self.devices.get(&id)?;
-        let state = match self.ctx.ctrl.get_dev_info(id) {
-            Ok(info) => DevState::from_raw(info.state).to_string(),
-            Err(e) => format!("UNKNOWN ({e})"),
-        };
-        // The region is validated before anything in it is believed.
-        let counters = match dev.shm().validate() {
-            Ok(()) => dev.shm().counters().snapshot(),
-            Err(e) => {
-                tracing::warn!(dev_id = id, "shared region failed validation: {e}");
-                Default::default()
-            }
-        };
-        Some(DevStatus {
-            id,
-            state,
-            target: dev.spec.target.name().to_string(),
-            worker_pid: dev.worker.as_ref().map(|w| w.pid()),
-            standby_pid: dev.standby.as_ref().map(|w| w.pid()),
-            sandbox: dev
-                .worker
-                .as_ref()
-                .filter(|w| w.sandbox.is_some())
-                .and_then(|w| crate::inspect::sandbox_of(w.pid(), w.sandbox.as_ref())),
-            last_recovery_ms: dev.last_recovery_ms,
-            last_recovery_reason: dev.last_recovery_reason.clone(),
-            size_bytes: dev.spec.size_bytes,
-            queues: dev.spec.queues,
-            queue_depth: dev.spec.queue_depth,
-            threads: dev.spec.threads,
-            recoveries: dev.recoveries,
-            counters,
-            note: dev.note.clone(),
-            failing_io: dev.failing_io,
-        })
     }
 }
 
@@ -752,85 +451,6 @@ fn worker_identity(configured: Option<&str>) -> Result<WorkerIdentity, DaemonErr
 /// The dedicated user of sandboxed workers, created by the package.
 pub const DEFAULT_WORKER_USER: &str = "ublkd-worker";
 
-/// A device spec from `ublkctl add`, with the daemon's defaults, validated like the
-/// config file's devices. Errors name the command-line flag.
-pub fn spec_from_request(
-    add: &AddRequest,
-    defaults: &ublkd_config::DeviceDefaults,
-) -> Result<DeviceSpec, String> {
-    let target = match add.target {
-        TargetKind::Null => TargetSpec::Null,
-        TargetKind::Memory => TargetSpec::Memory,
-        TargetKind::Loop => {
-            let file = add.file.clone().ok_or("a loop device needs a backing file (-f FILE)")?;
-            TargetSpec::Loop { file, direct: true, zero_copy: add.zero_copy }
-        }
-    };
-    if add.file.is_some() && add.target != TargetKind::Loop {
-        return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
-    }
-    if let Some(on) = add.zero_copy
-        && add.target != TargetKind::Loop
-    {
-        return Err(format!(
-            "{} is only for loop devices (the {} target copies no data from a file)",
-            if on { "--zero-copy" } else { "--copy" },
-            add.target.name()
-        ));
-    }
-    let block_size = defaults.block_size;
-    let size_bytes = match (add.size, &target) {
-        (Some(size), _) => size,
-        (None, TargetSpec::Loop { file, .. }) => {
-            DeviceSpec::loop_size_from_file(file, block_size).map_err(|e| flag_error(&e))?
-        }
-        (None, _) => {
-            return Err(format!(
-                "a {} device needs a size (-s SIZE, e.g. -s 1G)",
-                add.target.name()
-            ));
-        }
-    };
-    let spec = DeviceSpec {
-        id: add.id,
-        target,
-        size_bytes,
-        queues: add.queues.unwrap_or(defaults.queues),
-        queue_depth: add.queue_depth.unwrap_or(defaults.queue_depth),
-        block_size,
-        threads: add.threads.unwrap_or(defaults.threads),
-        sandbox: add.sandbox.unwrap_or(defaults.sandbox),
-        sandbox_optional: add
-            .sandbox_optional
-            .as_deref()
-            .map_or(defaults.sandbox_optional, LayerSet::of),
-    };
-    spec.validate().map_err(|e| flag_error(&e))?;
-    Ok(spec)
-}
-
-/// A config-key error restated with the `ublkctl add` flag for that key.
-fn flag_error(e: &ublkd_config::FieldError) -> String {
-    let flag = match e.field {
-        "size" => "-s/--size",
-        "queues" => "-q/--queues",
-        "queue_depth" => "-d/--depth",
-        "threads" => "--threads",
-        "id" => "-n/--id",
-        "file" => "-f/--file",
-        "zero_copy" => "--zero-copy",
-        other => other,
-    };
-    format!("{flag}: {}", e.problem)
-}
-
-fn describe(spec: &DeviceSpec) -> String {
-    match spec.id {
-        Some(id) => format!("{} (id {id})", spec.target.name()),
-        None => spec.target.name().to_string(),
-    }
-}
-
 fn make_dir(path: &Path, mode: u32) -> Result<(), DaemonError> {
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -861,117 +481,4 @@ fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
 fn millis_until(at: Instant) -> i32 {
     let left = at.saturating_duration_since(Instant::now());
     left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use ublkd_config::DeviceDefaults;
-
-    fn defaults() -> DeviceDefaults {
-        Config::default().defaults
-    }
-
-    fn add(target: TargetKind) -> AddRequest {
-        AddRequest {
-            id: None,
-            target,
-            file: None,
-            size: None,
-            queues: None,
-            queue_depth: None,
-            threads: None,
-            zero_copy: None,
-            sandbox: None,
-            sandbox_optional: None,
-        }
-    }
-
-    #[test]
-    fn sandbox_optional_overrides_the_default_and_none_keeps_it() {
-        use ublkd_proto::msg::SandboxLayer;
-        let mut d = defaults();
-        d.sandbox_optional = LayerSet::of(&[SandboxLayer::Landlock]);
-        let a = add(TargetKind::Null);
-        let mut a = AddRequest { size: Some(1 << 20), ..a };
-        assert_eq!(spec_from_request(&a, &d).unwrap().sandbox_optional, d.sandbox_optional);
-        a.sandbox_optional = Some(vec![SandboxLayer::UserNamespace]);
-        assert_eq!(
-            spec_from_request(&a, &d).unwrap().sandbox_optional.layers(),
-            [SandboxLayer::UserNamespace]
-        );
-    }
-
-    #[test]
-    fn zero_copy_is_for_loop_devices_only() {
-        let mut a = add(TargetKind::Memory);
-        a.size = Some(1 << 20);
-        a.zero_copy = Some(true);
-        let err = spec_from_request(&a, &defaults()).unwrap_err();
-        assert!(err.starts_with("--zero-copy is only for loop devices"), "{err}");
-    }
-
-    #[test]
-    fn zero_copy_past_the_buffer_table_names_the_flag() {
-        let file = std::env::temp_dir().join(format!("ublkd-zc-{}.img", std::process::id()));
-        std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
-        let mut a = add(TargetKind::Loop);
-        a.file = Some(file.clone());
-        a.zero_copy = Some(true);
-        a.queues = Some(8);
-        a.queue_depth = Some(4096);
-        let err = spec_from_request(&a, &defaults());
-        std::fs::remove_file(&file).unwrap();
-        let err = err.unwrap_err();
-        assert!(err.starts_with("--zero-copy: needs queues × queue_depth <= 16384"), "{err}");
-    }
-
-    #[test]
-    fn no_sandbox_overrides_the_default() {
-        let mut a = add(TargetKind::Memory);
-        a.size = Some(1 << 20);
-        a.sandbox = Some(false);
-        assert!(defaults().sandbox);
-        assert!(!spec_from_request(&a, &defaults()).unwrap().sandbox);
-    }
-
-    #[test]
-    fn memory_without_size_names_the_flag() {
-        let err = spec_from_request(&add(TargetKind::Memory), &defaults()).unwrap_err();
-        assert_eq!(err, "a memory device needs a size (-s SIZE, e.g. -s 1G)");
-    }
-
-    #[test]
-    fn loop_without_file_names_the_flag() {
-        let err = spec_from_request(&add(TargetKind::Loop), &defaults()).unwrap_err();
-        assert!(err.contains("-f FILE"), "{err}");
-    }
-
-    #[test]
-    fn file_on_a_non_loop_target_is_refused() {
-        let mut a = add(TargetKind::Null);
-        a.file = Some("/tmp/x".into());
-        a.size = Some(1 << 20);
-        assert!(spec_from_request(&a, &defaults()).unwrap_err().starts_with("-f/--file"));
-    }
-
-    #[test]
-    fn bad_depth_is_reported_with_its_flag() {
-        let mut a = add(TargetKind::Null);
-        a.size = Some(1 << 20);
-        a.queue_depth = Some(0);
-        let err = spec_from_request(&a, &defaults()).unwrap_err();
-        assert!(err.starts_with("-d/--depth: "), "{err}");
-    }
-
-    #[test]
-    fn defaults_fill_what_the_request_leaves_out() {
-        let mut a = add(TargetKind::Memory);
-        a.size = Some(64 << 20);
-        a.queues = Some(2);
-        let spec = spec_from_request(&a, &defaults()).unwrap();
-        assert_eq!(spec.queues, 2);
-        assert_eq!(spec.queue_depth, defaults().queue_depth);
-        assert_eq!(spec.size_bytes, 64 << 20);
-    }
 }

@@ -5,10 +5,13 @@
 //! - [`daemon`]: the running supervisor: devices, the control socket, signals.
 //! - [`control`]: the `ublkctl` socket's connections, served without blocking the loop.
 //! - [`device`]: one device's lifecycle (ADD → PARAMS → worker → START, STOP → DEL).
+//! - [`device_state`]: a device's state and the transitions allowed between states.
+//! - [`target`]: a device's flags, kernel parameters and target files.
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
+//! - [`recovery`]: recovery policy: the restart budget, hang verdicts, standby timing.
 //! - [`logging`]: the log, to the journal under systemd, else to stderr.
 //! - [`render`]: `ublkctl`'s output formats.
 //! - [`systemd`]: readiness, status, reload and watchdog notifications.
@@ -19,14 +22,17 @@ pub mod cli;
 pub mod control;
 pub mod daemon;
 pub mod device;
+pub mod device_state;
 pub mod exit;
 pub mod features;
 pub mod hang;
 pub mod inspect;
 pub mod logging;
+pub mod recovery;
 pub mod render;
 pub mod state;
 pub mod systemd;
+pub mod target;
 pub mod worker;
 pub mod worker_log;
 

@@ -56,8 +56,7 @@ fn unsafe_dir(path: &Path) -> Option<String> {
         Ok(m) => m,
         Err(e) => return Some(format!("cannot inspect it: {e}")),
     };
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     if meta.file_type().is_symlink() {
         Some("it is a symbolic link".into())
     } else if !meta.is_dir() {
@@ -72,8 +71,7 @@ fn unsafe_dir(path: &Path) -> Option<String> {
 }
 
 fn unsafe_error(path: &Path, why: String) -> StateError {
-    // SAFETY: geteuid has no preconditions.
-    StateError::Unsafe { path: path.to_path_buf(), why, uid: unsafe { libc::geteuid() } }
+    StateError::Unsafe { path: path.to_path_buf(), why, uid: nix::unistd::geteuid().as_raw() }
 }
 
 /// A device as it was created, enough to serve it again.
@@ -319,14 +317,8 @@ impl StateDir {
 }
 
 fn free_bytes(path: &Path) -> Option<u64> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: `st` is a plain struct of integers, valid zeroed.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer for the call.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
+    let st = nix::sys::statvfs::statvfs(path).ok()?;
+    Some(st.blocks_available().saturating_mul(st.fragment_size()))
 }
 
 #[cfg(test)]

@@ -20,6 +20,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
     self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, ToWorker,
@@ -200,20 +202,9 @@ impl Worker {
         self.control.as_fd()
     }
 
-    /// Sends the setup (fds: the shared region, the target's) and waits until the
-    /// worker stands by.
-    pub fn setup(
-        &mut self,
-        setup: &WorkerSetup,
-        fds: &[BorrowedFd<'_>],
-        timeout: Duration,
-    ) -> Result<(), WorkerError> {
-        self.send_setup(setup, fds)?;
-        self.standby_answer(timeout)
-    }
-
-    /// Sends the setup without waiting: the worker answers on [`Self::control`] when it
-    /// stands by (or fails), to be read with [`Self::standby_answer`].
+    /// Sends the setup (fds: the shared region, the target's) without waiting: the
+    /// worker answers on [`Self::control`] when it stands by (or fails), to be read
+    /// with [`Self::standby_answer`].
     pub fn send_setup(
         &mut self,
         setup: &WorkerSetup,
@@ -274,10 +265,8 @@ impl Worker {
 
     /// Whether the worker has something to say (a message, or its end) right now.
     pub fn has_answered(&self) -> bool {
-        let mut pfd =
-            libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+        let mut pfd = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
+        poll(&mut pfd, PollTimeout::ZERO).is_ok_and(|n| n > 0)
     }
 
     /// Hands the worker the device (`/dev/ublkcN`) and waits until it has PREPed every
@@ -312,18 +301,14 @@ impl Worker {
     /// Waits for the worker's next message, and the fds it came with.
     fn receive(&mut self, timeout: Duration) -> Result<(FromWorker, Vec<OwnedFd>), WorkerError> {
         let pid = self.pid();
-        let mut pfd =
-            libc::pollfd { fd: self.control.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(WorkerError::Timeout { pid, secs: timeout.as_secs() });
             }
-            // SAFETY: `pfd` is a valid pollfd for the duration of the call.
-            let n =
-                unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-            if n > 0 {
+            let mut pfd = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
+            if poll(&mut pfd, poll_timeout(left)).is_ok_and(|n| n > 0) {
                 break;
             }
         }
@@ -376,16 +361,14 @@ impl Worker {
 
     /// Whether the worker exits within `limit` (its pidfd turns readable).
     fn exits_within(&self, limit: Duration) -> bool {
-        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         let deadline = Instant::now() + limit;
         loop {
-            let ms = deadline.saturating_duration_since(Instant::now()).as_millis();
-            // SAFETY: `pfd` is a valid pollfd for the duration of the call.
-            match unsafe { libc::poll(&mut pfd, 1, ms.min(i32::MAX as u128) as i32) } {
-                n if n > 0 => return true,
-                0 => return false,
-                _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-                _ => return false,
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = [PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut pfd, poll_timeout(left)) {
+                Ok(n) => return n > 0,
+                Err(Errno::EINTR) => {}
+                Err(_) => return false,
             }
         }
     }
@@ -409,6 +392,11 @@ impl Drop for Worker {
             linger(self.child.id());
         }
     }
+}
+
+/// `left` as poll's timeout, capped at the longest poll takes.
+fn poll_timeout(left: Duration) -> PollTimeout {
+    PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
 }
 
 fn linger(pid: u32) {

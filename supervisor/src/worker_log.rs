@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
+
 /// The longest line relayed whole, in bytes.
 pub const MAX_LINE: usize = 1024;
 /// Lines a second a worker may log once its burst is spent.
@@ -210,19 +212,15 @@ impl Pipe {
         let mut buf = [0u8; 8192];
         let mut budget = READ_BUDGET;
         let open = loop {
-            // SAFETY: `buf` is valid for writes of its length; the fd is open.
-            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n < 0 {
-                match io::Error::last_os_error().kind() {
-                    io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock => break true,
-                    _ => break false,
-                }
-            }
+            let n = match nix::unistd::read(&self.fd, &mut buf) {
+                Ok(n) => n,
+                Err(Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => break true,
+                Err(_) => break false,
+            };
             if n == 0 {
                 break false;
             }
-            let n = n as usize;
             let Pipe { lines, bucket, dev_id, worker_pid, .. } = self;
             lines.feed(&buf[..n], |line, cut| {
                 relay_line(*dev_id, *worker_pid, bucket, now, line, cut)
@@ -364,15 +362,9 @@ impl Bucket {
 }
 
 fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
-    // SAFETY: fcntl F_GETFL on an open fd takes no argument.
-    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fcntl F_SETFL on an open fd takes an int argument.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
+    let flags = OFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFL)?);
+    fcntl(fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK))?;
     Ok(())
 }
 

@@ -1,0 +1,353 @@
+//! The control socket's requests (`ublkctl add, del, list, status, recover`): each
+//! parsed, checked and answered against the daemon's devices.
+
+use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_proto::msg::{
+    AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
+};
+use ublkd_proto::uapi::DevState;
+
+use super::Daemon;
+use crate::device::Recovery;
+
+impl Daemon {
+    pub(super) fn handle(&mut self, req: CtlRequest) -> CtlResponse {
+        let result = match req {
+            CtlRequest::Add(add) => self.handle_add(&add).map(|id| CtlResponse::Added { id }),
+            CtlRequest::Del { id } => self.handle_del(id).map(|ids| CtlResponse::Deleted { ids }),
+            CtlRequest::List { id } => self.selected(id).map(|ids| {
+                CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
+            }),
+            CtlRequest::Status { id } => self.selected(id).map(|ids| {
+                CtlResponse::Status(ids.iter().filter_map(|id| self.status(*id)).collect())
+            }),
+            CtlRequest::Recover { id } => {
+                self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
+            }
+        };
+        result.unwrap_or_else(|message| CtlResponse::Error { message })
+    }
+
+    fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
+        match id {
+            None => Ok(self.devices.keys().copied().collect()),
+            Some(id) if self.devices.contains_key(&id) => Ok(vec![id]),
+            Some(id) => Err(self.unknown(id)),
+        }
+    }
+
+    fn unknown(&self, id: u32) -> String {
+        let ids: Vec<String> = self.devices.keys().map(u32::to_string).collect();
+        if ids.is_empty() {
+            format!("no device {id}: ublkd serves no devices")
+        } else {
+            format!("no device {id}: ublkd serves {}", ids.join(", "))
+        }
+    }
+
+    fn handle_add(&mut self, add: &AddRequest) -> Result<u32, String> {
+        let spec = spec_from_request(add, &self.config.defaults)?;
+        if let Some(id) = spec.id
+            && self.devices.contains_key(&id)
+        {
+            return Err(format!("device {id} already exists"));
+        }
+        if let TargetSpec::Loop { file, .. } = &spec.target {
+            let in_use = self
+                .devices
+                .values()
+                .any(|d| matches!(&d.spec().target, TargetSpec::Loop { file: f, .. } if f == file));
+            if in_use {
+                return Err(format!("{} already backs another device", file.display()));
+            }
+        }
+        self.add(&spec).map_err(|e| e.to_string())
+    }
+
+    fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {
+        match id {
+            None => Ok(self.delete_all()),
+            Some(id) => {
+                let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
+                dev.destroy(&self.ctx).map_err(|e| e.to_string())?;
+                Ok(vec![id])
+            }
+        }
+    }
+
+    /// `ublkctl recover`: recovers the device now and resets its restart budget.
+    fn handle_recover(&mut self, id: u32) -> Result<String, String> {
+        let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
+        let dev =
+            self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
+        dev.restart_budget_mut().reset();
+        let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
+        if live && dev.state().has_worker() && !dev.state().failing_io() {
+            return Ok(format!("device {id} is LIVE: nothing to recover"));
+        }
+        // The operator's recovery is timed from the command, not from a death that
+        // the restart limit left waiting.
+        dev.forget_death();
+        match dev.recover(&self.ctx, "ublkctl recover") {
+            Ok(Recovery::Done(stall)) => {
+                Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
+            }
+            Ok(Recovery::Waiting) => Ok(format!(
+                "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
+                 (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"
+            )),
+            Err(e) => {
+                dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
+                Err(format!("recover device {id}: {e}"))
+            }
+        }
+    }
+
+    fn listing(&self, id: u32) -> Option<DevListing> {
+        self.devices.contains_key(&id).then_some(())?;
+        let info = self.ctx.ctrl.get_dev_info(id).ok()?;
+        let params = self.ctx.ctrl.get_params(id).ok()?;
+        Some(DevListing {
+            id,
+            nr_hw_queues: info.nr_hw_queues,
+            queue_depth: info.queue_depth,
+            block_size: 1 << params.basic.logical_bs_shift.min(31),
+            dev_capacity: params.basic.dev_sectors,
+            max_rq_size: info.max_io_buf_bytes,
+            daemon_pid: info.ublksrv_pid,
+            flags: info.flags,
+            state: DevState::from_raw(info.state).to_string(),
+        })
+    }
+
+    fn status(&self, id: u32) -> Option<DevStatus> {
+        let dev = self.devices.get(&id)?;
+        let state = match self.ctx.ctrl.get_dev_info(id) {
+            Ok(info) => DevState::from_raw(info.state).to_string(),
+            Err(e) => format!("UNKNOWN ({e})"),
+        };
+        // The region is validated before anything in it is believed.
+        let counters = match dev.shm().validate() {
+            Ok(()) => dev.shm().counters().snapshot(),
+            Err(e) => {
+                tracing::warn!(dev_id = id, "shared region failed validation: {e}");
+                Default::default()
+            }
+        };
+        Some(DevStatus {
+            id,
+            state,
+            target: dev.spec().target.name().to_string(),
+            worker_pid: dev.worker().map(|w| w.pid()),
+            standby_pid: dev.standby().map(|w| w.pid()),
+            sandbox: dev
+                .worker()
+                .filter(|w| w.sandbox.is_some())
+                .and_then(|w| crate::inspect::sandbox_of(w.pid(), w.sandbox.as_ref())),
+            last_recovery_ms: dev.last_recovery_ms(),
+            last_recovery_reason: dev.last_recovery_reason().map(str::to_owned),
+            size_bytes: dev.spec().size_bytes,
+            queues: dev.spec().queues,
+            queue_depth: dev.spec().queue_depth,
+            threads: dev.spec().threads,
+            recoveries: dev.recoveries(),
+            counters,
+            note: dev.state().note().map(str::to_owned),
+            failing_io: dev.state().failing_io(),
+        })
+    }
+}
+
+/// A device spec from `ublkctl add`, with the daemon's defaults, validated like the
+/// config file's devices. Errors name the command-line flag.
+pub fn spec_from_request(
+    add: &AddRequest,
+    defaults: &ublkd_config::DeviceDefaults,
+) -> Result<DeviceSpec, String> {
+    let target = match add.target {
+        TargetKind::Null => TargetSpec::Null,
+        TargetKind::Memory => TargetSpec::Memory,
+        TargetKind::Loop => {
+            let file = add.file.clone().ok_or("a loop device needs a backing file (-f FILE)")?;
+            TargetSpec::Loop { file, direct: true, zero_copy: add.zero_copy }
+        }
+    };
+    if add.file.is_some() && add.target != TargetKind::Loop {
+        return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
+    }
+    if let Some(on) = add.zero_copy
+        && add.target != TargetKind::Loop
+    {
+        return Err(format!(
+            "{} is only for loop devices (the {} target copies no data from a file)",
+            if on { "--zero-copy" } else { "--copy" },
+            add.target.name()
+        ));
+    }
+    let block_size = defaults.block_size;
+    let size_bytes = match (add.size, &target) {
+        (Some(size), _) => size,
+        (None, TargetSpec::Loop { file, .. }) => {
+            DeviceSpec::loop_size_from_file(file, block_size).map_err(|e| flag_error(&e))?
+        }
+        (None, _) => {
+            return Err(format!(
+                "a {} device needs a size (-s SIZE, e.g. -s 1G)",
+                add.target.name()
+            ));
+        }
+    };
+    let spec = DeviceSpec {
+        id: add.id,
+        target,
+        size_bytes,
+        queues: add.queues.unwrap_or(defaults.queues),
+        queue_depth: add.queue_depth.unwrap_or(defaults.queue_depth),
+        block_size,
+        threads: add.threads.unwrap_or(defaults.threads),
+        sandbox: add.sandbox.unwrap_or(defaults.sandbox),
+        sandbox_optional: add
+            .sandbox_optional
+            .as_deref()
+            .map_or(defaults.sandbox_optional, LayerSet::of),
+    };
+    spec.validate().map_err(|e| flag_error(&e))?;
+    Ok(spec)
+}
+
+/// A config-key error restated with the `ublkctl add` flag for that key.
+fn flag_error(e: &ublkd_config::FieldError) -> String {
+    let flag = match e.field {
+        "size" => "-s/--size",
+        "queues" => "-q/--queues",
+        "queue_depth" => "-d/--depth",
+        "threads" => "--threads",
+        "id" => "-n/--id",
+        "file" => "-f/--file",
+        "zero_copy" => "--zero-copy",
+        other => other,
+    };
+    format!("{flag}: {}", e.problem)
+}
+
+/// A device spec as log lines name it: its target, and its id if it has one.
+pub(super) fn describe_spec(spec: &DeviceSpec) -> String {
+    match spec.id {
+        Some(id) => format!("{} (id {id})", spec.target.name()),
+        None => spec.target.name().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ublkd_config::Config;
+    use ublkd_config::DeviceDefaults;
+
+    fn defaults() -> DeviceDefaults {
+        Config::default().defaults
+    }
+
+    fn add(target: TargetKind) -> AddRequest {
+        AddRequest {
+            id: None,
+            target,
+            file: None,
+            size: None,
+            queues: None,
+            queue_depth: None,
+            threads: None,
+            zero_copy: None,
+            sandbox: None,
+            sandbox_optional: None,
+        }
+    }
+
+    #[test]
+    fn sandbox_optional_overrides_the_default_and_none_keeps_it() {
+        use ublkd_proto::msg::SandboxLayer;
+        let mut d = defaults();
+        d.sandbox_optional = LayerSet::of(&[SandboxLayer::Landlock]);
+        let a = add(TargetKind::Null);
+        let mut a = AddRequest { size: Some(1 << 20), ..a };
+        assert_eq!(spec_from_request(&a, &d).unwrap().sandbox_optional, d.sandbox_optional);
+        a.sandbox_optional = Some(vec![SandboxLayer::UserNamespace]);
+        assert_eq!(
+            spec_from_request(&a, &d).unwrap().sandbox_optional.layers(),
+            [SandboxLayer::UserNamespace]
+        );
+    }
+
+    #[test]
+    fn zero_copy_is_for_loop_devices_only() {
+        let mut a = add(TargetKind::Memory);
+        a.size = Some(1 << 20);
+        a.zero_copy = Some(true);
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert!(err.starts_with("--zero-copy is only for loop devices"), "{err}");
+    }
+
+    #[test]
+    fn zero_copy_past_the_buffer_table_names_the_flag() {
+        let file = std::env::temp_dir().join(format!("ublkd-zc-{}.img", std::process::id()));
+        std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+        let mut a = add(TargetKind::Loop);
+        a.file = Some(file.clone());
+        a.zero_copy = Some(true);
+        a.queues = Some(8);
+        a.queue_depth = Some(4096);
+        let err = spec_from_request(&a, &defaults());
+        std::fs::remove_file(&file).unwrap();
+        let err = err.unwrap_err();
+        assert!(err.starts_with("--zero-copy: needs queues × queue_depth <= 16384"), "{err}");
+    }
+
+    #[test]
+    fn no_sandbox_overrides_the_default() {
+        let mut a = add(TargetKind::Memory);
+        a.size = Some(1 << 20);
+        a.sandbox = Some(false);
+        assert!(defaults().sandbox);
+        assert!(!spec_from_request(&a, &defaults()).unwrap().sandbox);
+    }
+
+    #[test]
+    fn memory_without_size_names_the_flag() {
+        let err = spec_from_request(&add(TargetKind::Memory), &defaults()).unwrap_err();
+        assert_eq!(err, "a memory device needs a size (-s SIZE, e.g. -s 1G)");
+    }
+
+    #[test]
+    fn loop_without_file_names_the_flag() {
+        let err = spec_from_request(&add(TargetKind::Loop), &defaults()).unwrap_err();
+        assert!(err.contains("-f FILE"), "{err}");
+    }
+
+    #[test]
+    fn file_on_a_non_loop_target_is_refused() {
+        let mut a = add(TargetKind::Null);
+        a.file = Some("/tmp/x".into());
+        a.size = Some(1 << 20);
+        assert!(spec_from_request(&a, &defaults()).unwrap_err().starts_with("-f/--file"));
+    }
+
+    #[test]
+    fn bad_depth_is_reported_with_its_flag() {
+        let mut a = add(TargetKind::Null);
+        a.size = Some(1 << 20);
+        a.queue_depth = Some(0);
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert!(err.starts_with("-d/--depth: "), "{err}");
+    }
+
+    #[test]
+    fn defaults_fill_what_the_request_leaves_out() {
+        let mut a = add(TargetKind::Memory);
+        a.size = Some(64 << 20);
+        a.queues = Some(2);
+        let spec = spec_from_request(&a, &defaults()).unwrap();
+        assert_eq!(spec.queues, 2);
+        assert_eq!(spec.queue_depth, defaults().queue_depth);
+        assert_eq!(spec.size_bytes, 64 << 20);
+    }
+}

@@ -1,0 +1,184 @@
+//! A device's user recovery, the kernel's way of replacing its worker: the old
+//! worker's `/dev/ublkcN` released (START_USER_RECOVERY answers EBUSY until then), the
+//! standby activated, END_USER_RECOVERY. The I/O is held meanwhile, not failed.
+
+use std::time::{Duration, Instant};
+
+use super::{
+    Context, Device, DeviceError, RELEASE_SLOW, RELEASE_WAIT_INLINE, Recovery, WORKER_TIMEOUT,
+};
+use crate::device_state::{DeviceState, Release, StateKind};
+
+impl Device {
+    /// Recovers the device: waits for the kernel to release the old worker's file
+    /// (START_USER_RECOVERY answers EBUSY until then; past a short wait the loop goes
+    /// on with it, see [`Self::continue_recovery`]), activates the standby, and ends
+    /// the recovery. Done: the stall, from the worker's death being seen (or the call,
+    /// if no death was) to LIVE.
+    pub fn recover(&mut self, ctx: &Context, reason: &str) -> Result<Recovery, DeviceError> {
+        self.recover_with(ctx, reason, None)
+    }
+
+    /// Recovers the device with a worker that fails every request with EIO: what
+    /// `on_restart_limit = "fail-io"` asks for once the restart budget is spent. The
+    /// device stays (LIVE, failing fast) for `ublkctl recover`, which puts a real
+    /// worker back. Not counted as a recovery. `cause` is what status says meanwhile
+    /// and after ([`DeviceState::FailingIo`]).
+    pub fn recover_failing_io(
+        &mut self,
+        ctx: &Context,
+        reason: &str,
+        cause: String,
+    ) -> Result<Recovery, DeviceError> {
+        self.recover_with(ctx, reason, Some(cause))
+    }
+
+    fn recover_with(
+        &mut self,
+        ctx: &Context,
+        reason: &str,
+        fail_io: Option<String>,
+    ) -> Result<Recovery, DeviceError> {
+        let started = Instant::now();
+        let seen = self.death_seen.take().unwrap_or(started);
+        if self.state.kind() != StateKind::Recovering {
+            self.transition(DeviceState::Recovering)?;
+        }
+        self.transition(DeviceState::Releasing(Release {
+            reason: reason.to_string(),
+            fail_io,
+            seen,
+            started,
+            next_try: started,
+            delay: Duration::from_micros(200),
+            slow: None,
+        }))?;
+        if let Some(mut old) = self.worker.take() {
+            // A live worker (an operator's recover) must go first. Already killed:
+            // waiting for it is bounded by the kill's grace, not a polite stop's.
+            old.kill();
+            old.reap(Duration::ZERO);
+            old.release_device();
+        }
+        self.continue_recovery(ctx, RELEASE_WAIT_INLINE)
+    }
+
+    /// When a recovery waiting for the kernel's release tries again, if one waits.
+    pub fn release_due(&self) -> Option<Instant> {
+        match &self.state {
+            DeviceState::Releasing(r) => Some(r.next_try),
+            _ => None,
+        }
+    }
+
+    /// Goes on with a recovery that waits for the kernel to release the dead worker's
+    /// `/dev/ublkcN` (START_USER_RECOVERY answers EBUSY until then): tries again,
+    /// waiting here at most `inline` (short: the release usually takes tens of
+    /// milliseconds, and a recovery's stall should not wait for the loop's next turn),
+    /// then leaves the rest to the loop ([`Self::release_due`]), which is never held up
+    /// by a release that takes long (a dead worker's write stuck in a slow backend).
+    /// The device's I/O is held meanwhile, for as long as it takes. A recovery that
+    /// fails leaves the device `Recovering`, for the recovery policy to decide on.
+    pub fn continue_recovery(
+        &mut self,
+        ctx: &Context,
+        inline: Duration,
+    ) -> Result<Recovery, DeviceError> {
+        let id = self.id;
+        let DeviceState::Releasing(r) = &mut self.state else { return Ok(Recovery::Waiting) };
+        let inline_until = Instant::now() + inline;
+        loop {
+            match ctx.ctrl.start_user_recovery(id) {
+                Ok(()) => break,
+                Err(e) if e.errno() == Some(libc::EBUSY) => {
+                    let now = Instant::now();
+                    let waited = now.saturating_duration_since(r.started);
+                    if waited > RELEASE_SLOW && r.slow.is_none() {
+                        let why = format!(
+                            "waiting for the kernel to release /dev/ublkc{id} ({:.0} s so far: \
+                             the dead worker's I/O has not ended); its I/O is held",
+                            waited.as_secs_f64()
+                        );
+                        tracing::warn!(dev_id = id, event = "release_slow", "{why}");
+                        r.slow = Some(why);
+                    }
+                    if now + r.delay > inline_until {
+                        // The loop tries again, less and less often.
+                        r.delay = r.delay.max(Duration::from_millis(5));
+                        r.next_try = now + r.delay;
+                        r.delay = (r.delay * 2).min(Duration::from_millis(100));
+                        return Ok(Recovery::Waiting);
+                    }
+                    std::thread::sleep(r.delay);
+                    // A short cap keeps the overshoot past a quick release small.
+                    r.delay = (r.delay * 2).min(Duration::from_millis(4));
+                }
+                Err(e) => {
+                    self.enter(DeviceState::Recovering);
+                    return Err(e.into());
+                }
+            }
+        }
+        let (reason, fail_io, seen, started) =
+            (r.reason.clone(), r.fail_io.clone(), r.seen, r.started);
+        let finished = self.finish_recovery(ctx, &reason, fail_io, seen, started);
+        if finished.is_err() {
+            self.enter(DeviceState::Recovering);
+        }
+        finished.map(Recovery::Done)
+    }
+
+    /// The rest of a recovery once the kernel has released the old worker's file.
+    fn finish_recovery(
+        &mut self,
+        ctx: &Context,
+        reason: &str,
+        fail_io: Option<String>,
+        seen: Instant,
+        started: Instant,
+    ) -> Result<Duration, DeviceError> {
+        let id = self.id;
+        let released = started.elapsed();
+        let next = if fail_io.is_some() {
+            let starting = self.spawn_worker(ctx, true)?;
+            self.await_standby(starting, WORKER_TIMEOUT)?
+        } else {
+            self.ensure_standby(ctx)?
+        };
+        let (worker, activation) = self.activate(next)?;
+        let activated = started.elapsed();
+        ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
+        let stall = seen.elapsed();
+        let detect = started - seen;
+        if let Some(cause) = fail_io {
+            self.transition(DeviceState::FailingIo { cause })?;
+            self.worker = Some(worker);
+            tracing::warn!(dev_id = id, "device LIVE, failing every I/O with EIO ({reason})");
+            return Ok(stall);
+        }
+        self.transition(DeviceState::Live)?;
+        self.recoveries += 1;
+        self.last_recovery_ms = Some(stall.as_millis() as u64);
+        self.last_recovery_reason = Some(reason.to_string());
+        tracing::info!(
+            dev_id = id,
+            worker_pid = worker.pid(),
+            stall_ms = stall.as_millis() as u64,
+            // Where the stall went: from the death seen to the recovery starting, the
+            // kernel releasing the old file, the standby mapping (map) and PREPing
+            // (prep) as it says and the supervisor's round trip to it (activate), the
+            // kernel going LIVE.
+            detect_us = detect.as_micros() as u64,
+            release_us = released.as_micros() as u64,
+            activate_us = (activated - released).as_micros() as u64,
+            map_us = activation.map_us,
+            prep_us = activation.prep_us,
+            end_us = (stall - detect - activated).as_micros() as u64,
+            event = "recovered",
+            "device recovered ({reason})"
+        );
+        self.worker = Some(worker);
+        self.standby_schedule.after_recovery();
+        Ok(stall)
+    }
+}

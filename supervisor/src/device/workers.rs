@@ -1,0 +1,176 @@
+//! A device's workers: starting one and sending it its setup, keeping a standby ready
+//! without blocking the loop, and handing the device to a standby (activation).
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::Duration;
+
+use ublkd_config::TargetSpec;
+use ublkd_proto::msg::{Activation, TargetSetup, WorkerSetup};
+
+use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
+use crate::target::{MAX_IO_BUF_BYTES, open_char_dev, zero_copy};
+use crate::worker::{Worker, WorkerSandbox};
+
+impl Device {
+    /// Whether a dead worker's device may be released at once (`recovery.fast_release`,
+    /// [`crate::worker::Worker::release_device`]) without a write it left in flight
+    /// landing after the re-issued request and newer writes to the same blocks. The
+    /// kernel does not wait for a dying worker's O_DIRECT writes (they are bios by then);
+    /// with zero copy, ublk's release itself waits for them (they hold the request's
+    /// registered buffer); null and memory devices and buffered loop files have no
+    /// write that outlives the worker. That leaves O_DIRECT loop devices in copy mode:
+    /// theirs is released by the rings' teardown, which waits for every request.
+    /// `tests/tests/data_safety.rs` proves both sides.
+    fn fast_release_is_safe(&self) -> bool {
+        !(matches!(self.spec.target, TargetSpec::Loop { .. }) && self.direct)
+            || zero_copy(&self.spec)
+    }
+
+    /// Starts a worker and sends it its setup (region and target to map, buffers and
+    /// rings to make), without waiting for it to stand by.
+    pub(super) fn spawn_worker(&self, ctx: &Context, fail_io: bool) -> Result<Worker, DeviceError> {
+        let id = self.id;
+        let worker_err = |source| DeviceError::Worker { id, source };
+        let sandbox = self.spec.sandbox.then_some(WorkerSandbox {
+            identity: ctx.worker_identity,
+            optional: self.spec.sandbox_optional,
+        });
+        let mut worker = Worker::spawn(&ctx.worker_binary, id, sandbox).map_err(worker_err)?;
+        let setup = WorkerSetup {
+            dev_id: id,
+            size_bytes: self.spec.size_bytes,
+            nr_queues: self.spec.queues,
+            queue_depth: self.spec.queue_depth,
+            max_io_buf_bytes: MAX_IO_BUF_BYTES,
+            nr_threads: self.spec.threads,
+            target: match &self.spec.target {
+                _ if fail_io => TargetSetup::FailIo,
+                TargetSpec::Null => TargetSetup::Null,
+                TargetSpec::Memory => TargetSetup::Memory,
+                TargetSpec::Loop { .. } => TargetSetup::Loop,
+            },
+            zero_copy: zero_copy(&self.spec),
+            fast_release: ctx.fast_release && self.fast_release_is_safe(),
+            block_size: self.spec.block_size,
+        };
+        let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
+        if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {
+            fds.push(fd.as_fd());
+        }
+        if let Err(source) = worker.send_setup(&setup, &fds) {
+            let how = worker.reap(Duration::from_millis(100));
+            tracing::error!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                "worker failed ({how}): {source}"
+            );
+            return Err(worker_err(source));
+        }
+        Ok(worker)
+    }
+
+    /// Waits up to `timeout` for a worker sent its setup to stand by.
+    pub(super) fn await_standby(
+        &self,
+        mut worker: Worker,
+        timeout: Duration,
+    ) -> Result<Worker, DeviceError> {
+        let id = self.id;
+        if let Err(source) = worker.standby_answer(timeout) {
+            let how = worker.reap(Duration::from_millis(100));
+            tracing::error!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                "standby worker failed ({how}): {source}"
+            );
+            return Err(DeviceError::Worker { id, source });
+        }
+        let missing = worker.sandbox.as_ref().map(|s| &s.missing[..]).unwrap_or_default();
+        if !missing.is_empty() {
+            let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
+            tracing::warn!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                event = "sandbox_weaker",
+                "the worker runs without the sandbox layer(s) {} (allowed by sandbox_optional)",
+                list.join(", ")
+            );
+        }
+        Ok(worker)
+    }
+
+    /// A standby now, waiting for it if need be: the one standing by, else the one on
+    /// its way, else a new one.
+    pub(super) fn ensure_standby(&mut self, ctx: &Context) -> Result<Worker, DeviceError> {
+        if let Some(worker) = self.standby.take() {
+            return Ok(worker);
+        }
+        let worker = match self.starting.take() {
+            Some(w) => w,
+            None => self.spawn_worker(ctx, false)?,
+        };
+        self.await_standby(worker, WORKER_TIMEOUT)
+    }
+
+    /// Starts a new standby if there is none, without waiting for it (see
+    /// [`Self::standby_progress`]). A failure is logged and retried later; a recovery
+    /// meanwhile starts a worker itself.
+    pub fn refill_standby(&mut self, ctx: &Context) {
+        if self.standby.is_some() || self.starting.is_some() {
+            return;
+        }
+        match self.spawn_worker(ctx, false) {
+            Ok(worker) => self.starting = Some(worker),
+            Err(e) => {
+                tracing::warn!(dev_id = self.id, "no standby worker: {e}");
+                self.standby_schedule.after_failure();
+            }
+        }
+    }
+
+    /// Moves a starting standby on once it has answered: standing by, or failed (logged,
+    /// retried later).
+    pub fn standby_progress(&mut self) {
+        if !self.starting.as_ref().is_some_and(Worker::has_answered) {
+            return;
+        }
+        let worker = self.starting.take().expect("checked above");
+        match self.await_standby(worker, Duration::from_millis(100)) {
+            Ok(worker) => {
+                tracing::debug!(dev_id = self.id, worker_pid = worker.pid(), "standby ready");
+                self.standby = Some(worker);
+            }
+            Err(e) => {
+                tracing::warn!(dev_id = self.id, "no standby worker: {e}");
+                self.standby_schedule.after_failure();
+            }
+        }
+    }
+
+    /// Gives the device to `worker` (standing by) and waits until it has PREPed every
+    /// tag. The supervisor's copy of `/dev/ublkcN` is closed before this returns.
+    pub(super) fn activate(
+        &mut self,
+        mut worker: Worker,
+    ) -> Result<(Worker, Activation), DeviceError> {
+        let id = self.id;
+        self.generation = self.generation.wrapping_add(1);
+        let generation = self.generation;
+        self.shm.prepare_activation(generation);
+        let ublkc = open_char_dev(id)?;
+        let ready = worker.activate(generation, ublkc.as_fd(), WORKER_TIMEOUT);
+        // Close our copy now: only the worker may hold /dev/ublkcN.
+        drop(ublkc);
+        let activation = match ready {
+            Ok(a) => a,
+            Err(source) => {
+                let how = worker.reap(Duration::from_millis(100));
+                tracing::error!(dev_id = id, "worker failed ({how}): {source}");
+                return Err(DeviceError::Worker { id, source });
+            }
+        };
+        self.hang.reset(&self.shm);
+        self.hang_policy.reset();
+        Ok((worker, activation))
+    }
+}

@@ -1,0 +1,288 @@
+//! Where a device stands: served, being recovered, or waiting for an operator, and the
+//! transitions allowed between those states, checked in one place
+//! ([`DeviceState::check`]).
+//!
+//! The state carries what the operator is told: the cause of a hang, of a wait for an
+//! operator or of failing I/O, and a slow release's message. `ublkctl status` and the
+//! systemd status line are derived from it.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// A device's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceState {
+    /// Being created: set up, its first worker not yet started.
+    Starting,
+    /// Served by a worker.
+    Live,
+    /// Its worker was found hung and killed; the death, once seen, starts a recovery
+    /// whose reason is `cause`.
+    Hung { cause: String },
+    /// Without a worker, a recovery about to start (or one that stopped, until the
+    /// recovery policy says what the device does next).
+    Recovering,
+    /// A recovery waits for the kernel to release the old worker's `/dev/ublkcN`; the
+    /// device's I/O is held meanwhile.
+    Releasing(Release),
+    /// Not served, its I/O held (QUIESCED), until `ublkctl recover`: the restart limit
+    /// was reached or a recovery failed.
+    WaitingForOperator { cause: String },
+    /// Served by a worker that fails every I/O with EIO (the restart limit's
+    /// `on_restart_limit = "fail-io"`), until `ublkctl recover`.
+    FailingIo { cause: String },
+}
+
+/// A recovery waiting for the kernel's release of the old worker's `/dev/ublkcN`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    /// Why the device is being recovered (the log's reason).
+    pub reason: String,
+    /// Set for a recovery with a worker that fails every I/O: the cause it is then
+    /// served with ([`DeviceState::FailingIo`]).
+    pub fail_io: Option<String>,
+    /// When the death was seen (the stall counts from here).
+    pub seen: Instant,
+    pub started: Instant,
+    pub next_try: Instant,
+    pub delay: Duration,
+    /// Set once the release has taken long: what status says about it.
+    pub slow: Option<String>,
+}
+
+/// The states without their data, for the transition table and its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateKind {
+    Starting,
+    Live,
+    Hung,
+    Recovering,
+    Releasing,
+    WaitingForOperator,
+    FailingIo,
+}
+
+impl StateKind {
+    pub const ALL: [StateKind; 7] = [
+        StateKind::Starting,
+        StateKind::Live,
+        StateKind::Hung,
+        StateKind::Recovering,
+        StateKind::Releasing,
+        StateKind::WaitingForOperator,
+        StateKind::FailingIo,
+    ];
+
+    /// Whether a device may go from `self` to `to`.
+    pub fn may_become(self, to: StateKind) -> bool {
+        use StateKind::*;
+        matches!(
+            (self, to),
+            // A worker found hung is killed; one that dies (or that an operator
+            // replaces) leaves the device to a recovery.
+            (Starting, Live)
+                | (Live | FailingIo, Hung | Recovering)
+                // A hang seen again before the death is: the newer cause.
+                | (Hung, Hung | Recovering)
+                | (Recovering, Releasing | WaitingForOperator)
+                // Released: served again, normally or failing I/O. Stopped (an error,
+                // or an operator starting over): back to the recovery policy.
+                | (Releasing, Live | FailingIo | Recovering)
+                | (WaitingForOperator, Recovering)
+        )
+    }
+}
+
+impl fmt::Display for StateKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StateKind::Starting => "starting",
+            StateKind::Live => "live",
+            StateKind::Hung => "hung",
+            StateKind::Recovering => "recovering",
+            StateKind::Releasing => "waiting for the kernel's release",
+            StateKind::WaitingForOperator => "waiting for an operator",
+            StateKind::FailingIo => "failing I/O",
+        })
+    }
+}
+
+/// Errors of the state machine.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransitionError {
+    #[error("device {id} cannot go from {from} to {to}: it stays {from}")]
+    IllegalTransition { id: u32, from: StateKind, to: StateKind },
+}
+
+/// How the systemd status line counts a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Summary {
+    /// Served (normally, failing I/O, or by a worker about to be killed).
+    Live,
+    /// Without a worker, nothing for an operator to do.
+    Recovering,
+    /// Without a worker, with a message for the operator.
+    Waiting,
+}
+
+impl DeviceState {
+    pub fn kind(&self) -> StateKind {
+        match self {
+            DeviceState::Starting => StateKind::Starting,
+            DeviceState::Live => StateKind::Live,
+            DeviceState::Hung { .. } => StateKind::Hung,
+            DeviceState::Recovering => StateKind::Recovering,
+            DeviceState::Releasing(_) => StateKind::Releasing,
+            DeviceState::WaitingForOperator { .. } => StateKind::WaitingForOperator,
+            DeviceState::FailingIo { .. } => StateKind::FailingIo,
+        }
+    }
+
+    /// Checks that device `id` may go from this state to `to`.
+    pub fn check(&self, id: u32, to: &DeviceState) -> Result<(), TransitionError> {
+        let (from, to) = (self.kind(), to.kind());
+        if from.may_become(to) {
+            Ok(())
+        } else {
+            Err(TransitionError::IllegalTransition { id, from, to })
+        }
+    }
+
+    /// Whether a worker serves the device in this state.
+    pub fn has_worker(&self) -> bool {
+        matches!(self, DeviceState::Live | DeviceState::Hung { .. } | DeviceState::FailingIo { .. })
+    }
+
+    /// Whether the device is served by a worker that fails every I/O.
+    pub fn failing_io(&self) -> bool {
+        matches!(self, DeviceState::FailingIo { .. })
+    }
+
+    /// What `ublkctl status` says about the device's state, if anything.
+    pub fn note(&self) -> Option<&str> {
+        match self {
+            DeviceState::Starting | DeviceState::Live | DeviceState::Recovering => None,
+            DeviceState::Hung { cause }
+            | DeviceState::WaitingForOperator { cause }
+            | DeviceState::FailingIo { cause } => Some(cause),
+            DeviceState::Releasing(r) => r.slow.as_deref().or(r.fail_io.as_deref()),
+        }
+    }
+
+    pub fn summary(&self) -> Summary {
+        match (self.has_worker(), self.note()) {
+            (true, _) => Summary::Live,
+            (false, None) => Summary::Recovering,
+            (false, Some(_)) => Summary::Waiting,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn release(fail_io: Option<&str>) -> Release {
+        let now = Instant::now();
+        Release {
+            reason: "worker died".into(),
+            fail_io: fail_io.map(String::from),
+            seen: now,
+            started: now,
+            next_try: now,
+            delay: Duration::ZERO,
+            slow: None,
+        }
+    }
+
+    fn example(kind: StateKind) -> DeviceState {
+        let cause = "why".to_string();
+        match kind {
+            StateKind::Starting => DeviceState::Starting,
+            StateKind::Live => DeviceState::Live,
+            StateKind::Hung => DeviceState::Hung { cause },
+            StateKind::Recovering => DeviceState::Recovering,
+            StateKind::Releasing => DeviceState::Releasing(release(None)),
+            StateKind::WaitingForOperator => DeviceState::WaitingForOperator { cause },
+            StateKind::FailingIo => DeviceState::FailingIo { cause },
+        }
+    }
+
+    const ALLOWED: [(StateKind, StateKind); 13] = {
+        use StateKind::*;
+        [
+            (Starting, Live),
+            (Live, Hung),
+            (Live, Recovering),
+            (FailingIo, Hung),
+            (FailingIo, Recovering),
+            (Hung, Hung),
+            (Hung, Recovering),
+            (Recovering, Releasing),
+            (Recovering, WaitingForOperator),
+            (Releasing, Live),
+            (Releasing, FailingIo),
+            (Releasing, Recovering),
+            (WaitingForOperator, Recovering),
+        ]
+    };
+
+    #[test]
+    fn every_allowed_transition_is_accepted() {
+        for (from, to) in ALLOWED {
+            assert_eq!(example(from).check(7, &example(to)), Ok(()), "{from} -> {to}");
+        }
+    }
+
+    #[test]
+    fn every_other_transition_is_refused_with_both_states_named() {
+        for from in StateKind::ALL {
+            for to in StateKind::ALL {
+                if ALLOWED.contains(&(from, to)) {
+                    continue;
+                }
+                let err = example(from).check(7, &example(to)).unwrap_err();
+                assert_eq!(err, TransitionError::IllegalTransition { id: 7, from, to });
+                let text = err.to_string();
+                assert!(
+                    text.starts_with(&format!("device 7 cannot go from {from} to {to}")),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_recovery_never_skips_the_release() {
+        assert!(!StateKind::Recovering.may_become(StateKind::Live));
+        assert!(!StateKind::WaitingForOperator.may_become(StateKind::Live));
+        assert!(!StateKind::Live.may_become(StateKind::Live));
+    }
+
+    #[test]
+    fn status_is_derived_from_the_state() {
+        let cases = [
+            (example(StateKind::Starting), None, false, Summary::Recovering),
+            (example(StateKind::Live), None, false, Summary::Live),
+            (example(StateKind::Hung), Some("why"), false, Summary::Live),
+            (example(StateKind::Recovering), None, false, Summary::Recovering),
+            (example(StateKind::Releasing), None, false, Summary::Recovering),
+            (
+                DeviceState::Releasing(release(Some("limit"))),
+                Some("limit"),
+                false,
+                Summary::Waiting,
+            ),
+            (example(StateKind::WaitingForOperator), Some("why"), false, Summary::Waiting),
+            (example(StateKind::FailingIo), Some("why"), true, Summary::Live),
+        ];
+        for (state, note, failing_io, summary) in cases {
+            assert_eq!(state.note(), note, "{state:?}");
+            assert_eq!(state.failing_io(), failing_io, "{state:?}");
+            assert_eq!(state.summary(), summary, "{state:?}");
+        }
+        let mut slow = release(Some("limit"));
+        slow.slow = Some("waiting for the kernel".into());
+        assert_eq!(DeviceState::Releasing(slow).note(), Some("waiting for the kernel"));
+    }
+}

@@ -1,0 +1,236 @@
+//! What a device is made of besides its worker: the flags and kernel parameters it is
+//! created with, whether it uses zero copy, and the files its workers are given (the
+//! target's data and `/dev/ublkcN`).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
+
+use crate::state::{StateDir, StateError};
+
+/// Errors in setting up a device's target. Each names the device.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("device {id}: {source}")]
+    State { id: u32, source: StateError },
+    #[error("device {id}: cannot open its backing file {}: {source}", path.display())]
+    Backing { id: u32, path: PathBuf, source: io::Error },
+    #[error("device {id}: {} did not appear: {source}", path.display())]
+    CharDev { id: u32, path: PathBuf, source: io::Error },
+    #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
+    ZeroCopyUnsupported,
+}
+
+/// The largest request, and so each tag's buffer in the worker.
+pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
+
+/// The feature flags every ublkd device is created with.
+pub const DEVICE_FLAGS: u64 =
+    uapi::UBLK_F_BATCH_IO | uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
+
+/// The flags of a device: [`DEVICE_FLAGS`], and automatic buffer registration for a
+/// zero-copy loop device.
+pub fn device_flags(spec: &DeviceSpec) -> u64 {
+    if zero_copy(spec) { DEVICE_FLAGS | uapi::UBLK_F_AUTO_BUF_REG } else { DEVICE_FLAGS }
+}
+
+/// Whether `spec` (its zero copy decided) serves a loop file with zero copy.
+pub fn zero_copy(spec: &DeviceSpec) -> bool {
+    matches!(spec.target, TargetSpec::Loop { zero_copy: Some(true), .. })
+}
+
+/// `spec` with its zero copy decided: asked for, it needs the kernel's AUTO_BUF_REG;
+/// left unset, a loop device gets it where the kernel has it and the device fits a
+/// ring's buffer table (zero copy is faster than copying each request's data).
+pub fn decide_zero_copy(
+    spec: &DeviceSpec,
+    kernel_features: u64,
+) -> Result<DeviceSpec, TargetError> {
+    let mut spec = spec.clone();
+    let has = kernel_features & uapi::UBLK_F_AUTO_BUF_REG != 0;
+    let fits = spec.fits_zero_copy();
+    if let TargetSpec::Loop { zero_copy, .. } = &mut spec.target {
+        match zero_copy {
+            Some(true) if !has => return Err(TargetError::ZeroCopyUnsupported),
+            Some(_) => {}
+            None => *zero_copy = Some(has && fits),
+        }
+    }
+    Ok(spec)
+}
+
+/// The kernel parameters for `spec`.
+pub fn params(spec: &DeviceSpec) -> UblkParams {
+    let bs_shift = spec.block_size.trailing_zeros() as u8;
+    let types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
+    // A loop file has a write-back cache (the page cache, or the disk's own): FLUSH and
+    // FUA must reach the target. RAM and null have nothing to flush.
+    let attrs = match spec.target {
+        TargetSpec::Loop { .. } => uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA,
+        TargetSpec::Null | TargetSpec::Memory => 0,
+    };
+    let max_sectors = MAX_IO_BUF_BYTES >> 9;
+    UblkParams {
+        len: 0,
+        types,
+        basic: UblkParamBasic {
+            attrs,
+            logical_bs_shift: bs_shift,
+            physical_bs_shift: bs_shift.max(12),
+            io_opt_shift: 12,
+            io_min_shift: bs_shift,
+            max_sectors,
+            chunk_sectors: 0,
+            dev_sectors: spec.size_bytes >> 9,
+            virt_boundary_mask: 0,
+        },
+        discard: UblkParamDiscard {
+            discard_alignment: 0,
+            discard_granularity: spec.block_size,
+            max_discard_sectors: max_sectors,
+            max_write_zeroes_sectors: max_sectors,
+            max_discard_segments: 1,
+            reserved0: 0,
+        },
+        ..UblkParams::default()
+    }
+}
+
+/// Opens the target's data: the memory file in the state dir for `memory`, the
+/// backing file for `loop` (O_DIRECT when asked and the filesystem allows it). Returns
+/// the fd and whether the file is in direct mode.
+pub fn open_target(
+    state: &StateDir,
+    id: u32,
+    spec: &DeviceSpec,
+) -> Result<(Option<OwnedFd>, bool), TargetError> {
+    match &spec.target {
+        TargetSpec::Null => Ok((None, false)),
+        TargetSpec::Memory => {
+            let file = state
+                .memory_file(id, spec.size_bytes)
+                .map_err(|source| TargetError::State { id, source })?;
+            Ok((Some(file.into()), false))
+        }
+        TargetSpec::Loop { file, direct, .. } => open_backing(id, file, *direct),
+    }
+}
+
+/// Opens a loop device's backing file, O_DIRECT if `direct` and the filesystem allows
+/// it. Returns the fd and whether the file is in direct mode.
+fn open_backing(
+    id: u32,
+    file: &Path,
+    direct: bool,
+) -> Result<(Option<OwnedFd>, bool), TargetError> {
+    let open = |flags: i32| {
+        OpenOptions::new().read(true).write(true).custom_flags(flags | libc::O_CLOEXEC).open(file)
+    };
+    let backing_err = |source| TargetError::Backing { id, path: file.to_path_buf(), source };
+    if direct {
+        match open(libc::O_DIRECT) {
+            Ok(f) => return Ok((Some(f.into()), true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::warn!(
+                    dev_id = id,
+                    file = %file.display(),
+                    "the filesystem refuses O_DIRECT; using buffered I/O"
+                );
+            }
+            Err(e) => return Err(backing_err(e)),
+        }
+    }
+    Ok((Some(open(0).map_err(backing_err)?.into()), false))
+}
+
+/// Opens `/dev/ublkcN`, waiting briefly for the node to appear (udev or devtmpfs).
+pub fn open_char_dev(id: u32) -> Result<File, TargetError> {
+    let path = PathBuf::from(format!("/dev/ublkc{id}"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut delay = Duration::from_millis(1);
+    loop {
+        match OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(&path) {
+            Ok(f) => return Ok(f),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && Instant::now() < deadline => {
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_millis(100));
+            }
+            Err(source) => return Err(TargetError::CharDev { id, path, source }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(target: TargetSpec, block_size: u32) -> DeviceSpec {
+        DeviceSpec {
+            id: None,
+            target,
+            size_bytes: 1 << 30,
+            queues: 2,
+            queue_depth: 64,
+            block_size,
+            threads: 1,
+            sandbox: true,
+            sandbox_optional: ublkd_proto::msg::LayerSet::EMPTY,
+        }
+    }
+
+    fn loop_spec(zero_copy: Option<bool>) -> DeviceSpec {
+        spec(TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy }, 4096)
+    }
+
+    fn decided(spec: &DeviceSpec, features: u64) -> Option<bool> {
+        match decide_zero_copy(spec, features).unwrap().target {
+            TargetSpec::Loop { zero_copy, .. } => zero_copy,
+            other => panic!("not a loop target: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn zero_copy_by_default_only_where_the_kernel_has_it_and_the_device_fits() {
+        let all = uapi::UBLK_F_AUTO_BUF_REG;
+        assert_eq!(decided(&loop_spec(None), all), Some(true));
+        assert_eq!(decided(&loop_spec(None), 0), Some(false));
+        let mut big = loop_spec(None);
+        (big.queues, big.queue_depth) = (8, 4096);
+        assert_eq!(decided(&big, all), Some(false));
+        assert_eq!(decided(&loop_spec(Some(false)), all), Some(false));
+        assert_eq!(decided(&loop_spec(Some(true)), all), Some(true));
+        assert!(matches!(
+            decide_zero_copy(&loop_spec(Some(true)), 0),
+            Err(TargetError::ZeroCopyUnsupported)
+        ));
+        assert_eq!(device_flags(&loop_spec(Some(true))) & all, all);
+        assert_eq!(device_flags(&loop_spec(Some(false))) & all, 0);
+    }
+
+    #[test]
+    fn params_describe_size_block_size_and_request_limit() {
+        let p = params(&spec(TargetSpec::Memory, 512));
+        assert_eq!(p.basic.dev_sectors, (1 << 30) >> 9);
+        assert_eq!(p.basic.logical_bs_shift, 9);
+        assert_eq!(p.basic.physical_bs_shift, 12);
+        assert_eq!(p.basic.max_sectors, MAX_IO_BUF_BYTES >> 9);
+        assert_eq!(p.basic.attrs, 0);
+        assert_ne!(p.types & uapi::UBLK_PARAM_TYPE_DISCARD, 0);
+    }
+
+    #[test]
+    fn loop_devices_declare_a_volatile_cache_and_fua() {
+        let p = params(&spec(
+            TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy: None },
+            4096,
+        ));
+        assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA);
+        assert_eq!(p.basic.logical_bs_shift, 12);
+    }
+}
