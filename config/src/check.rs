@@ -192,19 +192,23 @@ impl Checker<'_> {
         Ok(recovery)
     }
 
-    fn defaults(&self, raw: RawDefaults) -> Result<DeviceDefaults, ConfigError> {
-        let table = KeyPath::root().key("defaults");
-        let builtin = DeviceDefaults::default();
-        let overridden = Overrides {
+    /// The settings `table` (`[defaults]` or a `[[device]]`) sets itself.
+    fn overrides(&self, table: &KeyPath, raw: &RawDefaults) -> Result<Overrides, ConfigError> {
+        Ok(Overrides {
             queues: raw.queues.map(|v| v.0),
             queue_depth: raw.queue_depth.map(|v| v.0),
             block_size: raw.block_size.map(|v| v.0),
             threads: raw.threads.map(|v| v.0),
             sandbox: raw.sandbox,
-            sandbox_optional: self.sandbox_optional(&table, raw.sandbox_optional.as_deref())?,
-        }
-        .apply(&builtin)
-        .map_err(|e| self.field(&table, e))?;
+            sandbox_optional: self.sandbox_optional(table, raw.sandbox_optional.as_deref())?,
+        })
+    }
+
+    fn defaults(&self, raw: RawDefaults) -> Result<DeviceDefaults, ConfigError> {
+        let table = KeyPath::root().key("defaults");
+        let builtin = DeviceDefaults::default();
+        let overridden =
+            self.overrides(&table, &raw)?.apply(&builtin).map_err(|e| self.field(&table, e))?;
         overridden.validate().map_err(|e| self.field(&table, e))?;
         Ok(overridden)
     }
@@ -216,14 +220,7 @@ impl Checker<'_> {
         defaults: &DeviceDefaults,
     ) -> Result<DeviceSpec, ConfigError> {
         let table = KeyPath::root().key("device").index(index);
-        let overrides = Overrides {
-            queues: raw.queues.map(|v| v.0),
-            queue_depth: raw.queue_depth.map(|v| v.0),
-            block_size: raw.block_size.map(|v| v.0),
-            threads: raw.threads.map(|v| v.0),
-            sandbox: raw.sandbox,
-            sandbox_optional: self.sandbox_optional(&table, raw.sandbox_optional.as_deref())?,
-        };
+        let overrides = self.overrides(&table, &raw.settings())?;
         let settings = overrides.apply(defaults).map_err(|e| self.field(&table, e))?;
 
         let id = match raw.id.as_ref().map(|id| &id.0) {

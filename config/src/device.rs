@@ -428,10 +428,11 @@ pub fn parse_sandbox_optional(names: &[String]) -> Result<LayerSet, FieldError> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn null_device() -> DeviceSpec {
+    /// A 1 GiB null device with the built-in defaults (the config tests' too).
+    pub(crate) fn null_device() -> DeviceSpec {
         DeviceSpec {
             id: None,
             target: TargetSpec::Null,

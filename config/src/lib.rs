@@ -501,20 +501,7 @@ mod tests {
     fn minimal_device_gets_builtin_defaults() {
         let config =
             Config::parse("[[device]]\ntarget = \"null\"\nsize = \"1G\"\n", ORIGIN).expect("valid");
-        assert_eq!(
-            config.devices,
-            vec![DeviceSpec {
-                id: None,
-                target: TargetSpec::Null,
-                size_bytes: 1 << 30,
-                queues: 1,
-                queue_depth: 128,
-                block_size: 4096,
-                threads: 1,
-                sandbox: true,
-                sandbox_optional: LayerSet::EMPTY,
-            }]
-        );
+        assert_eq!(config.devices, vec![device::tests::null_device()]);
     }
 
     #[test]

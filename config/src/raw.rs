@@ -53,6 +53,20 @@ pub(crate) struct RawDefaults {
     pub sandbox_optional: Option<Vec<String>>,
 }
 
+impl RawDevice {
+    /// The keys a `[[device]]` table shares with `[defaults]`.
+    pub fn settings(&self) -> RawDefaults {
+        RawDefaults {
+            queues: self.queues,
+            queue_depth: self.queue_depth,
+            block_size: self.block_size,
+            threads: self.threads,
+            sandbox: self.sandbox,
+            sandbox_optional: self.sandbox_optional.clone(),
+        }
+    }
+}
+
 /// The `[[device]]` array; its own type for a readable "expected" in type errors.
 #[derive(Debug, Default)]
 pub(crate) struct RawDevices(pub Vec<RawDevice>);
