@@ -417,6 +417,9 @@ pub enum CtlRequest {
     Recover {
         id: u32,
     },
+    /// Delete every device, answer [`CtlResponse::Deleted`], then exit: the one
+    /// request (besides `Del`) that deletes devices; signals never do.
+    Shutdown,
 }
 
 /// One device as `ublkctl list` prints it (the kernel selftests' two lines).

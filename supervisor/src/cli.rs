@@ -19,8 +19,9 @@ Environment: UBLKD_LOG, else RUST_LOG: the log filter (e.g. debug, ublkd=trace).
 systemd (stderr is the journal, as JOURNAL_STREAM says) the log goes to the journal with \
 the fields DEV_ID, WORKER_PID and EVENT: `journalctl -u ublkd DEV_ID=3`.
 
-Signals: SIGTERM or SIGINT stop and delete every device, then exit 0; SIGHUP reloads the \
-config file (`systemctl reload ublkd`): devices added to it are created, devices removed \
+Signals: SIGTERM or SIGINT exit 0 leaving every device in the kernel, its I/O held until \
+the next ublkd adopts it (`ublkctl shutdown` deletes them all and stops ublkd); SIGHUP \
+reloads the config file (`systemctl reload ublkd`): devices added to it are created, devices removed \
 are deleted, a file with errors is rejected whole.";
 
 const UBLKCTL_AFTER_HELP: &str = "\
@@ -32,8 +33,8 @@ Environment: UBLKD_SOCKET: the control socket (default /run/ublkd/ublkd.sock).";
 /// ublkd: serve ublk block devices from sandboxed worker processes.
 ///
 /// With no arguments it runs on built-in defaults (socket /run/ublkd/ublkd.sock, state
-/// dir /run/ublkd) with no devices, ready for `ublkctl add`. SIGTERM or SIGINT stops
-/// and deletes every device, then exits 0.
+/// dir /run/ublkd) with no devices, ready for `ublkctl add`, after adopting the devices
+/// a previous ublkd left. SIGTERM or SIGINT exits 0 and keeps every device.
 #[derive(Debug, Parser)]
 #[command(name = "ublkd", version, after_help = UBLKD_AFTER_HELP)]
 pub struct UblkdCli {
@@ -162,6 +163,9 @@ pub enum UblkctlCommand {
         #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID")]
         id_flag: Option<u32>,
     },
+    /// Delete every device, then stop ublkd (what removing the package does). A stop
+    /// or restart of ublkd (SIGTERM, `systemctl stop`) keeps the devices; this does not.
+    Shutdown,
     /// List the ublk features this kernel supports, one per line (no daemon needed).
     Features {
         /// Print one JSON object: {"mask":"0x…","features":[…]}.

@@ -131,6 +131,8 @@ pub struct Daemon {
     devices: BTreeMap<u32, Device>,
     control: ControlServer,
     signals: Signals,
+    /// `ublkctl shutdown` deleted every device: the loop ends after this turn.
+    shutting_down: bool,
 }
 
 impl Daemon {
@@ -164,6 +166,7 @@ impl Daemon {
             configured: Vec::new(),
             notifier: Notifier::new(),
             last_event: None,
+            shutting_down: false,
             ctx,
             devices: BTreeMap::new(),
             control,
@@ -279,7 +282,9 @@ impl Daemon {
         Ok(id)
     }
 
-    /// Serves until SIGTERM or SIGINT, then stops and deletes every device.
+    /// Serves until SIGTERM or SIGINT, then exits leaving every device in the kernel
+    /// (the workers die with ublkd; the kernel holds the devices' I/O until the next
+    /// ublkd adopts them), or until `ublkctl shutdown`, which deletes every device first.
     pub fn run(mut self) -> Result<(), DaemonError> {
         loop {
             let hung_timeout = self.config.recovery.hung_timeout;
@@ -364,10 +369,22 @@ impl Daemon {
                 let response = self.handle(req);
                 self.control.respond(token, &response, Instant::now());
             }
+            if self.shutting_down {
+                break;
+            }
         }
         self.notifier.stopping();
-        tracing::info!("stopping: deleting {} device(s)", self.devices.len());
-        self.delete_all();
+        if !self.devices.is_empty() {
+            // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
+            // restart must not pull block devices from under their users.
+            tracing::info!(
+                event = "stopping",
+                "stopping: leaving {} device(s) to the next ublkd; their I/O is held \
+                 until it adopts them",
+                self.devices.len()
+            );
+            self.leave_all();
+        }
         if let Some(relay) = crate::worker_log::Relay::get() {
             relay.flush(Duration::from_secs(1));
         }
@@ -407,6 +424,22 @@ impl Daemon {
             if let Some(event) = recovery::continue_if_due(dev, &self.ctx, now) {
                 self.last_event = Some(event);
             }
+        }
+    }
+
+    /// Kills every worker now rather than at ublkd's exit (PDEATHSIG would): the
+    /// kernel then holds each device's I/O from this moment, the next ublkd finds the
+    /// devices released sooner, and the relay logs the workers' last lines.
+    fn leave_all(&mut self) {
+        let mut workers: Vec<crate::worker::Worker> =
+            std::mem::take(&mut self.devices).into_values().flat_map(Device::leave).collect();
+        for w in &mut workers {
+            w.kill();
+        }
+        for mut w in workers {
+            let pid = w.pid();
+            let how = w.reap(Duration::ZERO);
+            tracing::debug!(worker_pid = pid, "worker ended: {how}");
         }
     }
 

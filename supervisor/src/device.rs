@@ -345,6 +345,16 @@ impl Device {
         Ok(())
     }
 
+    /// Leaves the device to the next ublkd (a stop, not a delete): the device and its
+    /// state stay; its workers are handed back, to be killed (see
+    /// [`crate::daemon`]'s stop) so that the kernel holds its I/O from now on.
+    pub fn leave(mut self) -> Vec<Worker> {
+        [self.worker.take(), self.standby.take(), self.starting.take()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
     pub fn shm(&self) -> &ShmRegion {
         &self.shm
     }

@@ -63,7 +63,7 @@ impl Notifier {
     }
 
     pub fn stopping(&self) {
-        self.send(&[NotifyState::Stopping, NotifyState::Status("stopping: deleting devices")]);
+        self.send(&[NotifyState::Stopping, NotifyState::Status("stopping")]);
     }
 
     /// How often the loop must wake to keep the watchdog fed, if it is on.

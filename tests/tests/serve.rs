@@ -4,7 +4,7 @@
 //! (`./run-tests` does that, with `ublkd-vm` as the cargo runner) and fail anywhere else.
 //!
 //! Each test starts its own `ublkd` on its own socket and ends by stopping it with
-//! SIGTERM and checking that no device, device node or worker is left.
+//! `ublkctl shutdown` and checking that no device, device node or worker is left.
 
 mod common;
 
@@ -490,7 +490,7 @@ fn del_and_sigterm_leave_no_device_node_worker_or_open_file() {
     let ids: Vec<u64> = ublkd.status().iter().filter_map(|d| d["id"].as_u64()).collect();
     assert_eq!(ids, [u64::from(null)], "`ublkctl status` after two deletions");
 
-    // SIGTERM deletes the null device, stops its worker and exits 0 (`stop` checks).
+    // `shutdown` deletes the null device, stops its worker and exits 0 (`stop` checks).
     let pid = ublkd.pid();
     let log = ublkd.stop();
     assert!(!pid_exists(null_pid) && !pid_exists(pid));

@@ -15,7 +15,9 @@
 //! 5. a SIGSTOPped worker is ublkd's own business (hung detection, no watchdog);
 //!    a SIGSTOPped ublkd is the watchdog's: systemd aborts and restarts it, and the
 //!    device again survives under fio;
-//! 6. `systemctl stop`: no device, no worker, no ublkd, no state dir left.
+//! 6. `systemctl restart` under fio verify: the devices stay, their I/O held, not failed;
+//! 7. `systemctl stop` leaves the devices; `systemctl start` adopts them;
+//! 8. `dpkg -r`: no device, no worker, no ublkd, no state dir left.
 //!
 //! It needs PID 1 to be systemd and fails anywhere else: it never skips.
 
@@ -172,17 +174,35 @@ fn ublkd_package_under_systemd() {
     assert_live(&[7, 8]);
     fio.finish();
 
-    step("6. systemctl stop");
-    let pids = worker_pids();
-    assert!(!pids.is_empty(), "no workers before the stop");
+    step("6. systemctl restart under fio verify: the devices stay, their I/O is held");
+    let fio = Fio::start("restart", 7, 15);
+    wait_for_io(7);
+    let main_pid = prop("MainPID");
+    systemctl(&["restart", "ublkd"]);
+    assert_ne!(prop("MainPID"), main_pid, "systemctl restart did not restart ublkd");
+    assert_live(&[7, 8]);
+    let jobs = fio.finish();
+    eprintln!("fio across systemctl restart: longest completion {:?}", jobs[0].clat_max);
+
+    step("7. systemctl stop keeps the devices; the next start adopts them");
+    let workers = worker_pids();
+    assert!(!workers.is_empty(), "no workers before the stop");
     systemctl(&["stop", "ublkd"]);
     assert_eq!(prop("ActiveState"), "inactive");
     assert_eq!(prop("Result"), "success", "ublkd did not stop cleanly");
-    assert_eq!(ublk_nodes(), Default::default(), "device nodes left after the stop");
-    assert_eq!(kernel_devices(), Default::default(), "ublk devices left in the kernel");
-    assert_eq!(worker_pids(), Vec::<u32>::new(), "workers left after the stop");
-    assert!(!Path::new("/run/ublkd").exists(), "/run/ublkd is left after the stop");
+    assert_eq!(kernel_devices(), [7, 8].into(), "systemctl stop deleted devices");
     assert_eq!(pids_named("ublkd"), Vec::<u32>::new(), "a ublkd process is left");
+    systemctl(&["start", "ublkd"]);
+    assert_live(&[7, 8]);
+
+    step("8. dpkg -r: no device, no worker, no ublkd, no state left");
+    let out = run(Command::new("dpkg").args(["-r", "ublkd"]));
+    assert!(out.status.success(), "dpkg -r ublkd failed:\n{}", describe(&out));
+    assert_eq!(ublk_nodes(), Default::default(), "device nodes left after dpkg -r");
+    assert_eq!(kernel_devices(), Default::default(), "ublk devices left after dpkg -r");
+    assert_eq!(worker_pids(), Vec::<u32>::new(), "workers left after dpkg -r");
+    assert_eq!(pids_named("ublkd"), Vec::<u32>::new(), "a ublkd process is left after dpkg -r");
+    assert!(!Path::new("/run/ublkd").exists(), "/run/ublkd is left after dpkg -r");
     step("done");
 }
 

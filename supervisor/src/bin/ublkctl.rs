@@ -58,6 +58,18 @@ fn main() -> ExitCode {
             CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
         }
         Command::List { id } => CtlRequest::List { id },
+        Command::Shutdown => {
+            return match call(&cli.socket, &CtlRequest::Shutdown) {
+                Ok(CtlResponse::Deleted { ids }) => {
+                    for id in ids {
+                        eprintln!("deleted device {id}");
+                    }
+                    wait_for_exit(&cli.socket)
+                }
+                Ok(other) => unexpected(other),
+                Err(code) => code,
+            };
+        }
         Command::Status { id, json } => {
             return match call(&cli.socket, &CtlRequest::Status { id }) {
                 Ok(CtlResponse::Status(devs)) => {
@@ -85,6 +97,23 @@ fn main() -> ExitCode {
         Ok(other) => return unexpected(other),
         Err(code) => return code,
     }
+    ExitCode::SUCCESS
+}
+
+/// After `shutdown`: waits for ublkd to remove its socket, the last thing it does.
+fn wait_for_exit(socket: &Path) -> ExitCode {
+    const LIMIT: Duration = Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + LIMIT;
+    while socket.exists() {
+        if std::time::Instant::now() >= deadline {
+            return fail(
+                exit::FAILURE,
+                &format!("ublkd deleted its devices but had not exited after {LIMIT:?}"),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("ublkd stopped");
     ExitCode::SUCCESS
 }
 

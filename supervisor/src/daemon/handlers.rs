@@ -1,4 +1,4 @@
-//! The control socket's requests (`ublkctl add, del, list, status, recover`): each
+//! The control socket's requests (`ublkctl add, del, list, status, recover, shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
 use ublkd_config::{DeviceSpec, TargetSpec};
@@ -23,6 +23,15 @@ impl Daemon {
             }),
             CtlRequest::Recover { id } => {
                 self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
+            }
+            CtlRequest::Shutdown => {
+                tracing::info!(
+                    event = "shutdown",
+                    "shutdown requested: deleting {} device(s), then exiting",
+                    self.devices.len()
+                );
+                self.shutting_down = true;
+                Ok(CtlResponse::Deleted { ids: self.delete_all() })
             }
         };
         result.unwrap_or_else(|message| CtlResponse::Error { message })

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use ublkd_proto::ctrl::CtrlClient;
 
-/// How long `ublkd` may take to stop and delete its devices after SIGTERM.
+/// How long `ublkd` may take to exit after SIGTERM, or to delete its devices and exit
+/// after `ublkctl shutdown`.
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The system tests check machine-wide state (every ublk device, every worker
@@ -99,10 +100,10 @@ pub fn find_device(devs: &[serde_json::Value], id: u32) -> Result<serde_json::Va
 
 /// A running `ublkd` with its own config, socket and state dir under `/run`.
 ///
-/// [`Ublkd::stop`] is the normal end: SIGTERM, exit 0, and nothing left behind. If a
-/// test fails first, `Drop` stops it anyway (SIGTERM, then SIGKILL) and deletes any
-/// ublk device still in the kernel, so the next test starts clean; it also prints
-/// ublkd's log.
+/// [`Ublkd::stop`] is the normal end: `ublkctl shutdown`, exit 0, and nothing left
+/// behind. If a test fails first, `Drop` stops it anyway (SIGTERM, then SIGKILL) and
+/// deletes any ublk device still in the kernel (SIGTERM leaves them), so the next test
+/// starts clean; it also prints ublkd's log.
 #[derive(Debug)]
 pub struct Ublkd {
     child: Option<Child>,
@@ -206,6 +207,24 @@ impl Ublkd {
         self.spawn();
     }
 
+    /// Sends `sig` (SIGTERM or SIGINT) to ublkd and asserts it exits 0 within
+    /// [`STOP_TIMEOUT`] leaving every device in the kernel (neither signal deletes one);
+    /// then `meanwhile`, then [`Self::restart`].
+    pub fn signal_and_restart(&mut self, sig: libc::c_int, meanwhile: impl FnOnce()) {
+        let before = kernel_devices();
+        let child = self.child.take().expect("ublkd is not running");
+        signal(child.id(), sig);
+        let status = wait_exit(child, STOP_TIMEOUT);
+        let log = self.log();
+        match status {
+            Some(s) => assert!(s.success(), "ublkd exited with {s} after signal {sig}:\n{log}"),
+            None => panic!("ublkd did not exit within {STOP_TIMEOUT:?} of signal {sig}:\n{log}"),
+        }
+        assert_eq!(kernel_devices(), before, "signal {sig} changed the kernel's devices:\n{log}");
+        meanwhile();
+        self.restart();
+    }
+
     /// [`Self::sigkill`], then `meanwhile`, then [`Self::restart`].
     pub fn sigkill_and_restart(&mut self, meanwhile: impl FnOnce()) {
         self.sigkill();
@@ -301,15 +320,17 @@ impl Ublkd {
         terminate(self.child.take()?, STOP_TIMEOUT)
     }
 
-    /// Stops ublkd with SIGTERM and asserts it exits 0 leaving no device, no device node,
-    /// no worker process and no ublkd process behind. Returns ublkd's log.
+    /// Stops ublkd with `ublkctl shutdown` and asserts it exits 0 leaving no device, no
+    /// device node, no worker process and no ublkd process behind. Returns ublkd's log.
     pub fn stop(mut self) -> String {
         let pid = self.pid();
-        let status = self.terminate();
+        let out = self.ctl(&["shutdown"]);
+        assert!(out.status.success(), "ublkctl shutdown: {}\n{}", describe(&out), self.log());
+        let status = wait_exit(self.child.take().expect("ublkd is running"), STOP_TIMEOUT);
         let log = self.log();
         match status {
-            Some(s) => assert!(s.success(), "ublkd exited with {s} after SIGTERM:\n{log}"),
-            None => panic!("ublkd did not exit within {STOP_TIMEOUT:?} of SIGTERM:\n{log}"),
+            Some(s) => assert!(s.success(), "ublkd exited with {s} after shutdown:\n{log}"),
+            None => panic!("ublkd did not exit within {STOP_TIMEOUT:?} of shutdown:\n{log}"),
         }
         assert!(!pid_exists(pid), "ublkd (pid {pid}) is still there after it exited");
         assert_eq!(ublk_nodes(), BTreeSet::new(), "device nodes left after ublkd exited:\n{log}");
@@ -455,8 +476,14 @@ pub fn kernel_devices() -> BTreeSet<u32> {
 
 /// Sends SIGTERM to `child` and waits up to `timeout` for its exit status; past that,
 /// SIGKILL and `None`.
-pub fn terminate(mut child: Child, timeout: Duration) -> Option<ExitStatus> {
+pub fn terminate(child: Child, timeout: Duration) -> Option<ExitStatus> {
     signal(child.id(), libc::SIGTERM);
+    wait_exit(child, timeout)
+}
+
+/// Waits up to `timeout` for `child`'s exit status; past that, SIGKILLs and reaps it
+/// and returns `None`.
+pub fn wait_exit(mut child: Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
     loop {
         match child.try_wait() {
@@ -593,6 +620,8 @@ pub struct FioJob {
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub iops: f64,
+    /// The longest completion latency of any of its I/Os (reads or writes).
+    pub clat_max: Duration,
 }
 
 /// A fio process, started with `--output-format=json` in `/tmp` (the guest's cwd is
@@ -643,6 +672,13 @@ impl Fio {
                 write_bytes: j["write"]["io_bytes"].as_u64().unwrap_or(0),
                 iops: j["read"]["iops"].as_f64().unwrap_or(0.0)
                     + j["write"]["iops"].as_f64().unwrap_or(0.0),
+                clat_max: Duration::from_nanos(
+                    ["read", "write"]
+                        .iter()
+                        .filter_map(|rw| j[rw]["clat_ns"]["max"].as_u64())
+                        .max()
+                        .unwrap_or(0),
+                ),
             })
             .collect();
         if jobs.is_empty() || jobs.iter().any(|j| j.error != 0) {

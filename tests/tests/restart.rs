@@ -1,0 +1,117 @@
+//! A restart of ublkd never breaks a device: SIGTERM (what `systemctl restart` sends)
+//! leaves every device in the kernel, configured or added at run time, with its I/O
+//! held; the next ublkd adopts them and serves on. Deleting is explicit: `ublkctl del`
+//! or `ublkctl shutdown`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+/// Files of awkward sizes under `root`, some in a subdirectory; their names.
+fn write_files(root: &Path) -> Vec<String> {
+    std::fs::create_dir_all(root.join("dir")).unwrap();
+    let sizes = [0, 1, 4097, 65_537, MIB as usize, 3 * MIB as usize + 123];
+    let mut files = Vec::new();
+    for (i, size) in sizes.into_iter().enumerate() {
+        let name = if i % 2 == 0 { format!("f{i}") } else { format!("dir/f{i}") };
+        write_file(&root.join(&name), &pattern(i as u64 + 7, size));
+        files.push(name);
+    }
+    files
+}
+
+fn fsck_clean(dev: &Path) {
+    let fsck = run(Command::new("fsck.ext4").arg("-fn").arg(dev));
+    assert_eq!(fsck.status.code(), Some(0), "fsck.ext4 -fn found problems:\n{}", describe(&fsck));
+}
+
+#[test]
+fn sigterm_keeps_every_device_and_the_next_ublkd_serves_them_with_no_io_error() {
+    let _serial = serial();
+    let name = "restart";
+    let backing = PathBuf::from("/tmp/restart-loop.img");
+    sparse_file(&backing, 64 * MIB);
+    let mnt = PathBuf::from("/tmp/restart-mnt");
+    let configured = "[[device]]\nid = 0\ntarget = \"memory\"\nsize = \"64M\"\n";
+    let mut ublkd = Ublkd::start_with(name, configured, &[]);
+    ublkd.wait_until("the configured device LIVE", || ublkd.status_of(0)["state"] == "LIVE");
+    let fs_dev = block_dev(0);
+    let added = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
+
+    // A filesystem with files on the configured device, mounted across the restarts.
+    run_ok(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&fs_dev));
+    let mount = Mount::new(&fs_dev, &mnt);
+    let files = write_files(&mnt);
+    let sums =
+        |root: &Path| -> Vec<String> { files.iter().map(|f| sha256(&root.join(f))).collect() };
+    let written = sums(&mnt);
+
+    // fio writing the runtime-added device at a bounded rate, so that its write phase
+    // spans both restarts, then verifying every block.
+    let mut args = fio_verify_args("restart", &block_dev(added), "randwrite", 1, 24 * MIB);
+    args.push("--rate=4m".into());
+    let fio = std::thread::spawn(move || Fio::run(args));
+    std::thread::sleep(Duration::from_secs(1));
+
+    let workers_before = [ublkd.worker_pid(0), ublkd.worker_pid(added)];
+    for (round, signal) in ["SIGTERM", "SIGINT"].into_iter().enumerate() {
+        let sig = if signal == "SIGTERM" { libc::SIGTERM } else { libc::SIGINT };
+        ublkd.signal_and_restart(sig, || {});
+        for id in [0, added] {
+            ublkd.wait_until(&format!("device {id} LIVE after {signal}"), || {
+                ublkd.status_of(id)["state"] == "LIVE"
+            });
+        }
+        // More files while the device is served by the new ublkd.
+        write_file(&mnt.join(format!("after-{round}")), &pattern(100 + round as u64, 777_777));
+    }
+    let job = fio.join().expect("fio thread").unwrap_or_else(|e| panic!("{e}\n{}", ublkd.log()));
+    assert!(job.write_bytes > 0 && job.read_bytes > 0, "fio did no I/O: {job:?}");
+    eprintln!("restart: longest fio completion across two restarts: {:?}", job.clat_max);
+    for line in ublkd.log().lines().filter(|l| l.contains("event=")) {
+        eprintln!("restart: {line}");
+    }
+    let workers_after = [ublkd.worker_pid(0), ublkd.worker_pid(added)];
+    assert_ne!(workers_before, workers_after, "the devices kept their workers: not adopted");
+
+    // Everything reads back from the device, not the page cache; the filesystem is clean.
+    assert_eq!(sums(&mnt), written);
+    run_ok(&mut Command::new("sync"));
+    mount.umount();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    fsck_clean(&fs_dev);
+    let mount = Mount::new(&fs_dev, &mnt);
+    assert_eq!(sums(&mnt), written, "files changed across the restarts");
+    for round in 0..2u64 {
+        let data = std::fs::read(mnt.join(format!("after-{round}"))).unwrap();
+        assert!(data == pattern(100 + round, 777_777), "after-{round} changed");
+    }
+    mount.umount();
+    let log = ublkd.log();
+    assert!(!log.contains(" ERROR "), "ublkd logged an error:\n{log}");
+    ublkd.stop();
+}
+
+#[test]
+fn shutdown_deletes_every_device_and_stops_ublkd_and_del_stays_explicit() {
+    let _serial = serial();
+    let mut ublkd = Ublkd::start("shutdown");
+    let a = ublkd.add(&["-t", "null", "-s", "16M"]);
+    let b = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    // SIGTERM keeps both; `del` deletes exactly one.
+    ublkd.signal_and_restart(libc::SIGTERM, || {});
+    ublkd.wait_until("both devices LIVE", || {
+        ublkd.status_of(a)["state"] == "LIVE" && ublkd.status_of(b)["state"] == "LIVE"
+    });
+    ublkd.del(a);
+    assert_eq!(kernel_devices(), [b].into(), "del removed the wrong devices");
+    // `shutdown` deletes the rest and ublkd exits 0 with nothing left (asserted by stop).
+    let log = ublkd.stop();
+    assert!(log.contains("event=\"shutdown\"") || log.contains("shutdown"), "{log}");
+}
