@@ -420,6 +420,21 @@ pub enum CtlRequest {
     /// Delete every device, answer [`CtlResponse::Deleted`], then exit: the one
     /// request (besides `Del`) that deletes devices; signals never do.
     Shutdown,
+    /// Move device `id` (`None`: every device) to the worker binary now on disk, one
+    /// device at a time, each serving throughout.
+    Upgrade {
+        id: Option<u32>,
+    },
+}
+
+/// What `ublkctl upgrade` did to one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpgradeOutcome {
+    pub id: u32,
+    /// Whether the device is now served by the binary on disk.
+    pub upgraded: bool,
+    /// What happened (the stall), or why not.
+    pub message: String,
 }
 
 /// One device as `ublkctl list` prints it (the kernel selftests' two lines).
@@ -497,6 +512,7 @@ pub enum CtlResponse {
         id: u32,
         message: String,
     },
+    Upgraded(Vec<UpgradeOutcome>),
     /// The request failed; `message` names what and why.
     Error {
         message: String,

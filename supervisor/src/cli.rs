@@ -163,6 +163,18 @@ pub enum UblkctlCommand {
         #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID")]
         id_flag: Option<u32>,
     },
+    /// Move devices to the worker binary now on disk (after a package upgrade), one at
+    /// a time, each serving throughout: a new standby from the binary, then a planned
+    /// handover, printing each device's stall. A binary that fails to start leaves the
+    /// old worker serving and says why.
+    Upgrade {
+        /// The device id.
+        #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
+        id: Option<u32>,
+        /// Every device ublkd serves.
+        #[arg(short, long)]
+        all: bool,
+    },
     /// Delete every device, then stop ublkd (what removing the package does). A stop
     /// or restart of ublkd (SIGTERM, `systemctl stop`) keeps the devices; this does not.
     Shutdown,

@@ -115,3 +115,81 @@ fn shutdown_deletes_every_device_and_stops_ublkd_and_del_stays_explicit() {
     let log = ublkd.stop();
     assert!(log.contains("event=\"shutdown\"") || log.contains("shutdown"), "{log}");
 }
+
+/// Copies `from` to `to` through a new file (a new inode, as a package upgrade's
+/// rename leaves), executable.
+fn install_binary(from: &Path, to: &Path) {
+    let tmp = to.with_extension("new");
+    std::fs::copy(from, &tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::rename(&tmp, to).unwrap();
+}
+
+/// The inode of the file a process runs.
+fn exe_inode(pid: u32) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(format!("/proc/{pid}/exe")).unwrap())
+}
+
+#[test]
+fn upgrade_moves_every_device_to_the_binary_on_disk_while_fio_verifies() {
+    let _serial = serial();
+    let name = "upgrade";
+    let worker = PathBuf::from("/tmp/upgrade-worker/ublkd-worker");
+    std::fs::create_dir_all(worker.parent().unwrap()).unwrap();
+    install_binary(&bin("ublkd-worker"), &worker);
+    let backing = PathBuf::from("/tmp/upgrade-loop.img");
+    sparse_file(&backing, 32 * MIB);
+    let extra = format!("worker_binary = \"{}\"\n", worker.display());
+    let ublkd = Ublkd::start_with(name, &extra, &[]);
+    let memory = ublkd.add(&["-t", "memory", "-s", "32M"]);
+    let looped = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
+
+    // A broken binary on disk: the upgrade fails, says why, and changes nothing.
+    std::fs::write(worker.with_extension("new"), "#!/bin/sh\nexit 1\n").unwrap();
+    std::fs::set_permissions(
+        worker.with_extension("new"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::rename(worker.with_extension("new"), &worker).unwrap();
+    let before = [ublkd.worker_pid(memory), ublkd.worker_pid(looped)];
+    let out = ublkd.ctl(&["upgrade", "-n", &memory.to_string()]);
+    let text = describe(&out);
+    assert_eq!(out.status.code(), Some(1), "a broken binary was not refused: {text}");
+    assert!(text.contains("did not start") && text.contains("the old worker serves on"), "{text}");
+    assert_eq!(ublkd.worker_pid(memory), before[0], "a failed upgrade replaced the worker");
+    assert_eq!(ublkd.status_of(memory)["state"], "LIVE");
+
+    // The real binary, as a new file: every device moves to it under fio verify.
+    install_binary(&bin("ublkd-worker"), &worker);
+    let new_inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&worker).unwrap());
+    let fios: Vec<_> = [memory, looped]
+        .into_iter()
+        .map(|id| {
+            let mut args =
+                fio_verify_args(&format!("up{id}"), &block_dev(id), "randwrite", 1, 16 * MIB);
+            args.push("--rate=2m".into());
+            std::thread::spawn(move || Fio::run(args))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(2));
+    let out = ublkd.ctl(&["upgrade", "-a"]);
+    let text = describe(&out);
+    assert!(out.status.success(), "ublkctl upgrade -a failed: {text}\n{}", ublkd.log());
+    eprintln!("upgrade: {text}");
+    for id in [memory, looped] {
+        assert!(text.contains(&format!("device {id}: upgraded to")), "{text}");
+    }
+    for fio in fios {
+        let job =
+            fio.join().expect("fio thread").unwrap_or_else(|e| panic!("{e}\n{}", ublkd.log()));
+        eprintln!("upgrade: fio {}: longest completion {:?}", job.name, job.clat_max);
+    }
+    for id in [memory, looped] {
+        let status = ublkd.status_of(id);
+        assert_eq!(status["state"], "LIVE", "{status}");
+        let pid = ublkd.worker_pid(id);
+        assert_eq!(exe_inode(pid), new_inode, "device {id}'s worker {pid} runs an old binary");
+    }
+    ublkd.stop();
+}

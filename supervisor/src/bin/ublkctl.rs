@@ -58,6 +58,24 @@ fn main() -> ExitCode {
             CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
         }
         Command::List { id } => CtlRequest::List { id },
+        Command::Upgrade { id, all: _ } => {
+            return match call(&cli.socket, &CtlRequest::Upgrade { id }) {
+                Ok(CtlResponse::Upgraded(outcomes)) => {
+                    for o in outcomes.iter().filter(|o| o.upgraded) {
+                        println!("{}", o.message);
+                    }
+                    let failed: Vec<&str> =
+                        outcomes.iter().filter(|o| !o.upgraded).map(|o| &o.message[..]).collect();
+                    if failed.is_empty() {
+                        ExitCode::SUCCESS
+                    } else {
+                        fail(exit::FAILURE, &failed.join("\nublkctl: "))
+                    }
+                }
+                Ok(other) => unexpected(other),
+                Err(code) => code,
+            };
+        }
         Command::Shutdown => {
             return match call(&cli.socket, &CtlRequest::Shutdown) {
                 Ok(CtlResponse::Deleted { ids }) => {

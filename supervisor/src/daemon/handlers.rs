@@ -1,9 +1,10 @@
-//! The control socket's requests (`ublkctl add, del, list, status, recover, shutdown`): each
+//! The control socket's requests (`ublkctl add, del, list, status, recover, upgrade, shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
 use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
+    UpgradeOutcome,
 };
 use ublkd_proto::uapi::DevState;
 
@@ -24,6 +25,9 @@ impl Daemon {
             CtlRequest::Recover { id } => {
                 self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
             }
+            CtlRequest::Upgrade { id } => self.selected(id).map(|ids| {
+                CtlResponse::Upgraded(ids.into_iter().map(|id| self.upgrade(id)).collect())
+            }),
             CtlRequest::Shutdown => {
                 tracing::info!(
                     event = "shutdown",
@@ -108,6 +112,62 @@ impl Daemon {
             Err(e) => {
                 dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
                 Err(format!("recover device {id}: {e}"))
+            }
+        }
+    }
+
+    /// Hands device `id` over to a worker from the binary on disk: a new standby
+    /// first (the old worker serves until it stands by; if it fails, nothing changes),
+    /// then a planned recovery onto it, which stalls the device's I/O like a recovery
+    /// (held, re-issued, not failed) and spends none of its restart budget.
+    fn upgrade(&mut self, id: u32) -> UpgradeOutcome {
+        let binary = self.ctx.worker_binary.display().to_string();
+        let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
+        let Some(dev) = self.devices.get_mut(&id) else {
+            return outcome(false, format!("device {id}: no longer served by ublkd"));
+        };
+        if !dev.state().has_worker() || dev.state().failing_io() {
+            return outcome(
+                false,
+                format!(
+                    "device {id}: not upgraded: it is not served ({}); `ublkctl recover {id}` \
+                     serves it with the binary on disk",
+                    dev.state().kind()
+                ),
+            );
+        }
+        if let Err(e) = dev.renew_standby(&self.ctx) {
+            tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
+            return outcome(
+                false,
+                format!("device {id}: not upgraded: the new worker ({binary}) did not start: \
+                         {e}; the old worker serves on"),
+            );
+        }
+        dev.forget_death();
+        match dev.recover(&self.ctx, "ublkctl upgrade") {
+            Ok(Recovery::Done(stall)) => {
+                tracing::info!(
+                    dev_id = id,
+                    event = "upgraded",
+                    stall_ms = stall.as_millis() as u64,
+                    "upgraded to {binary}"
+                );
+                outcome(
+                    true,
+                    format!("device {id}: upgraded to {binary} (stall {} ms)", stall.as_millis()),
+                )
+            }
+            Ok(Recovery::Waiting) => outcome(
+                true,
+                format!(
+                    "device {id}: handed to {binary}, waiting for the kernel to release the old \
+                     worker's device; `ublkctl status {id}` shows when it is LIVE"
+                ),
+            ),
+            Err(e) => {
+                dev.wait_for_operator(format!("upgrade failed: {e} (after: ublkctl upgrade)"));
+                outcome(false, format!("device {id}: upgrade failed: {e}"))
             }
         }
     }

@@ -112,6 +112,19 @@ impl Device {
         self.await_standby(worker, WORKER_TIMEOUT)
     }
 
+    /// Replaces the standby with a new worker from the binary now on disk, waiting for
+    /// it to stand by: what an upgrade hands the device to. If the new worker fails,
+    /// the device keeps its worker and standby, and the error says why.
+    pub fn renew_standby(&mut self, ctx: &Context) -> Result<(), DeviceError> {
+        let fresh = self.spawn_worker(ctx, false)?;
+        let fresh = self.await_standby(fresh, WORKER_TIMEOUT)?;
+        for mut old in [self.standby.replace(fresh), self.starting.take()].into_iter().flatten() {
+            old.kill();
+            old.reap(Duration::ZERO);
+        }
+        Ok(())
+    }
+
     /// Starts a new standby if there is none, without waiting for it (see
     /// [`Self::standby_progress`]). A failure is logged and retried later; a recovery
     /// meanwhile starts a worker itself.
