@@ -15,7 +15,9 @@
 //! 5. a SIGSTOPped worker is ublkd's own business (hung detection, no watchdog);
 //!    a SIGSTOPped ublkd is the watchdog's: systemd aborts and restarts it, and the
 //!    device again survives under fio;
-//! 6. `systemctl restart` under fio verify: the devices stay, their I/O held, not failed;
+//! 6. `systemctl restart`, then `dpkg -i` of a newer build, under fio verify with an
+//!    ext4 mounted: the devices stay, their I/O held, not failed; every worker then
+//!    runs the new binary;
 //! 7. `systemctl stop` leaves the devices; `systemctl start` adopts them;
 //! 8. `dpkg -r`: no device, no worker, no ublkd, no state dir left.
 //!
@@ -174,7 +176,18 @@ fn ublkd_package_under_systemd() {
     assert_live(&[7, 8]);
     fio.finish();
 
-    step("6. systemctl restart under fio verify: the devices stay, their I/O is held");
+    step("6. systemctl restart under fio verify, ext4 mounted: the devices stay, I/O held");
+    // A filesystem with files on device 8, mounted across the restart, the upgrade and
+    // the stop below.
+    let mnt = Path::new("/tmp/systemd-mnt");
+    run_ok(Command::new("mkfs.ext4").args(["-F", "-q", "/dev/ublkb8"]));
+    let mount = common::Mount::new(Path::new("/dev/ublkb8"), mnt);
+    let files: Vec<PathBuf> = (0..4).map(|i| mnt.join(format!("f{i}"))).collect();
+    for (i, f) in files.iter().enumerate() {
+        common::write_file(f, &common::pattern(i as u64 + 3, 300_000 * (i + 1)));
+    }
+    let sums = || -> Vec<String> { files.iter().map(|f| common::sha256(f)).collect() };
+    let written = sums();
     let fio = Fio::start("restart", 7, 15);
     wait_for_io(7);
     let main_pid = prop("MainPID");
@@ -183,6 +196,36 @@ fn ublkd_package_under_systemd() {
     assert_live(&[7, 8]);
     let jobs = fio.finish();
     eprintln!("fio across systemctl restart: longest completion {:?}", jobs[0].clat_max);
+
+    step("6b. dpkg -i of a newer build under fio verify: every device on the new binaries");
+    let newer = newer_build(&newest_deb());
+    let workers_before: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
+    // dpkg -i takes tens of seconds under emulation before its postinst restarts
+    // ublkd: fio runs long enough to span it.
+    let fio = Fio::start("upgrade", 7, 90);
+    wait_for_io(7);
+    let t = Instant::now();
+    let out = run(Command::new("dpkg").arg("-i").arg(&newer));
+    assert!(out.status.success(), "dpkg -i {} failed:\n{}", newer.display(), describe(&out));
+    eprintln!("dpkg -i of the newer build took {:.1} s", t.elapsed().as_secs_f64());
+    assert!(fio.running(), "fio ended before dpkg -i did: it spans no restart");
+    assert_live(&[7, 8]);
+    let jobs = fio.finish();
+    eprintln!("fio across the package upgrade: longest completion {:?}", jobs[0].clat_max);
+    let version = run_ok(Command::new("dpkg-query").args(["-W", "-f=${Version}", "ublkd"]));
+    assert!(version.ends_with("+upgrade"), "the newer package is not installed: {version}");
+    let worker_exe = std::fs::metadata("/usr/libexec/ublkd/ublkd-worker").unwrap();
+    for (id, before) in [7, 8].into_iter().zip(workers_before) {
+        let pid = worker_of(id);
+        assert_ne!(pid, before, "device {id} kept its worker across the upgrade");
+        let exe = std::fs::metadata(format!("/proc/{pid}/exe")).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::ino(&exe),
+            std::os::unix::fs::MetadataExt::ino(&worker_exe),
+            "device {id}'s worker does not run the upgraded binary"
+        );
+    }
+    assert_eq!(sums(), written, "files changed across the restart and the upgrade");
 
     step("7. systemctl stop keeps the devices; the next start adopts them");
     let workers = worker_pids();
@@ -194,6 +237,14 @@ fn ublkd_package_under_systemd() {
     assert_eq!(pids_named("ublkd"), Vec::<u32>::new(), "a ublkd process is left");
     systemctl(&["start", "ublkd"]);
     assert_live(&[7, 8]);
+    // The files read back from the device, not the page cache, and the fs is clean.
+    mount.umount();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let fsck = run(Command::new("fsck.ext4").args(["-fn", "/dev/ublkb8"]));
+    assert_eq!(fsck.status.code(), Some(0), "fsck.ext4 -fn found problems:\n{}", describe(&fsck));
+    let mount = common::Mount::new(Path::new("/dev/ublkb8"), mnt);
+    assert_eq!(sums(), written, "files changed across restart, upgrade, stop and start");
+    mount.umount();
 
     step("8. dpkg -r: no device, no worker, no ublkd, no state left");
     let out = run(Command::new("dpkg").args(["-r", "ublkd"]));
@@ -271,6 +322,27 @@ fn verify_unit() -> f64 {
         "ublkd.service's exposure {exposure} is worse than {MAX_EXPOSURE}:\n{text}"
     );
     exposure
+}
+
+/// `deb` repacked with its version suffixed `+upgrade` (higher to dpkg): what a newer
+/// build of the package looks like to the installed one.
+fn newer_build(deb: &Path) -> PathBuf {
+    let dir = Path::new("/tmp/ublkd-newer");
+    let _ = std::fs::remove_dir_all(dir);
+    run_ok(Command::new("dpkg-deb").arg("-R").arg(deb).arg(dir));
+    let control = dir.join("DEBIAN/control");
+    let text = std::fs::read_to_string(&control).unwrap();
+    let text: String = text
+        .lines()
+        .map(|l| match l.strip_prefix("Version: ") {
+            Some(v) => format!("Version: {v}+upgrade\n"),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(&control, text).unwrap();
+    let newer = PathBuf::from("/tmp/ublkd-newer.deb");
+    run_ok(Command::new("dpkg-deb").args(["--root-owner-group", "-b"]).arg(dir).arg(&newer));
+    newer
 }
 
 fn newest_deb() -> PathBuf {
@@ -469,6 +541,10 @@ impl Fio {
         .into();
         let handle = std::thread::spawn(move || common::fio(&args));
         Fio { name: name.to_string(), handle }
+    }
+
+    fn running(&self) -> bool {
+        !self.handle.is_finished()
     }
 
     fn finish(self) -> Vec<FioJob> {
