@@ -140,8 +140,10 @@ impl Daemon {
             tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
             return outcome(
                 false,
-                format!("device {id}: not upgraded: the new worker ({binary}) did not start: \
-                         {e}; the old worker serves on"),
+                format!(
+                    "device {id}: not upgraded: the new worker ({binary}) did not start: \
+                         {e}; the old worker serves on"
+                ),
             );
         }
         dev.forget_death();
