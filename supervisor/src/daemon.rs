@@ -443,16 +443,29 @@ impl Daemon {
         }
     }
 
-    fn delete_all(&mut self) -> Vec<u32> {
-        let ids: Vec<u32> = self.devices.keys().copied().collect();
-        for id in &ids {
-            if let Some(dev) = self.devices.remove(id)
-                && let Err(e) = dev.destroy(&self.ctx)
-            {
-                tracing::error!(dev_id = id, "delete failed: {e}");
+    /// Deletes every device; the ids deleted, or what failed (a device whose delete
+    /// failed is no longer served, and stays in the kernel for the next ublkd to adopt).
+    fn delete_all(&mut self) -> Result<Vec<u32>, String> {
+        let mut deleted = Vec::new();
+        let mut failed = Vec::new();
+        for (id, dev) in std::mem::take(&mut self.devices) {
+            match dev.destroy(&self.ctx) {
+                Ok(()) => deleted.push(id),
+                Err(e) => {
+                    tracing::error!(dev_id = id, "delete failed: {e}");
+                    failed.push(format!("device {id}: {e}"));
+                }
             }
         }
-        ids
+        if failed.is_empty() {
+            return Ok(deleted);
+        }
+        let deleted: Vec<String> = deleted.iter().map(u32::to_string).collect();
+        Err(format!(
+            "delete failed: {} (deleted: {})",
+            failed.join("; "),
+            if deleted.is_empty() { "none".to_string() } else { deleted.join(", ") }
+        ))
     }
 }
 

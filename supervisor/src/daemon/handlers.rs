@@ -35,7 +35,7 @@ impl Daemon {
                     self.devices.len()
                 );
                 self.shutting_down = true;
-                Ok(CtlResponse::Deleted { ids: self.delete_all() })
+                self.delete_all().map(|ids| CtlResponse::Deleted { ids })
             }
         };
         result.unwrap_or_else(|message| CtlResponse::Error { message })
@@ -79,7 +79,7 @@ impl Daemon {
 
     fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {
         match id {
-            None => Ok(self.delete_all()),
+            None => self.delete_all(),
             Some(id) => {
                 let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
                 dev.destroy(&self.ctx).map_err(|e| e.to_string())?;
