@@ -190,11 +190,6 @@ impl Daemon {
             let id = rec.id;
             match Device::adopt(&self.ctx, &rec) {
                 Ok(dev) => {
-                    tracing::info!(
-                        dev_id = id,
-                        event = "adopted",
-                        "adopted the device of a previous ublkd"
-                    );
                     self.devices.insert(id, dev);
                     adopted += 1;
                 }
@@ -221,6 +216,23 @@ impl Daemon {
                     self.ctx.state.remove(id);
                 }
                 Err(e) => tracing::error!(dev_id = id, "cannot adopt: {e}"),
+            }
+        }
+        // Every adopted device's worker is starting: recover each onto its own.
+        for (&id, dev) in &mut self.devices {
+            match dev.recover(&self.ctx, "the supervisor restarted") {
+                Ok(_) => tracing::info!(
+                    dev_id = id,
+                    event = "adopted",
+                    "adopted the device of a previous ublkd"
+                ),
+                Err(e) => {
+                    tracing::error!(dev_id = id, "adopted, but not recovered: {e}");
+                    dev.wait_for_operator(format!(
+                        "adopted from a previous ublkd, but the recovery failed: {e}; its I/O \
+                         is held: fix the cause, then run `ublkctl recover {id}`"
+                    ));
+                }
             }
         }
         adopted
@@ -389,6 +401,7 @@ impl Daemon {
             relay.flush(Duration::from_secs(1));
         }
         let _ = std::fs::remove_file(&self.config.daemon.socket);
+        tracing::info!("ublkd exits");
         Ok(())
     }
 

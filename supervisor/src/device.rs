@@ -269,7 +269,9 @@ impl Device {
     }
 
     /// Adopts a device a previous supervisor left: checks that the kernel's device is
-    /// ours and matches the record, then recovers it with a new worker.
+    /// ours and matches the record, and starts the worker that will serve it, without
+    /// waiting for it: the caller recovers the device onto it ([`Self::recover`]) once
+    /// every adopted device's worker is on its way, so that they start side by side.
     pub fn adopt(ctx: &Context, rec: &DeviceRecord) -> Result<Device, DeviceError> {
         let id = rec.id;
         let info = ctx.ctrl.get_dev_info(id)?;
@@ -303,7 +305,7 @@ impl Device {
             return Err(DeviceError::NeverStarted { id });
         }
         let mut dev = Self::open(ctx, id, spec, DeviceState::Recovering)?;
-        dev.recover(ctx, "the supervisor restarted")?;
+        dev.refill_standby(ctx);
         Ok(dev)
     }
 

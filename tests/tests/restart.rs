@@ -74,7 +74,12 @@ fn sigterm_keeps_every_device_and_the_next_ublkd_serves_them_with_no_io_error() 
     let job = fio.join().expect("fio thread").unwrap_or_else(|e| panic!("{e}\n{}", ublkd.log()));
     assert!(job.write_bytes > 0 && job.read_bytes > 0, "fio did no I/O: {job:?}");
     eprintln!("restart: longest fio completion across two restarts: {:?}", job.clat_max);
-    for line in ublkd.log().lines().filter(|l| l.contains("event=")) {
+    // What a restart's stall is made of (with --nocapture): the log from the first stop
+    // to the first adoption.
+    let log = ublkd.log();
+    let from = log.find("stopping: leaving").unwrap_or(0);
+    let to = log[from..].find("event=\"adopted\"").map_or(log.len(), |at| from + at);
+    for line in log[from..to].lines() {
         eprintln!("restart: {line}");
     }
     let workers_after = [ublkd.worker_pid(0), ublkd.worker_pid(added)];

@@ -26,6 +26,7 @@ fn main() -> ExitCode {
         },
         None => Config::default(),
     };
+    tracing::info!("ublkd {} starting", env!("CARGO_PKG_VERSION"));
     let mut daemon = match Daemon::start(config, cli.config.clone()) {
         Ok(d) => d,
         Err(e) => {
