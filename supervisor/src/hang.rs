@@ -117,6 +117,12 @@ pub struct HangWatch {
     /// `/sys/block/ublkbN/stat`, opened once and re-read in place: an idle device's
     /// tick costs one pread.
     stat_file: Option<File>,
+    /// The last tick found the device quiet past its limit with no thread waiting for
+    /// its backend. The kernel's count and the worker's slots are read one after the
+    /// other, so one tick can fall between a worker finishing a backend request (its
+    /// slot says nothing is at the backend) and the kernel counting its COMMIT: a hang
+    /// by the no-completion rule is declared on the second such tick in a row.
+    suspected: bool,
 }
 
 impl HangWatch {
@@ -127,6 +133,7 @@ impl HangWatch {
             completed: 0,
             since: Instant::now(),
             stat_file: None,
+            suspected: false,
         }
     }
 
@@ -136,6 +143,7 @@ impl HangWatch {
         self.threads = read_threads(shm).iter().map(|t| (t.heartbeat, now)).collect();
         self.completed = self.kernel_stat().completed;
         self.since = now;
+        self.suspected = false;
     }
 
     fn kernel_stat(&mut self) -> KernelStat {
@@ -163,6 +171,32 @@ impl HangWatch {
 
     /// The decision, apart from where its inputs come from.
     fn judge(
+        &mut self,
+        now: Instant,
+        kernel: KernelStat,
+        threads: &[ThreadReading],
+        stopped: impl FnOnce() -> bool,
+        timeout: Duration,
+    ) -> Verdict {
+        let verdict = self.judge_tick(now, kernel, threads, stopped, timeout);
+        match verdict {
+            Verdict::Hung(_) if self.suspected_quiet(&verdict) && !self.suspected => {
+                self.suspected = true;
+                Verdict::Fine
+            }
+            v => {
+                self.suspected = false;
+                v
+            }
+        }
+    }
+
+    /// Whether `verdict` is the no-completion rule's (not a thread stuck mid-turn).
+    fn suspected_quiet(&self, verdict: &Verdict) -> bool {
+        matches!(verdict, Verdict::Hung(why) if why.contains("none completed"))
+    }
+
+    fn judge_tick(
         &mut self,
         now: Instant,
         kernel: KernelStat,
@@ -279,9 +313,12 @@ mod tests {
         // One timeout is not enough while the threads turn; two are.
         let v = w.judge(t0 + T * 3 / 2, stat(3, 10), &[waiting(6, 0)], || false, T);
         assert_eq!(v, Verdict::Fine);
+        // Past the limit: suspected on this tick, declared on the next.
         let v = w.judge(t0 + T * 2, stat(3, 10), &[waiting(8, 0)], || false, T);
+        assert_eq!(v, Verdict::Fine);
+        let v = w.judge(t0 + T * 9 / 4, stat(3, 10), &[waiting(10, 0)], || false, T);
         assert!(
-            matches!(v, Verdict::Hung(ref why) if why.contains("none completed for 2.0 s while its threads kept turning")),
+            matches!(v, Verdict::Hung(ref why) if why.contains("none completed for 2.2 s while its threads kept turning")),
             "{v:?}"
         );
     }
@@ -291,7 +328,8 @@ mod tests {
         let mut w = HangWatch::new(0);
         let t0 = Instant::now();
         assert_eq!(w.judge(t0, stat(3, 10), &[waiting(2, 0)], || false, T), Verdict::Fine);
-        let v = w.judge(t0 + T, stat(3, 10), &[waiting(2, 0)], || false, T);
+        assert_eq!(w.judge(t0 + T, stat(3, 10), &[waiting(2, 0)], || false, T), Verdict::Fine);
+        let v = w.judge(t0 + T * 5 / 4, stat(3, 10), &[waiting(2, 0)], || false, T);
         assert!(matches!(v, Verdict::Hung(ref why) if why.contains("no thread turned")), "{v:?}");
     }
 
@@ -328,9 +366,28 @@ mod tests {
         w.judge(t0, stat(1, 10), &[waiting(8, 1)], || false, T);
         let v = w.judge(t0 + T * 5, stat(1, 10), &[waiting(8, 1)], || false, T);
         assert_eq!(v, Verdict::Backend(T * 5));
-        // The same worker stopped: nobody reaps what the backend completes.
+        // The same worker stopped: nobody reaps what the backend completes (declared
+        // on the second tick, as every no-completion hang is).
         let v = w.judge(t0 + T * 6, stat(1, 10), &[waiting(8, 1)], || true, T);
+        assert_eq!(v, Verdict::Fine);
+        let v = w.judge(t0 + T * 25 / 4, stat(1, 10), &[waiting(8, 1)], || true, T);
         assert!(matches!(v, Verdict::Hung(_)), "{v:?}");
+    }
+
+    #[test]
+    fn a_tick_between_a_backend_completion_and_its_commit_is_not_a_hang() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        w.judge(t0, stat(1, 10), &[waiting(8, 1)], || false, T);
+        let v = w.judge(t0 + T * 5, stat(1, 10), &[waiting(8, 1)], || false, T);
+        assert_eq!(v, Verdict::Backend(T * 5));
+        // The worker finished the request (its slot says nothing is at the backend);
+        // the kernel has not counted its COMMIT yet.
+        let v = w.judge(t0 + T * 21 / 4, stat(1, 10), &[waiting(10, 0)], || false, T);
+        assert_eq!(v, Verdict::Fine);
+        // The next tick sees the completion.
+        let v = w.judge(t0 + T * 11 / 2, stat(1, 11), &[waiting(10, 0)], || false, T);
+        assert_eq!(v, Verdict::Fine);
     }
 
     fn region() -> (ShmRegion, File) {
