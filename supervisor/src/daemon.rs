@@ -300,8 +300,8 @@ impl Daemon {
     pub fn run(mut self) -> Result<(), DaemonError> {
         loop {
             let hung_timeout = self.config.recovery.hung_timeout;
-            // Heartbeats are compared four times per timeout: a hang is seen within 1.25
-            // timeouts. No more often: an idle device's tick is the only thing that wakes
+            // Heartbeats are compared four times per timeout: a hang is seen within 1.5
+            // timeouts (the no-completion rule holds on two ticks in a row). No more often: an idle device's tick is the only thing that wakes
             // ublkd, and each wake-up costs CPU (much of it on an emulated machine). The
             // watchdog, a due standby, a recovery waiting for the kernel's release and a
             // control connection's deadline shorten it.
