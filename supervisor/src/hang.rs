@@ -104,6 +104,13 @@ pub enum Verdict {
     Backend(Duration),
 }
 
+/// One tick's finding, before the no-completion rule's confirmation on the next tick.
+enum Tick {
+    Verdict(Verdict),
+    /// Quiet past the limit with no backend wait: a hang if the next tick agrees.
+    Quiet(String),
+}
+
 /// What the watch remembers between ticks.
 #[derive(Debug)]
 pub struct HangWatch {
@@ -178,22 +185,20 @@ impl HangWatch {
         stopped: impl FnOnce() -> bool,
         timeout: Duration,
     ) -> Verdict {
-        let verdict = self.judge_tick(now, kernel, threads, stopped, timeout);
-        match verdict {
-            Verdict::Hung(_) if self.suspected_quiet(&verdict) && !self.suspected => {
+        match self.judge_tick(now, kernel, threads, stopped, timeout) {
+            Tick::Quiet(_) if !self.suspected => {
                 self.suspected = true;
                 Verdict::Fine
             }
-            v => {
+            Tick::Quiet(why) => {
+                self.suspected = false;
+                Verdict::Hung(why)
+            }
+            Tick::Verdict(v) => {
                 self.suspected = false;
                 v
             }
         }
-    }
-
-    /// Whether `verdict` is the no-completion rule's (not a thread stuck mid-turn).
-    fn suspected_quiet(&self, verdict: &Verdict) -> bool {
-        matches!(verdict, Verdict::Hung(why) if why.contains("none completed"))
     }
 
     fn judge_tick(
@@ -203,7 +208,7 @@ impl HangWatch {
         threads: &[ThreadReading],
         stopped: impl FnOnce() -> bool,
         timeout: Duration,
-    ) -> Verdict {
+    ) -> Tick {
         if self.threads.len() != threads.len() {
             self.threads = threads.iter().map(|t| (t.heartbeat, now)).collect();
         }
@@ -224,19 +229,19 @@ impl HangWatch {
         if kernel.inflight == 0 {
             self.completed = kernel.completed;
             self.since = now;
-            return Verdict::Fine;
+            return Tick::Verdict(Verdict::Fine);
         }
         if let Some((index, stuck)) = stuck_thread {
-            return Verdict::Hung(format!(
+            return Tick::Verdict(Verdict::Hung(format!(
                 "worker hung: queue thread {index} has been stuck in one turn for {:.1} s \
                  with I/O in flight",
                 stuck.as_secs_f64()
-            ));
+            )));
         }
         if kernel.completed != self.completed {
             self.completed = kernel.completed;
             self.since = now;
-            return Verdict::Fine;
+            return Tick::Verdict(Verdict::Fine);
         }
         let quiet = now.saturating_duration_since(self.since);
         // Threads that kept turning while nothing completed get a second timeout: a
@@ -245,14 +250,14 @@ impl HangWatch {
         let turning = self.threads.iter().any(|(_, since)| *since > self.since);
         let limit = if turning { timeout.saturating_mul(2) } else { timeout };
         if quiet < limit {
-            return Verdict::Fine;
+            return Tick::Verdict(Verdict::Fine);
         }
         let at_backend = threads.iter().any(|t| t.at_backend > 0);
         if at_backend && !stopped() {
-            return Verdict::Backend(quiet);
+            return Tick::Verdict(Verdict::Backend(quiet));
         }
         let how = if turning { "while its threads kept turning" } else { "and no thread turned" };
-        Verdict::Hung(format!(
+        Tick::Quiet(format!(
             "worker hung: I/O in flight and none completed for {:.1} s {how}",
             quiet.as_secs_f64()
         ))
