@@ -19,7 +19,7 @@ use crate::device::{
 use crate::locate::{self, KeyPath};
 use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
 use crate::{
-    Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceDefaults,
+    Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
     DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_QUEUE_DEPTH, MAX_QUEUES,
     MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS, RecoveryConfig, TargetSpec, parse_size,
 };
@@ -204,9 +204,9 @@ impl Checker<'_> {
         })
     }
 
-    fn defaults(&self, raw: RawDefaults) -> Result<DeviceDefaults, ConfigError> {
+    fn defaults(&self, raw: RawDefaults) -> Result<DeviceSettings, ConfigError> {
         let table = KeyPath::root().key("defaults");
-        let builtin = DeviceDefaults::default();
+        let builtin = DeviceSettings::default();
         let overridden =
             self.overrides(&table, &raw)?.apply(&builtin).map_err(|e| self.field(&table, e))?;
         overridden.validate().map_err(|e| self.field(&table, e))?;
@@ -217,7 +217,7 @@ impl Checker<'_> {
         &self,
         index: usize,
         raw: &RawDevice,
-        defaults: &DeviceDefaults,
+        defaults: &DeviceSettings,
     ) -> Result<DeviceSpec, ConfigError> {
         let table = KeyPath::root().key("device").index(index);
         let overrides = self.overrides(&table, &raw.settings())?;
@@ -309,17 +309,7 @@ impl Checker<'_> {
             }
         };
 
-        let spec = DeviceSpec {
-            id,
-            target,
-            size_bytes,
-            queues: settings.queues,
-            queue_depth: settings.queue_depth,
-            block_size: settings.block_size,
-            threads: settings.threads,
-            sandbox: settings.sandbox,
-            sandbox_optional: settings.sandbox_optional,
-        };
+        let spec = DeviceSpec { id, target, size_bytes, settings };
         spec.validate().map_err(|mut e| {
             if overrides.inherits(e.field) {
                 e.problem.push_str(&format!(" (the value comes from defaults.{})", e.field));
@@ -377,8 +367,8 @@ struct Overrides {
 
 impl Overrides {
     /// `base` with every set value replaced, each checked against its own limit.
-    fn apply(&self, base: &DeviceDefaults) -> Result<DeviceDefaults, FieldError> {
-        Ok(DeviceDefaults {
+    fn apply(&self, base: &DeviceSettings) -> Result<DeviceSettings, FieldError> {
+        Ok(DeviceSettings {
             queues: match self.queues {
                 Some(v) => in_range("queues", v, 1, MAX_QUEUES)?,
                 None => base.queues,

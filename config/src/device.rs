@@ -72,24 +72,27 @@ impl TargetSpec {
     }
 }
 
-/// Settings every device gets unless it sets its own: the config file's `[defaults]`.
+/// The settings every device has. The config file's `[defaults]` are one set; a
+/// device's own table or ublkctl's flags override them field by field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DeviceDefaults {
-    /// Hardware queues per device.
+pub struct DeviceSettings {
+    /// Hardware queues.
     pub queues: u16,
     /// Requests in flight per queue.
     pub queue_depth: u16,
     /// Logical block size in bytes.
     pub block_size: u32,
-    /// Worker threads per device.
+    /// Worker threads.
     pub threads: u16,
-    /// Run the device's worker in the sandbox.
+    /// Run the worker in the sandbox.
     pub sandbox: bool,
-    /// Sandbox layers the worker may run without where they cannot be applied.
+    /// Sandbox layers the worker may run without where they cannot be applied (a
+    /// chroot, a kernel that refuses user namespaces or lacks Landlock): it then runs
+    /// weaker and says so. Any other layer it cannot apply makes it refuse to run.
     pub sandbox_optional: LayerSet,
 }
 
-impl Default for DeviceDefaults {
+impl Default for DeviceSettings {
     fn default() -> Self {
         Self {
             queues: 1,
@@ -102,7 +105,7 @@ impl Default for DeviceDefaults {
     }
 }
 
-impl DeviceDefaults {
+impl DeviceSettings {
     /// Checks each value against its limit. Whether threads fit queues × queue_depth is
     /// checked per device, where overrides may change either side.
     pub fn validate(&self) -> Result<(), FieldError> {
@@ -121,22 +124,11 @@ pub struct DeviceSpec {
     pub id: Option<u32>,
     /// What serves the I/O.
     pub target: TargetSpec,
-    /// Capacity in bytes: a multiple of `block_size`, at most [`MAX_SIZE_BYTES`].
+    /// Capacity in bytes: a multiple of `settings.block_size`, at most
+    /// [`MAX_SIZE_BYTES`].
     pub size_bytes: u64,
-    /// Hardware queues.
-    pub queues: u16,
-    /// Requests in flight per queue.
-    pub queue_depth: u16,
-    /// Logical block size in bytes.
-    pub block_size: u32,
-    /// Worker threads.
-    pub threads: u16,
-    /// Run the worker in the sandbox.
-    pub sandbox: bool,
-    /// Sandbox layers the worker may run without where they cannot be applied (a
-    /// chroot, a kernel that refuses user namespaces or lacks Landlock): it then runs
-    /// weaker and says so. Any other layer it cannot apply makes it refuse to run.
-    pub sandbox_optional: LayerSet,
+    /// Queues, threads, block size and sandbox.
+    pub settings: DeviceSettings,
 }
 
 /// A device setting that breaks a rule: which field, and what is wrong with it.
@@ -162,7 +154,8 @@ impl DeviceSpec {
     /// Whether the device's request slots fit a worker ring's buffer table, as zero
     /// copy needs (see [`MAX_ZERO_COPY_SLOTS`]).
     pub fn fits_zero_copy(&self) -> bool {
-        u32::from(self.queues) * u32::from(self.queue_depth) <= MAX_ZERO_COPY_SLOTS
+        u32::from(self.settings.queues) * u32::from(self.settings.queue_depth)
+            <= MAX_ZERO_COPY_SLOTS
     }
 
     /// Checks every limit: ranges, block size, threads against queues × queue_depth,
@@ -175,22 +168,22 @@ impl DeviceSpec {
         if let Some(id) = self.id {
             check_device_id(i128::from(id))?;
         }
-        check_queues(self.queues)?;
-        check_queue_depth(self.queue_depth)?;
-        check_block_size(self.block_size)?;
-        check_threads(self.threads)?;
-        let slots = u32::from(self.queues) * u32::from(self.queue_depth);
-        if u32::from(self.threads) > slots {
+        check_queues(self.settings.queues)?;
+        check_queue_depth(self.settings.queue_depth)?;
+        check_block_size(self.settings.block_size)?;
+        check_threads(self.settings.threads)?;
+        let slots = u32::from(self.settings.queues) * u32::from(self.settings.queue_depth);
+        if u32::from(self.settings.threads) > slots {
             return Err(FieldError::new(
                 "threads",
                 format!(
                     "{} is more than queues × queue_depth = {slots}; a thread with no \
                      request slot idles, use at most {slots}",
-                    self.threads
+                    self.settings.threads
                 ),
             ));
         }
-        check_size(self.size_bytes, self.block_size)?;
+        check_size(self.size_bytes, self.settings.block_size)?;
         if matches!(self.target, TargetSpec::Loop { zero_copy: Some(true), .. })
             && !self.fits_zero_copy()
         {
@@ -437,13 +430,15 @@ pub(crate) mod tests {
             id: None,
             target: TargetSpec::Null,
             size_bytes: 1 << 30,
-            queues: 1,
-            queue_depth: 128,
-            block_size: 4096,
-            threads: 1,
-            sandbox: true,
-            sandbox_optional: LayerSet::EMPTY,
+            settings: DeviceSettings::default(),
         }
+    }
+
+    /// [`null_device`] with `change` made to its settings.
+    fn null_device_with(change: impl FnOnce(&mut DeviceSettings)) -> DeviceSpec {
+        let mut spec = null_device();
+        change(&mut spec.settings);
+        spec
     }
 
     fn field_of(spec: &DeviceSpec) -> Option<&'static str> {
@@ -454,17 +449,15 @@ pub(crate) mod tests {
     fn validate_accepts_limits_at_both_ends() {
         let mut spec = null_device();
         spec.id = Some(MAX_DEVICE_ID);
-        spec.queues = MAX_QUEUES;
-        spec.queue_depth = MAX_QUEUE_DEPTH;
-        spec.threads = MAX_THREADS;
+        spec.settings.queues = MAX_QUEUES;
+        spec.settings.queue_depth = MAX_QUEUE_DEPTH;
+        spec.settings.threads = MAX_THREADS;
         spec.size_bytes = MAX_SIZE_BYTES;
         assert_eq!(spec.validate(), Ok(()));
         let spec = DeviceSpec {
             id: Some(0),
             size_bytes: 512,
-            block_size: 512,
-            queue_depth: 1,
-            ..null_device()
+            ..null_device_with(|s| (s.block_size, s.queue_depth) = (512, 1))
         };
         assert_eq!(spec.validate(), Ok(()));
     }
@@ -473,12 +466,12 @@ pub(crate) mod tests {
     fn validate_names_the_field_that_breaks_a_limit() {
         let cases: [(DeviceSpec, &str); 9] = [
             (DeviceSpec { id: Some(MAX_DEVICE_ID + 1), ..null_device() }, "id"),
-            (DeviceSpec { queues: 0, ..null_device() }, "queues"),
-            (DeviceSpec { queues: 65, ..null_device() }, "queues"),
-            (DeviceSpec { queue_depth: 4097, ..null_device() }, "queue_depth"),
-            (DeviceSpec { block_size: 1000, ..null_device() }, "block_size"),
-            (DeviceSpec { block_size: 8192, ..null_device() }, "block_size"),
-            (DeviceSpec { threads: 3, queue_depth: 2, ..null_device() }, "threads"),
+            (null_device_with(|s| s.queues = 0), "queues"),
+            (null_device_with(|s| s.queues = 65), "queues"),
+            (null_device_with(|s| s.queue_depth = 4097), "queue_depth"),
+            (null_device_with(|s| s.block_size = 1000), "block_size"),
+            (null_device_with(|s| s.block_size = 8192), "block_size"),
+            (null_device_with(|s| (s.threads, s.queue_depth) = (3, 2)), "threads"),
             (DeviceSpec { size_bytes: 0, ..null_device() }, "size"),
             (DeviceSpec { size_bytes: MAX_SIZE_BYTES + 4096, ..null_device() }, "size"),
         ];

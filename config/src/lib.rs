@@ -41,7 +41,7 @@ pub use daemon::{
     MAX_USER_NAME_BYTES, PACKAGED_WORKER_BINARY,
 };
 pub use device::{
-    DeviceDefaults, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID, MAX_QUEUE_DEPTH,
+    DeviceSettings, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID, MAX_QUEUE_DEPTH,
     MAX_QUEUES, MAX_SIZE_BYTES, MAX_THREADS, MAX_ZERO_COPY_SLOTS, MIN_BLOCK_SIZE, TargetSpec,
     backing_file_size,
 };
@@ -57,7 +57,7 @@ pub struct Config {
     /// `[recovery]`.
     pub recovery: RecoveryConfig,
     /// `[defaults]`: kept so that devices added later (ublkctl `add`) get them too.
-    pub defaults: DeviceDefaults,
+    pub defaults: DeviceSettings,
     /// `[[device]]`, in file order, each with the defaults applied.
     pub devices: Vec<DeviceSpec>,
 }
@@ -81,7 +81,7 @@ impl Config {
     /// let text = "[defaults]\nqueues = 2\n\n[[device]]\ntarget = \"memory\"\nsize = \"1G\"\n";
     /// let config = Config::parse(text, "ublkd.toml")?;
     /// assert_eq!(config.devices[0].target, TargetSpec::Memory);
-    /// assert_eq!(config.devices[0].queues, 2);
+    /// assert_eq!(config.devices[0].settings.queues, 2);
     ///
     /// let error = Config::parse("[[device]]\ntarget = \"null\"\nsize = 1000\n", "ublkd.toml");
     /// assert_eq!(
@@ -139,6 +139,15 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_file(&self.path);
         }
+    }
+
+    /// A loop device on `backing`, with every other setting left to its default.
+    fn loop_device(backing: &TempFile) -> String {
+        format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", backing.toml())
+    }
+
+    fn assert_mentions(message: &str, parts: &[&str]) {
+        assert!(parts.iter().all(|p| message.contains(p)), "{message}");
     }
 
     fn error_message(text: &str) -> String {
@@ -572,7 +581,7 @@ mod tests {
         assert!(!config.recovery.automatic_recovery());
         assert_eq!(
             config.defaults,
-            DeviceDefaults {
+            DeviceSettings {
                 queues: 4,
                 queue_depth: 256,
                 block_size: 1024,
@@ -588,12 +597,7 @@ mod tests {
                     id: Some(0),
                     target: TargetSpec::Memory,
                     size_bytes: 64 << 20,
-                    queues: 4,
-                    queue_depth: 256,
-                    block_size: 1024,
-                    threads: 2,
-                    sandbox: false,
-                    sandbox_optional: LayerSet::EMPTY,
+                    settings: config.defaults,
                 },
                 DeviceSpec {
                     id: None,
@@ -603,12 +607,14 @@ mod tests {
                         zero_copy: Some(false),
                     },
                     size_bytes: 4 << 20,
-                    queues: 64,
-                    queue_depth: 4096,
-                    block_size: 512,
-                    threads: 64,
-                    sandbox: true,
-                    sandbox_optional: LayerSet::EMPTY,
+                    settings: DeviceSettings {
+                        queues: 64,
+                        queue_depth: 4096,
+                        block_size: 512,
+                        threads: 64,
+                        sandbox: true,
+                        sandbox_optional: LayerSet::EMPTY,
+                    },
                 },
             ]
         );
@@ -622,12 +628,15 @@ mod tests {
                     [[device]]\ntarget = \"null\"\nsize = 4096\nsandbox_optional = []\n";
         let config = Config::parse(text, ORIGIN).expect("valid");
         assert_eq!(
-            config.devices[0].sandbox_optional.layers(),
+            config.devices[0].settings.sandbox_optional.layers(),
             [SandboxLayer::UserNamespace, SandboxLayer::Landlock]
         );
-        assert!(config.devices[1].sandbox_optional.is_empty());
+        assert!(config.devices[1].settings.sandbox_optional.is_empty());
         let plain = Config::parse("[[device]]\ntarget = \"null\"\nsize = 4096\n", ORIGIN).unwrap();
-        assert!(plain.devices[0].sandbox_optional.is_empty(), "every layer is required by default");
+        assert!(
+            plain.devices[0].settings.sandbox_optional.is_empty(),
+            "every layer is required by default"
+        );
     }
 
     #[test]
@@ -637,7 +646,13 @@ mod tests {
         let config = Config::parse(text, ORIGIN).expect("valid");
         let device = &config.devices[0];
         assert_eq!(
-            (device.queues, device.queue_depth, device.block_size, device.threads, device.sandbox),
+            (
+                device.settings.queues,
+                device.settings.queue_depth,
+                device.settings.block_size,
+                device.settings.threads,
+                device.settings.sandbox
+            ),
             (4, 8, 4096, 1, false)
         );
     }
@@ -645,7 +660,7 @@ mod tests {
     #[test]
     fn loop_size_defaults_to_the_file_size() {
         let backing = TempFile::with_len("loop.img", 3 << 20);
-        let text = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", backing.toml());
+        let text = loop_device(&backing);
         let config = Config::parse(&text, ORIGIN).expect("valid");
         assert_eq!(config.devices[0].size_bytes, 3 << 20);
         assert_eq!(
@@ -657,47 +672,41 @@ mod tests {
     #[test]
     fn loop_file_size_must_fit_the_block_size_and_not_be_empty() {
         let odd = TempFile::with_len("odd.img", 4096 + 512);
-        let text = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", odd.toml());
+        let text = loop_device(&odd);
         let message = error_message(&text);
-        assert!(
-            message.contains("device[0].file: ")
-                && message.contains("is 4608 bytes, not a multiple of block_size 4096"),
-            "{message}"
+        assert_mentions(
+            &message,
+            &["device[0].file: ", "is 4608 bytes, not a multiple of block_size 4096"],
         );
         // The same file is fine with a block size that divides it, or a size that fits.
         let text = format!("{text}block_size = 512\n");
         assert_eq!(Config::parse(&text, ORIGIN).map(|c| c.devices[0].size_bytes).ok(), Some(4608));
 
         let empty = TempFile::with_len("empty.img", 0);
-        let text = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", empty.toml());
+        let text = loop_device(&empty);
         let message = error_message(&text);
-        assert!(message.contains("device[0].file: ") && message.contains("is empty"), "{message}");
+        assert_mentions(&message, &["device[0].file: ", "is empty"]);
     }
 
     #[test]
     fn loop_size_larger_than_the_file_is_refused() {
         let backing = TempFile::with_len("small.img", 1 << 20);
-        let text = format!(
-            "[[device]]\ntarget = \"loop\"\nfile = \"{}\"\nsize = \"2M\"\n",
-            backing.toml()
-        );
+        let text = format!("{}size = \"2M\"\n", loop_device(&backing));
         let message = error_message(&text);
-        assert!(
-            message.contains("device[0].size: 2M (2097152 bytes) is larger than")
-                && message.contains("(1048576 bytes)"),
-            "{message}"
+        assert_mentions(
+            &message,
+            &["device[0].size: 2M (2097152 bytes) is larger than", "(1048576 bytes)"],
         );
     }
 
     #[test]
     fn one_backing_file_for_two_devices_is_refused() {
         let backing = TempFile::with_len("shared.img", 1 << 20);
-        let device = format!("[[device]]\ntarget = \"loop\"\nfile = \"{}\"\n", backing.toml());
+        let device = loop_device(&backing);
         let message = error_message(&format!("{device}{device}"));
-        assert!(
-            message.contains("device[1].file: ")
-                && message.contains("is already the backing file of device[0]"),
-            "{message}"
+        assert_mentions(
+            &message,
+            &["device[1].file: ", "is already the backing file of device[0]"],
         );
     }
 
@@ -771,7 +780,7 @@ mod tests {
         );
         assert_eq!(config.daemon.worker_user.as_deref(), Some("ublkd-worker"));
         assert_eq!(config.recovery, RecoveryConfig::default());
-        assert_eq!(config.defaults, DeviceDefaults::default());
+        assert_eq!(config.defaults, DeviceSettings::default());
         assert_eq!(config.devices.len(), 2);
         assert_eq!(config.devices[0].id, Some(3));
         assert_eq!(config.devices[0].size_bytes, 1 << 30);
@@ -1008,12 +1017,14 @@ mod tests {
                             id: None,
                             target,
                             size_bytes,
-                            queues,
-                            queue_depth,
-                            block_size,
-                            threads,
-                            sandbox,
-                            sandbox_optional: LayerSet::EMPTY,
+                            settings: DeviceSettings {
+                                queues,
+                                queue_depth,
+                                block_size,
+                                threads,
+                                sandbox,
+                                sandbox_optional: LayerSet::EMPTY,
+                            },
                         };
                         (text, spec)
                     })

@@ -17,13 +17,10 @@ use ublkd_proto::uapi::*;
 /// serves both sides.
 fn expectations() -> Vec<(String, i64)> {
     let mut v: Vec<(String, i64)> = Vec::new();
-    macro_rules! size {
-        ($rs:ty, $c:literal) => {
+    // `layout!(RustType, "c_struct"; field…)`: the size and every field's offset.
+    macro_rules! layout {
+        ($rs:ty, $c:literal; $($f:ident)*) => {
             v.push((format!("sizeof(struct {})", $c), size_of::<$rs>() as i64));
-        };
-    }
-    macro_rules! off {
-        ($rs:ty, $c:literal, $($f:ident),*) => {
             $(v.push((format!("offsetof(struct {}, {})", $c, stringify!($f)), offset_of!($rs, $f) as i64));)*
         };
     }
@@ -33,110 +30,21 @@ fn expectations() -> Vec<(String, i64)> {
         };
     }
 
-    size!(UblksrvCtrlCmd, "ublksrv_ctrl_cmd");
-    off!(
-        UblksrvCtrlCmd,
-        "ublksrv_ctrl_cmd",
-        dev_id,
-        queue_id,
-        len,
-        addr,
-        data,
-        dev_path_len,
-        pad,
-        reserved
-    );
-    size!(UblksrvCtrlDevInfo, "ublksrv_ctrl_dev_info");
-    off!(
-        UblksrvCtrlDevInfo,
-        "ublksrv_ctrl_dev_info",
-        nr_hw_queues,
-        queue_depth,
-        state,
-        pad0,
-        max_io_buf_bytes,
-        dev_id,
-        ublksrv_pid,
-        pad1,
-        flags,
-        ublksrv_flags,
-        owner_uid,
-        owner_gid,
-        reserved1,
-        reserved2
-    );
-    size!(UblksrvIoDesc, "ublksrv_io_desc");
-    off!(UblksrvIoDesc, "ublksrv_io_desc", op_flags, nr_sectors, start_sector, addr);
-    size!(UblksrvIoCmd, "ublksrv_io_cmd");
-    off!(UblksrvIoCmd, "ublksrv_io_cmd", q_id, tag, result, addr);
-    size!(UblkAutoBufReg, "ublk_auto_buf_reg");
-    off!(UblkAutoBufReg, "ublk_auto_buf_reg", index, flags, reserved0, reserved1);
-    size!(UblkElemHeader, "ublk_elem_header");
-    off!(UblkElemHeader, "ublk_elem_header", tag, buf_index, result);
-    size!(UblkBatchIo, "ublk_batch_io");
-    off!(UblkBatchIo, "ublk_batch_io", q_id, flags, nr_elem, elem_bytes, reserved, reserved2);
-    size!(UblkParamBasic, "ublk_param_basic");
-    off!(
-        UblkParamBasic,
-        "ublk_param_basic",
-        attrs,
-        logical_bs_shift,
-        physical_bs_shift,
-        io_opt_shift,
-        io_min_shift,
-        max_sectors,
-        chunk_sectors,
-        dev_sectors,
-        virt_boundary_mask
-    );
-    size!(UblkParamDiscard, "ublk_param_discard");
-    off!(
-        UblkParamDiscard,
-        "ublk_param_discard",
-        discard_alignment,
-        discard_granularity,
-        max_discard_sectors,
-        max_write_zeroes_sectors,
-        max_discard_segments,
-        reserved0
-    );
-    size!(UblkParamDevt, "ublk_param_devt");
-    off!(UblkParamDevt, "ublk_param_devt", char_major, char_minor, disk_major, disk_minor);
-    size!(UblkParamZoned, "ublk_param_zoned");
-    off!(
-        UblkParamZoned,
-        "ublk_param_zoned",
-        max_open_zones,
-        max_active_zones,
-        max_zone_append_sectors,
-        reserved
-    );
-    size!(UblkParamDmaAlign, "ublk_param_dma_align");
-    off!(UblkParamDmaAlign, "ublk_param_dma_align", alignment, pad);
-    size!(UblkParamSegment, "ublk_param_segment");
-    off!(
-        UblkParamSegment,
-        "ublk_param_segment",
-        seg_boundary_mask,
-        max_segment_size,
-        max_segments,
-        pad
-    );
-    size!(UblkParamIntegrity, "ublk_param_integrity");
-    off!(
-        UblkParamIntegrity,
-        "ublk_param_integrity",
-        flags,
-        max_integrity_segments,
-        interval_exp,
-        metadata_size,
-        pi_offset,
-        csum_type,
-        tag_size,
-        pad
-    );
-    size!(UblkParams, "ublk_params");
-    off!(UblkParams, "ublk_params", len, types, basic, discard, devt, zoned, dma, seg, integrity);
+    layout!(UblksrvCtrlCmd, "ublksrv_ctrl_cmd"; dev_id queue_id len addr data dev_path_len pad reserved);
+    layout!(UblksrvCtrlDevInfo, "ublksrv_ctrl_dev_info"; nr_hw_queues queue_depth state pad0 max_io_buf_bytes dev_id ublksrv_pid pad1 flags ublksrv_flags owner_uid owner_gid reserved1 reserved2);
+    layout!(UblksrvIoDesc, "ublksrv_io_desc"; op_flags nr_sectors start_sector addr);
+    layout!(UblksrvIoCmd, "ublksrv_io_cmd"; q_id tag result addr);
+    layout!(UblkAutoBufReg, "ublk_auto_buf_reg"; index flags reserved0 reserved1);
+    layout!(UblkElemHeader, "ublk_elem_header"; tag buf_index result);
+    layout!(UblkBatchIo, "ublk_batch_io"; q_id flags nr_elem elem_bytes reserved reserved2);
+    layout!(UblkParamBasic, "ublk_param_basic"; attrs logical_bs_shift physical_bs_shift io_opt_shift io_min_shift max_sectors chunk_sectors dev_sectors virt_boundary_mask);
+    layout!(UblkParamDiscard, "ublk_param_discard"; discard_alignment discard_granularity max_discard_sectors max_write_zeroes_sectors max_discard_segments reserved0);
+    layout!(UblkParamDevt, "ublk_param_devt"; char_major char_minor disk_major disk_minor);
+    layout!(UblkParamZoned, "ublk_param_zoned"; max_open_zones max_active_zones max_zone_append_sectors reserved);
+    layout!(UblkParamDmaAlign, "ublk_param_dma_align"; alignment pad);
+    layout!(UblkParamSegment, "ublk_param_segment"; seg_boundary_mask max_segment_size max_segments pad);
+    layout!(UblkParamIntegrity, "ublk_param_integrity"; flags max_integrity_segments interval_exp metadata_size pi_offset csum_type tag_size pad);
+    layout!(UblkParams, "ublk_params"; len types basic discard devt zoned dma seg integrity);
 
     konst!(
         UBLK_CMD_GET_QUEUE_AFFINITY,

@@ -149,8 +149,8 @@ impl Device {
     pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
         let spec = &decide_zero_copy(spec, ctx.kernel_features)?;
         let info = UblksrvCtrlDevInfo {
-            nr_hw_queues: spec.queues,
-            queue_depth: spec.queue_depth,
+            nr_hw_queues: spec.settings.queues,
+            queue_depth: spec.settings.queue_depth,
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
             dev_id: spec.id.unwrap_or(AUTO_DEV_ID),
             flags: device_flags(spec),
@@ -160,17 +160,17 @@ impl Device {
         let added = ctx.ctrl.add_dev(&info)?;
         let id = added.dev_id;
         let mut spec = spec.clone();
-        if added.nr_hw_queues != spec.queues {
+        if added.nr_hw_queues != spec.settings.queues {
             // The kernel gives a device at most one queue per CPU.
             tracing::info!(
                 dev_id = id,
                 "{} queues asked, the kernel gives {} (one per CPU)",
-                spec.queues,
+                spec.settings.queues,
                 added.nr_hw_queues
             );
-            spec.queues = added.nr_hw_queues;
-            let slots = spec.queues.saturating_mul(spec.queue_depth).max(1);
-            spec.threads = spec.threads.min(slots);
+            spec.settings.queues = added.nr_hw_queues;
+            let slots = spec.settings.queues.saturating_mul(spec.settings.queue_depth).max(1);
+            spec.settings.threads = spec.settings.threads.min(slots);
         }
         // From here on, a failure deletes the half-made device.
         match Self::finish_create(ctx, id, &spec) {
@@ -222,9 +222,9 @@ impl Device {
         let state_err = |source| DeviceError::State { id, source };
         let geometry = Geometry {
             dev_id: id,
-            nr_queues: spec.queues,
-            queue_depth: spec.queue_depth,
-            nr_threads: spec.threads,
+            nr_queues: spec.settings.queues,
+            queue_depth: spec.settings.queue_depth,
+            nr_threads: spec.settings.threads,
         };
         let shm_file = ctx.state.shm_file(id).map_err(state_err)?;
         let (shm, shm_fd) = if fresh {

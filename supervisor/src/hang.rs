@@ -104,6 +104,15 @@ pub enum Verdict {
     Backend(Duration),
 }
 
+/// What one tick looks at: the time, the kernel's counts, each queue thread's slot,
+/// and the timeout in force.
+struct Look<'a> {
+    now: Instant,
+    kernel: KernelStat,
+    threads: &'a [ThreadReading],
+    timeout: Duration,
+}
+
 /// One tick's finding, before the no-completion rule's confirmation on the next tick.
 enum Tick {
     Verdict(Verdict),
@@ -185,7 +194,8 @@ impl HangWatch {
         stopped: impl FnOnce() -> bool,
         timeout: Duration,
     ) -> Verdict {
-        match self.judge_tick(now, kernel, threads, stopped, timeout) {
+        let look = Look { now, kernel, threads, timeout };
+        match self.judge_tick(look, stopped) {
             Tick::Quiet(_) if !self.suspected => {
                 self.suspected = true;
                 Verdict::Fine
@@ -201,14 +211,8 @@ impl HangWatch {
         }
     }
 
-    fn judge_tick(
-        &mut self,
-        now: Instant,
-        kernel: KernelStat,
-        threads: &[ThreadReading],
-        stopped: impl FnOnce() -> bool,
-        timeout: Duration,
-    ) -> Tick {
+    fn judge_tick(&mut self, look: Look<'_>, stopped: impl FnOnce() -> bool) -> Tick {
+        let Look { now, kernel, threads, timeout } = look;
         if self.threads.len() != threads.len() {
             self.threads = threads.iter().map(|t| (t.heartbeat, now)).collect();
         }
@@ -364,13 +368,19 @@ mod tests {
         assert!(matches!(v, Verdict::Hung(ref why) if why.contains("queue thread 0")), "{v:?}");
     }
 
-    #[test]
-    fn a_thread_waiting_for_a_slow_backend_is_not_hung() {
+    /// A watch that has seen one request at the backend for five timeouts, no hang.
+    fn waiting_five_timeouts_for_the_backend() -> (HangWatch, Instant) {
         let mut w = HangWatch::new(0);
         let t0 = Instant::now();
         w.judge(t0, stat(1, 10), &[waiting(8, 1)], || false, T);
         let v = w.judge(t0 + T * 5, stat(1, 10), &[waiting(8, 1)], || false, T);
         assert_eq!(v, Verdict::Backend(T * 5));
+        (w, t0)
+    }
+
+    #[test]
+    fn a_thread_waiting_for_a_slow_backend_is_not_hung() {
+        let (mut w, t0) = waiting_five_timeouts_for_the_backend();
         // The same worker stopped: nobody reaps what the backend completes (declared
         // on the second tick, as every no-completion hang is).
         let v = w.judge(t0 + T * 6, stat(1, 10), &[waiting(8, 1)], || true, T);
@@ -381,11 +391,7 @@ mod tests {
 
     #[test]
     fn a_tick_between_a_backend_completion_and_its_commit_is_not_a_hang() {
-        let mut w = HangWatch::new(0);
-        let t0 = Instant::now();
-        w.judge(t0, stat(1, 10), &[waiting(8, 1)], || false, T);
-        let v = w.judge(t0 + T * 5, stat(1, 10), &[waiting(8, 1)], || false, T);
-        assert_eq!(v, Verdict::Backend(T * 5));
+        let (mut w, t0) = waiting_five_timeouts_for_the_backend();
         // The worker finished the request (its slot says nothing is at the backend);
         // the kernel has not counted its COMMIT yet.
         let v = w.judge(t0 + T * 21 / 4, stat(1, 10), &[waiting(10, 0)], || false, T);

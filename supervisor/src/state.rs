@@ -21,7 +21,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
 use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
 /// Stored in each device's `ublksrv_flags` (kept verbatim by the kernel): "ublkd",
@@ -110,12 +110,12 @@ impl DeviceRecord {
             direct,
             zero_copy,
             size_bytes: spec.size_bytes,
-            queues: spec.queues,
-            queue_depth: spec.queue_depth,
-            block_size: spec.block_size,
-            threads: spec.threads,
-            sandbox: spec.sandbox,
-            sandbox_optional: spec.sandbox_optional.layers(),
+            queues: spec.settings.queues,
+            queue_depth: spec.settings.queue_depth,
+            block_size: spec.settings.block_size,
+            threads: spec.settings.threads,
+            sandbox: spec.settings.sandbox,
+            sandbox_optional: spec.settings.sandbox_optional.layers(),
         }
     }
 
@@ -139,12 +139,14 @@ impl DeviceRecord {
             id: Some(self.id),
             target,
             size_bytes: self.size_bytes,
-            queues: self.queues,
-            queue_depth: self.queue_depth,
-            block_size: self.block_size,
-            threads: self.threads,
-            sandbox: self.sandbox,
-            sandbox_optional: LayerSet::of(&self.sandbox_optional),
+            settings: DeviceSettings {
+                queues: self.queues,
+                queue_depth: self.queue_depth,
+                block_size: self.block_size,
+                threads: self.threads,
+                sandbox: self.sandbox,
+                sandbox_optional: LayerSet::of(&self.sandbox_optional),
+            },
         })
     }
 }
@@ -340,13 +342,15 @@ mod tests {
             id: None,
             target: TargetSpec::Memory,
             size_bytes: 1 << 20,
-            queues: 1,
-            queue_depth: 16,
-            block_size: 4096,
-            threads: 1,
-            sandbox: true,
-            // Kept in the record: an adopted device keeps its opt-in.
-            sandbox_optional: LayerSet::of(&[SandboxLayer::UserNamespace]),
+            settings: DeviceSettings {
+                queues: 1,
+                queue_depth: 16,
+                block_size: 4096,
+                threads: 1,
+                sandbox: true,
+                // Kept in the record: an adopted device keeps its opt-in.
+                sandbox_optional: LayerSet::of(&[SandboxLayer::UserNamespace]),
+            },
         }
     }
 

@@ -67,7 +67,7 @@ pub fn decide_zero_copy(
 
 /// The kernel parameters for `spec`.
 pub fn params(spec: &DeviceSpec) -> UblkParams {
-    let bs_shift = spec.block_size.trailing_zeros() as u8;
+    let bs_shift = spec.settings.block_size.trailing_zeros() as u8;
     let types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
     // A loop file has a write-back cache (the page cache, or the disk's own): FLUSH and
     // FUA must reach the target. RAM and null have nothing to flush.
@@ -92,7 +92,7 @@ pub fn params(spec: &DeviceSpec) -> UblkParams {
         },
         discard: UblkParamDiscard {
             discard_alignment: 0,
-            discard_granularity: spec.block_size,
+            discard_granularity: spec.settings.block_size,
             max_discard_sectors: max_sectors,
             max_write_zeroes_sectors: max_sectors,
             max_discard_segments: 1,
@@ -175,12 +175,12 @@ mod tests {
             id: None,
             target,
             size_bytes: 1 << 30,
-            queues: 2,
-            queue_depth: 64,
-            block_size,
-            threads: 1,
-            sandbox: true,
-            sandbox_optional: ublkd_proto::msg::LayerSet::EMPTY,
+            settings: ublkd_config::DeviceSettings {
+                queues: 2,
+                queue_depth: 64,
+                block_size,
+                ..Default::default()
+            },
         }
     }
 
@@ -201,7 +201,7 @@ mod tests {
         assert_eq!(decided(&loop_spec(None), all), Some(true));
         assert_eq!(decided(&loop_spec(None), 0), Some(false));
         let mut big = loop_spec(None);
-        (big.queues, big.queue_depth) = (8, 4096);
+        (big.settings.queues, big.settings.queue_depth) = (8, 4096);
         assert_eq!(decided(&big, all), Some(false));
         assert_eq!(decided(&loop_spec(Some(false)), all), Some(false));
         assert_eq!(decided(&loop_spec(Some(true)), all), Some(true));

@@ -31,7 +31,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{
-    FioJob, describe, fd_targets, kernel_devices, pid_exists, run, run_ok, ublk_nodes, worker_pids,
+    FioJob, assert_succeeded, describe, fd_targets, kernel_devices, pid_exists, run, run_ok,
+    ublk_nodes, worker_pids,
 };
 
 /// The worst `systemd-analyze security` exposure the unit may have (0.0 best, 10.0
@@ -363,14 +364,7 @@ fn newest_deb() -> PathBuf {
 
 fn systemctl(args: &[&str]) {
     let out = run(Command::new("systemctl").args(args));
-    assert!(
-        out.status.success(),
-        "systemctl {} failed ({}):\n{}\n--- journal\n{}",
-        args.join(" "),
-        out.status,
-        describe(&out),
-        journal_tail()
-    );
+    assert_succeeded(&out, &format!("systemctl {}", args.join(" ")), "journal", journal_tail);
 }
 
 /// One property of ublkd.service (`systemctl show -P`).

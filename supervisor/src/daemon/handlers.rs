@@ -1,7 +1,7 @@
 //! The control socket's requests (`ublkctl add, del, list, status, recover, upgrade, shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
-use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
     UpgradeOutcome,
@@ -218,9 +218,9 @@ impl Daemon {
             last_recovery_ms: dev.last_recovery_ms(),
             last_recovery_reason: dev.last_recovery_reason().map(str::to_owned),
             size_bytes: dev.spec().size_bytes,
-            queues: dev.spec().queues,
-            queue_depth: dev.spec().queue_depth,
-            threads: dev.spec().threads,
+            queues: dev.spec().settings.queues,
+            queue_depth: dev.spec().settings.queue_depth,
+            threads: dev.spec().settings.threads,
             recoveries: dev.recoveries(),
             counters,
             note: dev.state().note().map(str::to_owned),
@@ -233,7 +233,7 @@ impl Daemon {
 /// config file's devices. Errors name the command-line flag.
 pub fn spec_from_request(
     add: &AddRequest,
-    defaults: &ublkd_config::DeviceDefaults,
+    defaults: &DeviceSettings,
 ) -> Result<DeviceSpec, String> {
     let target = match add.target {
         TargetKind::Null => TargetSpec::Null,
@@ -272,15 +272,17 @@ pub fn spec_from_request(
         id: add.id,
         target,
         size_bytes,
-        queues: add.queues.unwrap_or(defaults.queues),
-        queue_depth: add.queue_depth.unwrap_or(defaults.queue_depth),
-        block_size,
-        threads: add.threads.unwrap_or(defaults.threads),
-        sandbox: add.sandbox.unwrap_or(defaults.sandbox),
-        sandbox_optional: add
-            .sandbox_optional
-            .as_deref()
-            .map_or(defaults.sandbox_optional, LayerSet::of),
+        settings: DeviceSettings {
+            queues: add.queues.unwrap_or(defaults.queues),
+            queue_depth: add.queue_depth.unwrap_or(defaults.queue_depth),
+            block_size,
+            threads: add.threads.unwrap_or(defaults.threads),
+            sandbox: add.sandbox.unwrap_or(defaults.sandbox),
+            sandbox_optional: add
+                .sandbox_optional
+                .as_deref()
+                .map_or(defaults.sandbox_optional, LayerSet::of),
+        },
     };
     spec.validate().map_err(|e| flag_error(&e))?;
     Ok(spec)
@@ -313,10 +315,13 @@ pub(super) fn describe_spec(spec: &DeviceSpec) -> String {
 mod tests {
     use super::*;
     use ublkd_config::Config;
-    use ublkd_config::DeviceDefaults;
 
-    fn defaults() -> DeviceDefaults {
+    fn defaults() -> DeviceSettings {
         Config::default().defaults
+    }
+
+    fn sized(target: TargetKind, size: u64) -> AddRequest {
+        AddRequest { size: Some(size), ..add(target) }
     }
 
     fn add(target: TargetKind) -> AddRequest {
@@ -339,20 +344,21 @@ mod tests {
         use ublkd_proto::msg::SandboxLayer;
         let mut d = defaults();
         d.sandbox_optional = LayerSet::of(&[SandboxLayer::Landlock]);
-        let a = add(TargetKind::Null);
-        let mut a = AddRequest { size: Some(1 << 20), ..a };
-        assert_eq!(spec_from_request(&a, &d).unwrap().sandbox_optional, d.sandbox_optional);
+        let mut a = sized(TargetKind::Null, 1 << 20);
+        assert_eq!(
+            spec_from_request(&a, &d).unwrap().settings.sandbox_optional,
+            d.sandbox_optional
+        );
         a.sandbox_optional = Some(vec![SandboxLayer::UserNamespace]);
         assert_eq!(
-            spec_from_request(&a, &d).unwrap().sandbox_optional.layers(),
+            spec_from_request(&a, &d).unwrap().settings.sandbox_optional.layers(),
             [SandboxLayer::UserNamespace]
         );
     }
 
     #[test]
     fn zero_copy_is_for_loop_devices_only() {
-        let mut a = add(TargetKind::Memory);
-        a.size = Some(1 << 20);
+        let mut a = sized(TargetKind::Memory, 1 << 20);
         a.zero_copy = Some(true);
         let err = spec_from_request(&a, &defaults()).unwrap_err();
         assert!(err.starts_with("--zero-copy is only for loop devices"), "{err}");
@@ -375,11 +381,10 @@ mod tests {
 
     #[test]
     fn no_sandbox_overrides_the_default() {
-        let mut a = add(TargetKind::Memory);
-        a.size = Some(1 << 20);
+        let mut a = sized(TargetKind::Memory, 1 << 20);
         a.sandbox = Some(false);
         assert!(defaults().sandbox);
-        assert!(!spec_from_request(&a, &defaults()).unwrap().sandbox);
+        assert!(!spec_from_request(&a, &defaults()).unwrap().settings.sandbox);
     }
 
     #[test]
@@ -404,8 +409,7 @@ mod tests {
 
     #[test]
     fn bad_depth_is_reported_with_its_flag() {
-        let mut a = add(TargetKind::Null);
-        a.size = Some(1 << 20);
+        let mut a = sized(TargetKind::Null, 1 << 20);
         a.queue_depth = Some(0);
         let err = spec_from_request(&a, &defaults()).unwrap_err();
         assert!(err.starts_with("-d/--depth: "), "{err}");
@@ -413,12 +417,11 @@ mod tests {
 
     #[test]
     fn defaults_fill_what_the_request_leaves_out() {
-        let mut a = add(TargetKind::Memory);
-        a.size = Some(64 << 20);
+        let mut a = sized(TargetKind::Memory, 64 << 20);
         a.queues = Some(2);
         let spec = spec_from_request(&a, &defaults()).unwrap();
-        assert_eq!(spec.queues, 2);
-        assert_eq!(spec.queue_depth, defaults().queue_depth);
+        assert_eq!(spec.settings.queues, 2);
+        assert_eq!(spec.settings.queue_depth, defaults().queue_depth);
         assert_eq!(spec.size_bytes, 64 << 20);
     }
 }

@@ -31,18 +31,18 @@ impl Device {
     pub(super) fn spawn_worker(&self, ctx: &Context, fail_io: bool) -> Result<Worker, DeviceError> {
         let id = self.id;
         let worker_err = |source| DeviceError::Worker { id, source };
-        let sandbox = self.spec.sandbox.then_some(WorkerSandbox {
+        let sandbox = self.spec.settings.sandbox.then_some(WorkerSandbox {
             identity: ctx.worker_identity,
-            optional: self.spec.sandbox_optional,
+            optional: self.spec.settings.sandbox_optional,
         });
         let mut worker = Worker::spawn(&ctx.worker_binary, id, sandbox).map_err(worker_err)?;
         let setup = WorkerSetup {
             dev_id: id,
             size_bytes: self.spec.size_bytes,
-            nr_queues: self.spec.queues,
-            queue_depth: self.spec.queue_depth,
+            nr_queues: self.spec.settings.queues,
+            queue_depth: self.spec.settings.queue_depth,
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
-            nr_threads: self.spec.threads,
+            nr_threads: self.spec.settings.threads,
             target: match &self.spec.target {
                 _ if fail_io => TargetSetup::FailIo,
                 TargetSpec::Null => TargetSetup::Null,
@@ -51,7 +51,7 @@ impl Device {
             },
             zero_copy: zero_copy(&self.spec),
             fast_release: ctx.fast_release && self.fast_release_is_safe(),
-            block_size: self.spec.block_size,
+            block_size: self.spec.settings.block_size,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {

@@ -46,6 +46,14 @@ pub fn run_ok(cmd: &mut Command) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Asserts that `what` (a command line) succeeded; a failure shows its output and then
+/// `log`, a daemon's log or the journal, headed by `log_name`.
+pub fn assert_succeeded(out: &Output, what: &str, log_name: &str, log: impl FnOnce() -> String) {
+    if !out.status.success() {
+        panic!("{what} failed ({}):\n{}\n--- {log_name}\n{}", out.status, describe(out), log());
+    }
+}
+
 /// A command's stdout and stderr, for failure messages.
 pub fn describe(out: &Output) -> String {
     format!(
@@ -271,14 +279,7 @@ impl Ublkd {
     /// `ublkctl ARGS…`, which must succeed; returns its stdout.
     pub fn ctl_ok(&self, args: &[&str]) -> String {
         let out = self.ctl(args);
-        assert!(
-            out.status.success(),
-            "ublkctl {} failed ({}):\n{}\n--- ublkd log\n{}",
-            args.join(" "),
-            out.status,
-            describe(&out),
-            self.log()
-        );
+        assert_succeeded(&out, &format!("ublkctl {}", args.join(" ")), "ublkd log", || self.log());
         String::from_utf8(out.stdout).unwrap()
     }
 
