@@ -107,12 +107,25 @@ impl WorkerSetup {
 pub enum ToWorker {
     /// Get ready (fds: the shared region, the target's).
     Setup(WorkerSetup),
-    /// Serve the device now (fd: `/dev/ublkcN`): PREP every tag, arm FETCH, answer
-    /// Ready. `generation` is the shared region's generation for this incarnation.
+    /// Serve the device now: PREP every tag, arm FETCH, answer Ready. `generation` is
+    /// the shared region's generation for this incarnation. fds: `/dev/ublkcN`, then
+    /// the ones the worker holds for as long as it serves, unused, so that they outlive
+    /// the supervisor ([`MAX_HELD_FDS`] at most): the supervisor's own end of this
+    /// control socket (without which the worker would see the socket end when the
+    /// supervisor exits), and the read end of the worker's stderr pipe where ublkd
+    /// relays it. A restarted ublkd takes them back with pidfd_getfd at the numbers
+    /// the worker names in Ready, and talks to the worker that served on meanwhile.
     Activate { generation: u64 },
     /// Stop serving and exit (the device is being stopped).
     Shutdown,
+    /// From a supervisor that took the serving worker over (a restarted ublkd): say
+    /// which device and incarnation you serve. Answered with [`FromWorker::Attached`].
+    Attach,
 }
+
+/// The most fds a worker holds for its supervisor's successor (see
+/// [`ToWorker::Activate`]).
+pub const MAX_HELD_FDS: usize = 2;
 
 /// A layer of the worker sandbox that a kernel (or where ublkd runs) can refuse. A
 /// worker that cannot apply one refuses to run, unless its device lists the layer as
@@ -234,12 +247,15 @@ pub struct SandboxReport {
 }
 
 /// How long a worker's activation took, in microseconds (informational).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Activation {
     /// Mapping the descriptor arrays.
     pub map_us: u32,
     /// Registering `/dev/ublkcN` in the rings and PREPing every tag.
     pub prep_us: u32,
+    /// The numbers at which the worker holds the fds that came after `/dev/ublkcN`
+    /// with Activate, in their order.
+    pub held: Vec<i32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -259,6 +275,9 @@ pub enum FromWorker {
     Ready(Activation),
     /// The worker cannot serve the device; it exits after sending this.
     Failed { reason: String },
+    /// The answer to [`ToWorker::Attach`]: the device and incarnation it serves, and
+    /// its rings' fd numbers as in Standby.
+    Attached { dev_id: u32, generation: u64, rings: Vec<i32> },
 }
 
 /// The most characters of a worker's text (a failure reason) that the supervisor

@@ -3,10 +3,9 @@
 //! One thread does everything, in one `poll` loop over the control socket and its
 //! connections (served without blocking: [`crate::control`]), a self-pipe that signal
 //! handlers write to, and a pidfd per worker (readable the moment it dies).
-//! Devices change only on that thread, so the device table needs no lock, and workers
-//! are spawned from the thread that lives as long as the process (which
-//! `PR_SET_PDEATHSIG` requires). While any device is served the loop also wakes a few
-//! times per hung-worker timeout to compare heartbeats.
+//! Devices change only on that thread, so the device table needs no lock. While any
+//! device is served the loop also wakes a few times per hung-worker timeout to compare
+//! heartbeats.
 //!
 //! A worker's death starts a recovery at once, within the device's restart budget;
 //! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
@@ -35,7 +34,7 @@ pub use handlers::spec_from_request;
 
 use crate::control::ControlServer;
 use crate::device::{Context, Device, DeviceError};
-use crate::device_state::Summary;
+use crate::device_state::{StateKind, Summary};
 use crate::state::StateDir;
 use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
@@ -218,8 +217,12 @@ impl Daemon {
                 Err(e) => tracing::error!(dev_id = id, "cannot adopt: {e}"),
             }
         }
-        // Every adopted device's worker is starting: recover each onto its own.
+        // Every adopted device's standby is starting: recover each device whose worker
+        // was not taken over onto its own.
         for (&id, dev) in &mut self.devices {
+            if dev.state().kind() == StateKind::Live {
+                continue;
+            }
             match dev.recover(&self.ctx, "the supervisor restarted") {
                 Ok(_) => tracing::info!(
                     dev_id = id,
@@ -295,13 +298,15 @@ impl Daemon {
     }
 
     /// Serves until SIGTERM or SIGINT, then exits leaving every device in the kernel
-    /// (the workers die with ublkd; the kernel holds the devices' I/O until the next
-    /// ublkd adopts them), or until `ublkctl shutdown`, which deletes every device first.
+    /// (each LIVE device's worker serves on, for the next ublkd to take over; the
+    /// kernel holds the others' I/O until the next ublkd recovers them), or until
+    /// `ublkctl shutdown`, which deletes every device first.
     pub fn run(mut self) -> Result<(), DaemonError> {
         loop {
             let hung_timeout = self.config.recovery.hung_timeout;
             // Heartbeats are compared four times per timeout: a hang is seen within 1.5
-            // timeouts (the no-completion rule holds on two ticks in a row). No more often: an idle device's tick is the only thing that wakes
+            // timeouts (the no-completion rule holds on two ticks in a row). No more
+            // often: an idle device's tick is the only thing that wakes
             // ublkd, and each wake-up costs CPU (much of it on an emulated machine). The
             // watchdog, a due standby, a recovery waiting for the kernel's release and a
             // control connection's deadline shorten it.
@@ -389,10 +394,13 @@ impl Daemon {
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
             // restart must not pull block devices from under their users.
+            let serving =
+                self.devices.values().filter(|d| d.state().kind() == StateKind::Live).count();
             tracing::info!(
                 event = "stopping",
-                "stopping: leaving {} device(s) to the next ublkd; their I/O is held \
-                 until it adopts them",
+                "stopping: leaving {} device(s) to the next ublkd, {serving} of them served \
+                 on by their workers meanwhile (the others' I/O is held until it recovers \
+                 them)",
                 self.devices.len()
             );
             self.leave_all();
@@ -440,9 +448,10 @@ impl Daemon {
         }
     }
 
-    /// Kills every worker now rather than at ublkd's exit (PDEATHSIG would): the
-    /// kernel then holds each device's I/O from this moment, the next ublkd finds the
-    /// devices released sooner, and the relay logs the workers' last lines.
+    /// Leaves every LIVE device's worker serving and kills the rest now (standbys would
+    /// end with their control sockets at ublkd's exit; a killed worker's device is held
+    /// by the kernel from this moment, for the next ublkd to recover), so that the
+    /// relay logs their last lines.
     fn leave_all(&mut self) {
         let mut workers: Vec<crate::worker::Worker> =
             std::mem::take(&mut self.devices).into_values().flat_map(Device::leave).collect();

@@ -37,6 +37,8 @@ use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
 /// How long a worker may take to get set up, or to PREP every tag.
 const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a worker left serving by a previous ublkd may take to answer its take-over.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a worker may take to exit when asked.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// How long a recovery waits inline for the kernel to release a dead worker's
@@ -193,7 +195,7 @@ impl Device {
         ctx.ctrl.set_params(id, &params(&spec))?;
         let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
         let standby = dev.ensure_standby(ctx)?;
-        let (worker, activation) = dev.activate(standby)?;
+        let (worker, activation) = dev.activate(ctx, standby)?;
         ctx.ctrl.start_dev(id, std::process::id() as i32)?;
         tracing::info!(
             dev_id = id,
@@ -304,9 +306,70 @@ impl Device {
             // never served anything; the caller deletes it rather than leak its id.
             return Err(DeviceError::NeverStarted { id });
         }
-        let mut dev = Self::open(ctx, id, spec, DeviceState::Recovering)?;
+        let mut dev = Self::open(ctx, id, spec, DeviceState::Adopted)?;
+        // LIVE: a worker serves it still (the kernel moves a device whose server has
+        // gone out of LIVE); else it is held for a recovery.
+        if DevState::from_raw(info.state) != DevState::Live || !dev.take_over(ctx) {
+            dev.transition(DeviceState::Recovering)?;
+        }
         dev.refill_standby(ctx);
         Ok(dev)
+    }
+
+    /// Takes over the worker the previous ublkd left serving, as its claim in the state
+    /// dir names it: whether it did (the device is then LIVE). One that cannot be taken
+    /// over is killed (if it is that worker), for the caller to recover the device.
+    fn take_over(&mut self, ctx: &Context) -> bool {
+        let id = self.id;
+        let claim = match ctx.state.worker_claim(id) {
+            Ok(Some(claim)) => claim,
+            Ok(None) => {
+                tracing::warn!(dev_id = id, "LIVE, but no worker is recorded for it");
+                return false;
+            }
+            Err(e) => {
+                tracing::warn!(dev_id = id, "not taking its worker over: {e}");
+                return false;
+            }
+        };
+        let attached = if claim.generation == self.generation {
+            Worker::attach(&claim, ATTACH_TIMEOUT).map_err(|e| e.to_string())
+        } else {
+            Err(format!(
+                "worker {} was recorded for generation {}, the region is at {}",
+                claim.pid, claim.generation, self.generation
+            ))
+        };
+        match attached {
+            Ok(worker) => {
+                if self.transition(DeviceState::Live).is_err() {
+                    return false;
+                }
+                tracing::info!(
+                    dev_id = id,
+                    worker_pid = worker.pid(),
+                    generation = self.generation,
+                    event = "taken_over",
+                    "took over the worker a previous ublkd left serving"
+                );
+                self.worker = Some(worker);
+                self.hang.reset(&self.shm);
+                self.hang_policy.reset();
+                true
+            }
+            Err(why) => {
+                tracing::warn!(dev_id = id, "not taking its worker over ({why}): recovering");
+                if !Worker::kill_claimed(&claim, STOP_GRACE) {
+                    tracing::warn!(
+                        dev_id = id,
+                        worker_pid = claim.pid,
+                        "the worker did not end within {} s of SIGKILL",
+                        STOP_GRACE.as_secs()
+                    );
+                }
+                false
+            }
+        }
     }
 
     /// When the next standby is due to start, if one waits.
@@ -348,9 +411,17 @@ impl Device {
     }
 
     /// Leaves the device to the next ublkd (a stop, not a delete): the device and its
-    /// state stay; its workers are handed back, to be killed (see
-    /// [`crate::daemon`]'s stop) so that the kernel holds its I/O from now on.
+    /// state stay. A LIVE device's worker serves on, for the next ublkd to take over;
+    /// every other worker (standbys, a hung or failing-I/O device's) is handed back, to
+    /// be killed (see [`crate::daemon`]'s stop), so that the kernel holds that device's
+    /// I/O until the next ublkd recovers it.
     pub fn leave(mut self) -> Vec<Worker> {
+        // A LIVE device's worker serves on, for the next ublkd to take over.
+        if self.state == DeviceState::Live
+            && let Some(worker) = self.worker.take()
+        {
+            worker.leave_serving();
+        }
         [self.worker.take(), self.standby.take(), self.starting.take()]
             .into_iter()
             .flatten()

@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 pub enum DeviceState {
     /// Being created: set up, its first worker not yet started.
     Starting,
+    /// Found in the state dir by a new ublkd: its worker not yet taken over, nor the
+    /// device recovered.
+    Adopted,
     /// Served by a worker.
     Live,
     /// Its worker was found hung and killed; the death, once seen, starts a recovery
@@ -54,6 +57,7 @@ pub struct Release {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StateKind {
     Starting,
+    Adopted,
     Live,
     Hung,
     Recovering,
@@ -63,8 +67,9 @@ pub enum StateKind {
 }
 
 impl StateKind {
-    pub const ALL: [StateKind; 7] = [
+    pub const ALL: [StateKind; 8] = [
         StateKind::Starting,
+        StateKind::Adopted,
         StateKind::Live,
         StateKind::Hung,
         StateKind::Recovering,
@@ -81,6 +86,8 @@ impl StateKind {
             // A worker found hung is killed; one that dies (or that an operator
             // replaces) leaves the device to a recovery.
             (Starting, Live)
+                // The previous ublkd's worker, taken over; else a recovery.
+                | (Adopted, Live | Recovering)
                 | (Live | FailingIo, Hung | Recovering)
                 // A hang seen again before the death is: the newer cause.
                 | (Hung, Hung | Recovering)
@@ -97,6 +104,7 @@ impl fmt::Display for StateKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             StateKind::Starting => "starting",
+            StateKind::Adopted => "adopted",
             StateKind::Live => "live",
             StateKind::Hung => "hung",
             StateKind::Recovering => "recovering",
@@ -129,6 +137,7 @@ impl DeviceState {
     pub fn kind(&self) -> StateKind {
         match self {
             DeviceState::Starting => StateKind::Starting,
+            DeviceState::Adopted => StateKind::Adopted,
             DeviceState::Live => StateKind::Live,
             DeviceState::Hung { .. } => StateKind::Hung,
             DeviceState::Recovering => StateKind::Recovering,
@@ -161,7 +170,10 @@ impl DeviceState {
     /// What `ublkctl status` says about the device's state, if anything.
     pub fn note(&self) -> Option<&str> {
         match self {
-            DeviceState::Starting | DeviceState::Live | DeviceState::Recovering => None,
+            DeviceState::Starting
+            | DeviceState::Adopted
+            | DeviceState::Live
+            | DeviceState::Recovering => None,
             DeviceState::Hung { cause }
             | DeviceState::WaitingForOperator { cause }
             | DeviceState::FailingIo { cause } => Some(cause),
@@ -199,6 +211,7 @@ mod tests {
         let cause = "why".to_string();
         match kind {
             StateKind::Starting => DeviceState::Starting,
+            StateKind::Adopted => DeviceState::Adopted,
             StateKind::Live => DeviceState::Live,
             StateKind::Hung => DeviceState::Hung { cause },
             StateKind::Recovering => DeviceState::Recovering,
@@ -208,10 +221,12 @@ mod tests {
         }
     }
 
-    const ALLOWED: [(StateKind, StateKind); 13] = {
+    const ALLOWED: [(StateKind, StateKind); 15] = {
         use StateKind::*;
         [
             (Starting, Live),
+            (Adopted, Live),
+            (Adopted, Recovering),
             (Live, Hung),
             (Live, Recovering),
             (FailingIo, Hung),
@@ -263,6 +278,7 @@ mod tests {
     fn status_is_derived_from_the_state() {
         let cases = [
             (example(StateKind::Starting), None, false, Summary::Recovering),
+            (example(StateKind::Adopted), None, false, Summary::Recovering),
             (example(StateKind::Live), None, false, Summary::Live),
             (example(StateKind::Hung), Some("why"), false, Summary::Live),
             (example(StateKind::Recovering), None, false, Summary::Recovering),

@@ -22,6 +22,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
+
+use crate::worker::AttachClaim;
 use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
 /// Stored in each device's `ublksrv_flags` (kept verbatim by the kernel): "ublkd",
@@ -205,10 +207,35 @@ impl StateDir {
     /// Writes the record atomically (a temp file, created exclusively, renamed over the
     /// old one).
     pub fn write_record(&self, rec: &DeviceRecord) -> Result<(), StateError> {
-        let dir = self.make_dir(rec.id)?;
-        let path = dir.join("device.json");
-        let tmp = dir.join("device.json.tmp");
-        let text = serde_json::to_string_pretty(rec).expect("plain data always serializes");
+        self.write_json(rec.id, "device.json", rec)
+    }
+
+    /// Records the worker that serves device `claim.dev_id`, for the next ublkd to take
+    /// over (see [`crate::worker::Worker::attach`]).
+    pub fn write_worker_claim(&self, claim: &AttachClaim) -> Result<(), StateError> {
+        self.write_json(claim.dev_id, "worker.json", claim)
+    }
+
+    /// The last worker recorded for device `id`, if any: it may have ended since.
+    pub fn worker_claim(&self, id: u32) -> Result<Option<AttachClaim>, StateError> {
+        let path = self.devices().join(id.to_string()).join("worker.json");
+        if std::fs::symlink_metadata(&path).is_err() {
+            return Ok(None);
+        }
+        let claim: AttachClaim = Self::read_json(&path)?;
+        if claim.dev_id != id {
+            let what = format!("it names device {} in device {id}'s directory", claim.dev_id);
+            return Err(StateError::Corrupt { path, what });
+        }
+        Ok(Some(claim))
+    }
+
+    /// Writes `name` in device `id`'s directory, whole or not at all.
+    fn write_json(&self, id: u32, name: &str, value: &impl Serialize) -> Result<(), StateError> {
+        let dir = self.make_dir(id)?;
+        let path = dir.join(name);
+        let tmp = dir.join(format!("{name}.tmp"));
+        let text = serde_json::to_string_pretty(value).expect("plain data always serializes");
         // A stale temp file (or anything planted under its name) goes first: unlink
         // never follows a symlink.
         let _ = std::fs::remove_file(&tmp);
@@ -223,9 +250,9 @@ impl StateDir {
             .map_err(|source| StateError::Write { path, source })
     }
 
-    /// Reads one record file: never through a symlink, never more than
+    /// Reads one JSON file: never through a symlink, never more than
     /// [`MAX_RECORD_BYTES`].
-    fn read_record(path: &Path) -> Result<DeviceRecord, StateError> {
+    fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, StateError> {
         let read_err = |source| StateError::Read { path: path.to_path_buf(), source };
         let file = OpenOptions::new()
             .read(true)
@@ -238,7 +265,7 @@ impl StateDir {
         if text.len() as u64 > MAX_RECORD_BYTES {
             return Err(corrupt(format!("it is larger than {MAX_RECORD_BYTES} bytes")));
         }
-        serde_json::from_str::<DeviceRecord>(&text).map_err(|e| corrupt(e.to_string()))
+        serde_json::from_str::<T>(&text).map_err(|e| corrupt(e.to_string()))
     }
 
     /// Every record in the state dir (a corrupt one is an error in its place).
@@ -254,7 +281,7 @@ impl StateDir {
             if std::fs::symlink_metadata(&path).is_err() {
                 continue;
             }
-            let rec = Self::read_record(&path).and_then(|rec| {
+            let rec = Self::read_json::<DeviceRecord>(&path).and_then(|rec| {
                 let named = entry.file_name().to_string_lossy() == rec.id.to_string();
                 if named {
                     Ok(rec)

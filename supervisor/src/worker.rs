@@ -1,16 +1,24 @@
-//! Starting, talking to and reaping `ublkd-worker` processes.
+//! Starting, talking to, taking over and reaping `ublkd-worker` processes.
 //!
 //! A worker is exec'd (never a bare fork of the multi-threaded supervisor) with one end
-//! of a `SOCK_SEQPACKET` socketpair at fd 3 and nothing else but stdio. In the child,
-//! before exec: `PR_SET_PDEATHSIG(SIGKILL)`, then a re-check that the parent is still
-//! the supervisor (closing the race where it died before the prctl), so a worker never
-//! outlives its supervisor. The supervisor spawns workers from its main thread, which
-//! lives as long as it does (PDEATHSIG follows the spawning thread).
+//! of a `SOCK_SEQPACKET` socketpair at fd 3 and nothing else but stdio.
+//!
+//! Workers are not tied to the supervisor's life. Until it serves, a worker ends when
+//! its control socket does (the supervisor exited): it reads or writes the socket at
+//! every step. At activation it is handed the supervisor's end of that socket and the
+//! read end of its stderr pipe, which it holds unused; from then on it serves whether
+//! or not a supervisor runs, and a restarted ublkd takes it over ([`Worker::attach`]):
+//! it copies both fds back out of the worker with pidfd_getfd and asks the worker
+//! which device and incarnation it serves. A supervisor restart is then no event on
+//! the data path at all.
 //!
 //! A worker's stderr is a pipe of its own, relayed into ublkd's log by
-//! [`crate::worker_log`]. Nothing here waits for a worker without a bound: a killed worker stuck in the
+//! [`crate::worker_log`]; its write end is nonblocking, so that a worker whose
+//! supervisor is gone drops log lines once the pipe is full instead of stalling on
+//! them. Nothing here waits for a worker without a bound: a killed worker stuck in the
 //! kernel (in D state on a hung backing file, say) is left to [`reap_lingering`], which
-//! the loop calls on every turn (SIGCHLD wakes it).
+//! the loop calls on every turn (SIGCHLD wakes it). A taken-over worker is not ublkd's
+//! child: its end is seen on its pidfd, and its exit status is not known.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -73,6 +81,10 @@ pub enum WorkerError {
     Rings { pid: u32, number: i32, source: io::Error },
     #[error("cannot watch worker {pid} (pidfd_open): {source}")]
     Pidfd { pid: u32, source: io::Error },
+    #[error("cannot make a worker's stderr pipe: {0}")]
+    Pipe(#[source] io::Error),
+    #[error("cannot take over worker {pid}: {what}")]
+    Attach { pid: u32, what: String },
 }
 
 /// Who a sandboxed worker runs as.
@@ -93,8 +105,17 @@ pub struct WorkerSandbox {
 /// A running worker.
 #[derive(Debug)]
 pub struct Worker {
-    child: Child,
+    /// `None` for a worker taken over from a previous supervisor (not our child).
+    child: Option<Child>,
+    pid: u32,
     control: OwnedFd,
+    /// A copy of the read end of the worker's stderr pipe, handed to the worker at
+    /// activation (see [`ToWorker::Activate`]); `None` once handed, or where ublkd's
+    /// stderr is the worker's.
+    stderr_copy: Option<OwnedFd>,
+    /// Where the activated worker holds, in its fd table, the fds that outlive this
+    /// supervisor: its control socket's other end, then its stderr's read end (if any).
+    held: Vec<i32>,
     /// What the worker said its sandbox achieved (`None`: not sandboxed).
     pub sandbox: Option<SandboxReport>,
     /// Readable once the worker has exited: how the supervisor learns of a death at
@@ -118,7 +139,6 @@ impl Worker {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(WorkerError::Socket)?;
-        let parent = std::process::id() as libc::pid_t;
         let theirs_raw = theirs.as_raw_fd();
         let mut cmd = Command::new(binary);
         cmd.arg("--control-fd")
@@ -127,8 +147,11 @@ impl Worker {
             .arg(dev_id.to_string())
             .stdin(Stdio::null());
         let relay = crate::worker_log::Relay::get();
+        let mut stderr_read = None;
         if relay.is_some() {
-            cmd.stderr(Stdio::piped());
+            let (read, write) = stderr_pipe()?;
+            cmd.stderr(Stdio::from(write));
+            stderr_read = Some(read);
         }
         match sandbox {
             Some(WorkerSandbox { identity: id, optional }) => {
@@ -145,8 +168,8 @@ impl Worker {
             }
         }
         // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (dup2, fcntl, prctl, getppid, _exit) on values
-        // captured by copy; it allocates nothing and takes no locks.
+        // async-signal-safe functions (dup2, fcntl) on values captured by copy; it
+        // allocates nothing and takes no locks.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::dup2(theirs_raw, WORKER_CONTROL_FD) < 0 {
@@ -157,12 +180,6 @@ impl Worker {
                     let flags = libc::fcntl(WORKER_CONTROL_FD, libc::F_GETFD);
                     libc::fcntl(WORKER_CONTROL_FD, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
                 }
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    libc::_exit(71);
-                }
                 Ok(())
             });
         }
@@ -172,21 +189,30 @@ impl Worker {
         drop(theirs);
         // The child is ours and not yet reaped, so its pid cannot have been reused.
         let pid = child.id();
-        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        let stderr_end = match (relay, child.stderr.take()) {
-            (Some(relay), Some(stderr)) => Some(relay.watch(stderr.into(), dev_id, pid)),
-            _ => None,
+        let pidfd = match pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(source) => {
+                let _ = child.kill();
+                linger(pid);
+                return Err(WorkerError::Pidfd { pid, source });
+            }
         };
-        if raw < 0 {
-            let source = io::Error::last_os_error();
-            let _ = child.kill();
-            linger(pid);
-            return Err(WorkerError::Pidfd { pid, source });
+        let mut worker = Worker {
+            child: Some(child),
+            pid,
+            control: ours,
+            stderr_copy: None,
+            held: Vec::new(),
+            sandbox: None,
+            pidfd,
+            rings: Vec::new(),
+            stderr_end: None,
+        };
+        if let (Some(relay), Some(read)) = (relay, stderr_read) {
+            worker.stderr_copy = read.try_clone().ok();
+            worker.stderr_end = Some(relay.watch(read, dev_id, pid));
         }
-        // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
-        let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-        Ok(Worker { child, control: ours, sandbox: None, pidfd, rings: Vec::new(), stderr_end })
+        Ok(worker)
     }
 
     /// Readable when the worker has exited.
@@ -195,7 +221,7 @@ impl Worker {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
     }
 
     pub fn control(&self) -> BorrowedFd<'_> {
@@ -277,12 +303,123 @@ impl Worker {
         ublkc: BorrowedFd<'_>,
         timeout: Duration,
     ) -> Result<Activation, WorkerError> {
-        msg::send_packet(self.control(), &ToWorker::Activate { generation }, &[ublkc])
+        let mut fds = vec![ublkc, self.control.as_fd()];
+        fds.extend(self.stderr_copy.as_ref().map(AsFd::as_fd));
+        msg::send_packet(self.control(), &ToWorker::Activate { generation }, &fds)
             .map_err(WorkerError::Send)?;
+        let sent_held = fds.len() - 1;
+        // The worker has its own copy now.
+        self.stderr_copy = None;
         match self.receive(timeout)? {
-            (FromWorker::Ready(activation), _) => Ok(activation),
+            (FromWorker::Ready(activation), _) => {
+                if activation.held.len() != sent_held {
+                    let what =
+                        format!("held {} fds of the {sent_held} sent", activation.held.len());
+                    return Err(WorkerError::Protocol { pid: self.pid, what });
+                }
+                self.held.clone_from(&activation.held);
+                Ok(activation)
+            }
             (other, _) => self.unexpected("Ready", other),
         }
+    }
+
+    /// Where the activated worker holds its control socket's other end and (if any)
+    /// its stderr's read end: what a restarted ublkd needs to take it over.
+    pub fn held(&self) -> &[i32] {
+        &self.held
+    }
+
+    /// Takes over worker `pid`, which a previous supervisor activated for device
+    /// `dev_id` at `generation` and which has served on since: copies its control
+    /// socket's other end (held at `held[0]`) and its stderr's read end (`held[1]`)
+    /// out of it, and asks it what it serves. Anything that does not match, from the
+    /// process's start time to the worker's answer, is refused: the caller then kills
+    /// whatever runs at `pid` if it is that worker, and recovers the device.
+    pub fn attach(claim: &AttachClaim, timeout: Duration) -> Result<Worker, WorkerError> {
+        let pid = claim.pid;
+        let refused = |what: String| WorkerError::Attach { pid, what };
+        let pidfd = pidfd_open(pid).map_err(|e| refused(format!("no such process ({e})")))?;
+        // The pidfd pins the process: if the start time matches now, it is the worker
+        // the record names and not a later process that reused its pid.
+        match process_start_time(pid) {
+            Some(t) if t == claim.start_time => {}
+            Some(_) => return Err(refused("the pid belongs to another process now".into())),
+            None => return Err(refused("its start time cannot be read".into())),
+        }
+        let Some(&control_at) = claim.held.first() else {
+            return Err(refused("it was never told to hold its control socket".into()));
+        };
+        let control = getfd(pidfd.as_fd(), control_at)
+            .map_err(|e| refused(format!("cannot copy its fd {control_at}: {e}")))?;
+        if let Some(what) = not_a_seqpacket_socket(control.as_fd()) {
+            return Err(refused(format!("its fd {control_at} is {what}")));
+        }
+        let mut worker = Worker {
+            child: None,
+            pid,
+            control,
+            stderr_copy: None,
+            held: claim.held.clone(),
+            sandbox: None,
+            pidfd,
+            rings: Vec::new(),
+            stderr_end: None,
+        };
+        msg::send_packet(worker.control(), &ToWorker::Attach, &[]).map_err(WorkerError::Send)?;
+        let deadline = Instant::now() + timeout;
+        let (dev_id, generation, rings) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match worker.receive(left)? {
+                // A worker taken over mid-activation says Ready first.
+                (FromWorker::Ready(_), _) => continue,
+                (FromWorker::Attached { dev_id, generation, rings }, _) => {
+                    break (dev_id, generation, rings);
+                }
+                (other, _) => return worker.unexpected("Attached", other),
+            }
+        };
+        if (dev_id, generation) != (claim.dev_id, claim.generation) {
+            return Err(refused(format!(
+                "it serves device {dev_id} generation {generation}, not device {} \
+                 generation {}",
+                claim.dev_id, claim.generation
+            )));
+        }
+        worker.rings = copy_rings(worker.pidfd.as_fd(), pid, &rings)?;
+        if let (Some(relay), Some(&stderr_at)) =
+            (crate::worker_log::Relay::get(), claim.held.get(1))
+        {
+            match getfd(worker.pidfd.as_fd(), stderr_at) {
+                Ok(read) if not_a_pipe(read.as_fd()).is_none() => {
+                    worker.stderr_end = Some(relay.watch(read, dev_id, pid));
+                }
+                Ok(read) => tracing::warn!(
+                    dev_id,
+                    worker_pid = pid,
+                    "not relaying the worker's stderr: its fd {stderr_at} is {}",
+                    not_a_pipe(read.as_fd()).unwrap_or_default()
+                ),
+                Err(e) => tracing::warn!(
+                    dev_id,
+                    worker_pid = pid,
+                    "not relaying the worker's stderr: cannot copy its fd {stderr_at}: {e}"
+                ),
+            }
+        }
+        Ok(worker)
+    }
+
+    /// Kills a worker that [`Self::attach`] refused, if `claim`'s pid still is that
+    /// worker, and waits up to `grace` for its end; whether it has ended (or was never
+    /// there).
+    pub fn kill_claimed(claim: &AttachClaim, grace: Duration) -> bool {
+        let Ok(pidfd) = pidfd_open(claim.pid) else { return true };
+        if process_start_time(claim.pid) != Some(claim.start_time) {
+            return true;
+        }
+        let _ = pidfd_kill(pidfd.as_fd());
+        exits_within(pidfd.as_fd(), grace)
     }
 
     fn unexpected<T>(&self, want: &str, got: FromWorker) -> Result<T, WorkerError> {
@@ -345,9 +482,9 @@ impl Worker {
     /// waits up to [`KILL_GRACE`] more. A worker that still has not exited (stuck in the
     /// kernel) is not waited for: it is reaped once it exits (see [`reap_lingering`]).
     pub fn reap(&mut self, grace: Duration) -> String {
-        if !self.exits_within(grace) {
-            let _ = self.child.kill();
-            if !self.exits_within(KILL_GRACE) {
+        if !exits_within(self.pidfd.as_fd(), grace) {
+            self.kill();
+            if !exits_within(self.pidfd.as_fd(), KILL_GRACE) {
                 return format!(
                     "did not exit within {} ms of SIGKILL (stuck in the kernel?); it is \
                      reaped once it exits",
@@ -356,42 +493,175 @@ impl Worker {
             }
         }
         // It has exited: this wait returns at once.
-        self.child.wait().map_or_else(|e| e.to_string(), |s| ublkd_proto::exit::describe(&s))
-    }
-
-    /// Whether the worker exits within `limit` (its pidfd turns readable).
-    fn exits_within(&self, limit: Duration) -> bool {
-        let deadline = Instant::now() + limit;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let mut pfd = [PollFd::new(self.pidfd.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut pfd, poll_timeout(left)) {
-                Ok(n) => return n > 0,
-                Err(Errno::EINTR) => {}
-                Err(_) => return false,
+        match &mut self.child {
+            Some(child) => {
+                child.wait().map_or_else(|e| e.to_string(), |s| ublkd_proto::exit::describe(&s))
             }
+            None => NOT_OUR_CHILD.to_string(),
         }
     }
 
     /// Sends SIGKILL (the worker is then reaped through its pidfd like any death).
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
+        let _ = pidfd_kill(self.pidfd.as_fd());
     }
 
     /// Whether the worker has exited (reaping it if so), and how.
     pub fn exited(&mut self) -> Option<String> {
-        self.child.try_wait().ok().flatten().map(|s| ublkd_proto::exit::describe(&s))
+        match &mut self.child {
+            Some(child) => child.try_wait().ok().flatten().map(|s| ublkd_proto::exit::describe(&s)),
+            None => exits_within(self.pidfd.as_fd(), Duration::ZERO)
+                .then(|| format!("worker {} ended; {NOT_OUR_CHILD}", self.pid)),
+        }
+    }
+
+    /// Lets a serving worker serve on after this supervisor exits, for the next one to
+    /// take over: nothing of it is closed that it needs (it holds its own copies).
+    pub fn leave_serving(mut self) {
+        // Not ours to reap later either: this supervisor is about to exit.
+        self.child = None;
     }
 }
+
+/// How the end of a worker taken over from a previous supervisor is told.
+const NOT_OUR_CHILD: &str =
+    "its exit status is unknown (started by a previous ublkd, so not this one's child)";
 
 impl Drop for Worker {
     /// A worker let go before it was reaped (still running, or stuck after SIGKILL) is
     /// reaped later by [`reap_lingering`], so that it never stays a zombie.
     fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            linger(self.child.id());
+        if let Some(child) = &mut self.child
+            && let Ok(None) = child.try_wait()
+        {
+            linger(child.id());
         }
     }
+}
+
+/// What a previous supervisor recorded of a worker it activated, to take it over by
+/// ([`Worker::attach`]). Kept in the state dir, which only ublkd can write.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AttachClaim {
+    pub dev_id: u32,
+    pub pid: u32,
+    /// The process's start time (`/proc/PID/stat`, clock ticks after boot): tells the
+    /// worker from a later process that reused its pid.
+    pub start_time: u64,
+    pub generation: u64,
+    /// [`Worker::held`]; empty while the activation has not answered.
+    pub held: Vec<i32>,
+}
+
+impl AttachClaim {
+    /// The claim on `worker`, activated at `generation` for `dev_id`; `None` if its
+    /// start time cannot be read (it has exited).
+    pub fn of(worker: &Worker, dev_id: u32, generation: u64) -> Option<AttachClaim> {
+        Some(AttachClaim {
+            dev_id,
+            pid: worker.pid,
+            start_time: process_start_time(worker.pid)?,
+            generation,
+            held: worker.held.clone(),
+        })
+    }
+}
+
+/// A process's start time, field 22 of `/proc/PID/stat` (after the command name,
+/// which may hold spaces and parentheses: the last `)` ends it).
+fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    // Field 3 (state) is the first after the name; 22 is the 20th.
+    after_name.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) })
+}
+
+/// SIGKILL through the pidfd: never a process that reused the pid.
+fn pidfd_kill(pidfd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: pidfd_send_signal takes a pidfd, a signal, a null siginfo and flags.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// A copy of the fd numbered `number` in the process behind `pidfd`.
+fn getfd(pidfd: BorrowedFd<'_>, number: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd takes a pidfd, an fd number and flags (0), and returns a new
+    // fd (close-on-exec) or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), number, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new fd returned by pidfd_getfd, owned by nothing else.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) })
+}
+
+/// Whether the process behind `pidfd` exits within `limit` (the pidfd turns readable).
+fn exits_within(pidfd: BorrowedFd<'_>, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = [PollFd::new(pidfd, PollFlags::POLLIN)];
+        match poll(&mut pfd, poll_timeout(left)) {
+            Ok(n) => return n > 0,
+            Err(Errno::EINTR) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Why `fd` is not a unix `SOCK_SEQPACKET` socket (a worker's control socket), if not.
+fn not_a_seqpacket_socket(fd: BorrowedFd<'_>) -> Option<String> {
+    use nix::sys::socket::{AddressFamily, SockaddrLike, SockaddrStorage, getsockname, sockopt};
+    match nix::sys::socket::getsockopt(&fd, sockopt::SockType) {
+        Ok(SockType::SeqPacket) => {}
+        Ok(other) => return Some(format!("a {other:?} socket, not a control socket")),
+        Err(e) => return Some(format!("not a socket ({e})")),
+    }
+    match getsockname::<SockaddrStorage>(fd.as_raw_fd()).map(|a| a.family()) {
+        Ok(Some(AddressFamily::Unix)) => None,
+        Ok(family) => Some(format!("a {family:?} socket, not a unix one")),
+        Err(e) => Some(format!("a socket whose address cannot be read ({e})")),
+    }
+}
+
+/// Why `fd` is not a pipe, if it is not.
+fn not_a_pipe(fd: BorrowedFd<'_>) -> Option<String> {
+    match nix::sys::stat::fstat(fd) {
+        Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFIFO => None,
+        Ok(st) => Some(format!("not a pipe (mode {:o})", st.st_mode)),
+        Err(e) => Some(format!("an fd that cannot be inspected ({e})")),
+    }
+}
+
+/// A worker's stderr pipe: the read end for the relay, close-on-exec; the write end
+/// for the worker, nonblocking (see the module doc).
+fn stderr_pipe() -> Result<(OwnedFd, OwnedFd), WorkerError> {
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| WorkerError::Pipe(e.into()))?;
+    let flags = nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_GETFL)
+        .map_err(|e| WorkerError::Pipe(e.into()))?;
+    let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+    nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(flags))
+        .map_err(|e| WorkerError::Pipe(e.into()))?;
+    Ok((read, write))
 }
 
 /// `left` as poll's timeout, capped at the longest poll takes.
@@ -439,12 +709,9 @@ fn copy_rings(
     }
     let mut rings = Vec::with_capacity(numbers.len());
     for &number in numbers {
-        // SAFETY: pidfd_getfd takes a pidfd, an fd number and flags (0), and returns a
-        // new fd (close-on-exec) or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), number, 0) };
-        if raw < 0 {
-            let source = io::Error::last_os_error();
-            if source.raw_os_error() == Some(libc::EPERM) {
+        let ring = match getfd(pidfd, number) {
+            Ok(ring) => ring,
+            Err(source) if source.raw_os_error() == Some(libc::EPERM) => {
                 tracing::warn!(
                     worker_pid = pid,
                     "cannot copy the worker's rings ({source}): its device's recoveries \
@@ -452,10 +719,8 @@ fn copy_rings(
                 );
                 return Ok(Vec::new());
             }
-            return Err(WorkerError::Rings { pid, number, source });
-        }
-        // SAFETY: `raw` is a new fd returned by pidfd_getfd, owned by nothing else.
-        let ring = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+            Err(source) => return Err(WorkerError::Rings { pid, number, source }),
+        };
         if let Some(what) = not_an_io_uring(ring.as_fd()) {
             let what = format!("named its fd {number} as a ring, but that is {what}");
             return Err(WorkerError::Protocol { pid, what });

@@ -280,17 +280,31 @@ fn sigstopped_workers_on_a_loop_device_are_killed_as_hung_and_recovered() {
 }
 
 #[test]
-fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
+fn a_new_ublkd_takes_over_the_workers_that_served_on_after_ublkd_was_sigkilled() {
+    adopt_after_sigkill(false);
+}
+
+#[test]
+fn a_new_ublkd_recovers_memory_and_loop_devices_after_ublkd_and_its_workers_are_sigkilled() {
+    adopt_after_sigkill(true);
+}
+
+/// ublkd is SIGKILLed under fio on a memory and a loop device, and with it every worker
+/// if `workers_too` (an OOM kill of the whole unit, say). Alone, its workers serve on
+/// and the next ublkd takes them over: no recovery. With them, the kernel holds the
+/// I/O and the next ublkd recovers both devices. Either way fio verifies every pass.
+fn adopt_after_sigkill(workers_too: bool) {
     let _serial = serial();
     let started = Instant::now();
+    let name = if workers_too { "adopt-all" } else { "adopt" };
     const SIZE: u64 = 64 * MIB;
     let mut daemon = chaos_support::start(
-        "adopt",
+        name,
         Recovery { hung_timeout_secs: 10, restart_max: 5, restart_window_secs: 60, fail_io: false },
     );
     let devices = [
-        TestDevice::add(&daemon, Target::Memory, "adopt", SIZE),
-        TestDevice::add(&daemon, Target::Loop, "adopt", SIZE),
+        TestDevice::add(&daemon, Target::Memory, name, SIZE),
+        TestDevice::add(&daemon, Target::Loop, name, SIZE),
     ];
     let ids: Vec<u32> = devices.iter().map(|d| d.id).collect();
     for d in &devices {
@@ -300,34 +314,55 @@ fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
     let _stop_on_panic = SetOnDrop(Arc::clone(&stop));
     let fios: Vec<_> = devices.iter().map(|d| spawn_passes(d, SIZE, 0xad0b7, &stop)).collect();
     wait_for_io(&daemon.ctl, &ids);
+    let serving: Vec<u64> =
+        ids.iter().map(|&id| daemon.status_of(id)["worker_pid"].as_u64().unwrap()).collect();
 
     daemon.sigkill();
-
-    // Its workers die with it, and the kernel holds the devices' I/O: QUIESCED, not failed.
-    wait_for("the workers to die with ublkd", Duration::from_secs(10), || {
-        Ok(worker_pids().is_empty().then_some(()))
-    })
-    .unwrap();
-    wait_for("the kernel to quiesce both devices", Duration::from_secs(10), || {
-        Ok(ids.iter().all(|&id| kernel_state(id) == "QUIESCED").then_some(()))
-    })
-    .unwrap();
+    if workers_too {
+        for pid in worker_pids() {
+            signal(pid, libc::SIGKILL);
+        }
+        // The kernel holds the devices' I/O: QUIESCED, not failed.
+        wait_for("the kernel to quiesce both devices", Duration::from_secs(10), || {
+            Ok(ids.iter().all(|&id| kernel_state(id) == "QUIESCED").then_some(()))
+        })
+        .unwrap();
+    } else {
+        // The data path does not need ublkd: I/O completes while none runs.
+        let before: Vec<u64> = ids.iter().map(|&id| completed_ios(id)).collect();
+        wait_for("I/O to complete on both devices without ublkd", Duration::from_secs(10), || {
+            let now: Vec<u64> = ids.iter().map(|&id| completed_ios(id)).collect();
+            Ok(now.iter().zip(&before).all(|(n, b)| n > b).then_some(()))
+        })
+        .unwrap();
+        for &id in &ids {
+            assert_eq!(kernel_state(id), "LIVE");
+        }
+    }
     let held = Instant::now();
     daemon.restart();
-    let adopted =
-        wait_for("the new ublkd to recover both devices", Duration::from_secs(30), || {
-            let devs = daemon.ctl.status()?;
-            let live = devs.iter().all(|d| d["state"] == "LIVE" && d["worker_pid"].is_u64());
-            Ok((live && devs.len() == ids.len()).then_some(devs))
-        })
-        .unwrap_or_else(|e| panic!("{e}: {:?}", daemon.ctl.status()));
+    let adopted = wait_for("the new ublkd to serve both devices", Duration::from_secs(30), || {
+        let devs = daemon.ctl.status()?;
+        let live = devs.iter().all(|d| d["state"] == "LIVE" && d["worker_pid"].is_u64());
+        Ok((live && devs.len() == ids.len()).then_some(devs))
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}", daemon.ctl.status()));
     let held = held.elapsed();
     let adopted_ids: Vec<u64> = adopted.iter().filter_map(|d| d["id"].as_u64()).collect();
     assert_eq!(adopted_ids, ids.iter().map(|&id| u64::from(id)).collect::<Vec<_>>());
-    for dev in &adopted {
-        assert!(dev["recoveries"].as_u64() >= Some(1), "{dev}");
+    let log = daemon.log();
+    for (dev, pid) in adopted.iter().zip(&serving) {
+        if workers_too {
+            assert!(dev["recoveries"].as_u64() >= Some(1), "{dev}");
+        } else {
+            assert_eq!(dev["recoveries"], 0, "a worker was not taken over: {dev}\n{log}");
+            assert_eq!(dev["worker_pid"].as_u64(), Some(*pid), "{dev}");
+        }
     }
-    // fio goes on on the new workers, then finishes its pass and verifies it.
+    if !workers_too {
+        assert_eq!(log.matches("took over the worker a previous ublkd left serving").count(), 2);
+    }
+    // fio goes on, then finishes its pass and verifies it.
     wait_for_io(&daemon.ctl, &ids);
     stop.store(true, Ordering::SeqCst);
     let passes: Vec<Vec<FioJob>> = fios.into_iter().map(|t| joined(t, "fio")).collect();
@@ -336,7 +371,7 @@ fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
         assert_eq!(daemon.status_of(d.id)["errors"], 0);
     }
     println!(
-        "adopt: I/O held {:.1} s from the quiesce to both devices LIVE under the new ublkd \
+        "{name}: {:.1} s from the kill to both devices LIVE under the new ublkd \
          (stalls ms {:?}); memory: {}; loop: {}",
         held.as_secs_f64(),
         adopted.iter().map(|d| d["last_recovery_ms"].clone()).collect::<Vec<_>>(),
@@ -344,7 +379,7 @@ fn a_new_ublkd_adopts_memory_and_loop_devices_after_ublkd_is_sigkilled() {
         summarize_passes(&passes[1]),
     );
     daemon.stop();
-    println!("adopt: took {:.1} s", started.elapsed().as_secs_f64());
+    println!("{name}: took {:.1} s", started.elapsed().as_secs_f64());
 }
 
 #[test]

@@ -177,7 +177,7 @@ fn ublkd_package_under_systemd() {
     assert_live(&[7, 8]);
     fio.finish();
 
-    step("6. systemctl restart under fio verify, ext4 mounted: the devices stay, I/O held");
+    step("6. systemctl restart under fio verify, ext4 mounted: the workers serve on");
     // A filesystem with files on device 8, mounted across the restart, the upgrade and
     // the stop below.
     let mnt = Path::new("/tmp/systemd-mnt");
@@ -192,9 +192,16 @@ fn ublkd_package_under_systemd() {
     let fio = Fio::start("restart", 7, 15);
     wait_for_io(7);
     let main_pid = prop("MainPID");
+    let serving: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
     systemctl(&["restart", "ublkd"]);
     assert_ne!(prop("MainPID"), main_pid, "systemctl restart did not restart ublkd");
     assert_live(&[7, 8]);
+    let after: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
+    assert_eq!(after, serving, "the restarted ublkd did not take the workers over");
+    journal_entry(
+        &format!("EVENT=taken_over DEV_ID=7 WORKER_PID={}", serving[0]),
+        "device 7's worker taken over by the restarted ublkd",
+    );
     let jobs = fio.finish();
     eprintln!("fio across systemctl restart: longest completion {:?}", jobs[0].clat_max);
 
@@ -228,16 +235,23 @@ fn ublkd_package_under_systemd() {
     }
     assert_eq!(sums(), written, "files changed across the restart and the upgrade");
 
-    step("7. systemctl stop keeps the devices; the next start adopts them");
-    let workers = worker_pids();
-    assert!(!workers.is_empty(), "no workers before the stop");
+    step("7. systemctl stop keeps the devices and their workers; the next start takes over");
+    let serving: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
     systemctl(&["stop", "ublkd"]);
     assert_eq!(prop("ActiveState"), "inactive");
     assert_eq!(prop("Result"), "success", "ublkd did not stop cleanly");
     assert_eq!(kernel_devices(), [7, 8].into(), "systemctl stop deleted devices");
     assert_eq!(pids_named("ublkd"), Vec::<u32>::new(), "a ublkd process is left");
+    for pid in &serving {
+        assert!(pid_exists(*pid), "worker {pid} did not serve on after the stop");
+    }
+    // The filesystem stays usable with no ublkd at all.
+    common::write_file(&mnt.join("while-stopped"), &common::pattern(99, 123_457));
+    run_ok(&mut Command::new("sync"));
     systemctl(&["start", "ublkd"]);
     assert_live(&[7, 8]);
+    let after: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
+    assert_eq!(after, serving, "the started ublkd did not take the workers over");
     // The files read back from the device, not the page cache, and the fs is clean.
     mount.umount();
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
@@ -245,6 +259,8 @@ fn ublkd_package_under_systemd() {
     assert_eq!(fsck.status.code(), Some(0), "fsck.ext4 -fn found problems:\n{}", describe(&fsck));
     let mount = common::Mount::new(Path::new("/dev/ublkb8"), mnt);
     assert_eq!(sums(), written, "files changed across restart, upgrade, stop and start");
+    let data = std::fs::read(mnt.join("while-stopped")).unwrap();
+    assert!(data == common::pattern(99, 123_457), "the file written while stopped changed");
     mount.umount();
 
     step("8. dpkg -r: no device, no worker, no ublkd, no state left");

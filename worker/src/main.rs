@@ -62,7 +62,7 @@ enum Failure {
     NoSetup(MsgError),
     #[error("setup came with {got} fds, expected {want}")]
     SetupFds { got: usize, want: usize },
-    #[error("expected Activate with 1 fd, got {msg:?} with {fds}")]
+    #[error("expected Activate with 1 to {} fds, got {msg:?} with {fds}", 1 + msg::MAX_HELD_FDS)]
     NotActivate { msg: Box<ToWorker>, fds: usize },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
@@ -199,9 +199,12 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
         tracing::error!("cannot report standby: {e}");
         return WorkerExit::Orphaned;
     }
-    let (generation, ublkc) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
-        Ok((ToWorker::Activate { generation }, mut fds)) if fds.len() == 1 => {
-            (generation, fds.pop().expect("one fd"))
+    let (generation, ublkc, held) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
+        Ok((ToWorker::Activate { generation }, mut fds))
+            if (1..=1 + msg::MAX_HELD_FDS).contains(&fds.len()) =>
+        {
+            let held = fds.split_off(1);
+            (generation, fds.pop().expect("one fd"), held)
         }
         Ok((ToWorker::Shutdown, _)) => return WorkerExit::Clean,
         Ok((other, fds)) => {
@@ -226,12 +229,14 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
     let ready = FromWorker::Ready(msg::Activation {
         map_us: micros(mapped),
         prep_us: micros(prepped - mapped),
+        held: held.iter().map(AsRawFd::as_raw_fd).collect(),
     });
     if let Err(e) = msg::send_packet(control.as_fd(), &ready, &[]) {
         tracing::error!("cannot report ready: {e}");
         return WorkerExit::Orphaned;
     }
-    // From here the control thread listens to the supervisor.
+    // From here the control thread listens to the supervisor. `held` stays open in
+    // this frame, which never returns, for as long as the worker serves.
     let _ = running.control_go.send(generation);
     let _ = running.end_go.send(());
     // The main thread serves the first plan's queues itself: no thread hand-off on the

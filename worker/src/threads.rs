@@ -7,7 +7,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Barrier, mpsc};
 
 use ublkd_proto::exit::WorkerExit;
-use ublkd_proto::msg::{self, ToWorker, WorkerSetup};
+use ublkd_proto::msg::{self, FromWorker, MsgError, ToWorker, WorkerSetup};
 
 use crate::device::Device;
 use crate::hooks;
@@ -140,6 +140,7 @@ impl ThreadSet {
             })?;
         let (control_go, go) = mpsc::channel::<u64>();
         let control_raw = control.as_raw_fd();
+        let rings = if setup.fast_release { ring_fds.clone() } else { Vec::new() };
         std::thread::Builder::new()
             .name("ublk-control".into())
             .spawn(move || {
@@ -150,10 +151,29 @@ impl ThreadSet {
                 // SAFETY: the control socket is owned by `main`'s frame, which never
                 // returns while the worker serves (it parks), so the fd stays open.
                 let control = unsafe { BorrowedFd::borrow_raw(control_raw) };
-                let code = match msg::recv_packet::<ToWorker>(control) {
-                    Ok((ToWorker::Shutdown, _)) => WorkerExit::Clean,
-                    Ok(_) => WorkerExit::Protocol,
-                    Err(_) => WorkerExit::Orphaned,
+                // The worker holds its supervisor's end of the socket (see
+                // `ToWorker::Activate`), so the socket does not end when the supervisor
+                // does: a serving worker serves on and answers whichever supervisor
+                // takes it over.
+                let code = loop {
+                    match msg::recv_packet::<ToWorker>(control) {
+                        Ok((ToWorker::Shutdown, _)) => break WorkerExit::Clean,
+                        Ok((ToWorker::Attach, _)) => {
+                            let rings = rings.clone();
+                            let attached = FromWorker::Attached { dev_id, generation, rings };
+                            if let Err(e) = msg::send_packet(control, &attached, &[]) {
+                                tracing::warn!("cannot answer a supervisor's Attach: {e}");
+                            }
+                        }
+                        Ok(_) => break WorkerExit::Protocol,
+                        // Not held (an activation that held nothing): nobody can take
+                        // this worker over, and its supervisor is gone.
+                        Err(MsgError::Closed) => break WorkerExit::Orphaned,
+                        Err(e) => {
+                            tracing::error!("unreadable message from the supervisor: {e}");
+                            break WorkerExit::Protocol;
+                        }
+                    }
                 };
                 std::process::exit(i32::from(code.code()));
             })

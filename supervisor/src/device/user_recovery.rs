@@ -145,7 +145,7 @@ impl Device {
         } else {
             self.ensure_standby(ctx)?
         };
-        let (worker, activation) = self.activate(next)?;
+        let (worker, activation) = self.activate(ctx, next)?;
         let activated = started.elapsed();
         ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
         let stall = seen.elapsed();

@@ -9,7 +9,7 @@ use ublkd_proto::msg::{Activation, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
 use crate::target::{MAX_IO_BUF_BYTES, open_char_dev, zero_copy};
-use crate::worker::{Worker, WorkerSandbox};
+use crate::worker::{AttachClaim, Worker, WorkerSandbox};
 
 impl Device {
     /// Whether a dead worker's device may be released at once (`recovery.fast_release`,
@@ -160,16 +160,33 @@ impl Device {
         }
     }
 
+    /// Records `worker` as the one activated at `generation`, for the next ublkd to take
+    /// over. A failure costs only that: the next ublkd recovers the device instead.
+    fn claim_worker(&self, ctx: &Context, worker: &Worker, generation: u64) {
+        let written = AttachClaim::of(worker, self.id, generation)
+            .map(|claim| ctx.state.write_worker_claim(&claim));
+        match written {
+            Some(Ok(())) => {}
+            Some(Err(e)) => tracing::warn!(dev_id = self.id, "cannot record its worker: {e}"),
+            None => tracing::warn!(dev_id = self.id, "cannot record its worker: it has ended"),
+        }
+    }
+
     /// Gives the device to `worker` (standing by) and waits until it has PREPed every
     /// tag. The supervisor's copy of `/dev/ublkcN` is closed before this returns.
     pub(super) fn activate(
         &mut self,
+        ctx: &Context,
         mut worker: Worker,
     ) -> Result<(Worker, Activation), DeviceError> {
         let id = self.id;
         self.generation = self.generation.wrapping_add(1);
         let generation = self.generation;
         self.shm.prepare_activation(generation);
+        // Recorded before the worker is told: if this ublkd dies mid-activation, the
+        // next one finds the worker (which may serve on) and, as the claim names no held
+        // fds, kills it and recovers the device rather than leave it an unknown server.
+        self.claim_worker(ctx, &worker, generation);
         let ublkc = open_char_dev(id)?;
         let ready = worker.activate(generation, ublkc.as_fd(), WORKER_TIMEOUT);
         // Close our copy now: only the worker may hold /dev/ublkcN.
@@ -182,6 +199,7 @@ impl Device {
                 return Err(DeviceError::Worker { id, source });
             }
         };
+        self.claim_worker(ctx, &worker, generation);
         self.hang.reset(&self.shm);
         self.hang_policy.reset();
         Ok((worker, activation))

@@ -200,8 +200,8 @@ impl Ublkd {
         }
     }
 
-    /// SIGKILLs ublkd and reaps it (its workers die with it; the devices wait
-    /// QUIESCED).
+    /// SIGKILLs ublkd and reaps it (its serving workers serve on, for the next ublkd to
+    /// take over).
     pub fn sigkill(&mut self) {
         let mut child = self.child.take().expect("ublkd is not running");
         child.kill().unwrap();
@@ -353,7 +353,7 @@ impl Drop for Ublkd {
         if self.child.is_some() && self.terminate().is_none() {
             eprintln!("ublkd did not stop on SIGTERM; killed it");
         }
-        // Workers die with ublkd (PDEATHSIG); a stopped or stuck one is killed here.
+        // Serving workers outlive ublkd (for the next one to take over): killed here.
         for pid in worker_pids() {
             signal(pid, libc::SIGKILL);
         }
