@@ -382,6 +382,23 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_claim_round_trips_and_one_in_another_devices_directory_is_refused() {
+        let root = tmp();
+        let state = StateDir::new(&root);
+        assert_eq!(state.worker_claim(3).unwrap(), None);
+        let claim =
+            AttachClaim { dev_id: 3, pid: 42, start_time: 7, generation: 2, held: vec![9, 10] };
+        state.write_worker_claim(&claim).unwrap();
+        assert_eq!(state.worker_claim(3).unwrap(), Some(claim.clone()));
+        std::fs::create_dir_all(root.join("devices/4")).unwrap();
+        std::fs::copy(root.join("devices/3/worker.json"), root.join("devices/4/worker.json"))
+            .unwrap();
+        let err = state.worker_claim(4).unwrap_err().to_string();
+        assert!(err.contains("it names device 3 in device 4's directory"), "{err}");
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
     fn records_round_trip_and_come_back_with_their_id() {
         let root = tmp();
         let state = StateDir::new(&root);

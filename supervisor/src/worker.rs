@@ -786,6 +786,89 @@ mod tests {
         unsafe { libc::syscall(libc::SYS_io_uring_register, ring, opcode, arg, n) }
     }
 
+    /// A claim on this very process, as if it were device 5's worker at generation 9
+    /// holding its control socket's other end at `control_at`.
+    fn claim_on_self(control_at: i32) -> AttachClaim {
+        let pid = std::process::id();
+        let start_time = process_start_time(pid).expect("our own start time");
+        AttachClaim { dev_id: 5, pid, start_time, generation: 9, held: vec![control_at] }
+    }
+
+    fn attach_error(claim: &AttachClaim) -> String {
+        match Worker::attach(claim, Duration::from_secs(2)) {
+            Ok(w) => panic!("took over {w:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_claim_on_a_process_that_is_gone_or_reused_is_refused() {
+        let mut child = Command::new("/bin/true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let claim = AttachClaim { pid: gone, ..claim_on_self(0) };
+        assert!(attach_error(&claim).contains("no such process"), "{}", attach_error(&claim));
+        let claim = AttachClaim { start_time: 1, ..claim_on_self(0) };
+        let err = attach_error(&claim);
+        assert!(err.contains("the pid belongs to another process now"), "{err}");
+    }
+
+    #[test]
+    fn a_claim_that_names_no_socket_is_refused() {
+        let err = attach_error(&AttachClaim { held: Vec::new(), ..claim_on_self(0) });
+        assert!(err.contains("never told to hold its control socket"), "{err}");
+        let null = File::open("/dev/null").unwrap();
+        let err = attach_error(&claim_on_self(null.as_raw_fd()));
+        assert!(err.contains(&format!("its fd {} is not a socket", null.as_raw_fd())), "{err}");
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let err = attach_error(&claim_on_self(a.as_raw_fd()));
+        assert!(err.contains("a Stream socket, not a control socket"), "{err}");
+    }
+
+    /// A control socket pair whose far end answers one Attach with `answer`.
+    fn answering(answer: FromWorker) -> (OwnedFd, std::thread::JoinHandle<()>) {
+        let (near, far) =
+            socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+                .unwrap();
+        let answerer = std::thread::spawn(move || {
+            let (got, _) = msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
+            assert_eq!(got, ToWorker::Attach);
+            msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
+        });
+        (near, answerer)
+    }
+
+    #[test]
+    fn a_worker_that_serves_another_device_or_generation_is_refused() {
+        for (dev_id, generation) in [(6, 9), (5, 8)] {
+            let (near, answerer) =
+                answering(FromWorker::Attached { dev_id, generation, rings: Vec::new() });
+            let err = attach_error(&claim_on_self(near.as_raw_fd()));
+            answerer.join().unwrap();
+            assert!(
+                err.contains(&format!(
+                    "it serves device {dev_id} generation {generation}, not device 5 \
+                     generation 9"
+                )),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_worker_the_claim_names_is_taken_over() {
+        let (near, answerer) =
+            answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
+        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
+        answerer.join().unwrap();
+        let mut worker = worker.unwrap();
+        assert_eq!(worker.pid(), std::process::id());
+        assert_eq!(worker.held(), [near.as_raw_fd()]);
+        assert_eq!(worker.exited(), None, "a running worker taken over seen as ended");
+        // Not our child: dropping it must neither kill nor try to reap this process.
+        worker.leave_serving();
+    }
+
     #[test]
     fn a_worker_let_go_before_it_exited_is_reaped_once_it_has() {
         let child = Command::new("/bin/sh").args(["-c", "sleep 0.2"]).spawn().unwrap();
