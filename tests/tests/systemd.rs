@@ -209,16 +209,24 @@ fn ublkd_package_under_systemd() {
     let newer = newer_build(&newest_deb());
     let workers_before: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
     // dpkg -i takes tens of seconds under emulation before its postinst restarts
-    // ublkd: fio runs long enough to span it.
-    let fio = Fio::start("upgrade", 7, 90);
+    // ublkd, then moves every device to the new worker binary (minutes on a loaded
+    // host): fio runs until it is done.
+    let mut fio = common::Fio::spawn(Fio::args("upgrade", 7, 1800));
     wait_for_io(7);
     let t = Instant::now();
     let out = run(Command::new("dpkg").arg("-i").arg(&newer));
     assert!(out.status.success(), "dpkg -i {} failed:\n{}", newer.display(), describe(&out));
     eprintln!("dpkg -i of the newer build took {:.1} s", t.elapsed().as_secs_f64());
+    // postinst's `ublkctl upgrade -a`: a line per device with its stall.
+    let said = String::from_utf8_lossy(&out.stdout);
+    for id in [7, 8] {
+        assert!(said.contains(&format!("device {id}: upgraded to")), "postinst said:\n{said}");
+    }
+    eprintln!("dpkg -i said:\n{said}");
     assert!(fio.running(), "fio ended before dpkg -i did: it spans no restart");
     assert_live(&[7, 8]);
-    let jobs = fio.finish();
+    let jobs = fio.interrupt().unwrap_or_else(|e| panic!("{e}"));
+    common::assert_fio_clean(&jobs, 1);
     eprintln!("fio across the package upgrade: longest completion {:?}", jobs[0].clat_max);
     let version = run_ok(Command::new("dpkg-query").args(["-W", "-f=${Version}", "ublkd"]));
     assert!(version.ends_with("+upgrade"), "the newer package is not installed: {version}");
@@ -531,7 +539,14 @@ struct Fio {
 
 impl Fio {
     fn start(name: &str, id: u32, secs: u64) -> Fio {
-        let args: Vec<String> = [
+        let args = Fio::args(name, id, secs);
+        let handle = std::thread::spawn(move || common::fio(&args));
+        Fio { name: name.to_string(), handle }
+    }
+
+    /// Random reads and writes on device `id` for `secs`, verifying every block.
+    fn args(name: &str, id: u32, secs: u64) -> Vec<String> {
+        [
             format!("--name={name}"),
             format!("--filename=/dev/ublkb{id}"),
             "--rw=randrw".into(),
@@ -548,13 +563,7 @@ impl Fio {
             "--verify_state_save=0".into(),
             "--eta=never".into(),
         ]
-        .into();
-        let handle = std::thread::spawn(move || common::fio(&args));
-        Fio { name: name.to_string(), handle }
-    }
-
-    fn running(&self) -> bool {
-        !self.handle.is_finished()
+        .into()
     }
 
     fn finish(self) -> Vec<FioJob> {

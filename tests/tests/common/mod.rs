@@ -648,13 +648,29 @@ impl Fio {
         Fio { child, args }
     }
 
+    /// Whether fio is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Waits for fio; its jobs if it exited 0 and every job reported error 0.
     pub fn wait(self) -> Result<Vec<FioJob>, String> {
+        self.finish(false)
+    }
+
+    /// Ends a time-based fio now (SIGINT: fio stops its jobs and reports them, with a
+    /// nonzero exit); its jobs if every job reported error 0.
+    pub fn interrupt(self) -> Result<Vec<FioJob>, String> {
+        signal(self.child.id(), libc::SIGINT);
+        self.finish(true)
+    }
+
+    fn finish(self, interrupted: bool) -> Result<Vec<FioJob>, String> {
         let pid = self.child.id();
         let out = self.child.wait_with_output().unwrap();
         FIO_PIDS.lock().unwrap_or_else(|p| p.into_inner()).remove(&pid);
         let cmd = format!("fio {}", self.args.join(" "));
-        if !out.status.success() {
+        if !out.status.success() && !interrupted {
             return Err(format!("{cmd} failed ({}):\n{}", out.status, describe(&out)));
         }
         // fio may print notes before the JSON object.
