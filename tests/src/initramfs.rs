@@ -259,7 +259,7 @@ mod tests {
         for kind in ["SETUP-FAILED", "READY", "CHECK-FAILED", "EXIT"] {
             assert!(INIT_SCRIPT.contains(&format!("echo; echo \"$M:{kind}:")), "{kind}");
         }
-        assert!(INIT_SCRIPT.contains("guest-check"));
+        assert!(INIT_SCRIPT.contains("guest-check --kernel \"$CHECK_KERNEL\""));
         assert!(INIT_SCRIPT.contains("poweroff -f"));
     }
 }
