@@ -19,9 +19,10 @@ use crate::kernel::Series;
 /// is built on).
 const BASELINE: u64 = UBLK_F_CMD_IOCTL_ENCODE | UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE;
 
-/// The features a kernel of `series` must report: [`BASELINE`], plus `BATCH_IO` on
-/// the newest series (ublkd's batch data path) and `USER_COPY` on 6.12 (how a server
-/// without batch commands moves data without per-task buffers; 6.12 has it since 6.5).
+/// The features a kernel of `series` must report: the baseline (ioctl encoding,
+/// recovery with reissue), plus `BATCH_IO` on the newest series (ublkd's batch data
+/// path) and `USER_COPY` on 6.12 (there since 6.5, one of the things issue 20 counts on
+/// the LTS kernels having for a data path without batch commands).
 pub fn required(series: Series) -> u64 {
     match series {
         Series::Newest => BASELINE | UBLK_F_BATCH_IO,
