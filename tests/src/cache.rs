@@ -4,7 +4,8 @@
 //! Layout under the root (env `UBLKD_VM_CACHE`, default `/var/cache/ublkd-vm`):
 //!
 //! ```text
-//! current                      ABI of the kernel `run` uses (written by `fetch`)
+//! current                      ABI of the kernel `run` boots by default (written by `fetch`)
+//! current-6.12                 ABI of the kernel `run --kernel 6.12` boots
 //! kernel/<abi>/                vmlinuz, config, ublk_drv.ko, overlay.ko, manifest
 //! headers/<version>/usr/include/linux/ublk_cmd.h   sid's linux-libc-dev, unpacked
 //! initramfs/<abi>-<hash>.cpio  rebuilt when busybox, the module or /init change
@@ -19,6 +20,8 @@
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
+
+use crate::kernel::Series;
 
 /// The default cache root.
 pub const DEFAULT_ROOT: &str = "/var/cache/ublkd-vm";
@@ -106,9 +109,14 @@ impl Cache {
         self.root.join("tmp")
     }
 
-    /// `current`: the ABI of the kernel `run` uses.
-    pub fn current(&self) -> PathBuf {
-        self.root.join("current")
+    /// The file naming the ABI of the `series` kernel `run` boots: `current` for the
+    /// default series (the name it has always had), `current-<series>` for the others.
+    pub fn current(&self, series: Series) -> PathBuf {
+        if series == Series::default() {
+            self.root.join("current")
+        } else {
+            self.root.join(format!("current-{series}"))
+        }
     }
 
     /// Creates `dir` (and its parents).
@@ -140,6 +148,13 @@ mod tests {
     fn plain_absolute_root_is_accepted() {
         let cache = Cache::new(Path::new("/var/cache/ublkd-vm")).unwrap();
         assert_eq!(cache.runs(), Path::new("/var/cache/ublkd-vm/runs"));
+    }
+
+    #[test]
+    fn each_series_has_its_own_current_file_and_the_default_keeps_the_old_name() {
+        let cache = Cache::new(Path::new("/c")).unwrap();
+        assert_eq!(cache.current(Series::Newest), Path::new("/c/current"));
+        assert_eq!(cache.current(Series::Lts6_12), Path::new("/c/current-6.12"));
     }
 
     #[test]

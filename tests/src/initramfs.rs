@@ -5,8 +5,9 @@
 //! kernel command line (`ublkd.run=DIR ublkd.nonce=HEX`; parameters with a dot are not
 //! passed to init as arguments or environment, but `/proc/cmdline` shows them). It is
 //! cached as `<cache>/initramfs/<abi>-<hash>.cpio`, where the hash covers every input,
-//! so a changed busybox, module or init script builds a new image (and prunes images
-//! older than an hour).
+//! so a changed busybox, module or init script builds a new image (and prunes that
+//! kernel's images older than an hour, and those of kernels no longer cached; the other
+//! cached kernel's images stay, since both are booted in turn).
 
 use std::fs;
 use std::io;
@@ -161,25 +162,36 @@ pub fn ensure(cache: &Cache, kernel: &Kernel) -> Result<PathBuf, InitramfsError>
     fs::write(&tmp, image(&busybox, module.as_deref()))
         .map_err(|e| InitramfsError::Write(tmp.clone(), e))?;
     fs::rename(&tmp, &path).map_err(|e| InitramfsError::Write(path.clone(), e))?;
-    prune(&dir, &path);
+    prune(cache, &kernel.abi, &path);
     Ok(path)
 }
 
+/// The kernel ABI an image file name `<abi>-<hash>.cpio` was built for.
+pub fn image_abi(file_name: &str) -> Option<&str> {
+    let (abi, hash) = file_name.strip_suffix(".cpio")?.rsplit_once('-')?;
+    (hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit())).then_some(abi)
+}
+
 /// Removes images other than `keep` that are older than an hour (qemu reads its initrd
-/// at startup, so no running boot needs them any more).
-fn prune(dir: &Path, keep: &Path) {
-    let Ok(entries) = fs::read_dir(dir) else {
+/// at startup, so no running boot needs them any more) and were built for kernel `abi`
+/// or for a kernel that is no longer cached.
+fn prune(cache: &Cache, abi: &str, keep: &Path) {
+    let Ok(entries) = fs::read_dir(cache.initramfs()) else {
         return;
     };
     for entry in entries.flatten() {
         let path = entry.path();
+        let Some(image) = entry.file_name().to_str().and_then(image_abi).map(str::to_owned) else {
+            continue;
+        };
         let old = entry
             .metadata()
             .and_then(|m| m.modified())
             .ok()
             .and_then(|t| t.elapsed().ok())
             .is_some_and(|age| age > std::time::Duration::from_secs(3600));
-        if path != keep && old && path.extension().is_some_and(|e| e == "cpio") {
+        let unused = image == abi || !cache.kernels().join(&image).is_dir();
+        if path != keep && old && unused {
             let _ = fs::remove_file(path);
         }
     }
@@ -234,6 +246,17 @@ mod tests {
     }
 
     #[test]
+    fn image_names_give_their_kernel_abi() {
+        assert_eq!(
+            image_abi("6.12.117+deb12-cloud-amd64-0123456789abcdef.cpio"),
+            Some("6.12.117+deb12-cloud-amd64")
+        );
+        assert_eq!(image_abi("7.2.13+deb14-cloud-amd64-0123456789abcdef.tmp-12"), None);
+        assert_eq!(image_abi("7.2.13+deb14-cloud-amd64.cpio"), None);
+        assert_eq!(image_abi("x-0123456789abcdeg.cpio"), None);
+    }
+
+    #[test]
     fn image_without_module_has_no_ko_and_is_deterministic() {
         let a = image(b"BB", None);
         assert!(!entries(&a).iter().any(|e| e.0 == "ublk_drv.ko"));
@@ -259,7 +282,7 @@ mod tests {
         for kind in ["SETUP-FAILED", "READY", "CHECK-FAILED", "EXIT"] {
             assert!(INIT_SCRIPT.contains(&format!("echo; echo \"$M:{kind}:")), "{kind}");
         }
-        assert!(INIT_SCRIPT.contains("guest-check"));
+        assert!(INIT_SCRIPT.contains("guest-check --kernel \"$CHECK_KERNEL\""));
         assert!(INIT_SCRIPT.contains("poweroff -f"));
     }
 }

@@ -1,19 +1,30 @@
-//! The guest kernel: Debian sid's newest `*-cloud-amd64` kernel ≥ 7.0, fetched with apt
-//! into the [`Cache`] without installing anything.
+//! The guest kernel, fetched with apt into the [`Cache`] without installing anything.
+//! Two [`Series`] of Debian's `*-cloud-amd64` kernels can be booted, each cached under
+//! its own ABI with its own manifest:
 //!
-//! [`fetch`] asks apt (`apt-cache search --names-only`) for every `linux-binary-<abi>`
-//! with a cloud ABI, picks the newest, refuses it if it is older than 7.0, and — unless
-//! that ABI is cached already — `apt-get download`s `linux-binary-<abi>`,
-//! `linux-modules-<abi>`, `linux-base-<abi>` (the config) and `linux-libc-dev` from sid,
-//! unpacks them with `dpkg-deb -x`
-//! and keeps only what the VM needs, decompressed: `vmlinuz`, `config`, `ublk_drv.ko`
-//! (no module dependencies) and `overlay.ko`, plus the unpacked uapi headers. The kernel
-//! is refused if its config lacks `CONFIG_BLK_DEV_UBLK`.
+//! - [`Series::Newest`] (the default): Debian sid's newest kernel ≥ 7.0, which has
+//!   `UBLK_F_BATCH_IO`. Its files are split over `linux-binary-<abi>`,
+//!   `linux-modules-<abi>` and `linux-base-<abi>` (the config), all from sid.
+//! - [`Series::Lts6_12`]: Debian's newest 6.12 LTS kernel, which fleets run (no batch
+//!   commands). One package, `linux-image-<abi>`, holds `boot/vmlinuz-<abi>`,
+//!   `boot/config-<abi>` and `lib/modules/<abi>`; it comes from whichever suite apt
+//!   offers it in (Debian 12's `bookworm-security` ships `6.12.*+deb12`, Debian 13's
+//!   `trixie` ships `6.12.*+deb13`).
 //!
-//! [`current_or_fetch`] is what `run` uses: the kernel the last `fetch` chose (no apt
-//! call, so a run is quick and does not change kernel under a test suite), or a fetch
-//! if there is none. `ublkd-vm fetch` moves on to a newer sid kernel after
-//! `apt-get update`.
+//! [`fetch`] asks apt (`apt-cache search --names-only`) for the series' cloud packages,
+//! picks the newest ABI (refusing a "newest" older than 7.0), and — unless that ABI is
+//! cached already — `apt-get download`s its packages and sid's `linux-libc-dev`, unpacks
+//! them with `dpkg-deb -x` and keeps only what the VM needs, decompressed: `vmlinuz`,
+//! `config`, `ublk_drv.ko` (no module dependencies) and `overlay.ko`, plus the unpacked
+//! uapi headers. The kernel is refused if its config lacks `CONFIG_BLK_DEV_UBLK`. Both
+//! series share sid's `linux-libc-dev`: host programs are built once against the newest
+//! uapi header (uapi only grows) and run on either kernel, which tells what it supports
+//! through `UBLK_U_CMD_GET_FEATURES`.
+//!
+//! [`current_or_fetch`] is what `run` uses: the kernel the last `fetch` of that series
+//! chose (no apt call, so a run is quick and does not change kernel under a test
+//! suite), or a fetch if there is none. `ublkd-vm fetch` moves on to a newer kernel
+//! after `apt-get update`.
 
 use std::fmt::Write as _;
 use std::fs::{self, File};
@@ -25,14 +36,117 @@ use std::time::Instant;
 use crate::cache::{Cache, CacheError};
 use crate::progress;
 
-/// The oldest kernel release accepted: `UBLK_F_BATCH_IO` is new in 7.0.
+/// The oldest kernel release [`Series::Newest`] accepts: `UBLK_F_BATCH_IO` is new in 7.0.
 pub const MIN_RELEASE: [u32; 2] = [7, 0];
+/// The release [`Series::Lts6_12`] boots.
+pub const LTS_RELEASE: [u32; 2] = [6, 12];
 /// The kernel flavour the VM boots (virtio drivers built in, small).
 pub const FLAVOUR_SUFFIX: &str = "-cloud-amd64";
-const BINARY_PREFIX: &str = "linux-binary-";
-const SEARCH_PATTERN: &str = "^linux-binary-[0-9].*-cloud-amd64$";
+/// The environment variable that selects the [`Series`] when `--kernel` is not given
+/// (so that a cargo runner string can stay the same for both kernels).
+pub const ENV_KERNEL: &str = "UBLKD_VM_KERNEL";
 const HEADERS_PACKAGE: &str = "linux-libc-dev";
+/// The suite sid's packages are asked for by (`apt-get download PKG/sid`).
+const SID: &str = "sid";
 const MANIFEST: &str = "manifest";
+
+/// Which Debian kernel line the VM boots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Series {
+    /// Debian sid's newest cloud kernel ≥ 7.0 ([`MIN_RELEASE`]): the one ublkd's batch
+    /// data path needs. Named `7` (also `7.x`, `newest`).
+    #[default]
+    Newest,
+    /// Debian's newest 6.12 LTS cloud kernel ([`LTS_RELEASE`]): no `UBLK_F_BATCH_IO`.
+    /// Named `6.12`.
+    Lts6_12,
+}
+
+/// A `--kernel` or `UBLKD_VM_KERNEL` value that names no [`Series`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown kernel {0:?}: expected 7 (Debian sid's newest >= 7.0, the default) or 6.12 (Debian's 6.12 LTS)"
+)]
+pub struct UnknownSeries(pub String);
+
+impl Series {
+    /// Every series, the default first.
+    pub const ALL: [Self; 2] = [Self::Newest, Self::Lts6_12];
+
+    /// The name `--kernel` takes and the guest is told (`7`, `6.12`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Newest => "7",
+            Self::Lts6_12 => "6.12",
+        }
+    }
+
+    /// The series `$UBLKD_VM_KERNEL` names, `None` if it is unset or empty.
+    pub fn from_env() -> Result<Option<Self>, UnknownSeries> {
+        match std::env::var(ENV_KERNEL) {
+            Ok(v) if !v.is_empty() => v.parse().map(Some),
+            Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                Err(UnknownSeries(v.to_string_lossy().into_owned()))
+            }
+        }
+    }
+
+    /// The `apt-cache search --names-only` pattern for the series' cloud kernels.
+    fn search_pattern(self) -> &'static str {
+        match self {
+            Self::Newest => "^linux-binary-[0-9].*-cloud-amd64$",
+            Self::Lts6_12 => "^linux-image-6\\.12\\.[0-9].*-cloud-amd64$",
+        }
+    }
+
+    /// The prefix of the package whose name carries the ABI.
+    fn package_prefix(self) -> &'static str {
+        match self {
+            Self::Newest => "linux-binary-",
+            Self::Lts6_12 => "linux-image-",
+        }
+    }
+
+    /// Whether a kernel of version `version` belongs to this series. (A 6.12 ABI must
+    /// have a patch level: `linux-image-6.12-cloud-amd64` is the meta package.)
+    pub fn accepts(self, version: &AbiVersion) -> bool {
+        match self {
+            Self::Newest => version.at_least(MIN_RELEASE),
+            Self::Lts6_12 => version.release.len() >= 3 && version.release[..2] == LTS_RELEASE[..],
+        }
+    }
+
+    /// The packages holding kernel `abi`'s files, each with the suite to take it from
+    /// (`None`: apt's candidate, from whichever suite has it).
+    fn packages(self, abi: &str) -> Vec<(String, Option<&'static str>)> {
+        match self {
+            Self::Newest => ["linux-binary-", "linux-modules-", "linux-base-"]
+                .iter()
+                .map(|prefix| (format!("{prefix}{abi}"), Some(SID)))
+                .collect(),
+            Self::Lts6_12 => vec![(format!("linux-image-{abi}"), None)],
+        }
+    }
+}
+
+impl std::fmt::Display for Series {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Series {
+    type Err = UnknownSeries;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "7" | "7.x" | "newest" => Ok(Self::Newest),
+            "6.12" | "6.12.x" => Ok(Self::Lts6_12),
+            _ => Err(UnknownSeries(s.to_owned())),
+        }
+    }
+}
 
 /// Errors of fetching and loading the guest kernel.
 #[derive(Debug, thiserror::Error)]
@@ -53,11 +167,9 @@ pub enum KernelError {
         /// The end of its stderr.
         stderr: String,
     },
-    /// apt knows no cloud kernel at all.
-    #[error(
-        "apt knows no linux-binary-*{FLAVOUR_SUFFIX} package; run tests/vm/install-host-deps.sh (it adds Debian sid) and apt-get update"
-    )]
-    NoCloudKernel,
+    /// apt knows no cloud kernel of the series.
+    #[error("apt knows no {} package; {}", no_kernel_packages(*.0), no_kernel_hint(*.0))]
+    NoCloudKernel(Series),
     /// The newest cloud kernel is older than 7.0.
     #[error(
         "the newest Debian sid cloud kernel is {0}, but ublkd's tests need Linux ≥ 7.0 (UBLK_F_BATCH_IO)"
@@ -68,9 +180,9 @@ pub enum KernelError {
         "kernel {0}'s config lacks CONFIG_BLK_DEV_UBLK (ublk is neither built in nor a module)"
     )]
     NoUblk(String),
-    /// `apt-cache show PKG/sid` listed nothing.
-    #[error("apt-cache lists no {0} in Debian sid")]
-    NotInSid(String),
+    /// `apt-cache show PKG[/suite]` listed nothing.
+    #[error("apt-cache lists no {0}")]
+    NotInApt(String),
     /// An unpacked package lacks a file the VM needs.
     #[error("the unpacked packages of kernel {abi} have no {what}")]
     MissingFile {
@@ -90,7 +202,25 @@ pub enum KernelError {
 impl KernelError {
     /// Whether this is the kernel refusing (too old, no ublk) rather than a setup failure.
     pub fn is_refusal(&self) -> bool {
-        matches!(self, Self::NoCloudKernel | Self::TooOld(_) | Self::NoUblk(_))
+        matches!(self, Self::NoCloudKernel(_) | Self::TooOld(_) | Self::NoUblk(_))
+    }
+}
+
+fn no_kernel_packages(series: Series) -> String {
+    match series {
+        Series::Newest => format!("linux-binary-*{FLAVOUR_SUFFIX}"),
+        Series::Lts6_12 => format!("linux-image-6.12.*{FLAVOUR_SUFFIX}"),
+    }
+}
+
+fn no_kernel_hint(series: Series) -> &'static str {
+    match series {
+        Series::Newest => {
+            "run tests/vm/install-host-deps.sh (it adds Debian sid) and apt-get update"
+        }
+        Series::Lts6_12 => {
+            "Debian 12's bookworm-security and Debian 13 (trixie) ship it: apt-get update, or add one of those suites"
+        }
     }
 }
 
@@ -130,7 +260,7 @@ impl AbiVersion {
 /// A kernel apt offers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
-    /// `linux-binary-<abi>`.
+    /// `linux-binary-<abi>` or `linux-image-<abi>`: the package named after the ABI.
     pub package: String,
     /// `7.2.13+deb14-cloud-amd64`.
     pub abi: String,
@@ -138,34 +268,37 @@ pub struct Candidate {
     pub version: AbiVersion,
 }
 
-/// The cloud kernels in `apt-cache search --names-only` output (`NAME - description`
-/// lines). Other flavours and `linux-binary-unsigned-*` are ignored.
-pub fn cloud_candidates(search_output: &str) -> Vec<Candidate> {
+/// The `series` cloud kernels in `apt-cache search --names-only` output (`NAME -
+/// description` lines). Other flavours, `*-unsigned`, `*-dbg`, meta packages and, for
+/// 6.12, other releases are ignored; a [`Series::Newest`] kernel older than 7.0 is
+/// kept (so that [`select_kernel`] can name it).
+pub fn cloud_candidates(series: Series, search_output: &str) -> Vec<Candidate> {
     search_output
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .filter_map(|package| {
-            let abi = package.strip_prefix(BINARY_PREFIX)?;
+            let abi = package.strip_prefix(series.package_prefix())?;
             if !abi.ends_with(FLAVOUR_SUFFIX) || !abi.starts_with(|c: char| c.is_ascii_digit()) {
                 return None;
             }
-            Some(Candidate {
-                package: package.to_owned(),
-                abi: abi.to_owned(),
-                version: AbiVersion::parse(abi)?,
-            })
+            let version = AbiVersion::parse(abi)?;
+            let wanted = match series {
+                Series::Newest => true,
+                Series::Lts6_12 => series.accepts(&version),
+            };
+            wanted.then(|| Candidate { package: package.to_owned(), abi: abi.to_owned(), version })
         })
         .collect()
 }
 
-/// The newest cloud kernel in `search_output`, refused if it is older than
-/// [`MIN_RELEASE`].
-pub fn select_kernel(search_output: &str) -> Result<Candidate, KernelError> {
-    let newest = cloud_candidates(search_output)
+/// The newest `series` cloud kernel in `search_output`; for [`Series::Newest`],
+/// refused if it is older than [`MIN_RELEASE`].
+pub fn select_kernel(series: Series, search_output: &str) -> Result<Candidate, KernelError> {
+    let newest = cloud_candidates(series, search_output)
         .into_iter()
         .max_by(|a, b| a.version.cmp(&b.version).then_with(|| a.abi.cmp(&b.abi)))
-        .ok_or(KernelError::NoCloudKernel)?;
-    if !newest.version.at_least(MIN_RELEASE) {
+        .ok_or(KernelError::NoCloudKernel(series))?;
+    if !series.accepts(&newest.version) {
         return Err(KernelError::TooOld(newest.abi));
     }
     Ok(newest)
@@ -274,24 +407,29 @@ impl Kernel {
     }
 }
 
-/// The kernel the last [`fetch`] chose, or a [`fetch`] if none is cached.
-pub fn current_or_fetch(cache: &Cache) -> Result<Kernel, KernelError> {
-    if let Ok(abi) = fs::read_to_string(cache.current())
+/// The `series` kernel the last [`fetch`] of that series chose, or a [`fetch`] if none
+/// is cached.
+pub fn current_or_fetch(cache: &Cache, series: Series) -> Result<Kernel, KernelError> {
+    if let Ok(abi) = fs::read_to_string(cache.current(series))
         && let Some(kernel) = Kernel::load(cache, abi.trim())?
+        && AbiVersion::parse(&kernel.abi).is_some_and(|v| series.accepts(&v))
     {
         return Ok(kernel);
     }
-    fetch(cache)
+    fetch(cache, series)
 }
 
-/// Resolves the newest sid cloud kernel ≥ 7.0 and makes sure it and its headers are
-/// cached; records it as the current kernel.
-pub fn fetch(cache: &Cache) -> Result<Kernel, KernelError> {
-    let search =
-        run_tool(Command::new("apt-cache").args(["search", "--names-only", SEARCH_PATTERN]))?;
-    let candidate = select_kernel(&search)?;
+/// Resolves the newest `series` cloud kernel and makes sure it and its headers are
+/// cached; records it as the series' current kernel.
+pub fn fetch(cache: &Cache, series: Series) -> Result<Kernel, KernelError> {
+    let search = run_tool(Command::new("apt-cache").args([
+        "search",
+        "--names-only",
+        series.search_pattern(),
+    ]))?;
+    let candidate = select_kernel(series, &search)?;
     if let Some(kernel) = Kernel::load(cache, &candidate.abi)? {
-        set_current(cache, &kernel)?;
+        set_current(cache, series, &kernel)?;
         progress!("kernel cached: {} ({})", kernel.abi, kernel.dir.display());
         return Ok(kernel);
     }
@@ -299,7 +437,7 @@ pub fn fetch(cache: &Cache) -> Result<Kernel, KernelError> {
     let _lock = cache.lock()?;
     // Another ublkd-vm may have fetched it while this one waited for the lock.
     if let Some(kernel) = Kernel::load(cache, &candidate.abi)? {
-        set_current(cache, &kernel)?;
+        set_current(cache, series, &kernel)?;
         progress!("kernel cached: {} ({})", kernel.abi, kernel.dir.display());
         return Ok(kernel);
     }
@@ -307,11 +445,11 @@ pub fn fetch(cache: &Cache) -> Result<Kernel, KernelError> {
     let tmp = cache.tmp().join(format!("fetch-{}", std::process::id()));
     remove_dir_if_exists(&tmp)?;
     cache.create_dir(&tmp)?;
-    let result = download_and_unpack(cache, &candidate, &tmp);
+    let result = download_and_unpack(cache, series, &candidate, &tmp);
     let cleanup = remove_dir_if_exists(&tmp);
     let kernel = result?;
     cleanup?;
-    set_current(cache, &kernel)?;
+    set_current(cache, series, &kernel)?;
     progress!(
         "kernel cached: {} ({}, fetched in {:.1} s)",
         kernel.abi,
@@ -321,49 +459,59 @@ pub fn fetch(cache: &Cache) -> Result<Kernel, KernelError> {
     Ok(kernel)
 }
 
+/// `NAME/suite`, or `NAME` for apt's candidate.
+fn apt_spec(name: &str, suite: Option<&str>) -> String {
+    match suite {
+        Some(suite) => format!("{name}/{suite}"),
+        None => name.to_owned(),
+    }
+}
+
 fn download_and_unpack(
     cache: &Cache,
+    series: Series,
     candidate: &Candidate,
     tmp: &Path,
 ) -> Result<Kernel, KernelError> {
     let abi = &candidate.abi;
-    let modules_package = format!("linux-modules-{abi}");
-    let base_package = format!("linux-base-{abi}");
-    let wanted = [
-        candidate.package.as_str(),
-        modules_package.as_str(),
-        base_package.as_str(),
-        HEADERS_PACKAGE,
-    ];
+    let wanted = series.packages(abi);
+    let headers_wanted = (HEADERS_PACKAGE.to_owned(), Some(SID));
+    // --no-all-versions: one stanza per package, the version `apt-get download` takes.
     let show = run_tool(
-        Command::new("apt-cache").arg("show").args(wanted.iter().map(|p| format!("{p}/sid"))),
+        Command::new("apt-cache")
+            .args(["show", "--no-all-versions"])
+            .args(wanted.iter().chain([&headers_wanted]).map(|(n, suite)| apt_spec(n, *suite))),
     )?;
     let infos = parse_show(&show);
-    let info = |name: &str| {
+    let info = |(name, suite): &(String, Option<&'static str>)| {
         infos
             .iter()
-            .find(|i| i.package == name)
+            .find(|i| &i.package == name)
             .cloned()
-            .ok_or_else(|| KernelError::NotInSid(name.to_owned()))
+            .ok_or_else(|| KernelError::NotInApt(apt_spec(name, *suite)))
     };
-    let (binary, modules, base, headers) =
-        (info(wanted[0])?, info(wanted[1])?, info(wanted[2])?, info(wanted[3])?);
-    if headers.version != binary.version {
+    let headers = info(&headers_wanted)?;
+    // The package named after the ABI gives the kernel's version.
+    let version = infos
+        .iter()
+        .find(|i| i.package == candidate.package)
+        .map(|i| i.version.clone())
+        .ok_or_else(|| KernelError::NotInApt(candidate.package.clone()))?;
+    if headers.version != version {
         progress!(
-            "warning: sid's {HEADERS_PACKAGE} is {}, kernel {abi} is {}; using the headers anyway",
+            "note: kernel {abi} is {version}; its uapi headers are sid's {HEADERS_PACKAGE} {}",
             headers.version,
-            binary.version
         );
     }
 
     let root = tmp.join("root");
-    for package in [&binary, &modules, &base] {
-        let deb = download(package, tmp)?;
+    for entry in &wanted {
+        let deb = download(&info(entry)?, entry.1, tmp)?;
         unpack(&deb, &root)?;
     }
     let headers_dir = cache.headers().join(&headers.version);
     if !headers_dir.join("usr/include/linux/ublk_cmd.h").exists() {
-        let deb = download(&headers, tmp)?;
+        let deb = download(&headers, headers_wanted.1, tmp)?;
         let unpacked = tmp.join("headers");
         unpack(&deb, &unpacked)?;
         if !unpacked.join("usr/include/linux/ublk_cmd.h").exists() {
@@ -410,7 +558,8 @@ fn download_and_unpack(
     }
     let mut manifest = String::new();
     let _ = writeln!(manifest, "abi={abi}");
-    let _ = writeln!(manifest, "version={}", binary.version);
+    let _ = writeln!(manifest, "series={series}");
+    let _ = writeln!(manifest, "version={version}");
     let _ = writeln!(manifest, "headers={}", headers.version);
     let _ = writeln!(manifest, "ublk={ublk}");
     write(&out.join(MANIFEST), manifest.as_bytes())?;
@@ -422,8 +571,12 @@ fn download_and_unpack(
     Kernel::load(cache, abi)?.ok_or_else(|| missing("complete cache entry after unpacking"))
 }
 
-/// `apt-get download NAME/sid` into `dir`; returns the .deb's path.
-fn download(package: &PackageInfo, dir: &Path) -> Result<PathBuf, KernelError> {
+/// `apt-get download NAME[/suite]` into `dir`; returns the .deb's path.
+fn download(
+    package: &PackageInfo,
+    suite: Option<&str>,
+    dir: &Path,
+) -> Result<PathBuf, KernelError> {
     progress!(
         "downloading {} {} ({:.1} MB)",
         package.package,
@@ -434,7 +587,7 @@ fn download(package: &PackageInfo, dir: &Path) -> Result<PathBuf, KernelError> {
         Command::new("apt-get")
             .current_dir(dir)
             .args(["download", "-q", "-o", "APT::Sandbox::User=root"])
-            .arg(format!("{}/sid", package.package)),
+            .arg(apt_spec(&package.package, suite)),
     )?;
     let prefix = format!("{}_", package.package);
     let entries = fs::read_dir(dir).map_err(|e| KernelError::Io("list", dir.into(), e))?;
@@ -486,8 +639,8 @@ fn decompress_module(ko: &Path, to: &Path) -> Result<(), KernelError> {
     }
 }
 
-fn set_current(cache: &Cache, kernel: &Kernel) -> Result<(), KernelError> {
-    let current = cache.current();
+fn set_current(cache: &Cache, series: Series, kernel: &Kernel) -> Result<(), KernelError> {
+    let current = cache.current(series);
     if fs::read_to_string(&current).is_ok_and(|c| c.trim() == kernel.abi) {
         return Ok(());
     }
@@ -555,16 +708,114 @@ linux-binary-7.10.2+deb14-cloud-amd64 - Linux 7.10.2 for x86-64 cloud (kernel im
 linux-binary-7.9.20+deb14-cloud-amd64 - Linux 7.9.20 for x86-64 cloud (kernel image)
 ";
 
+    /// `apt-cache search --names-only '^linux-image-6\.12\.[0-9].*-cloud-amd64$'` on Debian 12
+    /// (bookworm-security), with a trixie ABI and the neighbours the pattern cannot rule
+    /// out added.
+    const SEARCH_612: &str = "\
+linux-image-6.12.100+deb12-cloud-amd64 - Linux 6.12 for x86-64 cloud (signed)
+linux-image-6.12.117+deb12-cloud-amd64 - Linux 6.12 for x86-64 cloud (signed)
+linux-image-6.12.117+deb12-cloud-amd64-unsigned - Linux 6.12 for x86-64 cloud
+linux-image-6.12.117+deb12-cloud-amd64-dbg - Debug symbols for linux-image-6.12.117+deb12-cloud-amd64
+linux-image-6.12.9+deb12-cloud-amd64 - Linux 6.12 for x86-64 cloud (signed)
+linux-image-6.12-cloud-amd64 - Linux for x86-64 cloud (meta-package)
+linux-image-6.12.117+deb12-amd64 - Linux 6.12 for 64-bit PCs (signed)
+linux-image-6.1.0-47-cloud-amd64 - Linux 6.1 for x86-64 cloud (signed)
+linux-image-6.13.2+deb12-cloud-amd64 - Linux 6.13 (made up: another release)
+";
+
+    #[test]
+    fn newest_612_cloud_image_wins_and_meta_unsigned_dbg_and_other_releases_are_ignored() {
+        let abis: Vec<String> =
+            cloud_candidates(Series::Lts6_12, SEARCH_612).into_iter().map(|c| c.abi).collect();
+        assert_eq!(
+            abis,
+            [
+                "6.12.100+deb12-cloud-amd64",
+                "6.12.117+deb12-cloud-amd64",
+                "6.12.9+deb12-cloud-amd64"
+            ]
+        );
+        let chosen = select_kernel(Series::Lts6_12, SEARCH_612).unwrap();
+        assert_eq!(chosen.abi, "6.12.117+deb12-cloud-amd64");
+        assert_eq!(chosen.package, "linux-image-6.12.117+deb12-cloud-amd64");
+    }
+
+    #[test]
+    fn a_trixie_612_build_beats_bookworm_s_at_the_same_patch_level() {
+        let search = "linux-image-6.12.117+deb12-cloud-amd64 - Linux\n\
+                      linux-image-6.12.117+deb13-cloud-amd64 - Linux\n\
+                      linux-image-6.12.48+deb13-cloud-amd64 - Linux\n";
+        let chosen = select_kernel(Series::Lts6_12, search).unwrap();
+        assert_eq!(chosen.abi, "6.12.117+deb13-cloud-amd64");
+    }
+
+    #[test]
+    fn no_612_cloud_image_is_refused_naming_the_packages() {
+        let err = select_kernel(Series::Lts6_12, SEARCH).unwrap_err();
+        assert!(matches!(err, KernelError::NoCloudKernel(Series::Lts6_12)));
+        assert!(err.to_string().contains("linux-image-6.12.*-cloud-amd64"), "{err}");
+        assert!(err.is_refusal());
+    }
+
+    #[test]
+    fn the_series_searches_do_not_see_each_other_s_packages() {
+        // sid's linux-binary-* are not 6.12 images, and 6.12 images are not linux-binary-*.
+        assert!(cloud_candidates(Series::Lts6_12, SEARCH).is_empty());
+        assert!(cloud_candidates(Series::Newest, SEARCH_612).is_empty());
+    }
+
+    #[test]
+    fn series_names_parse_and_print() {
+        for series in Series::ALL {
+            assert_eq!(series.name().parse::<Series>(), Ok(series));
+            assert_eq!(series.to_string(), series.name());
+        }
+        assert_eq!("7.x".parse(), Ok(Series::Newest));
+        assert_eq!("newest".parse(), Ok(Series::Newest));
+        assert_eq!(" 6.12 ".parse(), Ok(Series::Lts6_12));
+        assert_eq!(Series::default(), Series::Newest);
+        for bad in ["", "6", "6.1", "6.13", "7.2", "latest-lts"] {
+            let err = bad.parse::<Series>().unwrap_err();
+            assert_eq!(err, UnknownSeries(bad.to_owned()));
+            assert!(err.to_string().contains("6.12"), "{err}");
+        }
+    }
+
+    #[test]
+    fn each_series_accepts_only_its_releases() {
+        let v = |s| AbiVersion::parse(s).unwrap();
+        assert!(Series::Lts6_12.accepts(&v("6.12.117+deb12-cloud-amd64")));
+        assert!(!Series::Lts6_12.accepts(&v("6.12-cloud-amd64")));
+        assert!(!Series::Lts6_12.accepts(&v("6.1.0-47-cloud-amd64")));
+        assert!(!Series::Lts6_12.accepts(&v("7.2.13+deb14-cloud-amd64")));
+        assert!(Series::Newest.accepts(&v("7.2.13+deb14-cloud-amd64")));
+        assert!(!Series::Newest.accepts(&v("6.12.117+deb12-cloud-amd64")));
+    }
+
+    #[test]
+    fn the_612_image_is_one_package_from_apt_s_candidate_and_sid_s_are_three() {
+        assert_eq!(
+            Series::Lts6_12.packages("6.12.117+deb12-cloud-amd64"),
+            [("linux-image-6.12.117+deb12-cloud-amd64".to_owned(), None)]
+        );
+        let sid = Series::Newest.packages("7.2.13+deb14-cloud-amd64");
+        assert_eq!(sid.len(), 3);
+        assert!(sid.iter().all(|(_, suite)| *suite == Some("sid")));
+        assert_eq!(apt_spec("linux-libc-dev", Some("sid")), "linux-libc-dev/sid");
+        assert_eq!(apt_spec("linux-image-x", None), "linux-image-x");
+    }
+
     #[test]
     fn newest_cloud_kernel_wins_numerically() {
-        let chosen = select_kernel(SEARCH).unwrap();
+        let chosen = select_kernel(Series::Newest, SEARCH).unwrap();
         assert_eq!(chosen.abi, "7.10.2+deb14-cloud-amd64");
         assert_eq!(chosen.package, "linux-binary-7.10.2+deb14-cloud-amd64");
     }
 
     #[test]
     fn other_flavours_and_unsigned_images_are_ignored() {
-        let abis: Vec<String> = cloud_candidates(SEARCH).into_iter().map(|c| c.abi).collect();
+        let abis: Vec<String> =
+            cloud_candidates(Series::Newest, SEARCH).into_iter().map(|c| c.abi).collect();
         assert_eq!(
             abis,
             ["7.2.13+deb14-cloud-amd64", "7.10.2+deb14-cloud-amd64", "7.9.20+deb14-cloud-amd64"]
@@ -575,7 +826,7 @@ linux-binary-7.9.20+deb14-cloud-amd64 - Linux 7.9.20 for x86-64 cloud (kernel im
     fn only_kernel_older_than_7_is_refused_naming_it() {
         let search = "linux-binary-6.19.4+deb14-cloud-amd64 - Linux\n\
                       linux-binary-7.1.0+deb14-amd64 - Linux (not cloud)\n";
-        let err = select_kernel(search).unwrap_err();
+        let err = select_kernel(Series::Newest, search).unwrap_err();
         assert!(matches!(&err, KernelError::TooOld(abi) if abi == "6.19.4+deb14-cloud-amd64"));
         assert!(err.to_string().contains("6.19.4+deb14-cloud-amd64"));
         assert!(err.is_refusal());
@@ -583,14 +834,15 @@ linux-binary-7.9.20+deb14-cloud-amd64 - Linux 7.9.20 for x86-64 cloud (kernel im
 
     #[test]
     fn no_cloud_kernel_at_all_is_refused() {
-        let err = select_kernel("linux-binary-7.2.13+deb14-amd64 - Linux\n").unwrap_err();
-        assert!(matches!(err, KernelError::NoCloudKernel));
+        let err =
+            select_kernel(Series::Newest, "linux-binary-7.2.13+deb14-amd64 - Linux\n").unwrap_err();
+        assert!(matches!(err, KernelError::NoCloudKernel(Series::Newest)));
     }
 
     #[test]
     fn seven_point_zero_is_accepted() {
         let search = "linux-binary-7.0.1+deb14-cloud-amd64 - Linux\n";
-        assert_eq!(select_kernel(search).unwrap().abi, "7.0.1+deb14-cloud-amd64");
+        assert_eq!(select_kernel(Series::Newest, search).unwrap().abi, "7.0.1+deb14-cloud-amd64");
     }
 
     #[test]

@@ -1,12 +1,16 @@
-//! ublkd's test VM: boots Debian sid's 7.x cloud kernel (which has ublk) under qemu and
-//! runs a host program inside it, so that kernel-dependent tests run on hosts whose own
-//! kernel has no ublk driver.
+//! ublkd's test VM: boots Debian sid's 7.x cloud kernel (which has ublk with
+//! `UBLK_F_BATCH_IO`) — or, with `--kernel 6.12` / `UBLKD_VM_KERNEL=6.12`, Debian's 6.12
+//! LTS cloud kernel (ublk without batch commands) — under qemu and runs a host program
+//! inside it, so that kernel-dependent tests run on hosts whose own kernel has no ublk
+//! driver.
 //!
 //! The design, measured in `/work/shared/notes/vm.md`:
 //!
-//! - [`kernel`]: `apt-get download`s the newest sid `linux-binary-<abi>` /
-//!   `linux-modules-<abi>` for a `*-cloud-amd64` ABI ≥ 7.0 and sid's `linux-libc-dev`, and
-//!   unpacks them into the [`cache`] with `dpkg-deb -x` (nothing is installed).
+//! - [`kernel`]: `apt-get download`s the kernel of the chosen [`kernel::Series`] — sid's
+//!   newest `linux-binary-<abi>` / `linux-modules-<abi>` for a `*-cloud-amd64` ABI ≥ 7.0,
+//!   or the newest `linux-image-6.12.*-cloud-amd64` — and sid's `linux-libc-dev`, and
+//!   unpacks them into the [`cache`] with `dpkg-deb -x` (nothing is installed). Both
+//!   kernels stay cached side by side.
 //! - [`initramfs`]: a small cpio with static busybox, `ublk_drv.ko` and an `/init` that
 //!   loads ublk, mounts the host's root read-only over virtiofs (with writable overlays on
 //!   `/tmp` and `/var/tmp`), switch_roots into it and runs the command.
@@ -17,12 +21,14 @@
 //!   lines, because kernel warnings interleave with program output).
 //! - [`vm`]: one run — virtiofsd, qemu, timeouts, one retry of a failed boot, cleanup.
 //! - [`check`]: `ublkd-vm guest-check`, run inside the guest before the command: the
-//!   kernel must offer `UBLK_F_BATCH_IO`.
+//!   kernel must offer what its series promises (`UBLK_F_BATCH_IO` on 7.x).
 //! - [`exit`]: the exit codes of `ublkd-vm`'s own failures.
 //!
 //! `ublkd-vm run -- CMD` is also a cargo runner:
 //! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="target/debug/ublkd-vm run --" cargo test`
-//! runs every test binary inside the VM (the host paths are valid in the guest).
+//! runs every test binary inside the VM (the host paths are valid in the guest);
+//! `UBLKD_VM_KERNEL=6.12` in front of it runs them on the 6.12 kernel instead, and the
+//! tests see `UBLKD_VM_KERNEL` (`7` or `6.12`) to know which one they run on.
 
 pub mod cache;
 pub mod check;

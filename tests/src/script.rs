@@ -2,7 +2,8 @@
 //! virtiofs at the same path):
 //!
 //! - `params`: sourced by the guest's busybox `/init` before the switch into the host's root (`CHECK_BIN`, the
-//!   host path of the `ublkd-vm` binary that performs `guest-check`);
+//!   host path of the `ublkd-vm` binary that performs `guest-check`, and `CHECK_KERNEL`,
+//!   the kernel series booted, which decides what `guest-check` requires);
 //! - `cmd.sh`: run by the host's `/bin/sh` inside the guest: exports the forwarded
 //!   environment and `UBLKD_VM_GUEST=1`, enters the host's cwd and `exec`s the command.
 //!
@@ -16,6 +17,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use crate::exit;
+use crate::kernel::Series;
 
 /// Variables forwarded by exact name.
 pub const FORWARDED_VARS: &[&str] = &["PATH", "HOME", "TERM", "RUST_BACKTRACE", "RUST_LOG"];
@@ -119,12 +121,24 @@ fn push_export(s: &mut Vec<u8>, name: &str, value: &OsStr) {
 }
 
 /// `params` for the guest's `/init`: the `ublkd-vm` binary that runs `guest-check`.
-pub fn params_script(check_bin: &Path) -> Vec<u8> {
+pub fn params_script(check_bin: &Path, series: Series) -> Vec<u8> {
     let mut s = b"# ublkd-vm: parameters for the guest's /init (sourced by busybox sh)\n".to_vec();
     s.extend_from_slice(b"CHECK_BIN=");
     s.extend_from_slice(&shell_quote(check_bin.as_os_str().as_bytes()));
     s.push(b'\n');
+    s.extend_from_slice(b"CHECK_KERNEL=");
+    s.extend_from_slice(&shell_quote(series.name().as_bytes()));
+    s.push(b'\n');
     s
+}
+
+/// Sets `name` to `value` in a forwarded environment (replacing a forwarded value), so
+/// that the guest command sees what the harness decided rather than what the caller's
+/// environment said.
+pub fn set_var(env: &mut Vec<(String, OsString)>, name: &str, value: &str) {
+    env.retain(|(n, _)| n != name);
+    env.push((name.to_owned(), value.into()));
+    env.sort();
 }
 
 #[cfg(test)]
@@ -229,11 +243,25 @@ mod tests {
     }
 
     #[test]
-    fn params_script_quotes_the_check_binary() {
-        let s = params_script(Path::new("/work/it's/ublkd-vm"));
+    fn params_script_quotes_the_check_binary_and_names_the_series() {
+        let s = params_script(Path::new("/work/it's/ublkd-vm"), Series::Lts6_12);
+        let mut lines = s.split(|&b| b == b'\n').skip(1);
+        assert_eq!(lines.next().unwrap(), b"CHECK_BIN='/work/it'\\''s/ublkd-vm'");
+        assert_eq!(lines.next().unwrap(), b"CHECK_KERNEL='6.12'");
+    }
+
+    #[test]
+    fn set_var_replaces_a_forwarded_value_and_keeps_the_order() {
+        let mut env = vec![("A".to_owned(), os("1")), ("UBLKD_VM_KERNEL".to_owned(), os("7"))];
+        set_var(&mut env, "UBLKD_VM_KERNEL", "6.12");
+        set_var(&mut env, "B", "2");
         assert_eq!(
-            s.split(|&b| b == b'\n').nth(1).unwrap(),
-            b"CHECK_BIN='/work/it'\\''s/ublkd-vm'"
+            env,
+            [
+                ("A".to_owned(), os("1")),
+                ("B".to_owned(), os("2")),
+                ("UBLKD_VM_KERNEL".to_owned(), os("6.12"))
+            ]
         );
     }
 }

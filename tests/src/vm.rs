@@ -38,7 +38,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::cache::{Cache, CacheError};
 use crate::console::{ConsoleParser, Event, Marker};
 use crate::exit;
-use crate::kernel::Kernel;
+use crate::kernel::{Kernel, Series};
 use crate::progress;
 use crate::script::{self, GuestCommand};
 
@@ -117,9 +117,12 @@ pub enum VmError {
         "the guest died without reporting the command's exit status{0}; the console log is kept in {1:?}"
     )]
     GuestDied(&'static str, PathBuf),
-    /// The guest kernel lacks `UBLK_F_BATCH_IO`.
-    #[error("kernel {0}'s ublk lacks UBLK_F_BATCH_IO (needs Linux ≥ 7.0)")]
-    NoBatchIo(String),
+    /// The guest kernel lacks a feature its series must have (`UBLK_F_BATCH_IO` on 7.x);
+    /// the guest's console names it.
+    #[error(
+        "kernel {0}'s ublk lacks a feature the --kernel {1} VM needs (see the guest-check line above)"
+    )]
+    MissingFeature(String, Series),
     /// `guest-check` failed otherwise.
     #[error(
         "the guest's ublk feature check (ublkd-vm guest-check) exited {0} on kernel {1}; see the console output above"
@@ -137,7 +140,7 @@ impl VmError {
             Self::NotReady(..) => exit::BOOT_FAILED,
             Self::Timeout(..) => exit::TIMEOUT,
             Self::GuestDied(..) => exit::GUEST_DIED,
-            Self::NoBatchIo(_) | Self::CheckFailed(..) => exit::FEATURE_MISSING,
+            Self::MissingFeature(..) | Self::CheckFailed(..) => exit::FEATURE_MISSING,
             Self::Interrupted(sig) => 128u8.saturating_add(*sig as u8),
             _ => exit::SETUP_FAILED,
         }
@@ -210,6 +213,8 @@ pub struct RunOptions {
     pub accel: Option<Accel>,
     /// The `ublkd-vm` binary the guest runs `guest-check` with.
     pub check_bin: PathBuf,
+    /// The series of the kernel booted, for `guest-check --kernel`.
+    pub series: Series,
     /// Boot the host's systemd as PID 1 on a writable overlay of the host's root and
     /// run the command as a service of it (see [`crate::initramfs::INIT_SCRIPT`]).
     pub systemd: bool,
@@ -242,7 +247,7 @@ pub fn run(
     let mut run_dir = RunDir::create(cache)?;
     let cmd =
         GuestCommand { argv: opts.argv.clone(), cwd: opts.cwd.clone(), env: opts.env.clone() };
-    run_dir.write("params", &script::params_script(&opts.check_bin))?;
+    run_dir.write("params", &script::params_script(&opts.check_bin, opts.series))?;
     run_dir.write("cmd.sh", &script::command_script(&cmd))?;
 
     let deadline = Instant::now() + opts.timeout;
@@ -619,7 +624,9 @@ impl Boot<'_> {
         };
         run_dir.keep(console_log.clone());
         Err(match seen.check_failed {
-            Some(exit::GUEST_CHECK_NO_BATCH_IO) => VmError::NoBatchIo(release),
+            Some(exit::GUEST_CHECK_MISSING_FEATURE) => {
+                VmError::MissingFeature(release, self.opts.series)
+            }
             Some(status) => VmError::CheckFailed(status, release),
             None if seen.panic => VmError::GuestDied(" (the kernel panicked)", console_log),
             None => VmError::GuestDied("", console_log),
@@ -682,7 +689,10 @@ mod tests {
     fn exit_codes_map_failures() {
         assert_eq!(VmError::Timeout(5, "x".into()).exit_code(), exit::TIMEOUT);
         assert_eq!(VmError::NotReady(2, "x".into()).exit_code(), exit::BOOT_FAILED);
-        assert_eq!(VmError::NoBatchIo("6.19".into()).exit_code(), exit::FEATURE_MISSING);
+        assert_eq!(
+            VmError::MissingFeature("6.12.117".into(), Series::Newest).exit_code(),
+            exit::FEATURE_MISSING
+        );
         assert_eq!(VmError::GuestDied("", "x".into()).exit_code(), exit::GUEST_DIED);
         assert_eq!(VmError::Interrupted(15).exit_code(), 143);
         assert_eq!(VmError::BadAccel("x".into()).exit_code(), exit::SETUP_FAILED);

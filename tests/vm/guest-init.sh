@@ -36,9 +36,11 @@ OVL="$H$RUN/../../kernel/$(uname -r)/overlay.ko"
 [ -f "$OVL" ] && insmod "$OVL" 2>/dev/null
 [ -f "$H$RUN/params" ] || fail "no $RUN/params in the host's root"
 CHECK_BIN=
+CHECK_KERNEL=
 # shellcheck source=/dev/null  # written per run by ublkd-vm
 . "$H$RUN/params"
 [ -n "$CHECK_BIN" ] || fail "no CHECK_BIN in $RUN/params"
+[ -n "$CHECK_KERNEL" ] || fail "no CHECK_KERNEL in $RUN/params"
 
 # What the guest runs once set up, in both modes (written into a script below, after
 # that script's own `off`): report READY, run guest-check and the command, report the
@@ -46,7 +48,7 @@ CHECK_BIN=
 guest_body() {
   cat <<BODY
 echo; echo "$M:READY:\$($1)"
-"$CHECK_BIN" guest-check </dev/null
+"$CHECK_BIN" guest-check --kernel "$CHECK_KERNEL" </dev/null
 rc=\$?
 if [ \$rc -ne 0 ]; then echo; echo "$M:CHECK-FAILED:\$rc"; off; fi
 /bin/sh "$RUN/cmd.sh" </dev/null

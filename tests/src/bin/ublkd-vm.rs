@@ -1,5 +1,6 @@
 //! `ublkd-vm`: runs commands inside ublkd's test VM (Debian sid's 7.x cloud kernel with
-//! ublk, under qemu), also as a cargo runner. See the `ublkd_tests` crate docs.
+//! ublk, or Debian's 6.12 LTS one with `--kernel 6.12`, under qemu), also as a cargo
+//! runner. See the `ublkd_tests` crate docs.
 
 use std::ffi::OsString;
 use std::io::IsTerminal as _;
@@ -9,13 +10,14 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use ublkd_tests::cache::Cache;
+use ublkd_tests::kernel::{self, Series};
 use ublkd_tests::vm::{self, Accel, RunOptions};
-use ublkd_tests::{check, exit, initramfs, kernel, script};
+use ublkd_tests::{check, exit, initramfs, script};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "ublkd-vm",
-    about = "Run commands inside ublkd's test VM: Debian sid's 7.x cloud kernel with ublk, under qemu.",
+    about = "Run commands inside ublkd's test VM: Debian sid's 7.x cloud kernel with ublk (or Debian's 6.12 LTS with --kernel 6.12), under qemu.",
     after_help = exit::HELP
 )]
 struct Cli {
@@ -23,14 +25,42 @@ struct Cli {
     command: Cmd,
 }
 
+/// `--kernel`, shared by the subcommands that pick a kernel.
+#[derive(Debug, clap::Args)]
+struct KernelArg {
+    /// The kernel: 7 (Debian sid's newest cloud kernel >= 7.0) or 6.12 (Debian's newest
+    /// 6.12 LTS cloud kernel) [default: $UBLKD_VM_KERNEL, else 7].
+    #[arg(long, value_name = "SERIES")]
+    kernel: Option<Series>,
+}
+
+impl KernelArg {
+    /// `--kernel`, else `$UBLKD_VM_KERNEL`, else the default series.
+    fn series(&self) -> anyhow::Result<Series> {
+        if let Some(series) = self.kernel {
+            return Ok(series);
+        }
+        let from_env = Series::from_env().context(kernel::ENV_KERNEL)?;
+        Ok(from_env.unwrap_or_default())
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Download (if not cached) the newest Debian sid cloud kernel >= 7.0 (linux-binary,
-    /// -modules, -base) and linux-libc-dev into the cache; make it the kernel `run` boots.
-    Fetch,
-    /// Print the include directory with the kernel's uapi headers (linux/ublk_cmd.h),
-    /// fetching first if needed.
-    UapiInclude,
+    /// Download (if not cached) the newest cloud kernel of the series (sid's >= 7.0:
+    /// linux-binary, -modules, -base; 6.12: linux-image) and sid's linux-libc-dev into
+    /// the cache; make it the kernel `run` boots for that series.
+    Fetch {
+        #[command(flatten)]
+        kernel: KernelArg,
+    },
+    /// Print the include directory with the uapi headers (linux/ublk_cmd.h) programs
+    /// are built against (sid's linux-libc-dev, for either series), fetching first if
+    /// needed.
+    UapiInclude {
+        #[command(flatten)]
+        kernel: KernelArg,
+    },
     /// Boot the VM, run CMD inside it (host root read-only, same cwd, forwarded env),
     /// stream its console to stdout, and exit with CMD's status.
     #[command(after_help = exit::HELP)]
@@ -51,24 +81,43 @@ enum Cmd {
         /// basic.target; CMD sees UBLKD_VM_SYSTEMD=1.
         #[arg(long)]
         systemd: bool,
+        #[command(flatten)]
+        kernel: KernelArg,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true, value_name = "CMD")]
         cmd: Vec<OsString>,
     },
     /// (Run by the guest before CMD.) Print the kernel's ublk feature mask; fail if it
-    /// lacks UBLK_F_BATCH_IO.
-    GuestCheck,
+    /// lacks a feature the series must have (UBLK_F_BATCH_IO on 7).
+    GuestCheck {
+        /// The series the guest was booted as.
+        #[arg(long, value_name = "SERIES", default_value_t = Series::default())]
+        kernel: Series,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Fetch => match Cache::from_env().map_err(Into::into).and_then(|c| kernel::fetch(&c)) {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(e) => fail_kernel(e),
-        },
-        Cmd::UapiInclude => {
-            match Cache::from_env().map_err(Into::into).and_then(|c| kernel::current_or_fetch(&c)) {
+        Cmd::Fetch { kernel } => {
+            let series = match kernel.series() {
+                Ok(s) => s,
+                Err(e) => return fail(exit::SETUP_FAILED, &e),
+            };
+            match Cache::from_env().map_err(Into::into).and_then(|c| kernel::fetch(&c, series)) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => fail_kernel(e),
+            }
+        }
+        Cmd::UapiInclude { kernel } => {
+            let series = match kernel.series() {
+                Ok(s) => s,
+                Err(e) => return fail(exit::SETUP_FAILED, &e),
+            };
+            match Cache::from_env()
+                .map_err(Into::into)
+                .and_then(|c| kernel::current_or_fetch(&c, series))
+            {
                 Ok(k) => {
                     println!("{}", k.include_dir.display());
                     ExitCode::SUCCESS
@@ -76,8 +125,10 @@ fn main() -> ExitCode {
                 Err(e) => fail_kernel(e),
             }
         }
-        Cmd::GuestCheck => ExitCode::from(check::guest_check()),
-        Cmd::Run { timeout, mem, cpus, systemd, cmd } => run(timeout, mem, cpus, systemd, cmd),
+        Cmd::GuestCheck { kernel } => ExitCode::from(check::guest_check(kernel)),
+        Cmd::Run { timeout, mem, cpus, systemd, kernel, cmd } => {
+            run(timeout, mem, cpus, systemd, &kernel, cmd)
+        }
     }
 }
 
@@ -86,9 +137,11 @@ fn run(
     mem_mb: u32,
     cpus: u32,
     systemd: bool,
+    kernel_arg: &KernelArg,
     argv: Vec<OsString>,
 ) -> ExitCode {
     let setup = || -> anyhow::Result<(RunOptions, Cache)> {
+        let series = kernel_arg.series()?;
         let timeout = match timeout {
             Some(secs) => Duration::from_secs(secs),
             None => match std::env::var(vm::ENV_TIMEOUT) {
@@ -102,6 +155,7 @@ fn run(
         };
         let mut env = script::forwarded_env(std::env::vars_os());
         script::fit_term(&mut env, std::io::stdout().is_terminal());
+        script::set_var(&mut env, kernel::ENV_KERNEL, series.name());
         let opts = RunOptions {
             argv,
             cwd: std::env::current_dir().context("could not read the current directory")?,
@@ -113,6 +167,7 @@ fn run(
             check_bin: std::env::current_exe()
                 .context("could not find the path of the running ublkd-vm binary")?,
             systemd,
+            series,
         };
         Ok((opts, Cache::from_env()?))
     };
@@ -120,7 +175,7 @@ fn run(
         Ok(v) => v,
         Err(e) => return fail(exit::SETUP_FAILED, &e),
     };
-    let kernel = match kernel::current_or_fetch(&cache) {
+    let kernel = match kernel::current_or_fetch(&cache, opts.series) {
         Ok(k) => k,
         Err(e) => return fail_kernel(e),
     };
