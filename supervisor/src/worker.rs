@@ -28,19 +28,23 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
     self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, ToWorker,
     WorkerSetup,
 };
-use ublkd_proto::uapi;
 
 use crate::worker_log::PipeEnd;
 
-/// The most rings a worker may name: one per queue thread.
-const MAX_RINGS: usize = ublkd_config::MAX_THREADS as usize;
+mod pidfd;
+mod rings;
+mod takeover;
+
+pub use takeover::AttachClaim;
+
+use pidfd::{exits_within, pidfd_kill, pidfd_open};
+use rings::{copy_rings, unregister_files_and_buffers};
 
 /// The most entries of a worker's sandbox report's lists kept (there are seven
 /// namespace kinds and four layers).
@@ -324,104 +328,6 @@ impl Worker {
         }
     }
 
-    /// Where the activated worker holds its control socket's other end and (if any)
-    /// its stderr's read end: what a restarted ublkd needs to take it over.
-    pub fn held(&self) -> &[i32] {
-        &self.held
-    }
-
-    /// Takes over worker `pid`, which a previous supervisor activated for device
-    /// `dev_id` at `generation` and which has served on since: copies its control
-    /// socket's other end (held at `held[0]`) and its stderr's read end (`held[1]`)
-    /// out of it, and asks it what it serves. Anything that does not match, from the
-    /// process's start time to the worker's answer, is refused: the caller then kills
-    /// whatever runs at `pid` if it is that worker, and recovers the device.
-    pub fn attach(claim: &AttachClaim, timeout: Duration) -> Result<Worker, WorkerError> {
-        let pid = claim.pid;
-        let refused = |what: String| WorkerError::Attach { pid, what };
-        let pidfd = pidfd_open(pid).map_err(|e| refused(format!("no such process ({e})")))?;
-        // The pidfd pins the process: if the start time matches now, it is the worker
-        // the record names and not a later process that reused its pid.
-        match process_start_time(pid) {
-            Some(t) if t == claim.start_time => {}
-            Some(_) => return Err(refused("the pid belongs to another process now".into())),
-            None => return Err(refused("its start time cannot be read".into())),
-        }
-        let Some(&control_at) = claim.held.first() else {
-            return Err(refused("it was never told to hold its control socket".into()));
-        };
-        let control = getfd(pidfd.as_fd(), control_at)
-            .map_err(|e| refused(format!("cannot copy its fd {control_at}: {e}")))?;
-        if let Some(what) = not_a_seqpacket_socket(control.as_fd()) {
-            return Err(refused(format!("its fd {control_at} is {what}")));
-        }
-        let mut worker = Worker {
-            child: None,
-            pid,
-            control,
-            stderr_copy: None,
-            held: claim.held.clone(),
-            sandbox: None,
-            pidfd,
-            rings: Vec::new(),
-            stderr_end: None,
-        };
-        msg::send_packet(worker.control(), &ToWorker::Attach, &[]).map_err(WorkerError::Send)?;
-        let deadline = Instant::now() + timeout;
-        let (dev_id, generation, rings) = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match worker.receive(left)? {
-                // A worker taken over mid-activation says Ready first.
-                (FromWorker::Ready(_), _) => continue,
-                (FromWorker::Attached { dev_id, generation, rings }, _) => {
-                    break (dev_id, generation, rings);
-                }
-                (other, _) => return worker.unexpected("Attached", other),
-            }
-        };
-        if (dev_id, generation) != (claim.dev_id, claim.generation) {
-            return Err(refused(format!(
-                "it serves device {dev_id} generation {generation}, not device {} \
-                 generation {}",
-                claim.dev_id, claim.generation
-            )));
-        }
-        worker.rings = copy_rings(worker.pidfd.as_fd(), pid, &rings)?;
-        if let (Some(relay), Some(&stderr_at)) =
-            (crate::worker_log::Relay::get(), claim.held.get(1))
-        {
-            match getfd(worker.pidfd.as_fd(), stderr_at) {
-                Ok(read) if not_a_pipe(read.as_fd()).is_none() => {
-                    worker.stderr_end = Some(relay.watch(read, dev_id, pid));
-                }
-                Ok(read) => tracing::warn!(
-                    dev_id,
-                    worker_pid = pid,
-                    "not relaying the worker's stderr: its fd {stderr_at} is {}",
-                    not_a_pipe(read.as_fd()).unwrap_or_default()
-                ),
-                Err(e) => tracing::warn!(
-                    dev_id,
-                    worker_pid = pid,
-                    "not relaying the worker's stderr: cannot copy its fd {stderr_at}: {e}"
-                ),
-            }
-        }
-        Ok(worker)
-    }
-
-    /// Kills a worker that [`Self::attach`] refused, if `claim`'s pid still is that
-    /// worker, and waits up to `grace` for its end; whether it has ended (or was never
-    /// there).
-    pub fn kill_claimed(claim: &AttachClaim, grace: Duration) -> bool {
-        let Ok(pidfd) = pidfd_open(claim.pid) else { return true };
-        if process_start_time(claim.pid) != Some(claim.start_time) {
-            return true;
-        }
-        let _ = pidfd_kill(pidfd.as_fd());
-        exits_within(pidfd.as_fd(), grace)
-    }
-
     fn unexpected<T>(&self, want: &str, got: FromWorker) -> Result<T, WorkerError> {
         let pid = self.pid();
         match got {
@@ -539,118 +445,6 @@ impl Drop for Worker {
     }
 }
 
-/// What a previous supervisor recorded of a worker it activated, to take it over by
-/// ([`Worker::attach`]). Kept in the state dir, which only ublkd can write.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct AttachClaim {
-    pub dev_id: u32,
-    pub pid: u32,
-    /// The process's start time (`/proc/PID/stat`, clock ticks after boot): tells the
-    /// worker from a later process that reused its pid.
-    pub start_time: u64,
-    pub generation: u64,
-    /// [`Worker::held`]; empty while the activation has not answered.
-    pub held: Vec<i32>,
-}
-
-impl AttachClaim {
-    /// The claim on `worker`, activated at `generation` for `dev_id`; `None` if its
-    /// start time cannot be read (it has exited).
-    pub fn of(worker: &Worker, dev_id: u32, generation: u64) -> Option<AttachClaim> {
-        Some(AttachClaim {
-            dev_id,
-            pid: worker.pid,
-            start_time: process_start_time(worker.pid)?,
-            generation,
-            held: worker.held.clone(),
-        })
-    }
-}
-
-/// A process's start time, field 22 of `/proc/PID/stat` (after the command name,
-/// which may hold spaces and parentheses: the last `)` ends it).
-fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    // Field 3 (state) is the first after the name; 22 is the 20th.
-    after_name.split_ascii_whitespace().nth(19)?.parse().ok()
-}
-
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) })
-}
-
-/// SIGKILL through the pidfd: never a process that reused the pid.
-fn pidfd_kill(pidfd: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: pidfd_send_signal takes a pidfd, a signal, a null siginfo and flags.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            libc::SIGKILL,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
-}
-
-/// A copy of the fd numbered `number` in the process behind `pidfd`.
-fn getfd(pidfd: BorrowedFd<'_>, number: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_getfd takes a pidfd, an fd number and flags (0), and returns a new
-    // fd (close-on-exec) or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), number, 0) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a new fd returned by pidfd_getfd, owned by nothing else.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) })
-}
-
-/// Whether the process behind `pidfd` exits within `limit` (the pidfd turns readable).
-fn exits_within(pidfd: BorrowedFd<'_>, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = [PollFd::new(pidfd, PollFlags::POLLIN)];
-        match poll(&mut pfd, poll_timeout(left)) {
-            Ok(n) => return n > 0,
-            Err(Errno::EINTR) => {}
-            Err(_) => return false,
-        }
-    }
-}
-
-/// Why `fd` is not a unix `SOCK_SEQPACKET` socket (a worker's control socket), if not.
-fn not_a_seqpacket_socket(fd: BorrowedFd<'_>) -> Option<String> {
-    use nix::sys::socket::{AddressFamily, SockaddrLike, SockaddrStorage, getsockname, sockopt};
-    match nix::sys::socket::getsockopt(&fd, sockopt::SockType) {
-        Ok(SockType::SeqPacket) => {}
-        Ok(other) => return Some(format!("a {other:?} socket, not a control socket")),
-        Err(e) => return Some(format!("not a socket ({e})")),
-    }
-    match getsockname::<SockaddrStorage>(fd.as_raw_fd()).map(|a| a.family()) {
-        Ok(Some(AddressFamily::Unix)) => None,
-        Ok(family) => Some(format!("a {family:?} socket, not a unix one")),
-        Err(e) => Some(format!("a socket whose address cannot be read ({e})")),
-    }
-}
-
-/// Why `fd` is not a pipe, if it is not.
-fn not_a_pipe(fd: BorrowedFd<'_>) -> Option<String> {
-    match nix::sys::stat::fstat(fd) {
-        Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFIFO => None,
-        Ok(st) => Some(format!("not a pipe (mode {:o})", st.st_mode)),
-        Err(e) => Some(format!("an fd that cannot be inspected ({e})")),
-    }
-}
-
 /// A worker's stderr pipe: the read end for the relay, close-on-exec; the write end
 /// for the worker, nonblocking (see the module doc).
 fn stderr_pipe() -> Result<(OwnedFd, OwnedFd), WorkerError> {
@@ -694,180 +488,9 @@ pub fn reap_lingering() {
     });
 }
 
-/// Copies a worker's rings (fd numbers in the worker) into the supervisor, each
-/// checked to be an io_uring. Where the kernel does not let the supervisor copy them
-/// (EPERM: no CAP_SYS_PTRACE, or Yama's ptrace_scope 3), the worker serves as well and
-/// only its recovery waits longer: that is logged, not refused.
-fn copy_rings(
-    pidfd: BorrowedFd<'_>,
-    pid: u32,
-    numbers: &[i32],
-) -> Result<Vec<OwnedFd>, WorkerError> {
-    if numbers.len() > MAX_RINGS {
-        let what = format!("named {} rings, more than {MAX_RINGS}", numbers.len());
-        return Err(WorkerError::Protocol { pid, what });
-    }
-    let mut rings = Vec::with_capacity(numbers.len());
-    for &number in numbers {
-        let ring = match getfd(pidfd, number) {
-            Ok(ring) => ring,
-            Err(source) if source.raw_os_error() == Some(libc::EPERM) => {
-                tracing::warn!(
-                    worker_pid = pid,
-                    "cannot copy the worker's rings ({source}): its device's recoveries \
-                     will wait for the kernel to tear the rings down"
-                );
-                return Ok(Vec::new());
-            }
-            Err(source) => return Err(WorkerError::Rings { pid, number, source }),
-        };
-        if let Some(what) = not_an_io_uring(ring.as_fd()) {
-            let what = format!("named its fd {number} as a ring, but that is {what}");
-            return Err(WorkerError::Protocol { pid, what });
-        }
-        rings.push(ring);
-    }
-    Ok(rings)
-}
-
-/// Unregisters every ring's buffers, then its files; returns how many calls the
-/// kernel refused (ENXIO, nothing of that kind registered, is not a refusal).
-fn unregister_files_and_buffers(rings: &[OwnedFd]) -> usize {
-    let mut refused = 0;
-    // Buffers first: with zero copy they hold the requests' pages, and ublk's release
-    // waits for those before it lets the device go.
-    for opcode in [uapi::IORING_UNREGISTER_BUFFERS, uapi::IORING_UNREGISTER_FILES] {
-        for ring in rings {
-            // SAFETY: io_uring_register with a null argument and no entries only reads
-            // its scalar arguments; `ring` is an open fd.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_io_uring_register,
-                    ring.as_raw_fd(),
-                    opcode,
-                    std::ptr::null::<libc::c_void>(),
-                    0,
-                )
-            };
-            if rc < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
-                refused += 1;
-            }
-        }
-    }
-    refused
-}
-
-/// Why `fd` is not an io_uring instance, if it is not.
-fn not_an_io_uring(fd: BorrowedFd<'_>) -> Option<String> {
-    match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
-        Ok(target) if target.as_os_str() == "anon_inode:[io_uring]" => None,
-        Ok(target) => Some(format!("an fd to {}", target.display())),
-        Err(e) => Some(format!("an fd it cannot inspect ({e})")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::fs::File;
-    use std::os::fd::RawFd;
-
     use super::*;
-
-    fn own_pidfd() -> OwnedFd {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) };
-        assert!(raw >= 0, "pidfd_open: {}", io::Error::last_os_error());
-        // SAFETY: `raw` is a new fd owned by nothing else.
-        unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) }
-    }
-
-    fn io_uring_register(ring: RawFd, opcode: u32, arg: *const libc::c_void, n: u32) -> i64 {
-        // SAFETY: `arg` points to `n` fds (or is null with `n` 0) for the call's duration.
-        unsafe { libc::syscall(libc::SYS_io_uring_register, ring, opcode, arg, n) }
-    }
-
-    /// A claim on this very process, as if it were device 5's worker at generation 9
-    /// holding its control socket's other end at `control_at`.
-    fn claim_on_self(control_at: i32) -> AttachClaim {
-        let pid = std::process::id();
-        let start_time = process_start_time(pid).expect("our own start time");
-        AttachClaim { dev_id: 5, pid, start_time, generation: 9, held: vec![control_at] }
-    }
-
-    fn attach_error(claim: &AttachClaim) -> String {
-        match Worker::attach(claim, Duration::from_secs(2)) {
-            Ok(w) => panic!("took over {w:?}"),
-            Err(e) => e.to_string(),
-        }
-    }
-
-    #[test]
-    fn a_claim_on_a_process_that_is_gone_or_reused_is_refused() {
-        let mut child = Command::new("/bin/true").spawn().unwrap();
-        let gone = child.id();
-        child.wait().unwrap();
-        let claim = AttachClaim { pid: gone, ..claim_on_self(0) };
-        assert!(attach_error(&claim).contains("no such process"), "{}", attach_error(&claim));
-        let claim = AttachClaim { start_time: 1, ..claim_on_self(0) };
-        let err = attach_error(&claim);
-        assert!(err.contains("the pid belongs to another process now"), "{err}");
-    }
-
-    #[test]
-    fn a_claim_that_names_no_socket_is_refused() {
-        let err = attach_error(&AttachClaim { held: Vec::new(), ..claim_on_self(0) });
-        assert!(err.contains("never told to hold its control socket"), "{err}");
-        let null = File::open("/dev/null").unwrap();
-        let err = attach_error(&claim_on_self(null.as_raw_fd()));
-        assert!(err.contains(&format!("its fd {} is not a socket", null.as_raw_fd())), "{err}");
-        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let err = attach_error(&claim_on_self(a.as_raw_fd()));
-        assert!(err.contains("a Stream socket, not a control socket"), "{err}");
-    }
-
-    /// A control socket pair whose far end answers one Attach with `answer`.
-    fn answering(answer: FromWorker) -> (OwnedFd, std::thread::JoinHandle<()>) {
-        let (near, far) =
-            socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
-                .unwrap();
-        let answerer = std::thread::spawn(move || {
-            let (got, _) = msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
-            assert_eq!(got, ToWorker::Attach);
-            msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
-        });
-        (near, answerer)
-    }
-
-    #[test]
-    fn a_worker_that_serves_another_device_or_generation_is_refused() {
-        for (dev_id, generation) in [(6, 9), (5, 8)] {
-            let (near, answerer) =
-                answering(FromWorker::Attached { dev_id, generation, rings: Vec::new() });
-            let err = attach_error(&claim_on_self(near.as_raw_fd()));
-            answerer.join().unwrap();
-            assert!(
-                err.contains(&format!(
-                    "it serves device {dev_id} generation {generation}, not device 5 \
-                     generation 9"
-                )),
-                "{err}"
-            );
-        }
-    }
-
-    #[test]
-    fn the_worker_the_claim_names_is_taken_over() {
-        let (near, answerer) =
-            answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
-        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
-        answerer.join().unwrap();
-        let mut worker = worker.unwrap();
-        assert_eq!(worker.pid(), std::process::id());
-        assert_eq!(worker.held(), [near.as_raw_fd()]);
-        assert_eq!(worker.exited(), None, "a running worker taken over seen as ended");
-        // Not our child: dropping it must neither kill nor try to reap this process.
-        worker.leave_serving();
-    }
 
     #[test]
     fn a_worker_let_go_before_it_exited_is_reaped_once_it_has() {
@@ -882,51 +505,5 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert!(!Path::new(&format!("/proc/{pid}")).exists(), "{pid} is left a zombie");
-    }
-
-    #[test]
-    fn a_named_fd_that_is_not_a_ring_is_refused_naming_what_it_is() {
-        let null = File::open("/dev/null").unwrap();
-        let err = copy_rings(own_pidfd().as_fd(), 7, &[null.as_raw_fd()]).unwrap_err();
-        assert!(matches!(err, WorkerError::Protocol { pid: 7, .. }), "{err:?}");
-        assert!(err.to_string().contains("/dev/null"), "{err}");
-    }
-
-    #[test]
-    fn a_named_fd_that_does_not_exist_is_refused() {
-        let err = copy_rings(own_pidfd().as_fd(), 7, &[-1]).unwrap_err();
-        assert!(matches!(err, WorkerError::Rings { number: -1, .. }), "{err:?}");
-    }
-
-    #[test]
-    fn more_rings_than_threads_are_refused() {
-        let err = copy_rings(own_pidfd().as_fd(), 7, &[0; MAX_RINGS + 1]).unwrap_err();
-        assert!(err.to_string().contains(&format!("more than {MAX_RINGS}")), "{err}");
-    }
-
-    #[test]
-    fn a_copied_ring_loses_its_files_and_buffers() {
-        let mut params = [0u8; 120]; // struct io_uring_params, zeroed: defaults
-        // SAFETY: io_uring_setup reads and writes `params` (120 bytes, its size).
-        let raw = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4, params.as_mut_ptr()) };
-        assert!(raw >= 0, "io_uring_setup: {}", io::Error::last_os_error());
-        // SAFETY: `raw` is a new fd owned by nothing else.
-        let ring = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-        let null = File::open("/dev/null").unwrap();
-        let fds = [null.as_raw_fd()];
-        const IORING_REGISTER_FILES: u32 = 2;
-        let rc = io_uring_register(ring.as_raw_fd(), IORING_REGISTER_FILES, fds.as_ptr().cast(), 1);
-        assert_eq!(rc, 0, "register files: {}", io::Error::last_os_error());
-
-        let rings = copy_rings(own_pidfd().as_fd(), 7, &[ring.as_raw_fd()]).unwrap();
-        assert_eq!(rings.len(), 1);
-        assert_eq!(unregister_files_and_buffers(&rings), 0, "no buffers is not a refusal");
-        let rc =
-            io_uring_register(ring.as_raw_fd(), uapi::IORING_UNREGISTER_FILES, std::ptr::null(), 0);
-        assert_eq!(
-            (rc, io::Error::last_os_error().raw_os_error()),
-            (-1, Some(libc::ENXIO)),
-            "the ring still had files"
-        );
     }
 }

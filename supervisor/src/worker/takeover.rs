@@ -1,0 +1,259 @@
+//! Taking over a worker that a previous supervisor left serving: the claim ublkd
+//! records of each activated worker, and the checks it must pass before this ublkd
+//! treats the process as the device's worker (see the parent module's doc).
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::SockType;
+use ublkd_proto::msg::{self, FromWorker, ToWorker};
+
+use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
+use super::rings::copy_rings;
+use super::{Worker, WorkerError};
+
+impl Worker {
+    /// Where the activated worker holds its control socket's other end and (if any)
+    /// its stderr's read end: what a restarted ublkd needs to take it over.
+    pub fn held(&self) -> &[i32] {
+        &self.held
+    }
+
+    /// Takes over worker `pid`, which a previous supervisor activated for device
+    /// `dev_id` at `generation` and which has served on since: copies its control
+    /// socket's other end (held at `held[0]`) and its stderr's read end (`held[1]`)
+    /// out of it, and asks it what it serves. Anything that does not match, from the
+    /// process's start time to the worker's answer, is refused: the caller then kills
+    /// whatever runs at `pid` if it is that worker, and recovers the device.
+    pub fn attach(claim: &AttachClaim, timeout: Duration) -> Result<Worker, WorkerError> {
+        let pid = claim.pid;
+        let refused = |what: String| WorkerError::Attach { pid, what };
+        let pidfd = pidfd_open(pid).map_err(|e| refused(format!("no such process ({e})")))?;
+        // The pidfd pins the process: if the start time matches now, it is the worker
+        // the record names and not a later process that reused its pid.
+        match process_start_time(pid) {
+            Some(t) if t == claim.start_time => {}
+            Some(_) => return Err(refused("the pid belongs to another process now".into())),
+            None => return Err(refused("its start time cannot be read".into())),
+        }
+        let Some(&control_at) = claim.held.first() else {
+            return Err(refused("it was never told to hold its control socket".into()));
+        };
+        let control = getfd(pidfd.as_fd(), control_at)
+            .map_err(|e| refused(format!("cannot copy its fd {control_at}: {e}")))?;
+        if let Some(what) = not_a_seqpacket_socket(control.as_fd()) {
+            return Err(refused(format!("its fd {control_at} is {what}")));
+        }
+        let mut worker = Worker {
+            child: None,
+            pid,
+            control,
+            stderr_copy: None,
+            held: claim.held.clone(),
+            sandbox: None,
+            pidfd,
+            rings: Vec::new(),
+            stderr_end: None,
+        };
+        msg::send_packet(worker.control(), &ToWorker::Attach, &[]).map_err(WorkerError::Send)?;
+        let deadline = Instant::now() + timeout;
+        let (dev_id, generation, rings) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match worker.receive(left)? {
+                // A worker taken over mid-activation says Ready first.
+                (FromWorker::Ready(_), _) => continue,
+                (FromWorker::Attached { dev_id, generation, rings }, _) => {
+                    break (dev_id, generation, rings);
+                }
+                (other, _) => return worker.unexpected("Attached", other),
+            }
+        };
+        if (dev_id, generation) != (claim.dev_id, claim.generation) {
+            return Err(refused(format!(
+                "it serves device {dev_id} generation {generation}, not device {} \
+                 generation {}",
+                claim.dev_id, claim.generation
+            )));
+        }
+        worker.rings = copy_rings(worker.pidfd.as_fd(), pid, &rings)?;
+        if let (Some(relay), Some(&stderr_at)) =
+            (crate::worker_log::Relay::get(), claim.held.get(1))
+        {
+            match getfd(worker.pidfd.as_fd(), stderr_at) {
+                Ok(read) if not_a_pipe(read.as_fd()).is_none() => {
+                    worker.stderr_end = Some(relay.watch(read, dev_id, pid));
+                }
+                Ok(read) => tracing::warn!(
+                    dev_id,
+                    worker_pid = pid,
+                    "not relaying the worker's stderr: its fd {stderr_at} is {}",
+                    not_a_pipe(read.as_fd()).unwrap_or_default()
+                ),
+                Err(e) => tracing::warn!(
+                    dev_id,
+                    worker_pid = pid,
+                    "not relaying the worker's stderr: cannot copy its fd {stderr_at}: {e}"
+                ),
+            }
+        }
+        Ok(worker)
+    }
+
+    /// Kills a worker that [`Self::attach`] refused, if `claim`'s pid still is that
+    /// worker, and waits up to `grace` for its end; whether it has ended (or was never
+    /// there).
+    pub fn kill_claimed(claim: &AttachClaim, grace: Duration) -> bool {
+        let Ok(pidfd) = pidfd_open(claim.pid) else { return true };
+        if process_start_time(claim.pid) != Some(claim.start_time) {
+            return true;
+        }
+        let _ = pidfd_kill(pidfd.as_fd());
+        exits_within(pidfd.as_fd(), grace)
+    }
+}
+
+/// What a previous supervisor recorded of a worker it activated, to take it over by
+/// ([`Worker::attach`]). Kept in the state dir, which only ublkd can write.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AttachClaim {
+    pub dev_id: u32,
+    pub pid: u32,
+    /// The process's start time (`/proc/PID/stat`, clock ticks after boot): tells the
+    /// worker from a later process that reused its pid.
+    pub start_time: u64,
+    pub generation: u64,
+    /// [`Worker::held`]; empty while the activation has not answered.
+    pub held: Vec<i32>,
+}
+
+impl AttachClaim {
+    /// The claim on `worker`, activated at `generation` for `dev_id`; `None` if its
+    /// start time cannot be read (it has exited).
+    pub fn of(worker: &Worker, dev_id: u32, generation: u64) -> Option<AttachClaim> {
+        Some(AttachClaim {
+            dev_id,
+            pid: worker.pid,
+            start_time: process_start_time(worker.pid)?,
+            generation,
+            held: worker.held.clone(),
+        })
+    }
+}
+
+/// Why `fd` is not a unix `SOCK_SEQPACKET` socket (a worker's control socket), if not.
+fn not_a_seqpacket_socket(fd: BorrowedFd<'_>) -> Option<String> {
+    use nix::sys::socket::{AddressFamily, SockaddrLike, SockaddrStorage, getsockname, sockopt};
+    match nix::sys::socket::getsockopt(&fd, sockopt::SockType) {
+        Ok(SockType::SeqPacket) => {}
+        Ok(other) => return Some(format!("a {other:?} socket, not a control socket")),
+        Err(e) => return Some(format!("not a socket ({e})")),
+    }
+    match getsockname::<SockaddrStorage>(fd.as_raw_fd()).map(|a| a.family()) {
+        Ok(Some(AddressFamily::Unix)) => None,
+        Ok(family) => Some(format!("a {family:?} socket, not a unix one")),
+        Err(e) => Some(format!("a socket whose address cannot be read ({e})")),
+    }
+}
+
+/// Why `fd` is not a pipe, if it is not.
+fn not_a_pipe(fd: BorrowedFd<'_>) -> Option<String> {
+    match nix::sys::stat::fstat(fd) {
+        Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFIFO => None,
+        Ok(st) => Some(format!("not a pipe (mode {:o})", st.st_mode)),
+        Err(e) => Some(format!("an fd that cannot be inspected ({e})")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::OwnedFd;
+    use std::process::Command;
+
+    use nix::sys::socket::{AddressFamily, SockFlag, socketpair};
+
+    use super::*;
+
+    /// A claim on this very process, as if it were device 5's worker at generation 9
+    /// holding its control socket's other end at `control_at`.
+    fn claim_on_self(control_at: i32) -> AttachClaim {
+        let pid = std::process::id();
+        let start_time = process_start_time(pid).expect("our own start time");
+        AttachClaim { dev_id: 5, pid, start_time, generation: 9, held: vec![control_at] }
+    }
+
+    fn attach_error(claim: &AttachClaim) -> String {
+        match Worker::attach(claim, Duration::from_secs(2)) {
+            Ok(w) => panic!("took over {w:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_claim_on_a_process_that_is_gone_or_reused_is_refused() {
+        let mut child = Command::new("/bin/true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let claim = AttachClaim { pid: gone, ..claim_on_self(0) };
+        assert!(attach_error(&claim).contains("no such process"), "{}", attach_error(&claim));
+        let claim = AttachClaim { start_time: 1, ..claim_on_self(0) };
+        let err = attach_error(&claim);
+        assert!(err.contains("the pid belongs to another process now"), "{err}");
+    }
+
+    #[test]
+    fn a_claim_that_names_no_socket_is_refused() {
+        let err = attach_error(&AttachClaim { held: Vec::new(), ..claim_on_self(0) });
+        assert!(err.contains("never told to hold its control socket"), "{err}");
+        let null = File::open("/dev/null").unwrap();
+        let err = attach_error(&claim_on_self(null.as_raw_fd()));
+        assert!(err.contains(&format!("its fd {} is not a socket", null.as_raw_fd())), "{err}");
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let err = attach_error(&claim_on_self(a.as_raw_fd()));
+        assert!(err.contains("a Stream socket, not a control socket"), "{err}");
+    }
+
+    /// A control socket pair whose far end answers one Attach with `answer`.
+    fn answering(answer: FromWorker) -> (OwnedFd, std::thread::JoinHandle<()>) {
+        let (near, far) =
+            socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+                .unwrap();
+        let answerer = std::thread::spawn(move || {
+            let (got, _) = msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
+            assert_eq!(got, ToWorker::Attach);
+            msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
+        });
+        (near, answerer)
+    }
+
+    #[test]
+    fn a_worker_that_serves_another_device_or_generation_is_refused() {
+        for (dev_id, generation) in [(6, 9), (5, 8)] {
+            let (near, answerer) =
+                answering(FromWorker::Attached { dev_id, generation, rings: Vec::new() });
+            let err = attach_error(&claim_on_self(near.as_raw_fd()));
+            answerer.join().unwrap();
+            assert!(
+                err.contains(&format!(
+                    "it serves device {dev_id} generation {generation}, not device 5 \
+                     generation 9"
+                )),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_worker_the_claim_names_is_taken_over() {
+        let (near, answerer) =
+            answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
+        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
+        answerer.join().unwrap();
+        let mut worker = worker.unwrap();
+        assert_eq!(worker.pid(), std::process::id());
+        assert_eq!(worker.held(), [near.as_raw_fd()]);
+        assert_eq!(worker.exited(), None, "a running worker taken over seen as ended");
+        // Not our child: dropping it must neither kill nor try to reap this process.
+        worker.leave_serving();
+    }
+}
