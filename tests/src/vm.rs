@@ -27,9 +27,8 @@
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread;
@@ -41,6 +40,12 @@ use crate::exit;
 use crate::kernel::{Kernel, Series};
 use crate::progress;
 use crate::script::{self, GuestCommand};
+
+mod accel;
+mod tied;
+
+pub use accel::{Accel, cpuinfo_has_virt};
+use tied::spawn_tied;
 
 /// qemu 7.2's C virtiofsd (Debian's qemu-system-x86).
 pub const VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
@@ -145,53 +150,6 @@ impl VmError {
             _ => exit::SETUP_FAILED,
         }
     }
-}
-
-/// The accelerator qemu uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Accel {
-    /// Hardware virtualisation (`-accel kvm -cpu host`).
-    Kvm,
-    /// qemu's emulator.
-    Tcg,
-}
-
-impl Accel {
-    /// `kvm` or `tcg`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Kvm => "kvm",
-            Self::Tcg => "tcg",
-        }
-    }
-
-    /// The `UBLKD_VM_ACCEL` override, if set.
-    pub fn from_env() -> Result<Option<Self>, VmError> {
-        match std::env::var(ENV_ACCEL).ok().filter(|v| !v.is_empty()).as_deref() {
-            None => Ok(None),
-            Some("kvm") => Ok(Some(Self::Kvm)),
-            Some("tcg") => Ok(Some(Self::Tcg)),
-            Some(other) => Err(VmError::BadAccel(other.to_owned())),
-        }
-    }
-
-    /// KVM if `/dev/kvm` opens read-write and the CPU has vmx or svm, else TCG. (On
-    /// PVM hosts `/dev/kvm` exists without vmx/svm, and KVM guests die in the kernel
-    /// decompressor.)
-    pub fn detect() -> Self {
-        let dev = File::options().read(true).write(true).open("/dev/kvm").is_ok();
-        let cpu = fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| cpuinfo_has_virt(&c));
-        if dev && cpu { Self::Kvm } else { Self::Tcg }
-    }
-}
-
-/// Whether a `/proc/cpuinfo` `flags` line lists `vmx` or `svm`.
-pub fn cpuinfo_has_virt(cpuinfo: &str) -> bool {
-    cpuinfo
-        .lines()
-        .filter(|l| l.starts_with("flags"))
-        .flat_map(|l| l.split_whitespace())
-        .any(|f| f == "vmx" || f == "svm")
 }
 
 /// What to run and how.
@@ -347,58 +305,6 @@ impl Drop for RunDir {
             }
         }
     }
-}
-
-/// A child process killed (and reaped) when dropped.
-#[derive(Debug)]
-struct Guarded(Child);
-
-impl Guarded {
-    /// Waits up to `grace` for the child to exit, then kills it; returns its status.
-    fn stop(&mut self, grace: Duration) -> Option<ExitStatus> {
-        let until = Instant::now() + grace;
-        loop {
-            match self.0.try_wait() {
-                Ok(Some(status)) => return Some(status),
-                Ok(None) if Instant::now() < until => thread::sleep(Duration::from_millis(20)),
-                _ => break,
-            }
-        }
-        let _ = self.0.kill();
-        self.0.wait().ok()
-    }
-}
-
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        self.stop(Duration::ZERO);
-    }
-}
-
-/// Spawns `cmd` so that it is SIGKILLed when this process dies.
-fn spawn_tied(cmd: &mut Command, what: &'static str) -> Result<Guarded, VmError> {
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the hook runs in the forked child before exec and only calls
-    // async-signal-safe functions (prctl, getppid) without allocating.
-    unsafe {
-        cmd.pre_exec(move || die_with_parent(parent));
-    }
-    cmd.spawn().map(Guarded).map_err(|e| VmError::Spawn(what, e))
-}
-
-/// `pre_exec` hook: SIGKILL on parent death, then re-check that the parent is still
-/// `parent` (it may have died before prctl).
-fn die_with_parent(parent: libc::pid_t) -> io::Result<()> {
-    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and touches no memory.
-    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: getppid has no preconditions.
-    if unsafe { libc::getppid() } != parent {
-        return Err(io::Error::from_raw_os_error(libc::ESRCH));
-    }
-    Ok(())
 }
 
 fn random_nonce() -> String {
