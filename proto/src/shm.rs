@@ -432,17 +432,20 @@ impl LatencySnapshot {
         self.cumulative()[LATENCY_BUCKETS - 1]
     }
 
-    /// The bucket that holds quantile `q` (0 < q <= 1) of the requests counted, or
-    /// `None` with none counted: the first bucket whose cumulative count reaches
-    /// `ceil(q × count)`.
+    /// The bucket that holds quantile `q` (0 < q <= 1, to a basis point) of the
+    /// requests counted, or `None` with none counted: the first bucket whose cumulative
+    /// count reaches `ceil(q × count)`.
     pub fn quantile_bucket(&self, q: f64) -> Option<usize> {
         let count = self.count();
         if count == 0 {
             return None;
         }
+        // In integers: 0.99 × 100 is 99.00000000000001 in floating point, whose ceiling
+        // would be the 100th request instead of the 99th.
+        let basis_points = (q.clamp(0.0, 1.0) * 10_000.0).round() as u128;
         // At least 1: the smallest rank that is a request.
-        let rank = ((q.clamp(0.0, 1.0) * count as f64).ceil() as u64).max(1);
-        self.cumulative().iter().position(|&c| c >= rank)
+        let rank = (u128::from(count) * basis_points).div_ceil(10_000).max(1);
+        self.cumulative().iter().position(|&c| u128::from(c) >= rank)
     }
 }
 
