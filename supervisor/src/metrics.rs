@@ -62,7 +62,7 @@ const INFO: Family = Family {
     name: "ublkd_device_info",
     kind: Kind::Gauge,
     unit: None,
-    help: "A device ublkd serves, with its target and its kernel state (always 1).",
+    help: "A device ublkd serves, with its target and ublkd's state of it (always 1).",
 };
 const IO: Family = Family {
     name: "ublkd_device_io",

@@ -227,17 +227,15 @@ impl Daemon {
         })
     }
 
-    /// Device `id`'s numbers for `ublkctl metrics` and the metrics file.
+    /// Device `id`'s numbers for `ublkctl metrics` and the metrics file: read from
+    /// memory only (ublkd's own state and the device's region), no system call.
     pub(super) fn metrics(&self, id: u32) -> Option<DevMetrics> {
         let dev = self.devices.get(&id)?;
-        let state = match self.ctx.ctrl.get_dev_info(id) {
-            Ok(info) => DevState::from_raw(info.state).to_string(),
-            Err(_) => "UNKNOWN".to_string(),
-        };
         let (counters, latency) = region_numbers(dev);
         Some(DevMetrics {
             id,
-            state,
+            // ublkd's view, not the kernel's: no ioctl per device every interval.
+            state: dev.state().kind().to_string(),
             target: dev.spec().target.name().to_string(),
             counters,
             inflight: if dev.worker().is_some() { dev.shm().inflight() } else { 0 },
