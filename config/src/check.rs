@@ -20,8 +20,9 @@ use crate::locate::{self, KeyPath};
 use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
 use crate::{
     Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
-    DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_QUEUE_DEPTH, MAX_QUEUES,
-    MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS, RecoveryConfig, TargetSpec, parse_size,
+    DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_METRICS_INTERVAL_SECS,
+    MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS,
+    RecoveryConfig, TargetSpec, parse_size,
 };
 
 /// Checks config `text`; `origin` names it in messages. See [`Config::parse`].
@@ -153,11 +154,33 @@ impl Checker<'_> {
         if let Some(user) = &raw.worker_user {
             check_user_name(user).map_err(|e| self.field(&table, e))?;
         }
+        const METRICS_EXAMPLE: &str = "/var/lib/prometheus/node-exporter/ublkd.prom";
+        if let Some(file) = &raw.metrics_file {
+            check_absolute("metrics_file", file, METRICS_EXAMPLE)
+                .map_err(|e| self.field(&table, e))?;
+            if file.file_name().is_none() || file.as_os_str().as_encoded_bytes().ends_with(b"/") {
+                return Err(self.invalid(
+                    &table.key("metrics_file"),
+                    format!(
+                        "{} names a directory; use a file such as {METRICS_EXAMPLE}",
+                        file.display()
+                    ),
+                ));
+            }
+        }
+        let mut metrics_interval = defaults.metrics_interval;
+        if let Some(secs) = raw.metrics_interval_secs {
+            let secs = in_range("metrics_interval_secs", secs.0, 1, MAX_METRICS_INTERVAL_SECS)
+                .map_err(|e| self.field(&table, e))?;
+            metrics_interval = Duration::from_secs(secs.into());
+        }
         Ok(DaemonConfig {
             socket,
             state_dir,
             worker_binary: raw.worker_binary,
             worker_user: raw.worker_user,
+            metrics_file: raw.metrics_file,
+            metrics_interval,
         })
     }
 

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use crate::FieldError;
 
@@ -20,6 +21,11 @@ pub const PACKAGED_WORKER_BINARY: &str = "/usr/libexec/ublkd/ublkd-worker";
 pub const MAX_SOCKET_PATH_BYTES: usize = 107;
 /// Longest `daemon.worker_user`: the usual limit of `useradd`.
 pub const MAX_USER_NAME_BYTES: usize = 32;
+/// `daemon.metrics_interval_secs` when the config file does not say: as often as a
+/// Prometheus server typically scrapes node_exporter.
+pub const DEFAULT_METRICS_INTERVAL_SECS: u32 = 15;
+/// The longest `daemon.metrics_interval_secs`: an hour-old file is no metric any more.
+pub const MAX_METRICS_INTERVAL_SECS: u32 = 3600;
 
 /// `[daemon]`: where the daemon listens and keeps state, and how it starts workers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +42,11 @@ pub struct DaemonConfig {
     /// The user sandboxed workers run as (`daemon.worker_user`); `None` leaves the
     /// choice to the supervisor.
     pub worker_user: Option<String>,
+    /// Where ublkd writes its metrics for node_exporter's textfile collector
+    /// (`daemon.metrics_file`), absolute; `None`: nowhere.
+    pub metrics_file: Option<PathBuf>,
+    /// How often it writes them (`daemon.metrics_interval_secs`).
+    pub metrics_interval: Duration,
 }
 
 impl Default for DaemonConfig {
@@ -45,6 +56,8 @@ impl Default for DaemonConfig {
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             worker_binary: None,
             worker_user: None,
+            metrics_file: None,
+            metrics_interval: Duration::from_secs(DEFAULT_METRICS_INTERVAL_SECS.into()),
         }
     }
 }

@@ -37,8 +37,9 @@ mod size;
 use std::path::Path;
 
 pub use daemon::{
-    DEFAULT_SOCKET, DEFAULT_STATE_DIR, DEFAULT_WORKER_NAME, DaemonConfig, MAX_SOCKET_PATH_BYTES,
-    MAX_USER_NAME_BYTES, PACKAGED_WORKER_BINARY,
+    DEFAULT_METRICS_INTERVAL_SECS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DEFAULT_WORKER_NAME,
+    DaemonConfig, MAX_METRICS_INTERVAL_SECS, MAX_SOCKET_PATH_BYTES, MAX_USER_NAME_BYTES,
+    PACKAGED_WORKER_BINARY,
 };
 pub use device::{
     DeviceSettings, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID, MAX_QUEUE_DEPTH,
@@ -256,6 +257,23 @@ mod tests {
             (
                 "[daemon]\nworker_binary = \"ublkd-worker\"\n".into(),
                 "daemon.worker_binary: \"ublkd-worker\" is not an absolute path",
+            ),
+            (
+                "[daemon]\nmetrics_file = \"ublkd.prom\"\n".into(),
+                "daemon.metrics_file: \"ublkd.prom\" is not an absolute path; use one such as \
+                 /var/lib/prometheus/node-exporter/ublkd.prom",
+            ),
+            (
+                "[daemon]\nmetrics_file = \"/var/lib/prometheus/\"\n".into(),
+                "daemon.metrics_file: /var/lib/prometheus/ names a directory",
+            ),
+            (
+                "[daemon]\nmetrics_interval_secs = 0\n".into(),
+                "daemon.metrics_interval_secs: 0 is out of range; expected 1..=3600",
+            ),
+            (
+                "[daemon]\nmetrics_interval_secs = 3601\n".into(),
+                "daemon.metrics_interval_secs: 3601 is out of range; expected 1..=3600",
             ),
             (
                 "[daemon]\nsocket = \"/run/a\\u0000b\"\n".into(),
@@ -523,6 +541,8 @@ mod tests {
             state_dir = "/var/lib/test"
             worker_binary = "/opt/ublkd/worker"
             worker_user = "ublk_worker-1"
+            metrics_file = "/var/lib/test/ublkd.prom"
+            metrics_interval_secs = 3600
 
             [recovery]
             hung_timeout_secs = 300
@@ -566,6 +586,8 @@ mod tests {
                 state_dir: "/var/lib/test".into(),
                 worker_binary: Some("/opt/ublkd/worker".into()),
                 worker_user: Some("ublk_worker-1".into()),
+                metrics_file: Some("/var/lib/test/ublkd.prom".into()),
+                metrics_interval: Duration::from_secs(3600),
             }
         );
         assert_eq!(
@@ -779,6 +801,8 @@ mod tests {
             Some(Path::new("/usr/libexec/ublkd/ublkd-worker"))
         );
         assert_eq!(config.daemon.worker_user.as_deref(), Some("ublkd-worker"));
+        assert_eq!(config.daemon.metrics_file, None);
+        assert_eq!(config.daemon.metrics_interval, DaemonConfig::default().metrics_interval);
         assert_eq!(config.recovery, RecoveryConfig::default());
         assert_eq!(config.defaults, DeviceSettings::default());
         assert_eq!(config.devices.len(), 2);
@@ -858,7 +882,17 @@ mod tests {
 
     /// Every key the schema knows, by section.
     const SECTIONS: [(&str, &[&str]); 6] = [
-        ("[daemon]", &["socket", "state_dir", "worker_binary", "worker_user"]),
+        (
+            "[daemon]",
+            &[
+                "socket",
+                "state_dir",
+                "worker_binary",
+                "worker_user",
+                "metrics_file",
+                "metrics_interval_secs",
+            ],
+        ),
         (
             "[recovery]",
             &["hung_timeout_secs", "restart_max", "restart_window_secs", "on_restart_limit"],
@@ -893,7 +927,7 @@ mod tests {
     /// Values that fit `key` most of the time, and anything some of the time.
     fn value_for(key: &'static str) -> BoxedStrategy<String> {
         let plausible: &[&str] = match key {
-            "socket" | "state_dir" | "worker_binary" => {
+            "socket" | "state_dir" | "worker_binary" | "metrics_file" => {
                 &["\"/run/u/s.sock\"", "\"/run/ublkd\"", "\"/x\"", "\"relative\"", "\"\""]
             }
             "worker_user" => &["\"ublkd-worker\"", "\"nobody\"", "\"bad user\"", "\"1000\""],

@@ -30,6 +30,8 @@ pub(crate) struct RawDaemon {
     pub state_dir: Option<PathBuf>,
     pub worker_binary: Option<PathBuf>,
     pub worker_user: Option<String>,
+    pub metrics_file: Option<PathBuf>,
+    pub metrics_interval_secs: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -16,7 +16,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
-use crate::shm::CounterSnapshot;
+use crate::shm::{CounterSnapshot, DevLatency, LatencySnapshot};
 
 /// The most fds one message may carry.
 pub const MAX_FDS: usize = 8;
@@ -444,6 +444,11 @@ pub enum CtlRequest {
     Upgrade {
         id: Option<u32>,
     },
+    /// Every device's counters and latency histograms (`id`: only that device's), for
+    /// `ublkctl metrics`.
+    Metrics {
+        id: Option<u32>,
+    },
 }
 
 /// What `ublkctl upgrade` did to one device.
@@ -515,6 +520,28 @@ pub struct DevStatus {
     /// LIVE, but every I/O fails with EIO: the restart budget is spent and the config
     /// says `on_restart_limit = "fail-io"` (see `note`).
     pub failing_io: bool,
+    /// The latency of every request the device's workers served, all operations in one
+    /// histogram (from the shared region: untrusted values).
+    pub latency: LatencySnapshot,
+}
+
+/// One device's numbers as `ublkctl metrics` renders them. The counters and histograms
+/// come from the shared region (untrusted values, only ever reported); the rest is the
+/// supervisor's own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevMetrics {
+    pub id: u32,
+    pub state: String,
+    pub target: String,
+    pub counters: CounterSnapshot,
+    /// Requests waiting at the worker's backend, at most the device's tag count.
+    pub inflight: u64,
+    pub recoveries: u64,
+    /// The last recovery's stall, from the death's detection to LIVE.
+    pub last_stall_ms: Option<u64>,
+    /// Times the device's serving worker exited or was killed (as hung).
+    pub worker_restarts: u64,
+    pub latency: DevLatency,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -536,6 +563,7 @@ pub enum CtlResponse {
     Error {
         message: String,
     },
+    Metrics(Vec<DevMetrics>),
 }
 
 /// Writes one length-framed message to a stream.

@@ -3,7 +3,7 @@
 //! The supervisor creates it (a memfd), writes the header, and hands it to each worker
 //! incarnation in turn; because the supervisor holds it, it outlives any worker. The
 //! worker writes what it is doing there: per-thread heartbeats, per-tag in-flight
-//! records and per-device counters. The supervisor reads them to tell a hung worker
+//! records, per-device counters and per-thread latency histograms. The supervisor reads them to tell a hung worker
 //! from an idle one and to report status.
 //!
 //! Layout (version [`SHM_VERSION`]), all `#[repr(C)]`, native-endian:
@@ -13,6 +13,7 @@
 //! | 0                           | [`ShmHeader`] (256 bytes)              |
 //! | 256                         | `nr_threads` × [`ThreadSlot`] (64 B)   |
 //! | after the threads           | `nr_queues × queue_depth` × [`TagSlot`] (32 B) |
+//! | after the tags (64-aligned) | `nr_threads` × [`ThreadLatency`] (1280 B) |
 //!
 //! Every field another process writes is an atomic, accessed only through `&Atomic*`
 //! (never a `&mut` over shared memory). Counters are single 64-bit atomics and cannot
@@ -36,7 +37,7 @@ use memmap2::MmapRaw;
 /// `"UBLKDSHM"` read as a big-endian u64.
 pub const SHM_MAGIC: u64 = u64::from_be_bytes(*b"UBLKDSHM");
 /// Bumped whenever the layout changes incompatibly.
-pub const SHM_VERSION: u32 = 2;
+pub const SHM_VERSION: u32 = 3;
 
 const HEADER_BYTES: usize = 256;
 
@@ -84,9 +85,14 @@ impl Geometry {
         usize::from(self.nr_queues) * usize::from(self.queue_depth)
     }
 
+    fn latency_offset(&self) -> usize {
+        (self.tags_offset() + self.nr_tags() * size_of::<TagSlot>())
+            .next_multiple_of(align_of::<ThreadLatency>())
+    }
+
     /// Bytes the region needs.
     pub fn region_bytes(&self) -> usize {
-        self.tags_offset() + self.nr_tags() * size_of::<TagSlot>()
+        self.latency_offset() + usize::from(self.nr_threads) * size_of::<ThreadLatency>()
     }
 }
 
@@ -278,7 +284,195 @@ impl TagSlot {
     }
 }
 
+/// The operations a latency histogram is kept for, in the order of
+/// [`ThreadLatency::ops`]: the ones [`DevCounters`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LatencyOp {
+    Read,
+    Write,
+    Flush,
+    Discard,
+    WriteZeroes,
+}
+
+/// How many [`LatencyOp`]s there are.
+pub const LATENCY_OPS: usize = 5;
+
+impl LatencyOp {
+    pub const ALL: [LatencyOp; LATENCY_OPS] =
+        [Self::Read, Self::Write, Self::Flush, Self::Discard, Self::WriteZeroes];
+
+    /// The name metrics label it with.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Write => "write",
+            Self::Flush => "flush",
+            Self::Discard => "discard",
+            Self::WriteZeroes => "write_zeroes",
+        }
+    }
+
+    /// The class of a ublk request op (`UBLK_IO_OP_*`), if it is one that is counted.
+    pub const fn of_ublk_op(op: u8) -> Option<LatencyOp> {
+        match op {
+            crate::uapi::UBLK_IO_OP_READ => Some(Self::Read),
+            crate::uapi::UBLK_IO_OP_WRITE => Some(Self::Write),
+            crate::uapi::UBLK_IO_OP_FLUSH => Some(Self::Flush),
+            crate::uapi::UBLK_IO_OP_DISCARD => Some(Self::Discard),
+            crate::uapi::UBLK_IO_OP_WRITE_ZEROES => Some(Self::WriteZeroes),
+            _ => None,
+        }
+    }
+}
+
+/// Finite latency buckets: bucket `i` counts requests that took at most 2^i µs (and
+/// more than bucket `i - 1`'s bound), 1 µs to 2^23 µs (8.39 s). Powers of two keep the
+/// bucket a request falls in one leading-zeros count away, with no table or search on
+/// the data path, and give p50/p99 within a factor of two.
+pub const LATENCY_FINITE_BUCKETS: usize = 24;
+/// The finite buckets and the one for everything slower (`+Inf`).
+pub const LATENCY_BUCKETS: usize = LATENCY_FINITE_BUCKETS + 1;
+
+/// The bucket a request that took `ns` nanoseconds is counted in.
+#[inline]
+pub fn latency_bucket(ns: u64) -> usize {
+    // Whole microseconds, rounded up: a request in bucket i took at most 2^i µs.
+    let us = ns.div_ceil(1000);
+    // ceil(log2(us)), 0 for us <= 1.
+    let log2 = (u64::BITS - us.saturating_sub(1).leading_zeros()) as usize;
+    log2.min(LATENCY_FINITE_BUCKETS)
+}
+
+/// Bucket `i`'s upper bound in microseconds; `None` for the last (`+Inf`) bucket.
+pub const fn latency_bucket_bound_us(i: usize) -> Option<u64> {
+    if i < LATENCY_FINITE_BUCKETS { Some(1 << i) } else { None }
+}
+
+/// One operation's latency histogram: a count per bucket (not cumulative: each request
+/// adds to one bucket) and the sum of the latencies. Only one thread writes it.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct OpLatency {
+    pub buckets: [AtomicU64; LATENCY_BUCKETS],
+    /// Nanoseconds, wrapping (after centuries of summed latency).
+    pub sum_ns: AtomicU64,
+    _reserved: [AtomicU64; 6],
+}
+
+/// One queue thread's latency histograms, one per [`LatencyOp`]. Per thread, not per
+/// device: each is written by one thread only, with a plain load and store (no locked
+/// read-modify-write), and no cache line is shared between two queue threads' hot
+/// paths. The supervisor sums the threads when it reads them. They are kept across
+/// worker incarnations (thread `i` of the next worker goes on counting in slot `i`), so
+/// that they only grow, like the device counters.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct ThreadLatency {
+    pub ops: [OpLatency; LATENCY_OPS],
+}
+
+impl ThreadLatency {
+    /// Counts one request of `op` that took `ns` nanoseconds. Only the thread that owns
+    /// this slot calls it: load and store need no atomic read-modify-write.
+    #[inline]
+    pub fn record(&self, op: LatencyOp, ns: u64) {
+        let h = &self.ops[op as usize];
+        let add = |a: &AtomicU64, v: u64| {
+            a.store(a.load(Ordering::Relaxed).wrapping_add(v), Ordering::Relaxed);
+        };
+        add(&h.buckets[latency_bucket(ns)], 1);
+        add(&h.sum_ns, ns);
+    }
+
+    /// A plain copy of `op`'s histogram.
+    pub fn snapshot(&self, op: LatencyOp) -> LatencySnapshot {
+        let h = &self.ops[op as usize];
+        let mut snap =
+            LatencySnapshot { sum_ns: h.sum_ns.load(Ordering::Relaxed), ..Default::default() };
+        for (to, from) in snap.buckets.iter_mut().zip(&h.buckets) {
+            *to = from.load(Ordering::Relaxed);
+        }
+        snap
+    }
+}
+
+/// A plain copy of an [`OpLatency`] (or several added up): per-bucket counts, not
+/// cumulative. Read from the region, so any value at all: users add with saturation
+/// and never index or size anything by it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LatencySnapshot {
+    pub buckets: [u64; LATENCY_BUCKETS],
+    pub sum_ns: u64,
+}
+
+impl LatencySnapshot {
+    /// Adds `other` in, saturating (`sum_ns` wraps, as in the region).
+    pub fn add(&mut self, other: &LatencySnapshot) {
+        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
+            *a = a.saturating_add(*b);
+        }
+        self.sum_ns = self.sum_ns.wrapping_add(other.sum_ns);
+    }
+
+    /// Cumulative counts, bucket by bucket (what OpenMetrics' `le` buckets are):
+    /// saturating, so they never decrease whatever the region held.
+    pub fn cumulative(&self) -> [u64; LATENCY_BUCKETS] {
+        let mut out = [0; LATENCY_BUCKETS];
+        let mut total = 0u64;
+        for (o, b) in out.iter_mut().zip(&self.buckets) {
+            total = total.saturating_add(*b);
+            *o = total;
+        }
+        out
+    }
+
+    /// Requests counted (saturating).
+    pub fn count(&self) -> u64 {
+        self.cumulative()[LATENCY_BUCKETS - 1]
+    }
+
+    /// The bucket that holds quantile `q` (0 < q <= 1, to a basis point) of the
+    /// requests counted, or `None` with none counted: the first bucket whose cumulative
+    /// count reaches `ceil(q × count)`.
+    pub fn quantile_bucket(&self, q: f64) -> Option<usize> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        // In integers: 0.99 × 100 is 99.00000000000001 in floating point, whose ceiling
+        // would be the 100th request instead of the 99th.
+        let basis_points = (q.clamp(0.0, 1.0) * 10_000.0).round() as u128;
+        // At least 1: the smallest rank that is a request.
+        let rank = (u128::from(count) * basis_points).div_ceil(10_000).max(1);
+        self.cumulative().iter().position(|&c| u128::from(c) >= rank)
+    }
+}
+
+/// A device's latency, one histogram per [`LatencyOp`], all threads added up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DevLatency {
+    pub ops: [LatencySnapshot; LATENCY_OPS],
+}
+
+impl DevLatency {
+    pub fn op(&self, op: LatencyOp) -> &LatencySnapshot {
+        &self.ops[op as usize]
+    }
+
+    /// Every operation in one histogram.
+    pub fn merged(&self) -> LatencySnapshot {
+        let mut all = LatencySnapshot::default();
+        for h in &self.ops {
+            all.add(h);
+        }
+        all
+    }
+}
+
 const _: () = assert!(size_of::<ShmHeader>() <= HEADER_BYTES);
+const _: () = assert!(size_of::<OpLatency>() == 256);
+const _: () = assert!(size_of::<ThreadLatency>() == 1280);
 const _: () = assert!(size_of::<ThreadSlot>() == 64);
 const _: () = assert!(size_of::<TagSlot>() == 32);
 
@@ -430,6 +624,37 @@ impl ShmRegion {
         Some(self.at(g.tags_offset() + index * size_of::<TagSlot>()))
     }
 
+    /// Thread `index`'s latency histograms, or `None` past the geometry's thread count.
+    pub fn latency(&self, index: usize) -> Option<&ThreadLatency> {
+        (index < usize::from(self.geometry.nr_threads))
+            .then(|| self.at(self.geometry.latency_offset() + index * size_of::<ThreadLatency>()))
+    }
+
+    /// The device's latency histograms, every thread's added up (saturating: the
+    /// worker may have written anything there).
+    pub fn latency_snapshot(&self) -> DevLatency {
+        let mut dev = DevLatency::default();
+        for t in 0..usize::from(self.geometry.nr_threads) {
+            if let Some(thread) = self.latency(t) {
+                for op in LatencyOp::ALL {
+                    dev.ops[op as usize].add(&thread.snapshot(op));
+                }
+            }
+        }
+        dev
+    }
+
+    /// Requests the worker's threads say wait at their backend, added up and capped at
+    /// the device's tag count (no more can be in flight; the worker may write anything).
+    pub fn inflight(&self) -> u64 {
+        let total = (0..usize::from(self.geometry.nr_threads))
+            .filter_map(|t| self.thread(t))
+            .fold(0u64, |sum, slot| {
+                sum.saturating_add(u64::from(slot.inflight.load(Ordering::Relaxed)))
+            });
+        total.min(self.geometry.nr_tags() as u64)
+    }
+
     /// Clears every tag record and thread slot (between worker incarnations: the
     /// kernel owns every tag again after a recovery).
     fn reset_worker_state(&self) {
@@ -553,6 +778,83 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         writer.join().unwrap();
         assert!(seen > 0);
+    }
+
+    #[test]
+    fn latency_buckets_are_powers_of_two_microseconds_rounded_up() {
+        assert_eq!(latency_bucket(0), 0);
+        assert_eq!(latency_bucket(1000), 0);
+        assert_eq!(latency_bucket(1001), 1);
+        assert_eq!(latency_bucket(2000), 1);
+        assert_eq!(latency_bucket(2001), 2);
+        assert_eq!(latency_bucket(16_000), 4);
+        assert_eq!(latency_bucket(16_001), 5);
+        assert_eq!(latency_bucket((1 << 23) * 1000), LATENCY_FINITE_BUCKETS - 1);
+        assert_eq!(latency_bucket((1 << 23) * 1000 + 1), LATENCY_FINITE_BUCKETS);
+        assert_eq!(latency_bucket(u64::MAX), LATENCY_FINITE_BUCKETS);
+        for i in 0..LATENCY_FINITE_BUCKETS {
+            let bound_ns = latency_bucket_bound_us(i).unwrap() * 1000;
+            assert_eq!(latency_bucket(bound_ns), i, "bound of bucket {i}");
+            assert_eq!(latency_bucket(bound_ns + 1), i + 1, "just past bucket {i}");
+        }
+        assert_eq!(latency_bucket_bound_us(LATENCY_FINITE_BUCKETS), None);
+    }
+
+    #[test]
+    fn latency_is_summed_over_threads_and_kept_across_activations() {
+        let (a, fd) = ShmRegion::create(geom()).unwrap();
+        let b = ShmRegion::open(fd.as_fd(), geom()).unwrap();
+        b.latency(0).unwrap().record(LatencyOp::Read, 3_000);
+        b.latency(2).unwrap().record(LatencyOp::Read, 3_500);
+        b.latency(2).unwrap().record(LatencyOp::Flush, 20_000_000_000);
+        assert!(b.latency(3).is_none());
+        a.prepare_activation(1);
+        let lat = a.latency_snapshot();
+        let read = lat.op(LatencyOp::Read);
+        assert_eq!(read.buckets[2], 2);
+        assert_eq!(read.count(), 2);
+        assert_eq!(read.sum_ns, 6_500);
+        assert_eq!(lat.op(LatencyOp::Flush).buckets[LATENCY_FINITE_BUCKETS], 1);
+        assert_eq!(lat.merged().count(), 3);
+        assert_eq!(lat.op(LatencyOp::Write).count(), 0);
+    }
+
+    #[test]
+    fn scribbled_latency_counts_saturate_and_stay_monotone() {
+        let (a, _fd) = ShmRegion::create(geom()).unwrap();
+        for t in 0..3 {
+            let h = &a.latency(t).unwrap().ops[0];
+            h.buckets[1].store(u64::MAX - 1, Ordering::Relaxed);
+            h.buckets[5].store(7, Ordering::Relaxed);
+        }
+        let read = *a.latency_snapshot().op(LatencyOp::Read);
+        assert_eq!(read.buckets[1], u64::MAX);
+        let cumulative = read.cumulative();
+        assert!(cumulative.windows(2).all(|w| w[0] <= w[1]), "{cumulative:?}");
+        assert_eq!(read.count(), u64::MAX);
+    }
+
+    #[test]
+    fn quantiles_are_the_bucket_reaching_the_rank() {
+        let mut h = LatencySnapshot::default();
+        assert_eq!(h.quantile_bucket(0.5), None);
+        h.buckets[3] = 98;
+        h.buckets[7] = 2;
+        assert_eq!(h.quantile_bucket(0.5), Some(3));
+        assert_eq!(h.quantile_bucket(0.98), Some(3));
+        assert_eq!(h.quantile_bucket(0.99), Some(7));
+        h.buckets[LATENCY_FINITE_BUCKETS] = u64::MAX;
+        assert_eq!(h.quantile_bucket(0.5), Some(LATENCY_FINITE_BUCKETS));
+    }
+
+    #[test]
+    fn inflight_is_capped_at_the_tag_count() {
+        let (a, _fd) = ShmRegion::create(geom()).unwrap();
+        a.thread(0).unwrap().inflight.store(3, Ordering::Relaxed);
+        assert_eq!(a.inflight(), 3);
+        a.thread(1).unwrap().inflight.store(u32::MAX, Ordering::Relaxed);
+        a.thread(2).unwrap().inflight.store(u32::MAX, Ordering::Relaxed);
+        assert_eq!(a.inflight(), 8);
     }
 
     #[test]

@@ -151,6 +151,14 @@ pub enum UblkctlCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Every device's I/O counters, errors, in-flight requests, recoveries, worker
+    /// restarts and latency histograms (per operation, FETCH to COMMIT in the worker) as
+    /// OpenMetrics text, ending in `# EOF`.
+    Metrics {
+        /// Only this device.
+        #[arg(short = 'n', long = "id")]
+        id: Option<u32>,
+    },
     /// Recover a device now (after fixing what made its worker fail), resetting its
     /// restart budget; on a LIVE device it says so and does nothing. If the kernel has
     /// not yet released the old worker's device (its I/O still in a slow backend), it

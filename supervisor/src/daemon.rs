@@ -11,7 +11,9 @@
 //! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
 //! status` says why until an operator runs `ublkctl recover`. That policy is
 //! [`crate::recovery`]'s; the requests of `ublkctl` are answered in `handlers`, and
-//! SIGHUP's config reload is `reload`.
+//! SIGHUP's config reload is `reload`. With `daemon.metrics_file` set, the loop also
+//! hands a snapshot of every device's numbers to [`crate::metrics::FileWriter`]'s thread
+//! each interval.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -35,6 +37,7 @@ pub use handlers::spec_from_request;
 use crate::control::ControlServer;
 use crate::device::{Context, Device, DeviceError};
 use crate::device_state::{StateKind, Summary};
+use crate::metrics::FileWriter;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
 use crate::worker::WorkerIdentity;
@@ -132,6 +135,8 @@ pub struct Daemon {
     signals: Signals,
     /// `ublkctl shutdown` deleted every device: the loop ends after this turn.
     shutting_down: bool,
+    /// Writes `daemon.metrics_file`, if set.
+    metrics_file: Option<FileWriter>,
 }
 
 impl Daemon {
@@ -156,6 +161,12 @@ impl Daemon {
         let control = ControlServer::new(listener)
             .map_err(|source| DaemonError::Listen { path: config.daemon.socket.clone(), source })?;
         tracing::info!(socket = %config.daemon.socket.display(), "ublkd listening");
+        let metrics_file = config.daemon.metrics_file.clone().and_then(|path| {
+            let shown = path.display().to_string();
+            FileWriter::start(path, config.daemon.metrics_interval)
+                .inspect_err(|e| tracing::error!("not writing the metrics file {shown}: {e}"))
+                .ok()
+        });
         let fast_release = config.recovery.fast_release;
         let ctx =
             Context { ctrl, worker_binary, state, worker_identity, kernel_features, fast_release };
@@ -170,6 +181,7 @@ impl Daemon {
             devices: BTreeMap::new(),
             control,
             signals,
+            metrics_file,
         })
     }
 
@@ -347,9 +359,13 @@ impl Daemon {
             if let Some(due) = control_due {
                 wake_by = wake_by.min(due);
             }
+            if let Some(writer) = &self.metrics_file {
+                wake_by = wake_by.min(writer.due());
+            }
             let idle = self.devices.is_empty()
                 && self.notifier.watchdog_interval().is_none()
-                && control_due.is_none();
+                && control_due.is_none()
+                && self.metrics_file.is_none();
             let timeout = if idle { -1 } else { millis_until(wake_by) };
             // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
@@ -385,6 +401,12 @@ impl Daemon {
             for (token, req) in self.control.service(&fds[control_fds], Instant::now()) {
                 let response = self.handle(req);
                 self.control.respond(token, &response, Instant::now());
+            }
+            if let Some(mut writer) = self.metrics_file.take() {
+                writer.tick(Instant::now(), || {
+                    self.devices.keys().filter_map(|id| self.metrics(*id)).collect()
+                });
+                self.metrics_file = Some(writer);
             }
             if self.shutting_down {
                 break;

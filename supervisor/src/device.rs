@@ -134,6 +134,8 @@ pub struct Device {
     recoveries: u64,
     last_recovery_ms: Option<u64>,
     last_recovery_reason: Option<String>,
+    /// Times the active worker exited or was killed (each one a worker restart).
+    worker_restarts: u64,
     restart_budget: RestartBudget,
     standby_schedule: StandbySchedule,
     hang: HangWatch,
@@ -261,6 +263,7 @@ impl Device {
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
+            worker_restarts: 0,
             restart_budget: RestartBudget::default(),
             standby_schedule: StandbySchedule::default(),
             death_seen: None,
@@ -473,6 +476,11 @@ impl Device {
         self.last_recovery_reason.as_deref()
     }
 
+    /// How many times the serving worker exited or was killed as hung.
+    pub fn worker_restarts(&self) -> u64 {
+        self.worker_restarts
+    }
+
     /// Moves the device to `to` if the state machine allows it
     /// ([`crate::device_state::StateKind::may_become`]); a refusal leaves the state
     /// as it is and is logged.
@@ -513,6 +521,7 @@ impl Device {
         let pid = w.pid();
         w.release_device();
         self.worker = None;
+        self.worker_restarts += 1;
         self.death_seen = Some(seen);
         let hang = match &self.state {
             DeviceState::Hung { cause } => Some(cause.clone()),

@@ -13,6 +13,7 @@
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
 //! - [`recovery`]: recovery policy: the restart budget, hang verdicts, standby timing.
 //! - [`logging`]: the log, to the journal under systemd, else to stderr.
+//! - [`metrics`]: every device's numbers as OpenMetrics text, and the metrics file.
 //! - [`render`]: `ublkctl`'s output formats.
 //! - [`systemd`]: readiness, status, reload and watchdog notifications.
 //! - [`state`]: what survives a supervisor crash (device records, regions, memory data).
@@ -28,6 +29,7 @@ pub mod features;
 pub mod hang;
 pub mod inspect;
 pub mod logging;
+pub mod metrics;
 pub mod recovery;
 pub mod render;
 pub mod state;

@@ -2,6 +2,9 @@
 
 use serde::Serialize;
 use ublkd_proto::msg::{DevListing, DevStatus};
+use ublkd_proto::shm::LatencySnapshot;
+
+use crate::metrics::{Quantile, quantile};
 
 /// `ublkctl list`: per device, the two lines the kernel selftests parse.
 pub fn listing(dev: &DevListing) -> String {
@@ -51,6 +54,44 @@ struct DeviceJson<'a> {
     note: Option<&'a str>,
     failing_io: bool,
     sandbox: Option<&'a ublkd_proto::msg::SandboxStatus>,
+    /// Latency quantiles over every request the device served: the upper bound of the
+    /// histogram bucket holding the quantile, in µs; `"+Inf"` past the last bound
+    /// (8388608 µs); null before the first request.
+    latency_p50_us: serde_json::Value,
+    latency_p99_us: serde_json::Value,
+}
+
+/// A quantile of `h` for `status --json` (see `DeviceJson::latency_p50_us`).
+fn quantile_json(h: &LatencySnapshot, q: f64) -> serde_json::Value {
+    match quantile(h, q) {
+        None => serde_json::Value::Null,
+        Some(Quantile::AtMostUs(us)) => us.into(),
+        Some(Quantile::AboveUs(_)) => "+Inf".into(),
+    }
+}
+
+/// A quantile of `h` for people: `<=16us`, `<=1.05ms`, `>8.39s`, `-` before any I/O.
+fn quantile_text(h: &LatencySnapshot, q: f64) -> String {
+    let duration = |us: u64| {
+        let (value, unit) = match us {
+            0..1000 => return format!("{us}us"),
+            1000..1_000_000 => (us as f64 / 1e3, "ms"),
+            _ => (us as f64 / 1e6, "s"),
+        };
+        let digits = if value < 10.0 {
+            2
+        } else if value < 100.0 {
+            1
+        } else {
+            0
+        };
+        format!("{value:.digits$}{unit}")
+    };
+    match quantile(h, q) {
+        None => "-".to_string(),
+        Some(Quantile::AtMostUs(us)) => format!("<={}", duration(us)),
+        Some(Quantile::AboveUs(us)) => format!(">{}", duration(us)),
+    }
 }
 
 /// `ublkctl status --json`: `{"devices":[{"id":N,"state":"LIVE",…}]}`.
@@ -82,6 +123,8 @@ pub fn status_json(devs: &[DevStatus]) -> String {
             note: d.note.as_deref(),
             failing_io: d.failing_io,
             sandbox: d.sandbox.as_ref(),
+            latency_p50_us: quantile_json(&d.latency, 0.5),
+            latency_p99_us: quantile_json(&d.latency, 0.99),
         })
         .collect();
     serde_json::to_string(&StatusJson { devices }).expect("plain data always serializes")
@@ -93,7 +136,7 @@ pub fn status_text(devs: &[DevStatus]) -> String {
     for d in devs {
         let pid = d.worker_pid.map_or_else(|| "-".to_string(), |p| p.to_string());
         out.push_str(&format!(
-            "dev {}: {} {} worker {} ios {} errors {} recoveries {}{}\n",
+            "dev {}: {} {} worker {} ios {} errors {} recoveries {} p50 {} p99 {}{}\n",
             d.id,
             d.state,
             d.target,
@@ -101,6 +144,8 @@ pub fn status_text(devs: &[DevStatus]) -> String {
             d.counters.ios(),
             d.counters.errors,
             d.recoveries,
+            quantile_text(&d.latency, 0.5),
+            quantile_text(&d.latency, 0.99),
             d.note.as_ref().map(|n| format!(" ({n})")).unwrap_or_default()
         ));
         if let Some(missing) = d.sandbox.as_ref().map(|s| &s.missing).filter(|m| !m.is_empty()) {
@@ -117,7 +162,7 @@ pub fn status_text(devs: &[DevStatus]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ublkd_proto::shm::CounterSnapshot;
+    use ublkd_proto::shm::{CounterSnapshot, LATENCY_FINITE_BUCKETS};
 
     #[test]
     fn listing_matches_the_selftests_format() {
@@ -139,9 +184,8 @@ mod tests {
         );
     }
 
-    #[test]
-    fn status_json_has_the_contract_fields() {
-        let d = DevStatus {
+    fn a_device() -> DevStatus {
+        DevStatus {
             id: 1,
             state: "LIVE".into(),
             target: "loop".into(),
@@ -158,7 +202,13 @@ mod tests {
             counters: CounterSnapshot { reads: 2, writes: 3, errors: 1, ..Default::default() },
             note: None,
             failing_io: false,
-        };
+            latency: LatencySnapshot::default(),
+        }
+    }
+
+    #[test]
+    fn status_json_has_the_contract_fields() {
+        let d = a_device();
         let v: serde_json::Value = serde_json::from_str(&status_json(&[d])).unwrap();
         let dev = &v["devices"][0];
         assert_eq!(dev["id"], 1);
@@ -171,5 +221,28 @@ mod tests {
         assert!(dev["last_recovery_ms"].is_null());
         assert_eq!(dev["ios"], 5);
         assert_eq!(dev["errors"], 1);
+        assert!(dev["latency_p50_us"].is_null(), "no I/O measured: {dev}");
+        assert!(dev["latency_p99_us"].is_null(), "no I/O measured: {dev}");
+    }
+
+    #[test]
+    fn status_gives_p50_and_p99_as_the_bounds_of_their_buckets() {
+        let mut d = a_device();
+        d.latency.buckets[4] = 90; // <= 16 µs
+        d.latency.buckets[10] = 9; // <= 1024 µs
+        d.latency.buckets[LATENCY_FINITE_BUCKETS] = 1; // > 8.39 s
+        let v: serde_json::Value = serde_json::from_str(&status_json(&[d.clone()])).unwrap();
+        assert_eq!(v["devices"][0]["latency_p50_us"], 16);
+        assert_eq!(v["devices"][0]["latency_p99_us"], 1024);
+        let text = status_text(&[d.clone()]);
+        assert!(text.contains(" p50 <=16us p99 <=1.02ms"), "{text}");
+        d.latency.buckets[4] = 40;
+        d.latency.buckets[10] = 20;
+        d.latency.buckets[LATENCY_FINITE_BUCKETS] = 40;
+        let v: serde_json::Value = serde_json::from_str(&status_json(&[d.clone()])).unwrap();
+        assert_eq!(v["devices"][0]["latency_p99_us"], "+Inf");
+        let text = status_text(&[d]);
+        assert!(text.contains(" p50 <=1.02ms p99 >8.39s"), "{text}");
+        assert!(status_text(&[a_device()]).contains(" p50 - p99 -"));
     }
 }

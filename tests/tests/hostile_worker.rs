@@ -60,6 +60,13 @@ fn a_worker_that_scribbles_over_its_region_and_dies_leaves_ublkd_up_and_data_int
     let status = ublkd.status_of(victim);
     assert_eq!(status["state"], "LIVE", "{status}");
     assert_eq!(ublkd.status_of(bystander)["recoveries"], 0, "the bystander was touched");
+    // Its latency histograms hold all-ones (kept across incarnations, like the
+    // counters): they still render, as a valid histogram.
+    let metrics = ublkd.ctl_ok(&["metrics"]);
+    assert!(metrics.ends_with("# EOF\n"), "{metrics}");
+    let count =
+        format!("ublkd_device_io_latency_seconds_count{{device=\"{victim}\",op=\"read\"}} ");
+    assert!(metrics.contains(&count), "{metrics}");
     // The new incarnation's region was rewritten by ublkd: it validates again. (The
     // status polls above may have caught the scribbled region before the worker's
     // exit was seen; only what is logged after the recovery counts.)

@@ -10,7 +10,8 @@ if [ "$(id -u)" != 0 ]; then
   exit 1
 fi
 
-need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck)
+# python3-prometheus-client: tests/tests/metrics.rs parses ublkctl's metrics with it.
+need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -97,6 +97,11 @@ fn scribble(shm: &ublkd_proto::shm::ShmRegion) {
         wide.extend([&slot.start_sector, &slot.since_ms]);
         narrow.extend([&slot.seq, &slot.state, &slot.op, &slot.nr_sectors]);
     }
+    for hist in (0..usize::from(g.nr_threads)).filter_map(|t| shm.latency(t)) {
+        for op in &hist.ops {
+            wide.extend(op.buckets.iter().chain([&op.sum_ns]));
+        }
+    }
     wide.into_iter().for_each(|a| a.store(u64::MAX, Relaxed));
     narrow.into_iter().for_each(|a| a.store(u32::MAX, Relaxed));
 }

@@ -9,6 +9,7 @@ use clap::Parser;
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, TargetKind};
 use ublkd_supervisor::cli::{Target, UblkctlCli, UblkctlCommand as Command};
+use ublkd_supervisor::metrics::{self, Format};
 use ublkd_supervisor::{exit, features, logging, render};
 
 fn main() -> ExitCode {
@@ -83,6 +84,16 @@ fn main() -> ExitCode {
                         eprintln!("deleted device {id}");
                     }
                     wait_for_exit(&cli.socket)
+                }
+                Ok(other) => unexpected(other),
+                Err(code) => code,
+            };
+        }
+        Command::Metrics { id } => {
+            return match call(&cli.socket, &CtlRequest::Metrics { id }) {
+                Ok(CtlResponse::Metrics(devs)) => {
+                    print!("{}", metrics::render(&devs, Format::OpenMetrics));
+                    ExitCode::SUCCESS
                 }
                 Ok(other) => unexpected(other),
                 Err(code) => code,

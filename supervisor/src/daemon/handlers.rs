@@ -1,15 +1,17 @@
-//! The control socket's requests (`ublkctl add, del, list, status, recover, upgrade, shutdown`): each
+//! The control socket's requests (`ublkctl add, del, list, status, metrics, recover, upgrade,
+//! shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
 use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
 use ublkd_proto::msg::{
-    AddRequest, CtlRequest, CtlResponse, DevListing, DevStatus, LayerSet, TargetKind,
+    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
     UpgradeOutcome,
 };
+use ublkd_proto::shm::{CounterSnapshot, DevLatency};
 use ublkd_proto::uapi::DevState;
 
 use super::Daemon;
-use crate::device::Recovery;
+use crate::device::{Device, Recovery};
 
 impl Daemon {
     pub(super) fn handle(&mut self, req: CtlRequest) -> CtlResponse {
@@ -21,6 +23,9 @@ impl Daemon {
             }),
             CtlRequest::Status { id } => self.selected(id).map(|ids| {
                 CtlResponse::Status(ids.iter().filter_map(|id| self.status(*id)).collect())
+            }),
+            CtlRequest::Metrics { id } => self.selected(id).map(|ids| {
+                CtlResponse::Metrics(ids.iter().filter_map(|id| self.metrics(*id)).collect())
             }),
             CtlRequest::Recover { id } => {
                 self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
@@ -197,14 +202,7 @@ impl Daemon {
             Ok(info) => DevState::from_raw(info.state).to_string(),
             Err(e) => format!("UNKNOWN ({e})"),
         };
-        // The region is validated before anything in it is believed.
-        let counters = match dev.shm().validate() {
-            Ok(()) => dev.shm().counters().snapshot(),
-            Err(e) => {
-                tracing::warn!(dev_id = id, "shared region failed validation: {e}");
-                Default::default()
-            }
-        };
+        let (counters, latency) = region_numbers(dev);
         Some(DevStatus {
             id,
             state,
@@ -225,7 +223,39 @@ impl Daemon {
             counters,
             note: dev.state().note().map(str::to_owned),
             failing_io: dev.state().failing_io(),
+            latency: latency.merged(),
         })
+    }
+
+    /// Device `id`'s numbers for `ublkctl metrics` and the metrics file: read from
+    /// memory only (ublkd's own state and the device's region), no system call.
+    pub(super) fn metrics(&self, id: u32) -> Option<DevMetrics> {
+        let dev = self.devices.get(&id)?;
+        let (counters, latency) = region_numbers(dev);
+        Some(DevMetrics {
+            id,
+            // ublkd's view, not the kernel's: no ioctl per device every interval.
+            state: dev.state().kind().to_string(),
+            target: dev.spec().target.name().to_string(),
+            counters,
+            inflight: if dev.worker().is_some() { dev.shm().inflight() } else { 0 },
+            recoveries: dev.recoveries(),
+            last_stall_ms: dev.last_recovery_ms(),
+            worker_restarts: dev.worker_restarts(),
+            latency,
+        })
+    }
+}
+
+/// What the device's worker counted in its region: validated before anything in it is
+/// believed, zero if it fails; values only, never used as sizes or indexes.
+fn region_numbers(dev: &Device) -> (CounterSnapshot, DevLatency) {
+    match dev.shm().validate() {
+        Ok(()) => (dev.shm().counters().snapshot(), dev.shm().latency_snapshot()),
+        Err(e) => {
+            tracing::warn!(dev_id = dev.id(), "shared region failed validation: {e}");
+            Default::default()
+        }
     }
 }
 

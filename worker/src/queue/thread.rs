@@ -12,7 +12,7 @@ use std::time::Instant;
 use io_uring::{IoUring, cqueue, squeue};
 use ublkd_proto::batch::{self, BatchElem, ElemBuf};
 use ublkd_proto::errno::Errno;
-use ublkd_proto::shm::{CounterSnapshot, TagRecord, tag_state};
+use ublkd_proto::shm::{CounterSnapshot, LatencyOp, TagRecord, tag_state};
 use ublkd_proto::sqe;
 use ublkd_proto::uapi;
 
@@ -66,9 +66,15 @@ pub struct QueueThread {
     /// Completions counted in this loop turn, added to the device's shared counters
     /// at its end: one atomic add per counter per turn, not two per I/O.
     counted: CounterSnapshot,
-    /// Milliseconds since `started`, read once per loop turn (not per tag) for the tag
-    /// records' `since_ms`.
-    now_ms: u64,
+    /// Nanoseconds since `started`, read once per loop turn (not per tag) when its
+    /// completions are taken: when this turn's FETCHed tags were seen.
+    turn_ns: u64,
+    /// Per tag of every queue (only this thread's tags are used): `turn_ns` of the turn
+    /// that FETCHed it.
+    fetched_ns: Vec<u64>,
+    /// Requests finished since the last COMMIT, with when they were fetched: their
+    /// latency is counted when the COMMIT goes out, with one clock read for them all.
+    finished: Vec<(LatencyOp, u64)>,
     cqes: Vec<(u64, i32, u32)>,
 }
 
@@ -93,7 +99,9 @@ impl QueueThread {
             spare: Vec::new(),
             inflight: 0,
             started: Instant::now(),
-            now_ms: 0,
+            turn_ns: 0,
+            fetched_ns: vec![0; nr_tags],
+            finished: Vec::with_capacity(nr_tags),
             counted: CounterSnapshot::default(),
             cqes: Vec::with_capacity(entries as usize * 4),
             dev,
@@ -241,7 +249,7 @@ impl QueueThread {
             if let Some(slot) = self.dev.shm.thread(slot_index) {
                 slot.heartbeat.store(beat.wrapping_add(1), Ordering::Relaxed);
             }
-            self.now_ms = self.started.elapsed().as_millis() as u64;
+            self.turn_ns = self.started.elapsed().as_nanos() as u64;
             let mut cqes = std::mem::take(&mut self.cqes);
             cqes.clear();
             cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
@@ -367,8 +375,12 @@ impl QueueThread {
                 op: u32::from(desc.op()),
                 nr_sectors: desc.nr_sectors,
                 start_sector: desc.start_sector,
-                since_ms: self.now_ms,
+                since_ms: self.turn_ns / 1_000_000,
             });
+        }
+        let index = self.tag_index(q_id, tag);
+        if let Some(at) = self.fetched_ns.get_mut(index) {
+            *at = self.turn_ns;
         }
         let bounds = Bounds { size_bytes: dev.size_bytes, buf_bytes: dev.bufs.buf_bytes() as u64 };
         let req = match IoReq::from_desc(&desc, bounds, buf, buf_index) {
@@ -387,7 +399,6 @@ impl QueueThread {
             }
         };
         let step = dev.target.start(&req);
-        let index = self.tag_index(q_id, tag);
         self.reqs[index] = Some((req, 0));
         self.step(q_id, tag, step)
     }
@@ -449,14 +460,36 @@ impl QueueThread {
         if let Some(slot) = self.dev.shm.tag(q_id, tag) {
             slot.set_state(tag_state::COMMITTED);
         }
+        if let (Some(class), Some(&at)) =
+            (LatencyOp::of_ublk_op(op), self.fetched_ns.get(self.tag_index(q_id, tag)))
+        {
+            self.finished.push((class, at));
+        }
         self.inflight = self.inflight.saturating_sub(1);
         let elem = self.elem(q_id, tag, res);
         let Some(q) = self.queues.iter_mut().find(|q| q.q_id == q_id) else { return Ok(()) };
         q.pending.push(elem).map_err(|e| LoopError::Commit { q_id, tag, what: e.into() })
     }
 
+    /// Counts the latency of every request finished since the last COMMIT, from the
+    /// turn that FETCHed it to now, when its COMMIT is about to be submitted: one clock
+    /// read (vDSO, no syscall) per COMMIT turn, however many requests it carries.
+    fn record_latency(&mut self) {
+        if self.finished.is_empty() {
+            return;
+        }
+        let now = self.started.elapsed().as_nanos() as u64;
+        if let Some(hist) = self.dev.shm.latency(self.plan.index) {
+            for &(op, at) in &self.finished {
+                hist.record(op, now.saturating_sub(at));
+            }
+        }
+        self.finished.clear();
+    }
+
     /// Submits one COMMIT per queue with finished requests.
     fn flush_commits(&mut self) -> Result<(), LoopError> {
+        self.record_latency();
         for qi in 0..self.queues.len() {
             if self.queues[qi].pending.is_empty() {
                 continue;

@@ -1,0 +1,170 @@
+//! Metrics end to end (in the VM): fio on a memory device, then `ublkctl metrics` read
+//! by an independent parser (python3-prometheus-client's OpenMetrics parser, installed
+//! by tests/vm/install-host-deps.sh), its latency histograms holding fio's I/O, p50/p99
+//! in status, and `daemon.metrics_file` written and replaced whole.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Fio, Ublkd, block_dev, describe, serial};
+
+/// Reads metrics text on stdin with prometheus_client's parser for the format named by
+/// argv[1] and prints every sample as JSON; a text the parser refuses makes it fail.
+const PARSE: &str = r#"
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+from prometheus_client.parser import text_string_to_metric_families as prom
+parse = om if sys.argv[1] == "openmetrics" else prom
+samples = []
+for family in parse(sys.stdin.read()):
+    for s in family.samples:
+        samples.append({"family": family.name, "type": family.type, "name": s.name,
+                        "labels": s.labels, "value": s.value})
+print(json.dumps(samples))
+"#;
+
+/// The samples of `text` as prometheus_client parses it (`format`: "openmetrics" or
+/// "prometheus").
+fn parse(text: &str, format: &str) -> Result<Vec<serde_json::Value>, String> {
+    let mut child = Command::new("/usr/bin/python3")
+        .args(["-c", PARSE, format])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run python3 (tests/vm/install-host-deps.sh): {e}"))?;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    if !out.status.success() {
+        return Err(format!("{format} parser refused the text:\n{}\n{text}", describe(&out)));
+    }
+    serde_json::from_slice::<serde_json::Value>(&out.stdout)
+        .map_err(|e| format!("parser output is not JSON: {e}"))?
+        .as_array()
+        .cloned()
+        .ok_or("parser output is not an array".into())
+}
+
+/// The value of the sample `name` with exactly `labels`.
+fn value(samples: &[serde_json::Value], name: &str, labels: &[(&str, &str)]) -> f64 {
+    let want: serde_json::Map<String, serde_json::Value> =
+        labels.iter().map(|(k, v)| (k.to_string(), (*v).into())).collect();
+    samples
+        .iter()
+        .find(|s| s["name"] == name && s["labels"].as_object() == Some(&want))
+        .and_then(|s| s["value"].as_f64())
+        .unwrap_or_else(|| panic!("no sample {name}{labels:?}"))
+}
+
+#[test]
+fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
+    let _serial = serial();
+    let dir = Path::new("/tmp/ublkd-test-metrics");
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("ublkd.prom");
+    let extra = format!("metrics_file = \"{}\"\nmetrics_interval_secs = 1", file.display());
+    let ublkd = Ublkd::start_with("metrics", &extra, &[]);
+    let id = ublkd.add(&["-t", "memory", "-s", "64M"]);
+    let dev = block_dev(id);
+    // One block request per fio I/O: no merging of adjacent ones.
+    let nomerges = format!("/sys/block/{}/queue/nomerges", dev.file_name().unwrap().display());
+    std::fs::write(&nomerges, "2").unwrap();
+
+    let job = Fio::run(
+        [
+            "--name=metrics",
+            &format!("--filename={}", dev.display()),
+            "--rw=randrw",
+            "--bs=4k",
+            "--size=4M",
+            "--iodepth=16",
+            "--direct=1",
+            "--ioengine=io_uring",
+        ]
+        .map(String::from)
+        .into(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (fio_reads, fio_writes) = (job.read_bytes / 4096, job.write_bytes / 4096);
+    assert!(fio_reads > 0 && fio_writes > 0, "{job:?}");
+
+    // What ublkctl prints parses as OpenMetrics, and its histograms hold fio's I/O.
+    let text = ublkd.ctl_ok(&["metrics"]);
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    let samples = parse(&text, "openmetrics").unwrap_or_else(|e| panic!("{e}"));
+    let device = id.to_string();
+    for (op, fio_count) in [("read", fio_reads), ("write", fio_writes)] {
+        let labels = [("device", device.as_str()), ("op", op)];
+        let count = value(&samples, "ublkd_device_io_latency_seconds_count", &labels);
+        let total = value(&samples, "ublkd_device_io_total", &labels);
+        assert!(count >= fio_count as f64, "{op}: histogram {count} < fio's {fio_count}");
+        assert_eq!(count, total, "{op}: histogram and counter disagree");
+        let inf = [("device", device.as_str()), ("op", op), ("le", "+Inf")];
+        assert_eq!(value(&samples, "ublkd_device_io_latency_seconds_bucket", &inf), count);
+        let sum = value(&samples, "ublkd_device_io_latency_seconds_sum", &labels);
+        assert!(sum > 0.0, "{op}: latency sum {sum}");
+    }
+    let families: Vec<&str> = samples.iter().filter_map(|s| s["family"].as_str()).collect();
+    for family in ["ublkd_device_io_errors", "ublkd_device_inflight", "ublkd_device_recoveries"] {
+        assert!(families.contains(&family), "no {family} in:\n{text}");
+    }
+    assert!(families.contains(&"ublkd_device_worker_restarts"), "{text}");
+
+    // Status: p50 and p99 from the same histogram.
+    let status = ublkd.status_of(id);
+    let (p50, p99) = (&status["latency_p50_us"], &status["latency_p99_us"]);
+    assert!(p50.as_u64().is_some_and(|v| v > 0), "{status}");
+    assert!(p99.as_u64() >= p50.as_u64() || *p99 == "+Inf", "{status}");
+    let line = ublkd.ctl_ok(&["status"]);
+    assert!(line.contains(" p50 <=") && line.contains(" p99 "), "{line}");
+
+    // The metrics file: written, in the Prometheus text format node_exporter reads,
+    // with fio's I/O, and replaced by a rename (another inode than the last look's:
+    // tmpfs reuses a freed inode number, so two may alternate) that leaves no part-file
+    // for a reader to see.
+    // Every look finds a whole file: as many lines as a whole one, the last one the
+    // last histogram's count. (The parser runs once, at the end: under emulation a
+    // python start takes seconds.)
+    let last_line =
+        format!("ublkd_device_io_latency_seconds_count{{device=\"{id}\",op=\"write_zeroes\"}} ");
+    let whole_lines = text.lines().filter(|l| !l.starts_with('#')).count();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut inode = None;
+    let (mut replaced, mut reads) = (0, 0);
+    while replaced < 2 {
+        assert!(Instant::now() < deadline, "metrics file replaced {replaced} times in 20 s");
+        if let Ok(meta) = std::fs::metadata(&file) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            let samples = text.lines().filter(|l| !l.starts_with('#')).count();
+            let ends_whole = text.lines().last().is_some_and(|l| l.starts_with(&last_line));
+            assert!(samples == whole_lines && ends_whole && text.ends_with('\n'), "{text}");
+            assert_eq!(meta.mode() & 0o777, 0o644, "metrics file mode");
+            if inode.is_some_and(|i| i != meta.ino()) {
+                replaced += 1;
+            }
+            inode = Some(meta.ino());
+            reads += 1;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let last = parse(&std::fs::read_to_string(&file).unwrap(), "prometheus").unwrap();
+    let typed: Vec<_> = last.iter().filter(|s| s["name"] == "ublkd_device_io_total").collect();
+    assert!(typed.iter().all(|s| s["type"] == "counter"), "counters lost their type: {typed:?}");
+    let labels = [("device", device.as_str()), ("op", "write")];
+    assert!(value(&last, "ublkd_device_io_total", &labels) >= fio_writes as f64);
+    let read = [("device", device.as_str()), ("op", "read")];
+    let count = value(&last, "ublkd_device_io_latency_seconds_count", &read);
+    assert!(count >= fio_reads as f64, "the file's read histogram: {count} < fio's {fio_reads}");
+    let names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(names.iter().all(|n| n == "ublkd.prom" || n == ".ublkd.prom.tmp"), "{names:?}");
+    eprintln!("metrics file read {reads} times, replaced {replaced} times meanwhile");
+
+    ublkd.stop();
+    std::fs::remove_dir_all(dir).unwrap();
+}
