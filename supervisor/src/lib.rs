@@ -17,6 +17,7 @@
 //! - [`systemd`]: readiness, status, reload and watchdog notifications.
 //! - [`state`]: what survives a supervisor crash (device records, regions, memory data).
 //! - [`exit`]: the exit codes of both binaries.
+//! - [`rlimit`]: ublkd's own fd limit, raised for a thousand devices.
 
 pub mod cli;
 pub mod control;
@@ -30,6 +31,7 @@ pub mod inspect;
 pub mod logging;
 pub mod recovery;
 pub mod render;
+pub mod rlimit;
 pub mod state;
 pub mod systemd;
 pub mod target;

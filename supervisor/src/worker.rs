@@ -144,11 +144,21 @@ impl Worker {
                 cmd.arg("--no-sandbox");
             }
         }
+        // ublkd's raised fd limit is its own (see crate::rlimit): the worker starts with
+        // the one ublkd was given.
+        let nofile = crate::rlimit::inherited_nofile()
+            .map(|(soft, hard)| libc::rlimit { rlim_cur: soft, rlim_max: hard });
         // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (dup2, fcntl, prctl, getppid, _exit) on values
-        // captured by copy; it allocates nothing and takes no locks.
+        // async-signal-safe functions (dup2, fcntl, prctl, getppid, _exit) and setrlimit
+        // (one prlimit64 syscall in glibc) on values captured by copy; it allocates
+        // nothing and takes no locks.
         unsafe {
             cmd.pre_exec(move || {
+                if let Some(limit) = &nofile
+                    && libc::setrlimit(libc::RLIMIT_NOFILE, limit) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
                 if libc::dup2(theirs_raw, WORKER_CONTROL_FD) < 0 {
                     return Err(io::Error::last_os_error());
                 }
