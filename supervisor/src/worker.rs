@@ -339,21 +339,16 @@ impl Worker {
         }
     }
 
-    /// Asks the worker to exit, waits up to `grace`, then kills it. Returns how it ended.
-    /// Once it has exited, waits briefly for the relay to log its last lines and close
-    /// its stderr, so that nothing of a stopped worker is left open in ublkd.
-    pub fn stop(self, grace: Duration) -> String {
-        self.ask_to_exit();
-        self.finish(grace)
-    }
-
-    /// Asks the worker to exit, without waiting ([`Self::finish`] waits).
+    /// Asks the worker to exit, without waiting: [`Self::finish`] waits, so that the
+    /// workers asked together exit side by side.
     pub fn ask_to_exit(&self) {
         let _ = msg::send_packet(self.control(), &ToWorker::Shutdown, &[]);
     }
 
-    /// After [`Self::ask_to_exit`]: waits up to `grace` for the worker to exit, then
-    /// kills it, and waits briefly for its last lines like [`Self::stop`].
+    /// After [`Self::ask_to_exit`]: waits up to `grace` for the worker to exit, then kills
+    /// it. Returns how it ended. Once it has exited, waits briefly for the relay to log
+    /// its last lines and close its stderr, so that nothing of a stopped worker is left
+    /// open in ublkd.
     pub fn finish(mut self, grace: Duration) -> String {
         let how = self.reap(grace);
         if let Some(end) = &self.stderr_end {
