@@ -338,7 +338,7 @@ impl Device {
         self.destroy_with(&ctx.ctrl, &ctx.state)
     }
 
-    /// Deletes every one of `devices` ([`Self::destroy`]), up to [`DELETE_THREADS`] at
+    /// Deletes every one of `devices` ([`Self::destroy`]), up to `DELETE_THREADS` (16) at
     /// once, and returns each one's outcome. Each device's delete sleeps in the kernel
     /// (STOP_DEV, DEL_DEV) and waits for its workers to exit: ~100 ms under emulation,
     /// which one device after another made minutes of a thousand. Each thread sends its

@@ -358,7 +358,7 @@ impl Worker {
     }
 
     /// Waits up to `grace` for the worker to exit (on its pidfd), then kills it and
-    /// waits up to [`KILL_GRACE`] more. A worker that still has not exited (stuck in the
+    /// waits up to `KILL_GRACE` more. A worker that still has not exited (stuck in the
     /// kernel) is not waited for: it is reaped once it exits (see [`reap_lingering`]).
     pub fn reap(&mut self, grace: Duration) -> String {
         if !self.exits_within(grace) {
