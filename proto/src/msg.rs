@@ -3,7 +3,10 @@
 //! - supervisor ↔ worker: [`ToWorker`] / [`FromWorker`] over a `SOCK_SEQPACKET`
 //!   socketpair, one message per packet, file descriptors attached with SCM_RIGHTS.
 //! - ublkctl ↔ supervisor: [`CtlRequest`] / [`CtlResponse`] over the daemon's unix
-//!   stream socket, each message framed by a 4-byte little-endian length.
+//!   stream socket, each message framed by a 4-byte little-endian length. A request is
+//!   at most [`MAX_MESSAGE_BYTES`] like every other message; a response, which grows
+//!   with the devices it lists, at most [`MAX_RESPONSE_BYTES`] ([`write_response`],
+//!   [`read_response`]).
 //!
 //! Every message is encoded by [`crate::codec`] (bounded decode). Receivers treat
 //! everything they decode as untrusted input and validate it before use.
@@ -15,7 +18,7 @@ use std::path::PathBuf;
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
+use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES, MAX_RESPONSE_BYTES};
 use crate::shm::{CounterSnapshot, DevLatency, LatencySnapshot};
 
 /// The most fds one message may carry.
@@ -30,8 +33,8 @@ pub enum MsgError {
     Io(#[from] io::Error),
     #[error(transparent)]
     Codec(#[from] CodecError),
-    #[error("a message's length prefix says {0} bytes, more than the limit of {MAX_MESSAGE_BYTES}")]
-    FrameTooLarge(usize),
+    #[error("a message's length prefix says {len} bytes, more than the limit of {limit}")]
+    FrameTooLarge { len: usize, limit: usize },
     #[error("a message was cut short (truncated to the receive buffer)")]
     Truncated,
     #[error("a message carried {got} file descriptors, expected {want}")]
@@ -566,19 +569,45 @@ pub enum CtlResponse {
     Metrics(Vec<DevMetrics>),
 }
 
-/// Writes one length-framed message to a stream.
+/// Writes one length-framed message of at most [`MAX_MESSAGE_BYTES`] to a stream.
 pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), MsgError> {
-    let bytes = codec::encode(msg)?;
-    let len = u32::try_from(bytes.len()).map_err(|_| MsgError::FrameTooLarge(bytes.len()))?;
+    write_frame_within::<MAX_MESSAGE_BYTES, T>(w, msg)
+}
+
+/// Reads one length-framed message of at most [`MAX_MESSAGE_BYTES`] from a stream;
+/// refuses a larger frame before reading it.
+pub fn read_frame<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, MsgError> {
+    read_frame_within::<MAX_MESSAGE_BYTES, T>(r)
+}
+
+/// Writes ublkd's answer to a `ublkctl` request: one frame of at most
+/// [`MAX_RESPONSE_BYTES`], which grows with the devices it lists.
+pub fn write_response(w: &mut impl Write, response: &CtlResponse) -> Result<(), MsgError> {
+    write_frame_within::<MAX_RESPONSE_BYTES, CtlResponse>(w, response)
+}
+
+/// Reads ublkd's answer to a `ublkctl` request ([`write_response`]); refuses a frame
+/// over [`MAX_RESPONSE_BYTES`] before reading it.
+pub fn read_response(r: &mut impl Read) -> Result<CtlResponse, MsgError> {
+    read_frame_within::<MAX_RESPONSE_BYTES, CtlResponse>(r)
+}
+
+fn write_frame_within<const LIMIT: usize, T: Serialize>(
+    w: &mut impl Write,
+    msg: &T,
+) -> Result<(), MsgError> {
+    let bytes = codec::encode_within::<LIMIT, T>(msg)?;
+    let len = u32::try_from(bytes.len())
+        .map_err(|_| MsgError::FrameTooLarge { len: bytes.len(), limit: LIMIT })?;
     w.write_all(&len.to_le_bytes())?;
     w.write_all(&bytes)?;
     w.flush()?;
     Ok(())
 }
 
-/// Reads one length-framed message from a stream; refuses frames over the limit
-/// before reading them.
-pub fn read_frame<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, MsgError> {
+fn read_frame_within<const LIMIT: usize, T: serde::de::DeserializeOwned>(
+    r: &mut impl Read,
+) -> Result<T, MsgError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -586,12 +615,12 @@ pub fn read_frame<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T
         Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE_BYTES {
-        return Err(MsgError::FrameTooLarge(len));
+    if len > LIMIT {
+        return Err(MsgError::FrameTooLarge { len, limit: LIMIT });
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf)?;
-    Ok(codec::decode(&buf)?)
+    Ok(codec::decode_within::<LIMIT, T>(&buf)?)
 }
 
 #[cfg(test)]
@@ -699,8 +728,63 @@ mod tests {
         write_frame(&mut a, &req).unwrap();
         assert_eq!(read_frame::<CtlRequest>(&mut b).unwrap(), req);
         a.write_all(&(u32::MAX).to_le_bytes()).unwrap();
-        assert!(matches!(read_frame::<CtlRequest>(&mut b), Err(MsgError::FrameTooLarge(_))));
+        assert!(matches!(read_frame::<CtlRequest>(&mut b), Err(MsgError::FrameTooLarge { .. })));
         drop(a);
         assert!(matches!(read_frame::<CtlRequest>(&mut b), Err(MsgError::Closed)));
+    }
+
+    /// A `status` answer for `n` devices.
+    fn status_of(n: u32) -> CtlResponse {
+        CtlResponse::Status(
+            (0..n)
+                .map(|id| DevStatus {
+                    id,
+                    state: "LIVE".into(),
+                    target: "null".into(),
+                    worker_pid: Some(1000 + id),
+                    standby_pid: Some(2000 + id),
+                    sandbox: None,
+                    last_recovery_ms: None,
+                    last_recovery_reason: Some("worker 1234 killed by signal 9".into()),
+                    size_bytes: 1 << 30,
+                    queues: 1,
+                    queue_depth: 128,
+                    threads: 1,
+                    recoveries: 1,
+                    counters: CounterSnapshot::default(),
+                    latency: LatencySnapshot::default(),
+                    note: None,
+                    failing_io: false,
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_response_past_the_request_bound_travels_within_its_own() {
+        let big = status_of(5000);
+        let mut frame = Vec::new();
+        write_response(&mut frame, &big).unwrap();
+        assert!(frame.len() > MAX_MESSAGE_BYTES + 4, "only {} bytes", frame.len());
+        assert_eq!(read_response(&mut frame.as_slice()).unwrap(), big);
+        // The same frame is refused where a request is read.
+        let err = read_frame::<CtlResponse>(&mut frame.as_slice()).unwrap_err();
+        assert!(matches!(err, MsgError::FrameTooLarge { limit: MAX_MESSAGE_BYTES, .. }), "{err}");
+        let err = write_frame(&mut Vec::new(), &big).unwrap_err();
+        assert!(matches!(err, MsgError::Codec(CodecError::TooLarge { .. })), "{err}");
+    }
+
+    #[test]
+    fn a_response_frame_over_its_bound_is_refused_before_its_body_is_read() {
+        let mut stream = Vec::new();
+        stream.extend_from_slice(&(MAX_RESPONSE_BYTES as u32 + 1).to_le_bytes());
+        stream.extend_from_slice(&[0; 64]);
+        let mut r = stream.as_slice();
+        let err = read_response(&mut r).unwrap_err();
+        assert!(
+            matches!(err, MsgError::FrameTooLarge { len, limit: MAX_RESPONSE_BYTES } if len == MAX_RESPONSE_BYTES + 1),
+            "{err}"
+        );
+        assert_eq!(r.len(), 64, "the body was read");
     }
 }

@@ -6,8 +6,11 @@
 //! framed as [`msg::write_frame`] frames it. Limits per connection: the request must be
 //! complete within [`REQUEST_DEADLINE`] of the connection's accept, and the response
 //! taken within [`RESPONSE_DEADLINE`] of its being ready, else the connection is
-//! dropped; a frame is at most [`MAX_MESSAGE_BYTES`] (a larger length prefix is
-//! answered with an error before its body is read). At most [`MAX_CONNECTIONS`] are open
+//! dropped; a request is at most [`MAX_MESSAGE_BYTES`] (a larger length prefix is
+//! answered with an error before its body is read), a response at most
+//! [`MAX_RESPONSE_BYTES`](ublkd_proto::codec::MAX_RESPONSE_BYTES): `status` of a thousand devices is ~0.5 MiB, more than the
+//! socket takes at once, so a response is written in as many turns of the loop as the
+//! client's reading takes, one nonblocking write per turn. At most [`MAX_CONNECTIONS`] are open
 //! at once: a new client past that evicts the oldest one, so that an operator's
 //! `ublkctl`, which sends its whole request at once, is always served even while slow
 //! clients hold every slot.
@@ -26,7 +29,9 @@ use ublkd_proto::msg::{self, CtlRequest, CtlResponse, MsgError};
 
 /// How long a client may take to send its whole request.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
-/// How long a client may take to read its whole response.
+/// How long a client may take to read its whole response (of at most
+/// [`MAX_RESPONSE_BYTES`](ublkd_proto::codec::MAX_RESPONSE_BYTES), which a client
+/// that reads takes in milliseconds).
 pub const RESPONSE_DEADLINE: Duration = Duration::from_secs(2);
 /// The most connections open at once.
 pub const MAX_CONNECTIONS: usize = 32;
@@ -218,11 +223,11 @@ impl Conn {
     /// Queues `response` to be written.
     fn answer(&mut self, response: &CtlResponse, now: Instant) {
         let mut frame = Vec::new();
-        if let Err(e) = msg::write_frame(&mut frame, response) {
+        if let Err(e) = msg::write_response(&mut frame, response) {
             frame.clear();
             let message = format!("ublkd cannot send its answer: {e}");
             // An error message this short always encodes.
-            let _ = msg::write_frame(&mut frame, &CtlResponse::Error { message });
+            let _ = msg::write_response(&mut frame, &CtlResponse::Error { message });
         }
         self.phase = Phase::Writing { frame, sent: 0 };
         self.deadline = now + RESPONSE_DEADLINE;
@@ -267,7 +272,7 @@ fn read_request(stream: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<CtlR
             _ => {
                 let len = u32::from_le_bytes(buf[..PREFIX].try_into().expect("4 bytes")) as usize;
                 if len > MAX_MESSAGE_BYTES {
-                    return Err(MsgError::FrameTooLarge(len));
+                    return Err(MsgError::FrameTooLarge { len, limit: MAX_MESSAGE_BYTES });
                 }
                 PREFIX + len
             }
@@ -345,7 +350,10 @@ mod tests {
         client.write_all(&[0u8; 16]).unwrap();
         let mut buf = Vec::new();
         let err = read_request(&mut server, &mut buf).unwrap_err();
-        assert!(matches!(err, MsgError::FrameTooLarge(n) if n == MAX_MESSAGE_BYTES + 1), "{err}");
+        assert!(
+            matches!(err, MsgError::FrameTooLarge { len, .. } if len == MAX_MESSAGE_BYTES + 1),
+            "{err}"
+        );
         assert_eq!(buf.len(), PREFIX, "read past the prefix");
     }
 
@@ -386,7 +394,7 @@ mod tests {
         let requests = turn(&mut server, t0 + REQUEST_DEADLINE * 3);
         assert_eq!(requests.len(), 1, "the request that arrived in time was dropped");
         server.respond(requests[0].0, &CtlResponse::List(Vec::new()), t0 + REQUEST_DEADLINE * 3);
-        let answer: CtlResponse = msg::read_frame(&mut early).unwrap();
+        let answer = msg::read_response(&mut early).unwrap();
         assert!(matches!(answer, CtlResponse::List(_)), "{answer:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -403,7 +411,7 @@ mod tests {
         assert_eq!(requests.len(), 1, "the prompt client's request");
         assert_eq!(server.conns.len(), 2);
         server.respond(requests[0].0, &CtlResponse::Deleted { ids: vec![1] }, t0);
-        let answer: CtlResponse = msg::read_frame(&mut prompt).unwrap();
+        let answer = msg::read_response(&mut prompt).unwrap();
         assert!(matches!(answer, CtlResponse::Deleted { .. }), "{answer:?}");
         assert_eq!(server.conns.len(), 1, "the answered connection is closed");
         assert!(turn(&mut server, t0 + REQUEST_DEADLINE / 2).is_empty());
@@ -412,6 +420,95 @@ mod tests {
         turn(&mut server, t0 + REQUEST_DEADLINE);
         assert_eq!(server.conns.len(), 0, "kept past its deadline");
         drop(silent);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A `list` answer for `n` devices.
+    fn listing(n: u32) -> CtlResponse {
+        CtlResponse::List(
+            (0..n)
+                .map(|id| msg::DevListing {
+                    id,
+                    nr_hw_queues: 1,
+                    queue_depth: 128,
+                    block_size: 4096,
+                    dev_capacity: 1 << 21,
+                    max_rq_size: 1 << 20,
+                    daemon_pid: 1234,
+                    flags: 0x8058,
+                    state: "LIVE".into(),
+                })
+                .collect(),
+        )
+    }
+
+    /// Reads what `client` (nonblocking) has now into `into`.
+    fn read_available(client: &mut UnixStream, into: &mut Vec<u8>) {
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            match client.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => into.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => panic!("reading the answer: {e}"),
+            }
+        }
+    }
+
+    /// A client connected to `server`, its `list` request with the daemon.
+    fn asking(
+        server: &mut ControlServer,
+        dir: &std::path::Path,
+        now: Instant,
+    ) -> (UnixStream, Token) {
+        let mut client = UnixStream::connect(dir.join("sock")).unwrap();
+        client.write_all(&frame(&CtlRequest::List { id: None })).unwrap();
+        let requests = turn(server, now);
+        assert_eq!(requests.len(), 1);
+        client.set_nonblocking(true).unwrap();
+        (client, requests[0].0)
+    }
+
+    #[test]
+    fn a_response_larger_than_the_socket_takes_is_written_over_turns_as_it_is_read() {
+        let (mut server, dir) = server("large");
+        let t0 = Instant::now();
+        let (mut client, token) = asking(&mut server, &dir, t0);
+        let response = listing(40_000);
+        server.respond(token, &response, t0);
+        assert_eq!(server.conns.len(), 1, "the whole answer went out in one write");
+
+        let mut received = Vec::new();
+        let mut turns = 0;
+        while !server.conns.is_empty() {
+            read_available(&mut client, &mut received);
+            turn(&mut server, t0 + RESPONSE_DEADLINE / 2);
+            turns += 1;
+            assert!(turns < 100_000, "the answer never ended: {} bytes read", received.len());
+        }
+        read_available(&mut client, &mut received);
+        assert!(received.len() > MAX_MESSAGE_BYTES, "a small answer: {} bytes", received.len());
+        assert!(turns > 1, "written in one turn");
+        assert_eq!(msg::read_response(&mut received.as_slice()).unwrap(), response);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_client_that_stops_reading_a_large_response_is_dropped_at_the_deadline() {
+        let (mut server, dir) = server("stalled");
+        let t0 = Instant::now();
+        let (mut client, token) = asking(&mut server, &dir, t0);
+        server.respond(token, &listing(40_000), t0);
+        let mut received = Vec::new();
+        read_available(&mut client, &mut received);
+        turn(&mut server, t0 + RESPONSE_DEADLINE / 2);
+        assert_eq!(server.conns.len(), 1, "dropped before its deadline");
+        // The client reads no more.
+        turn(&mut server, t0 + RESPONSE_DEADLINE);
+        assert_eq!(server.conns.len(), 0, "kept past its deadline");
+        read_available(&mut client, &mut received);
+        let err = msg::read_response(&mut received.as_slice()).unwrap_err();
+        assert!(matches!(err, MsgError::Io(_)), "the cut answer read as whole: {err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -492,8 +492,11 @@ impl Daemon {
     fn delete_all(&mut self) -> Result<Vec<u32>, String> {
         let mut deleted = Vec::new();
         let mut failed = Vec::new();
-        for (id, dev) in std::mem::take(&mut self.devices) {
-            match dev.destroy(&self.ctx) {
+        let devices = std::mem::take(&mut self.devices).into_values().collect();
+        let mut outcomes = Device::destroy_all(&self.ctx, devices);
+        outcomes.sort_unstable_by_key(|(id, _)| *id);
+        for (id, outcome) in outcomes {
+            match outcome {
                 Ok(()) => deleted.push(id),
                 Err(e) => {
                     tracing::error!(dev_id = id, "delete failed: {e}");

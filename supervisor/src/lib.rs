@@ -18,6 +18,7 @@
 //! - [`systemd`]: readiness, status, reload and watchdog notifications.
 //! - [`state`]: what survives a supervisor crash (device records, regions, memory data).
 //! - [`exit`]: the exit codes of both binaries.
+//! - [`rlimit`]: ublkd's own fd limit, raised for a thousand devices.
 
 pub mod cli;
 pub mod control;
@@ -32,6 +33,7 @@ pub mod logging;
 pub mod metrics;
 pub mod recovery;
 pub mod render;
+pub mod rlimit;
 pub mod state;
 pub mod systemd;
 pub mod target;

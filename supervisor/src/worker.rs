@@ -171,11 +171,21 @@ impl Worker {
                 cmd.arg("--no-sandbox");
             }
         }
+        // ublkd's raised fd limit is its own (see crate::rlimit): the worker starts with
+        // the one ublkd was given.
+        let nofile = crate::rlimit::inherited_nofile()
+            .map(|(soft, hard)| libc::rlimit { rlim_cur: soft, rlim_max: hard });
         // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (dup2, fcntl) on values captured by copy; it
-        // allocates nothing and takes no locks.
+        // async-signal-safe functions (dup2, fcntl) and setrlimit (one prlimit64
+        // syscall in glibc) on values captured by copy; it allocates nothing and takes
+        // no locks.
         unsafe {
             cmd.pre_exec(move || {
+                if let Some(limit) = &nofile
+                    && libc::setrlimit(libc::RLIMIT_NOFILE, limit) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
                 if libc::dup2(theirs_raw, WORKER_CONTROL_FD) < 0 {
                     return Err(io::Error::last_os_error());
                 }
@@ -372,11 +382,17 @@ impl Worker {
         }
     }
 
-    /// Asks the worker to exit, waits up to `grace`, then kills it. Returns how it ended.
-    /// Once it has exited, waits briefly for the relay to log its last lines and close
-    /// its stderr, so that nothing of a stopped worker is left open in ublkd.
-    pub fn stop(mut self, grace: Duration) -> String {
+    /// Asks the worker to exit, without waiting: [`Self::finish`] waits, so that the
+    /// workers asked together exit side by side.
+    pub fn ask_to_exit(&self) {
         let _ = msg::send_packet(self.control(), &ToWorker::Shutdown, &[]);
+    }
+
+    /// After [`Self::ask_to_exit`]: waits up to `grace` for the worker to exit, then kills
+    /// it. Returns how it ended. Once it has exited, waits briefly for the relay to log
+    /// its last lines and close its stderr, so that nothing of a stopped worker is left
+    /// open in ublkd.
+    pub fn finish(mut self, grace: Duration) -> String {
         let how = self.reap(grace);
         if let Some(end) = &self.stderr_end {
             end.wait(STDERR_END_WAIT);
@@ -385,7 +401,7 @@ impl Worker {
     }
 
     /// Waits up to `grace` for the worker to exit (on its pidfd), then kills it and
-    /// waits up to `KILL_GRACE` (500 ms) more. A worker that still has not exited (stuck in the
+    /// waits up to `KILL_GRACE` more. A worker that still has not exited (stuck in the
     /// kernel) is not waited for: it is reaped once it exits (see [`reap_lingering`]).
     pub fn reap(&mut self, grace: Duration) -> String {
         if !exits_within(self.pidfd.as_fd(), grace) {

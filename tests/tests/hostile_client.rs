@@ -93,7 +93,7 @@ fn slowest_request(ublkd: &Ublkd) -> Duration {
             let t = Instant::now();
             let mut conn = UnixStream::connect(&ublkd.ctl.socket).unwrap();
             msg::write_frame(&mut conn, &CtlRequest::List { id: None }).unwrap();
-            let answer: CtlResponse = msg::read_frame(&mut conn).unwrap();
+            let answer = msg::read_response(&mut conn).unwrap();
             assert!(matches!(&answer, CtlResponse::List(l) if l.len() == 1), "{answer:?}");
             t.elapsed()
         })
@@ -154,7 +154,7 @@ fn an_oversized_frame_is_refused_and_ublkd_stays_up() {
     let mut conn = UnixStream::connect(&ublkd.ctl.socket).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     conn.write_all(&u32::MAX.to_le_bytes()).unwrap();
-    let answer: CtlResponse = msg::read_frame(&mut conn).unwrap();
+    let answer = msg::read_response(&mut conn).unwrap();
     match answer {
         CtlResponse::Error { message } => {
             assert!(message.starts_with("bad request: "), "{message}");
@@ -166,7 +166,7 @@ fn an_oversized_frame_is_refused_and_ublkd_stays_up() {
     let mut conn = UnixStream::connect(&ublkd.ctl.socket).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     conn.write_all(&[8, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]).unwrap();
-    let answer: CtlResponse = msg::read_frame(&mut conn).unwrap();
+    let answer = msg::read_response(&mut conn).unwrap();
     assert!(
         matches!(&answer, CtlResponse::Error { message } if message.starts_with("bad request: ")),
         "{answer:?}"

@@ -168,7 +168,7 @@ fn call(socket: &Path, req: &CtlRequest) -> Result<CtlResponse, ExitCode> {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
     msg::write_frame(&mut stream, req)
         .map_err(|e| fail(exit::FAILURE, &format!("sending the request: {e}")))?;
-    match msg::read_frame::<CtlResponse>(&mut stream) {
+    match msg::read_response(&mut stream) {
         Ok(CtlResponse::Error { message }) => Err(fail(exit::FAILURE, &message)),
         Ok(resp) => Ok(resp),
         Err(e) => Err(fail(exit::FAILURE, &format!("reading ublkd's answer: {e}"))),

@@ -7,7 +7,7 @@ use ublkd_config::Config;
 use ublkd_proto::ctrl::CtrlClient;
 use ublkd_supervisor::cli::UblkdCli;
 use ublkd_supervisor::daemon::Daemon;
-use ublkd_supervisor::{error_chain, exit, features, logging};
+use ublkd_supervisor::{error_chain, exit, features, logging, rlimit};
 
 fn main() -> ExitCode {
     let cli = UblkdCli::parse();
@@ -27,6 +27,16 @@ fn main() -> ExitCode {
         None => Config::default(),
     };
     tracing::info!("ublkd {} starting", env!("CARGO_PKG_VERSION"));
+    match rlimit::raise_nofile() {
+        Ok(n) => tracing::info!(
+            "RLIMIT_NOFILE: soft limit {} (was {}), hard limit {}",
+            n.now,
+            n.was,
+            n.hard
+        ),
+        // ublkd still serves, only fewer devices: `add` then fails with EMFILE, naming it.
+        Err(e) => tracing::warn!("{e}"),
+    }
     let mut daemon = match Daemon::start(config, cli.config.clone()) {
         Ok(d) => d,
         Err(e) => {

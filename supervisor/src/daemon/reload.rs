@@ -6,6 +6,7 @@ use ublkd_config::{Config, DeviceSpec};
 
 use super::Daemon;
 use super::handlers::describe_spec;
+use crate::device::Device;
 
 impl Daemon {
     /// SIGHUP: re-reads the config file. Devices added to it are created, devices removed
@@ -42,7 +43,8 @@ impl Daemon {
         let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
         let mut added = 0;
         let mut removed = 0;
-        // Removed (or changed) devices.
+        // Removed (or changed) devices, deleted together once all are known.
+        let mut dropped = Vec::new();
         for (spec, id) in std::mem::take(&mut self.configured) {
             if new.devices.contains(&spec) {
                 self.configured.push((spec, id));
@@ -55,10 +57,13 @@ impl Daemon {
                 continue;
             }
             if let Some(dev) = self.devices.remove(&id) {
-                match dev.destroy(&self.ctx) {
-                    Ok(()) => removed += 1,
-                    Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
-                }
+                dropped.push(dev);
+            }
+        }
+        for (id, outcome) in Device::destroy_all(&self.ctx, dropped) {
+            match outcome {
+                Ok(()) => removed += 1,
+                Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
             }
         }
         // New devices.

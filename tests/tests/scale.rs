@@ -1,0 +1,154 @@
+//! Many devices on one host (in the VM): ublkd adds [`DEVICES`] null devices, its
+//! `status --json` lists them all (a reply far over one request's 64 KiB), `list`
+//! shows them all LIVE, and `del -a` deletes them all side by side (at least
+//! [`MIN_OVERLAP`] at a time on average) within [`DELETE_ALL_LIMIT`]. ublkd raised
+//! its fd limit: it holds ~10 fds per device, over the default soft limit of 1024.
+//!
+//! The devices are added from [`ADDERS`] threads, so that ublkctl's own start is not
+//! added to each device's; ublkd still adds one device after another, each waiting for
+//! its worker to start and PREP: 1 s per device under emulation on an idle host, up to
+//! 3.8 s on one busy with other VMs (the whole test then takes 21 minutes). Each device
+//! is as small as a device gets (one queue, depth 4, 1 MiB): it still costs two worker
+//! processes (active and standby), ~2 MiB of the VM's memory.
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::{Ublkd, fd_targets, kernel_devices, serial, worker_pids};
+
+/// How many devices the test adds.
+const DEVICES: usize = 300;
+/// How many `ublkctl add` run at once.
+const ADDERS: usize = 4;
+/// How long `ublkctl del -a` may take for every device. Under emulation on a host
+/// busy with other VMs it took 49 s (2.4 s per device, 16 at a time); one after
+/// another it took 94-214 ms per device, 28-64 s.
+const DELETE_ALL_LIMIT: Duration = Duration::from_secs(90);
+/// How many deletes must have run at once on average (16 did, 14.5 on average).
+const MIN_OVERLAP: f64 = 4.0;
+
+/// The VM's available memory in MiB, from /proc/meminfo.
+fn mem_available_mib() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+}
+
+/// How long each device's delete took, from ublkd's `device deleted` lines (STOP_DEV,
+/// the workers' exit, DEL_DEV).
+fn delete_durations(log: &str) -> Vec<Duration> {
+    log.lines()
+        .filter(|l| l.contains("event=\"deleted\""))
+        .map(|l| {
+            let ms = |key: &str| -> u64 {
+                let value =
+                    l.split(&format!(" {key}=")).nth(1).unwrap_or_else(|| panic!("{key}? {l}"));
+                value.split(' ').next().unwrap().parse().unwrap()
+            };
+            Duration::from_millis(ms("stop_ms") + ms("workers_ms") + ms("del_ms"))
+        })
+        .collect()
+}
+
+/// `pid`'s RLIMIT_NOFILE (soft, hard), from /proc/PID/limits.
+fn nofile_limits(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let mut values = line["Max open files".len()..].split_whitespace();
+    (values.next().unwrap().to_string(), values.next().unwrap().to_string())
+}
+
+#[test]
+fn three_hundred_null_devices_are_added_listed_and_deleted_in_seconds() {
+    let _serial = serial();
+    let started = Instant::now();
+    let ublkd = Ublkd::start("scale");
+    let fds_before = fd_targets(ublkd.pid()).len();
+    let (soft, hard) = nofile_limits(ublkd.pid());
+    assert_eq!(soft, hard, "ublkd did not raise its soft RLIMIT_NOFILE to the hard limit");
+    assert_ne!(soft, "1024", "ublkd kept the default soft RLIMIT_NOFILE");
+    let mem_before = mem_available_mib();
+
+    let ids = Mutex::new(Vec::with_capacity(DEVICES));
+    let add_started = Instant::now();
+    std::thread::scope(|s| {
+        for adder in 0..ADDERS {
+            let (ublkd, ids) = (&ublkd, &ids);
+            s.spawn(move || {
+                for _ in (adder..DEVICES).step_by(ADDERS) {
+                    let out =
+                        ublkd.ctl_ok(&["add", "-t", "null", "-s", "1M", "-q", "1", "-d", "4"]);
+                    let id: u32 = out.trim().parse().unwrap();
+                    ids.lock().unwrap().push(id);
+                }
+            });
+        }
+    });
+    let add_took = add_started.elapsed();
+    let mut ids = ids.into_inner().unwrap();
+    ids.sort_unstable();
+    let fds = fd_targets(ublkd.pid()).len();
+    println!(
+        "added {DEVICES} devices in {:.1} s ({:.0} ms per device, {ADDERS} at a time); \
+         ublkd holds {fds} fds ({fds_before} before: {:.1} per device); {} MiB of memory \
+         available ({mem_before} MiB before)",
+        add_took.as_secs_f64(),
+        add_took.as_secs_f64() * 1000.0 / DEVICES as f64,
+        (fds - fds_before) as f64 / DEVICES as f64,
+        mem_available_mib(),
+    );
+    assert_eq!(ids.len(), DEVICES);
+    assert_eq!(kernel_devices().len(), DEVICES, "the kernel's devices");
+
+    let status_started = Instant::now();
+    let status = ublkd.status();
+    let mut listed: Vec<u32> = status.iter().map(|d| d["id"].as_u64().unwrap() as u32).collect();
+    listed.sort_unstable();
+    assert_eq!(listed, ids, "`status --json` lists every device");
+    println!(
+        "status --json: {} devices in {} ms",
+        listed.len(),
+        status_started.elapsed().as_millis()
+    );
+
+    let list = ublkd.ctl_ok(&["list"]);
+    let live = list.lines().filter(|l| l.contains("state LIVE")).count();
+    assert_eq!(live, DEVICES, "`list` shows every device LIVE:\n{list}");
+
+    let del_started = Instant::now();
+    let out = ublkd.ctl(&["del", "-a"]);
+    let del_took = del_started.elapsed();
+    println!(
+        "del -a: {DEVICES} devices in {:.1} s ({:.0} ms per device)",
+        del_took.as_secs_f64(),
+        del_took.as_secs_f64() * 1000.0 / DEVICES as f64
+    );
+    assert!(out.status.success(), "del -a failed: {}\n{}", common::describe(&out), ublkd.log());
+    let deleted = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| l.starts_with("deleted device"))
+        .count();
+    assert_eq!(deleted, DEVICES, "del -a names every device it deleted");
+    assert!(kernel_devices().is_empty(), "devices left in the kernel: {:?}", kernel_devices());
+    assert!(worker_pids().is_empty(), "workers left: {:?}", worker_pids());
+    // Under emulation every delete is mostly CPU (workers exiting, the kernel tearing
+    // devices down), so the time alone depends on how busy the host is; the deletes'
+    // own durations, added up, show whether they ran side by side.
+    let busy = delete_durations(&ublkd.log());
+    assert_eq!(busy.len(), DEVICES, "`device deleted` log lines");
+    let busy: Duration = busy.iter().sum();
+    let overlap = busy.as_secs_f64() / del_took.as_secs_f64();
+    println!(
+        "del -a: the deletes took {:.1} s added up: {overlap:.1} at a time",
+        busy.as_secs_f64()
+    );
+    assert!(overlap >= MIN_OVERLAP, "del -a deleted {overlap:.1} devices at a time");
+    assert!(
+        del_took < DELETE_ALL_LIMIT,
+        "del -a took {del_took:?} for {DEVICES} devices, more than {DELETE_ALL_LIMIT:?}"
+    );
+    ublkd.stop();
+    println!("the whole test took {:.1} s", started.elapsed().as_secs_f64());
+}
