@@ -5,21 +5,24 @@
 //! - ublkctl ↔ supervisor: [`CtlRequest`] / [`CtlResponse`] over the daemon's unix
 //!   stream socket, each message framed by a 4-byte little-endian length. A request is
 //!   at most [`MAX_MESSAGE_BYTES`] like every other message; a response, which grows
-//!   with the devices it lists, at most [`MAX_RESPONSE_BYTES`] ([`write_response`],
+//!   with the devices it lists, at most [`MAX_RESPONSE_BYTES`](crate::codec::MAX_RESPONSE_BYTES) ([`write_response`],
 //!   [`read_response`]).
 //!
 //! Every message is encoded by [`crate::codec`] (bounded decode). Receivers treat
 //! everything they decode as untrusted input and validate it before use.
 
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES, MAX_RESPONSE_BYTES};
+use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
 use crate::shm::{CounterSnapshot, DevLatency, LatencySnapshot};
+
+mod frame;
+pub use frame::{read_frame, read_response, write_frame, write_response};
 
 /// The most fds one message may carry.
 pub const MAX_FDS: usize = 8;
@@ -569,63 +572,11 @@ pub enum CtlResponse {
     Metrics(Vec<DevMetrics>),
 }
 
-/// Writes one length-framed message of at most [`MAX_MESSAGE_BYTES`] to a stream.
-pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), MsgError> {
-    write_frame_within::<MAX_MESSAGE_BYTES, T>(w, msg)
-}
-
-/// Reads one length-framed message of at most [`MAX_MESSAGE_BYTES`] from a stream;
-/// refuses a larger frame before reading it.
-pub fn read_frame<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, MsgError> {
-    read_frame_within::<MAX_MESSAGE_BYTES, T>(r)
-}
-
-/// Writes ublkd's answer to a `ublkctl` request: one frame of at most
-/// [`MAX_RESPONSE_BYTES`], which grows with the devices it lists.
-pub fn write_response(w: &mut impl Write, response: &CtlResponse) -> Result<(), MsgError> {
-    write_frame_within::<MAX_RESPONSE_BYTES, CtlResponse>(w, response)
-}
-
-/// Reads ublkd's answer to a `ublkctl` request ([`write_response`]); refuses a frame
-/// over [`MAX_RESPONSE_BYTES`] before reading it.
-pub fn read_response(r: &mut impl Read) -> Result<CtlResponse, MsgError> {
-    read_frame_within::<MAX_RESPONSE_BYTES, CtlResponse>(r)
-}
-
-fn write_frame_within<const LIMIT: usize, T: Serialize>(
-    w: &mut impl Write,
-    msg: &T,
-) -> Result<(), MsgError> {
-    let bytes = codec::encode_within::<LIMIT, T>(msg)?;
-    let len = u32::try_from(bytes.len())
-        .map_err(|_| MsgError::FrameTooLarge { len: bytes.len(), limit: LIMIT })?;
-    w.write_all(&len.to_le_bytes())?;
-    w.write_all(&bytes)?;
-    w.flush()?;
-    Ok(())
-}
-
-fn read_frame_within<const LIMIT: usize, T: serde::de::DeserializeOwned>(
-    r: &mut impl Read,
-) -> Result<T, MsgError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(MsgError::Closed),
-        Err(e) => return Err(e.into()),
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > LIMIT {
-        return Err(MsgError::FrameTooLarge { len, limit: LIMIT });
-    }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf)?;
-    Ok(codec::decode_within::<LIMIT, T>(&buf)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::MAX_RESPONSE_BYTES;
+    use std::io::Write;
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
 

@@ -14,6 +14,7 @@
 //! [`crate::target`] sets up what the workers are given. When to recover is
 //! [`crate::recovery`]'s decision.
 
+mod adoption;
 mod user_recovery;
 mod workers;
 
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 use ublkd_config::DeviceSpec;
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
-use ublkd_proto::uapi::{self, DevState, UblksrvCtrlDevInfo};
+use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 
 use crate::device_state::{DeviceState, TransitionError};
 use crate::hang::HangWatch;
@@ -277,108 +278,6 @@ impl Device {
             hang_policy: HangPolicy::default(),
             generation,
         })
-    }
-
-    /// Adopts a device a previous supervisor left: checks that the kernel's device is
-    /// ours and matches the record, and starts the worker that will serve it, without
-    /// waiting for it: the caller recovers the device onto it ([`Self::recover`]) once
-    /// every adopted device's worker is on its way, so that they start side by side.
-    pub fn adopt(ctx: &Context, rec: &DeviceRecord) -> Result<Device, DeviceError> {
-        let id = rec.id;
-        let info = ctx.ctrl.get_dev_info(id)?;
-        let not_ours = |why: String| DeviceError::NotOurs { id, why };
-        if info.ublksrv_flags != OWNER_TAG {
-            return Err(not_ours(format!("its ublksrv_flags are {:#x}", info.ublksrv_flags)));
-        }
-        if (info.nr_hw_queues, info.queue_depth) != (rec.queues, rec.queue_depth) {
-            return Err(not_ours("its queues differ from ublkd's record".into()));
-        }
-        // ublkd creates privileged devices as root: a device with its tag that is
-        // neither was made by someone else, who may have copied the tag.
-        if info.owner_uid != 0 || info.owner_gid != 0 {
-            return Err(not_ours(format!(
-                "it belongs to uid {} gid {}, not root",
-                info.owner_uid, info.owner_gid
-            )));
-        }
-        if info.flags & uapi::UBLK_F_UNPRIVILEGED_DEV != 0 {
-            return Err(not_ours("it is an unprivileged device".into()));
-        }
-        let spec = rec.spec().map_err(not_ours)?;
-        // The worker's batch elements depend on it: a mismatch would fail every PREP.
-        if info.flags & uapi::UBLK_F_AUTO_BUF_REG != device_flags(&spec) & uapi::UBLK_F_AUTO_BUF_REG
-        {
-            return Err(not_ours("its zero-copy flag differs from ublkd's record".into()));
-        }
-        if DevState::from_raw(info.state) == DevState::Dead {
-            // Created but never started: the previous supervisor died mid-create. It
-            // never served anything; the caller deletes it rather than leak its id.
-            return Err(DeviceError::NeverStarted { id });
-        }
-        let mut dev = Self::open(ctx, id, spec, DeviceState::Adopted)?;
-        // LIVE: a worker serves it still (the kernel moves a device whose server has
-        // gone out of LIVE); else it is held for a recovery.
-        if DevState::from_raw(info.state) != DevState::Live || !dev.take_over(ctx) {
-            dev.transition(DeviceState::Recovering)?;
-        }
-        dev.refill_standby(ctx);
-        Ok(dev)
-    }
-
-    /// Takes over the worker the previous ublkd left serving, as its claim in the state
-    /// dir names it: whether it did (the device is then LIVE). One that cannot be taken
-    /// over is killed (if it is that worker), for the caller to recover the device.
-    fn take_over(&mut self, ctx: &Context) -> bool {
-        let id = self.id;
-        let claim = match ctx.state.worker_claim(id) {
-            Ok(Some(claim)) => claim,
-            Ok(None) => {
-                tracing::warn!(dev_id = id, "LIVE, but no worker is recorded for it");
-                return false;
-            }
-            Err(e) => {
-                tracing::warn!(dev_id = id, "not taking its worker over: {e}");
-                return false;
-            }
-        };
-        let attached = if claim.generation == self.generation {
-            Worker::attach(&claim, ATTACH_TIMEOUT).map_err(|e| e.to_string())
-        } else {
-            Err(format!(
-                "worker {} was recorded for generation {}, the region is at {}",
-                claim.pid, claim.generation, self.generation
-            ))
-        };
-        match attached {
-            Ok(worker) => {
-                if self.transition(DeviceState::Live).is_err() {
-                    return false;
-                }
-                tracing::info!(
-                    dev_id = id,
-                    worker_pid = worker.pid(),
-                    generation = self.generation,
-                    event = "taken_over",
-                    "took over the worker a previous ublkd left serving"
-                );
-                self.worker = Some(worker);
-                self.hang.reset(&self.shm);
-                self.hang_policy.reset();
-                true
-            }
-            Err(why) => {
-                tracing::warn!(dev_id = id, "not taking its worker over ({why}): recovering");
-                if !Worker::kill_claimed(&claim, STOP_GRACE) {
-                    tracing::warn!(
-                        dev_id = id,
-                        worker_pid = claim.pid,
-                        "the worker did not end within {} s of SIGKILL",
-                        STOP_GRACE.as_secs()
-                    );
-                }
-                false
-            }
-        }
     }
 
     /// When the next standby is due to start, if one waits.
