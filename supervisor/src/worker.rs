@@ -9,13 +9,15 @@
 //! read end of its stderr pipe, which it holds unused; from then on it serves whether
 //! or not a supervisor runs, and a restarted ublkd takes it over ([`Worker::attach`]):
 //! it copies both fds back out of the worker with pidfd_getfd and asks the worker
-//! which device and incarnation it serves. A supervisor restart is then no event on
-//! the data path at all.
+//! which device and incarnation it serves. The data path never waits for a
+//! supervisor, and a restart recovers no device.
 //!
 //! A worker's stderr is a pipe of its own, relayed into ublkd's log by
-//! [`crate::worker_log`]; its write end is nonblocking, so that a worker whose
-//! supervisor is gone drops log lines once the pipe is full instead of stalling on
-//! them. Nothing here waits for a worker without a bound: a killed worker stuck in the
+//! [`crate::worker_log`]. ublkd keeps a copy of its write end: when it leaves a worker
+//! serving (a stop), it makes that end nonblocking (a flag of the pipe's open file, so
+//! the worker's end too), and the worker, with nobody reading, drops log lines once the
+//! pipe is full instead of stalling on them. While a ublkd reads, writes block as any
+//! pipe's, so no line is lost. Nothing here waits for a worker without a bound: a killed worker stuck in the
 //! kernel (in D state on a hung backing file, say) is left to [`reap_lingering`], which
 //! the loop calls on every turn (SIGCHLD wakes it). A taken-over worker is not ublkd's
 //! child: its end is seen on its pidfd, and its exit status is not known.
@@ -117,6 +119,9 @@ pub struct Worker {
     /// activation (see [`ToWorker::Activate`]); `None` once handed, or where ublkd's
     /// stderr is the worker's.
     stderr_copy: Option<OwnedFd>,
+    /// A copy of the write end of the worker's stderr pipe (the worker's fd 2), made
+    /// nonblocking when the worker is left serving ([`Self::leave_serving`]).
+    stderr_write: Option<OwnedFd>,
     /// Where the activated worker holds, in its fd table, the fds that outlive this
     /// supervisor: its control socket's other end, then its stderr's read end (if any).
     held: Vec<i32>,
@@ -152,8 +157,11 @@ impl Worker {
             .stdin(Stdio::null());
         let relay = crate::worker_log::Relay::get();
         let mut stderr_read = None;
+        let mut stderr_write = None;
         if relay.is_some() {
-            let (read, write) = stderr_pipe()?;
+            let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+                .map_err(|e| WorkerError::Pipe(e.into()))?;
+            stderr_write = write.try_clone().ok();
             cmd.stderr(Stdio::from(write));
             stderr_read = Some(read);
         }
@@ -216,6 +224,7 @@ impl Worker {
             pid,
             control: ours,
             stderr_copy: None,
+            stderr_write,
             held: Vec::new(),
             sandbox: None,
             pidfd,
@@ -414,7 +423,9 @@ impl Worker {
                 );
             }
         }
-        // It has exited: this wait returns at once.
+        // It has exited: our copy of its stderr's write end goes, so that the relay
+        // sees the pipe end. This wait returns at once.
+        self.stderr_write = None;
         match &mut self.child {
             Some(child) => {
                 child.wait().map_or_else(|e| e.to_string(), |s| ublkd_proto::exit::describe(&s))
@@ -430,6 +441,14 @@ impl Worker {
 
     /// Whether the worker has exited (reaping it if so), and how.
     pub fn exited(&mut self) -> Option<String> {
+        let how = self.exit_status();
+        if how.is_some() {
+            self.stderr_write = None;
+        }
+        how
+    }
+
+    fn exit_status(&mut self) -> Option<String> {
         match &mut self.child {
             Some(child) => child.try_wait().ok().flatten().map(|s| ublkd_proto::exit::describe(&s)),
             None => exits_within(self.pidfd.as_fd(), Duration::ZERO)
@@ -440,6 +459,15 @@ impl Worker {
     /// Lets a serving worker serve on after this supervisor exits, for the next one to
     /// take over: nothing of it is closed that it needs (it holds its own copies).
     pub fn leave_serving(mut self) {
+        if let Some(write) = &self.stderr_write
+            && let Err(e) = set_nonblocking(write.as_fd())
+        {
+            tracing::warn!(
+                worker_pid = self.pid,
+                "cannot make the worker's stderr nonblocking ({e}): with no ublkd reading \
+                 it, a worker that logs much may stall"
+            );
+        }
         // Not ours to reap later either: this supervisor is about to exit.
         self.child = None;
     }
@@ -461,17 +489,11 @@ impl Drop for Worker {
     }
 }
 
-/// A worker's stderr pipe: the read end for the relay, close-on-exec; the write end
-/// for the worker, nonblocking (see the module doc).
-fn stderr_pipe() -> Result<(OwnedFd, OwnedFd), WorkerError> {
-    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| WorkerError::Pipe(e.into()))?;
-    let flags = nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_GETFL)
-        .map_err(|e| WorkerError::Pipe(e.into()))?;
+/// Makes the pipe end `fd` nonblocking (see the module doc).
+fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
+    let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL)?;
     let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
-    nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(flags))
-        .map_err(|e| WorkerError::Pipe(e.into()))?;
-    Ok((read, write))
+    nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(flags)).map(drop)
 }
 
 /// `left` as poll's timeout, capped at the longest poll takes.

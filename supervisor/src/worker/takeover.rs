@@ -49,6 +49,8 @@ impl Worker {
             pid,
             control,
             stderr_copy: None,
+            // Its fd 2, for the next stop (checked to be a pipe below).
+            stderr_write: None,
             held: claim.held.clone(),
             sandbox: None,
             pidfd,
@@ -82,6 +84,9 @@ impl Worker {
             match getfd(worker.pidfd.as_fd(), stderr_at) {
                 Ok(read) if not_a_pipe(read.as_fd()).is_none() => {
                     worker.stderr_end = Some(relay.watch(read, dev_id, pid));
+                    worker.stderr_write = getfd(worker.pidfd.as_fd(), 2)
+                        .ok()
+                        .filter(|w| not_a_pipe(w.as_fd()).is_none());
                 }
                 Ok(read) => tracing::warn!(
                     dev_id,
