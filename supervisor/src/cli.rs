@@ -19,8 +19,9 @@ Environment: UBLKD_LOG, else RUST_LOG: the log filter (e.g. debug, ublkd=trace).
 systemd (stderr is the journal, as JOURNAL_STREAM says) the log goes to the journal with \
 the fields DEV_ID, WORKER_PID and EVENT: `journalctl -u ublkd DEV_ID=3`.
 
-Signals: SIGTERM or SIGINT exit 0 leaving every device in the kernel, its I/O held until \
-the next ublkd adopts it (`ublkctl shutdown` deletes them all and stops ublkd); SIGHUP \
+Signals: SIGTERM or SIGINT exit 0 leaving every device in the kernel and each LIVE \
+device's worker serving, for the next ublkd to take over (`ublkctl shutdown` deletes \
+them all and stops ublkd); SIGHUP \
 reloads the config file (`systemctl reload ublkd`): devices added to it are created, devices removed \
 are deleted, a file with errors is rejected whole.";
 

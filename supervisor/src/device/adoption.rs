@@ -93,8 +93,7 @@ impl Device {
                     "took over the worker a previous ublkd left serving"
                 );
                 self.worker = Some(worker);
-                self.hang.reset(&self.shm);
-                self.hang_policy.reset();
+                self.watch_new_worker();
                 true
             }
             Err(why) => {

@@ -200,8 +200,14 @@ impl Device {
             }
         };
         self.claim_worker(ctx, &worker, generation);
+        self.watch_new_worker();
+        Ok((worker, activation))
+    }
+
+    /// Starts the hang watch afresh for a worker that now serves the device (activated
+    /// or taken over): its heartbeats and the kernel's counts are new to the watch.
+    pub(super) fn watch_new_worker(&mut self) {
         self.hang.reset(&self.shm);
         self.hang_policy.reset();
-        Ok((worker, activation))
     }
 }
