@@ -413,6 +413,7 @@ impl Daemon {
             }
         }
         self.notifier.stopping();
+        let mut serving_on = 0;
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
             // restart must not pull block devices from under their users.
@@ -426,9 +427,10 @@ impl Daemon {
                 self.devices.len()
             );
             self.leave_all();
+            serving_on = serving;
         }
         if let Some(relay) = crate::worker_log::Relay::get() {
-            relay.flush(Duration::from_secs(1));
+            relay.flush(Duration::from_secs(1), serving_on);
         }
         let _ = std::fs::remove_file(&self.config.daemon.socket);
         tracing::info!("ublkd exits");

@@ -128,12 +128,14 @@ impl Relay {
         end
     }
 
-    /// Waits up to `limit` for every pipe to reach its end (their workers gone) and its
-    /// last lines to be logged: ublkd calls it before it exits, so that the workers'
-    /// last words are not lost with the relay thread.
-    pub fn flush(&self, limit: Duration) {
+    /// Waits up to `limit` for every pipe but `serving_on` to reach its end (their
+    /// workers gone) and its last lines to be logged: ublkd calls it before it exits, so
+    /// that the workers' last words are not lost with the relay thread. The pipes of
+    /// the `serving_on` workers left serving never end (they hold a copy of the read
+    /// end for the next ublkd), so they are not waited for.
+    pub fn flush(&self, limit: Duration, serving_on: usize) {
         let deadline = Instant::now() + limit;
-        while self.open.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+        while self.open.load(Ordering::Acquire) > serving_on && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
     }

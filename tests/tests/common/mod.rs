@@ -191,7 +191,12 @@ impl Ublkd {
         // slow under emulation on a loaded host).
         let limit = Duration::from_secs(if self.wrapper.is_empty() { 30 } else { 60 });
         let deadline = Instant::now() + limit;
-        while !self.ctl(&["status"]).status.success() {
+        // Connecting first (cheap) keeps this loop from exec'ing ublkctl every 20 ms
+        // while ublkd starts: under the VM's emulation that alone takes a CPU from the
+        // devices' workers, and a restart's I/O latency is measured meanwhile.
+        while std::os::unix::net::UnixStream::connect(&self.ctl.socket).is_err()
+            || !self.ctl(&["status"]).status.success()
+        {
             if let Some(status) = self.child().try_wait().unwrap() {
                 panic!("ublkd exited at start ({status}):\n{}", self.log());
             }
