@@ -124,7 +124,9 @@ impl Daemon {
     /// Hands device `id` over to a worker from the binary on disk: a new standby
     /// first (the old worker serves until it stands by; if it fails, nothing changes),
     /// then a planned recovery onto it, which stalls the device's I/O like a recovery
-    /// (held, re-issued, not failed) and spends none of its restart budget.
+    /// (held, re-issued, not failed) and spends none of its restart budget. Not the
+    /// kernel's QUIESCE_DEV: on a BATCH_IO device (Linux 7.2) it fails the I/O that
+    /// arrives during the hand-off with EIO, and 6.12 has no QUIESCE at all.
     fn upgrade(&mut self, id: u32) -> UpgradeOutcome {
         let binary = self.ctx.worker_binary.display().to_string();
         let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
