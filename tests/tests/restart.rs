@@ -201,20 +201,46 @@ fn upgrade_moves_every_device_to_the_binary_on_disk_while_fio_verifies() {
             std::thread::spawn(move || Fio::run(args))
         })
         .collect();
+    // A third device whose worker is killed while the first is being upgraded: ublkd
+    // recovers it between two devices of the upgrade, not after all of them.
+    let bystander = ublkd.add(&["-t", "null", "-s", "16M"]);
+    let victim = ublkd.worker_pid(bystander);
     std::thread::sleep(Duration::from_secs(2));
+    // Killed as soon as the first device's new worker appears: mid-upgrade of device 0.
+    let known = worker_pids();
+    let killer = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while worker_pids().iter().all(|p| known.contains(p)) {
+            assert!(std::time::Instant::now() < deadline, "no new worker within 20 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        signal(victim, libc::SIGKILL)
+    });
     let out = ublkd.ctl(&["upgrade", "-a"]);
     let text = describe(&out);
     assert!(out.status.success(), "ublkctl upgrade -a failed: {text}\n{}", ublkd.log());
+    assert!(killer.join().unwrap(), "the bystander's worker was gone before the kill");
     eprintln!("upgrade: {text}");
-    for id in [memory, looped] {
+    for id in [memory, looped, bystander] {
         assert!(text.contains(&format!("device {id}: upgraded to")), "{text}");
     }
+    let log = ublkd.log();
+    let recovered = log
+        .lines()
+        .position(|l| l.contains(&format!("device recovered (worker {victim} killed")))
+        .unwrap_or_else(|| panic!("no recovery from the kill:\n{log}"));
+    // Before the next device's upgrade, not during the upgrade of its own device.
+    let next = log
+        .lines()
+        .position(|l| l.contains("event=\"upgraded\"") && l.contains(&format!("dev_id={looped} ")))
+        .unwrap_or_else(|| panic!("no upgrade of device {looped}:\n{log}"));
+    assert!(recovered < next, "the dead worker waited for the upgrade of the rest:\n{log}");
     for fio in fios {
         let job =
             fio.join().expect("fio thread").unwrap_or_else(|e| panic!("{e}\n{}", ublkd.log()));
         eprintln!("upgrade: fio {}: longest completion {:?}", job.name, job.clat_max);
     }
-    for id in [memory, looped] {
+    for id in [memory, looped, bystander] {
         let status = ublkd.status_of(id);
         assert_eq!(status["state"], "LIVE", "{status}");
         let pid = ublkd.worker_pid(id);

@@ -2,6 +2,9 @@
 //! shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
 use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
@@ -31,7 +34,22 @@ impl Daemon {
                 self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
             }
             CtlRequest::Upgrade { id } => self.selected(id).map(|ids| {
-                CtlResponse::Upgraded(ids.into_iter().map(|id| self.upgrade(id)).collect())
+                let mut outcomes = Vec::with_capacity(ids.len());
+                for (n, id) in ids.into_iter().enumerate() {
+                    if n > 0 {
+                        self.tend_between_upgrades();
+                    }
+                    outcomes.push(if self.signals.terminate.load(Ordering::Relaxed) {
+                        UpgradeOutcome {
+                            id,
+                            upgraded: false,
+                            message: format!("device {id}: not upgraded: ublkd is stopping"),
+                        }
+                    } else {
+                        self.upgrade(id)
+                    });
+                }
+                CtlResponse::Upgraded(outcomes)
             }),
             CtlRequest::Shutdown => {
                 tracing::info!(
@@ -119,6 +137,20 @@ impl Daemon {
                 Err(format!("recover device {id}: {e}"))
             }
         }
+    }
+
+    /// Between two devices of an `upgrade -a` (each takes a standby's start, a second or
+    /// more under emulation): what the loop would do meanwhile, so that a thousand
+    /// devices' upgrade neither leaves another device's dead worker unrecovered nor
+    /// starves systemd's watchdog.
+    fn tend_between_upgrades(&mut self) {
+        let now = Instant::now();
+        crate::worker::reap_lingering();
+        self.handle_deaths(now, true);
+        self.continue_recoveries();
+        let hung_timeout = self.config.recovery.hung_timeout;
+        let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
+        self.notifier.watchdog(now, hung);
     }
 
     /// Hands device `id` over to a worker from the binary on disk: a new standby
