@@ -59,24 +59,7 @@ fn main() -> ExitCode {
             CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
         }
         Command::List { id } => CtlRequest::List { id },
-        Command::Upgrade { id, all: _ } => {
-            return match call(&cli.socket, &CtlRequest::Upgrade { id }) {
-                Ok(CtlResponse::Upgraded(outcomes)) => {
-                    for o in outcomes.iter().filter(|o| o.upgraded) {
-                        println!("{}", o.message);
-                    }
-                    let failed: Vec<&str> =
-                        outcomes.iter().filter(|o| !o.upgraded).map(|o| &o.message[..]).collect();
-                    if failed.is_empty() {
-                        ExitCode::SUCCESS
-                    } else {
-                        fail(exit::FAILURE, &failed.join("\nublkctl: "))
-                    }
-                }
-                Ok(other) => unexpected(other),
-                Err(code) => code,
-            };
-        }
+        Command::Upgrade { id, all: _ } => return cmd_upgrade(&cli.socket, id),
         Command::Shutdown => {
             return match call(&cli.socket, &CtlRequest::Shutdown) {
                 Ok(CtlResponse::Deleted { ids }) => {
@@ -173,6 +156,40 @@ fn call(socket: &Path, req: &CtlRequest) -> Result<CtlResponse, ExitCode> {
         Ok(resp) => Ok(resp),
         Err(e) => Err(fail(exit::FAILURE, &format!("reading ublkd's answer: {e}"))),
     }
+}
+
+/// `ublkctl upgrade`: device `id`, or every device one request at a time, each
+/// outcome printed as it comes (an upgrade takes a worker's start per device: with many
+/// devices, minutes, and between two requests ublkd tends the others).
+fn cmd_upgrade(socket: &Path, id: Option<u32>) -> ExitCode {
+    use std::io::Write;
+    let ids = match id {
+        Some(id) => vec![id],
+        None => match call(socket, &CtlRequest::List { id: None }) {
+            Ok(CtlResponse::List(devices)) => devices.iter().map(|d| d.id).collect(),
+            Ok(other) => return unexpected(other),
+            Err(code) => return code,
+        },
+    };
+    let mut failed = 0;
+    for id in ids {
+        match call(socket, &CtlRequest::Upgrade { id: Some(id) }) {
+            Ok(CtlResponse::Upgraded(outcomes)) => {
+                for o in outcomes {
+                    if o.upgraded {
+                        println!("{}", o.message);
+                        let _ = std::io::stdout().flush();
+                    } else {
+                        eprintln!("ublkctl: {}", o.message);
+                        failed += 1;
+                    }
+                }
+            }
+            Ok(other) => return unexpected(other),
+            Err(code) => return code,
+        }
+    }
+    if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(exit::FAILURE as u8) }
 }
 
 fn unexpected(resp: CtlResponse) -> ExitCode {
