@@ -18,7 +18,6 @@ mod adoption;
 mod user_recovery;
 mod workers;
 
-use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
@@ -247,7 +246,7 @@ impl Device {
                 Ok(region) => Ok((region, fd)),
                 Err(e) => {
                     tracing::warn!(dev_id = id, "rebuilding the shared region: {e}");
-                    ShmRegion::create_in(File::from(fd), geometry)
+                    ShmRegion::create_in(ctx.state.fresh_shm_file(id).map_err(state_err)?, geometry)
                 }
             }
         }

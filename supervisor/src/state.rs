@@ -318,6 +318,20 @@ impl StateDir {
         self.open(id, "shm")
     }
 
+    /// A new, empty shared-region file in place of the device's old one, which is
+    /// unlinked, not truncated: a worker of an older ublkd may still have the old one
+    /// mapped and write its own layout there until it is killed, and those writes
+    /// must not land in the new region.
+    pub fn fresh_shm_file(&self, id: u32) -> Result<File, StateError> {
+        let path = self.make_dir(id)?.join("shm");
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(StateError::Write { path, source }),
+        }
+        self.open(id, "shm")
+    }
+
     /// The memory target's data file, `size` bytes (sparse; created if missing, kept
     /// if it exists: that is the data of a device being adopted).
     pub fn memory_file(&self, id: u32, size: u64) -> Result<File, StateError> {
@@ -379,6 +393,20 @@ mod tests {
                 sandbox_optional: LayerSet::of(&[SandboxLayer::UserNamespace]),
             },
         }
+    }
+
+    #[test]
+    fn a_fresh_region_file_is_not_written_through_the_old_ones_handle() {
+        let root = tmp();
+        let state = StateDir::new(&root);
+        let mut old = state.shm_file(3).unwrap();
+        old.write_all(b"old layout").unwrap();
+        let fresh = state.fresh_shm_file(3).unwrap();
+        assert_eq!(fresh.metadata().unwrap().len(), 0, "the old region's bytes are in the new");
+        // An old worker writing on through its mapping of the old file.
+        old.write_all(b" and more").unwrap();
+        assert_eq!(std::fs::read(state.dir(3).join("shm")).unwrap(), b"");
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]
