@@ -58,7 +58,7 @@ impl Standby {
             nr_threads: setup.nr_threads,
         };
         let shm = ShmRegion::open(shm_fd, geometry)?;
-        let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes, !setup.zero_copy)
+        let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes)
             .map_err(StandbyError::TagBuffers)?;
         let target = target::build(&setup.target, setup.size_bytes, target_fds)?;
         Ok(Standby { setup: setup.clone(), shm, bufs, target })
