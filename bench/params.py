@@ -89,3 +89,15 @@ RECOVERY_LOOP_FILE_MB = 256
 RECOVERY_RESTART_MAX = 1000     # ublkd's [recovery] restart_max: never the limit here
 RECOVERY_KUBLK_MAX_ATTEMPTS = 200   # `kublk recover` re-runs (e.g. -EBUSY) per kill
 RECOVERY_TARGET_RATIO = 0.25    # median stall ublkd / kublk-b must be at most this
+
+# ---- the scale benchmark (bench/scale.py, `bench/run scale`) ----
+SCALE_COUNTS = [100, 300, 1000]  # devices, one fresh ublkd per count
+SCALE_SIZE = "1G"               # each device: a null device of this size, -q 1 -d 128
+SCALE_SETTLE_S = 5              # after the last add, before memory and idle CPU are read
+SCALE_IDLE_S = 10               # ublkd's (and its workers') CPU with every device idle
+SCALE_STATUS_REPS = 3           # `status --json` of all, `status -n`, `list`, `metrics`: median of
+SCALE_KILLS = 5                 # SIGKILLs of device 0's worker while the others serve fio
+SCALE_BYSTANDER_IOPS = 500      # the others' fio: 4k randread over all of them, at this rate
+SCALE_RECOVERY_TIMEOUT_S = 60   # a kill whose I/O does not resume within this fails
+SCALE_VM_MEM_MB = 6144          # 1000 devices: ~1.1 GiB of workers plus the kernel's queues
+SCALE_NOFILE = 65536            # ublkd's RLIMIT_NOFILE, as packaging/ublkd.service sets it

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""ublkd's scale benchmark: what N devices cost (issue 18), in one VM boot.
+
+Run through `bench/run scale` (see bench/README.md). Per count N of SCALE_COUNTS, a
+fresh ublkd adds N null devices one `ublkctl add` after another, then the table reports:
+add time per device, memory per idle device (PSS of ublkd and all its processes, divided
+by N), ublkd's idle CPU (and its workers'), how long `status --json` of every device,
+`status -n` of one, `list` and `metrics` take, the recovery stall of device 0 (SIGKILL of
+its worker, stall = kill -> first I/O completed after) while fio reads from the N-1
+others, and `del -a` per device.
+
+  host    build ublkd, boot the VM, collect its records, write the results
+  guest   (inside the VM) the counts of a plan
+  report  re-print the table of an earlier results dir
+
+Python 3 standard library only; parameters in bench/params.py (the SCALE_* block).
+"""
+
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import params as P  # noqa: E402
+import benchlib as L  # noqa: E402
+import recovery as R  # noqa: E402
+from benchlib import log, emit, sh  # noqa: E402
+
+REC = "@@UBLKD-SCALE-REC@@ "
+META = "@@UBLKD-SCALE-META@@ "
+DONE = "@@UBLKD-SCALE-DONE@@"
+FIO_STOP = "/run/ublkd-bench-scale.stop"
+# The issue's baseline: two processes of ~1.8 MiB PSS each per idle device (round 1).
+BEFORE_KIB = 3.6 * 1024
+
+
+# ======================================================================================
+# host
+# ======================================================================================
+
+def effective_params(args):
+    prm = {k: getattr(P, k) for k in dir(P) if k.isupper()}
+    if args.counts:
+        prm["SCALE_COUNTS"] = [int(c) for c in args.counts.split(",")]
+    if args.kills is not None:
+        prm["SCALE_KILLS"] = args.kills
+    return prm
+
+
+def host(args):
+    L.need_root()
+    prm = effective_params(args)
+    hr = L.HostRun(args, prm["CACHE_DIR"], prefix="scale-")
+    plan_path = hr.write_plan(prm)
+    # ~0.5-1 s per add and ~0.2 s per delete under TCG, plus the fixed parts.
+    est = sum(1.2 * n + 120 for n in prm["SCALE_COUNTS"])
+    timeout = int(2 * est + 300) if not args.timeout else args.timeout
+    log(f"counts {prm['SCALE_COUNTS']}, ~{est / 60:.0f} min in the VM (timeout {timeout} s); "
+        f"results: {hr.outdir}")
+    vm = hr.run_vm("scale.py", plan_path, timeout, prm["SCALE_VM_MEM_MB"], (REC, META, DONE))
+    bad = hr.finish(prm, vm, summarize, table, None, "latest-scale", "counts it got")
+    if bad:
+        print(f"bench: {len(bad)} counts failed; see results.json", flush=True)
+        sys.exit(1)
+
+
+def summarize(results):
+    return {str(r["n"]): {k: r.get(k) for k in ("pss_kib_per_dev", "add_ms_mean", "stall_ms_median")}
+            for r in results["records"] if not r.get("error")}
+
+
+def fmt(v, nd=0):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def table(results):
+    rows = [("devices", "add ms/dev", "PSS KiB/dev", "vs 3.6 MiB", "ublkd idle CPU %",
+             "workers idle CPU %", "status all ms", "status -n ms", "list ms", "metrics ms",
+             "stall ms median (max)", "del -a ms/dev")]
+    for r in results["records"]:
+        if r.get("error"):
+            rows.append((str(r["n"]), f"failed: {r['error'][:100]}"))
+            continue
+        rows.append((
+            str(r["n"]), fmt(r["add_ms_mean"]), fmt(r["pss_kib_per_dev"]),
+            fmt(r["pss_kib_per_dev"] / BEFORE_KIB, 2) + "x",
+            fmt(r["idle_cpu_pct_ublkd"], 2), fmt(r["idle_cpu_pct_workers"], 2),
+            fmt(r["status_all_ms"]), fmt(r["status_one_ms"]), fmt(r["list_ms"]),
+            fmt(r["metrics_ms"]),
+            f"{fmt(r['stall_ms_median'])} ({fmt(r['stall_ms_max'])})" if r.get("stalls_ms") else "-",
+            fmt(r["del_ms_per_dev"])))
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(widths[i]) for i, c in enumerate(row)) for row in rows]
+    meta = results.get("meta", {})
+    lines += ["", f"null devices ({results['params']['SCALE_SIZE']}, -q 1 -d 128), added one "
+              f"`ublkctl add` after another; kernel {meta.get('kernel', '?')}, "
+              f"{meta.get('cpus', '?')} vCPU ({meta.get('accel', '?')}); ublkd "
+              f"{results['versions'].get('ublkd', '?')} (release build).",
+              "PSS: ublkd and every worker and standby (smaps_rollup), divided by the devices; "
+              "3.6 MiB is round 1's ~1.8 MiB per process, two per device.",
+              f"stall: SIGKILL of device 0's worker -> first I/O completed after, with fio "
+              f"reading 4k at {results['params']['SCALE_BYSTANDER_IOPS']} IOPS spread over "
+              f"the other devices; {results['params']['SCALE_KILLS']} kills."]
+    lines += L.footer(results)
+    return "\n".join(lines)
+
+
+def report(args):
+    L.report(args, summarize, table)
+
+
+# ======================================================================================
+# guest
+# ======================================================================================
+
+class Ublkd(L.Ublkd):
+    CFG = "/run/ublkd-bench-scale.toml"
+    LOG = "/run/ublkd-bench-scale.log"
+    EXPECTED = r"killed by signal 9\b|the worker user ublkd-worker does not exist"
+
+
+def pss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def descendants(root):
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], list(kids.get(root, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def timed_ms(fn, reps):
+    vals = []
+    for _ in range(reps):
+        t = time.monotonic()
+        fn()
+        vals.append((time.monotonic() - t) * 1e3)
+    return statistics.median(vals)
+
+
+class Counter:
+    def __init__(self, dev):
+        self.dev = dev
+
+    def read(self):
+        return L.disk_ios(self.dev)
+
+
+def one_count(n, plan):
+    prm = plan["params"]
+    u = Ublkd(plan)
+    rec = {"n": n}
+    u.start()
+    bystander = None
+    try:
+        adds = []
+        for i in range(n):
+            t = time.monotonic()
+            u.ctl("add", "-t", "null", "-s", prm["SCALE_SIZE"], "-q", "1", "-d", "128")
+            adds.append((time.monotonic() - t) * 1e3)
+            if (i + 1) % 50 == 0:
+                log(f"{n} devices: {i + 1} added, {statistics.mean(adds):.0f} ms each so far")
+        rec["add_ms_mean"] = statistics.mean(adds)
+        rec["add_ms_max"] = max(adds)
+        time.sleep(prm["SCALE_SETTLE_S"])
+        procs = descendants(u.proc.pid)
+        rec["processes"] = len(procs)
+        rec["ublkd_pss_kib"] = pss_kib(u.proc.pid)
+        total = rec["ublkd_pss_kib"] + sum(pss_kib(p) for p in procs)
+        rec["pss_kib_per_dev"] = total / n
+        # Idle CPU: ublkd alone, and its workers and standbys together.
+        c0 = L.proc_cpu_s(u.proc.pid)
+        w0 = sum(L.proc_cpu_s(p) or 0 for p in procs)
+        t0 = time.monotonic()
+        time.sleep(prm["SCALE_IDLE_S"])
+        dt = time.monotonic() - t0
+        rec["idle_cpu_pct_ublkd"] = 100 * (L.proc_cpu_s(u.proc.pid) - c0) / dt
+        rec["idle_cpu_pct_workers"] = 100 * (sum(L.proc_cpu_s(p) or 0 for p in procs) - w0) / dt
+        reps = prm["SCALE_STATUS_REPS"]
+        rec["status_all_ms"] = timed_ms(lambda: u.ctl("status", "--json"), reps)
+        rec["status_one_ms"] = timed_ms(lambda: u.ctl("status", "-n", str(n // 2)), reps)
+        rec["list_ms"] = timed_ms(lambda: u.ctl("list"), reps)
+        rec["metrics_ms"] = timed_ms(lambda: u.ctl("metrics"), reps)
+        log(f"{n} devices: {rec['pss_kib_per_dev']:.0f} KiB each, status of all "
+            f"{rec['status_all_ms']:.0f} ms; starting fio and the kills")
+        rec["stalls_ms"] = kills(u, n, prm)
+        if rec["stalls_ms"]:
+            rec["stall_ms_median"] = statistics.median(rec["stalls_ms"])
+            rec["stall_ms_max"] = max(rec["stalls_ms"])
+        t = time.monotonic()
+        u.ctl("del", "-a")
+        rec["del_ms_per_dev"] = (time.monotonic() - t) * 1e3 / n
+        problems = Ublkd.log_problems()
+        if problems:
+            rec["log_problems"] = problems
+    except Exception as e:  # recorded, the next count still runs
+        rec["error"] = str(e)
+        log(f"{n} devices failed: {e}")
+    finally:
+        if bystander:
+            bystander.kill()
+        try:
+            u.ctl("shutdown")
+        except Exception:
+            pass
+        u.stop()
+    return rec
+
+
+def kills(u, n, prm):
+    """SIGKILLs device 0's worker SCALE_KILLS times while fio reads from device 0 and,
+    at a bounded rate, from every other device; the stalls in ms."""
+    if prm["SCALE_KILLS"] == 0:
+        return []
+    # One stop file per fio: fio deletes the file it triggered on.
+    stops = [f"{FIO_STOP}.dev0", f"{FIO_STOP}.others"]
+    for stop in stops:
+        if os.path.exists(stop):
+            os.unlink(stop)
+    others = ":".join(f"/dev/ublkb{i}" for i in range(1, n))
+    common = ["--ioengine=io_uring", "--direct=1", "--bs=4k", "--rw=randread", "--time_based",
+              "--runtime=600", "--output-format=json"]
+    fios = [subprocess.Popen(["fio", "--name=dev0", "--filename=/dev/ublkb0", "--iodepth=32",
+                              f"--trigger-file={stops[0]}", *common],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    if n > 1:
+        fios.append(subprocess.Popen(
+            ["fio", "--name=others", f"--filename={others}", "--iodepth=16",
+             "--file_service_type=random", f"--rate_iops={prm['SCALE_BYSTANDER_IOPS']}",
+             f"--trigger-file={stops[1]}", *common],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    stalls = []
+    try:
+        time.sleep(3)
+        ctr = Counter("ublkb0")
+        kprm = {"RECOVERY_TIMEOUT_S": prm["SCALE_RECOVERY_TIMEOUT_S"], "RECOVERY_POLL_S": 0.0002}
+        for k in range(prm["SCALE_KILLS"]):
+            pid = worker_of(u, 0)
+            log(f"{n} devices: kill {k + 1} of device 0's worker {pid}")
+            _, _, res = R.kill_and_watch(pid, ctr, kprm)
+            if res is None:
+                raise RuntimeError("device 0's I/O did not resume within "
+                                   f"{prm['SCALE_RECOVERY_TIMEOUT_S']} s of a kill")
+            stalls.append(res["stall_ms"])
+            log(f"{n} devices: I/O resumed {res['stall_ms']:.0f} ms after the kill")
+            wait_live(u, 0, pid)
+            time.sleep(1)
+    finally:
+        log(f"{n} devices: stopping fio")
+        for stop in stops:
+            open(stop, "w").close()
+        for f in fios:
+            try:
+                _, err = f.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                f.kill()
+                f.communicate()
+                raise RuntimeError("fio did not stop within 60 s of its trigger file")
+            if f.returncode != 0:
+                raise RuntimeError(f"fio exited {f.returncode}: {err.strip()[-300:]}")
+    return stalls
+
+
+def worker_of(u, dev_id):
+    import json
+    st = json.loads(u.ctl("status", "-n", str(dev_id), "--json"))
+    devs = st.get("devices", st if isinstance(st, list) else [])
+    return int(devs[0]["worker_pid"])
+
+
+def wait_live(u, dev_id, old_pid, timeout=30):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if worker_of(u, dev_id) != old_pid:
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"device {dev_id} had no new worker {timeout} s after a kill")
+
+
+def guest(args):
+    plan = L.read_plan(args.plan)
+    prm = plan["params"]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (prm["SCALE_NOFILE"], prm["SCALE_NOFILE"]))
+    emit(META, L.guest_meta())
+    t_start = time.monotonic()
+    for n in prm["SCALE_COUNTS"]:
+        log(f"{n} devices")
+        emit(REC, one_count(n, plan))
+    log(f"done in {time.monotonic() - t_start:.0f} s in the VM")
+    print(DONE, flush=True)
+
+
+def host_args(h):
+    h.add_argument("--counts", help="comma-separated device counts (default SCALE_COUNTS)")
+    h.add_argument("--kills", type=int, help="override SCALE_KILLS")
+    h.add_argument("--timeout", type=int, help="the VM run's timeout in s (default: twice the estimate)")
+    h.add_argument("--out", help="results parent dir (default bench/results)")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    L.main("bench/run scale", __doc__, host_args,
+           {"host": host, "guest": guest, "report": report},
+           guest_help="(inside the VM) run the counts of a plan",
+           report_help="re-print the table of a results dir")
