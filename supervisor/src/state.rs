@@ -414,10 +414,31 @@ mod tests {
         let root = tmp();
         let state = StateDir::new(&root);
         assert_eq!(state.worker_claim(3).unwrap(), None);
-        let claim =
-            AttachClaim { dev_id: 3, pid: 42, start_time: 7, generation: 2, held: vec![9, 10] };
+        let sandbox = ublkd_proto::msg::SandboxReport {
+            namespaces: vec!["user".into(), "net".into()],
+            missing: Vec::new(),
+            landlock_abi: Some(6),
+        };
+        let claim = AttachClaim {
+            dev_id: 3,
+            pid: 42,
+            start_time: 7,
+            generation: 2,
+            held: vec![9, 10],
+            sandbox: Some(sandbox),
+        };
         state.write_worker_claim(&claim).unwrap();
         assert_eq!(state.worker_claim(3).unwrap(), Some(claim.clone()));
+        // A claim from before the sandbox was recorded still reads, without one.
+        std::fs::write(
+            root.join("devices/3/worker.json"),
+            r#"{"dev_id":3,"pid":42,"start_time":7,"generation":2,"held":[9,10]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            state.worker_claim(3).unwrap(),
+            Some(AttachClaim { sandbox: None, ..claim.clone() })
+        );
         std::fs::create_dir_all(root.join("devices/4")).unwrap();
         std::fs::copy(root.join("devices/3/worker.json"), root.join("devices/4/worker.json"))
             .unwrap();

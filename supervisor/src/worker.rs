@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
-    self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, ToWorker,
-    WorkerSetup,
+    self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, SandboxStatus,
+    ToWorker, WorkerSetup,
 };
 
 use crate::worker_log::PipeEnd;
@@ -127,6 +127,11 @@ pub struct Worker {
     held: Vec<i32>,
     /// What the worker said its sandbox achieved (`None`: not sandboxed).
     pub sandbox: Option<SandboxReport>,
+    /// Its sandbox as `/proc` showed it once it stood by (or was taken over), with
+    /// what it reported: what `status` shows. Read once, not per `status`: a sandbox
+    /// never loosens (ids, seccomp, no_new_privs and namespaces are for life), and a
+    /// read after the worker's death could find a later process under its pid.
+    sandbox_seen: Option<SandboxStatus>,
     /// Readable once the worker has exited: how the supervisor learns of a death at
     /// once, without polling (and without the races of pids being reused).
     pidfd: OwnedFd,
@@ -227,6 +232,7 @@ impl Worker {
             stderr_write,
             held: Vec::new(),
             sandbox: None,
+            sandbox_seen: None,
             pidfd,
             rings: Vec::new(),
             stderr_end: None,
@@ -236,6 +242,20 @@ impl Worker {
             worker.stderr_end = Some(relay.watch(read, dev_id, pid));
         }
         Ok(worker)
+    }
+
+    /// Reads the worker's sandbox from `/proc` (see `sandbox_seen`): a sandboxed
+    /// worker's, once it has locked itself down.
+    fn see_sandbox(&mut self) {
+        self.sandbox_seen = self
+            .sandbox
+            .as_ref()
+            .and_then(|report| crate::inspect::sandbox_of(self.pid, Some(report)));
+    }
+
+    /// Its sandbox as `/proc` showed it when it stood by (`None`: not sandboxed).
+    pub fn sandbox_status(&self) -> Option<&SandboxStatus> {
+        self.sandbox_seen.as_ref()
     }
 
     /// Readable when the worker has exited.
@@ -288,6 +308,7 @@ impl Worker {
                     report
                 });
                 self.rings = copy_rings(self.pidfd.as_fd(), self.pid(), &rings)?;
+                self.see_sandbox();
                 Ok(())
             }
             (other, _) => self.unexpected("Standby", other),

@@ -105,7 +105,11 @@ fn sigterm_keeps_every_device_and_the_next_ublkd_serves_them_with_no_io_error() 
     let log = ublkd.log();
     assert_eq!([ublkd.worker_pid(0), ublkd.worker_pid(added)], workers, "workers changed:\n{log}");
     for id in [0, added] {
-        assert_eq!(ublkd.status_of(id)["recoveries"], 0, "device {id} was recovered:\n{log}");
+        let status = ublkd.status_of(id);
+        assert_eq!(status["recoveries"], 0, "device {id} was recovered:\n{log}");
+        // What the worker reported of its sandbox survives the take-over.
+        assert_eq!(status["sandbox"]["seccomp"], "filter", "{status}");
+        assert!(status["sandbox"]["landlock"].as_str().unwrap().starts_with("ABI "), "{status}");
     }
     assert_eq!(log.matches("event=\"taken_over\"").count(), 4, "{log}");
 

@@ -243,10 +243,7 @@ impl Daemon {
             target: dev.spec().target.name().to_string(),
             worker_pid: dev.worker().map(|w| w.pid()),
             standby_pid: dev.standby().map(|w| w.pid()),
-            sandbox: dev
-                .worker()
-                .filter(|w| w.sandbox.is_some())
-                .and_then(|w| crate::inspect::sandbox_of(w.pid(), w.sandbox.as_ref())),
+            sandbox: dev.worker().and_then(|w| w.sandbox_status().cloned()),
             last_recovery_ms: dev.last_recovery_ms(),
             last_recovery_reason: dev.last_recovery_reason().map(str::to_owned),
             size_bytes: dev.spec().size_bytes,

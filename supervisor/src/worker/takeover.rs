@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
-use ublkd_proto::msg::{self, FromWorker, ToWorker};
+use ublkd_proto::msg::{self, FromWorker, SandboxReport, ToWorker};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
 use super::rings::copy_rings;
@@ -52,7 +52,8 @@ impl Worker {
             // Its fd 2, for the next stop (checked to be a pipe below).
             stderr_write: None,
             held: claim.held.clone(),
-            sandbox: None,
+            sandbox: claim.sandbox.clone(),
+            sandbox_seen: None,
             pidfd,
             rings: Vec::new(),
             stderr_end: None,
@@ -78,6 +79,7 @@ impl Worker {
             )));
         }
         worker.rings = copy_rings(worker.pidfd.as_fd(), pid, &rings)?;
+        worker.see_sandbox();
         if let (Some(relay), Some(&stderr_at)) =
             (crate::worker_log::Relay::get(), claim.held.get(1))
         {
@@ -129,6 +131,10 @@ pub struct AttachClaim {
     pub generation: u64,
     /// [`Worker::held`]; empty while the activation has not answered.
     pub held: Vec<i32>,
+    /// What the worker reported of its sandbox when it stood by, for `status` after a
+    /// take-over (a claim written before this field has none).
+    #[serde(default)]
+    pub sandbox: Option<SandboxReport>,
 }
 
 impl AttachClaim {
@@ -141,6 +147,7 @@ impl AttachClaim {
             start_time: process_start_time(worker.pid)?,
             generation,
             held: worker.held.clone(),
+            sandbox: worker.sandbox.clone(),
         })
     }
 }
@@ -184,7 +191,14 @@ mod tests {
     fn claim_on_self(control_at: i32) -> AttachClaim {
         let pid = std::process::id();
         let start_time = process_start_time(pid).expect("our own start time");
-        AttachClaim { dev_id: 5, pid, start_time, generation: 9, held: vec![control_at] }
+        AttachClaim {
+            dev_id: 5,
+            pid,
+            start_time,
+            generation: 9,
+            held: vec![control_at],
+            sandbox: None,
+        }
     }
 
     fn attach_error(claim: &AttachClaim) -> String {
