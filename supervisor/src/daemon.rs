@@ -334,6 +334,9 @@ impl Daemon {
             }];
             self.control.pollfds(&mut fds);
             let control_fds = 1..fds.len();
+            // At the cap, a due standby waits for a starting one to answer (its socket
+            // is polled), not for a timer that would spin the loop.
+            let standbys_may_start = self.standbys_starting() < STANDBYS_STARTING_AT_ONCE;
             for dev in self.devices.values() {
                 for w in [dev.worker(), dev.standby()].into_iter().flatten() {
                     fds.push(libc::pollfd {
@@ -350,7 +353,8 @@ impl Daemon {
                         revents: 0,
                     });
                 }
-                for due in [dev.standby_due(), dev.release_due()].into_iter().flatten() {
+                let standby_due = dev.standby_due().filter(|_| standbys_may_start);
+                for due in [standby_due, dev.release_due()].into_iter().flatten() {
                     wake_by = wake_by.min(due);
                 }
             }
@@ -441,11 +445,22 @@ impl Daemon {
     /// standbys that are due. `events`: whether the poll reported a ready fd (without
     /// one no worker died and no starting standby answered).
     fn handle_deaths(&mut self, woke: Instant, events: bool) {
+        let mut starting = self.standbys_starting();
         for (&id, dev) in &mut self.devices {
+            // A mass death (every worker OOM-killed) is hundreds of recoveries, one
+            // after another: past a turn's share, the rest wait for the next turn (their
+            // pidfds keep the poll ready), so that clients, hangs and the watchdog are
+            // served between them and `ublkctl status` shows the recovery progress.
+            if woke.elapsed() > DEATHS_PER_TURN {
+                break;
+            }
             if events {
                 dev.standby_progress();
             }
-            dev.refill_standby_if_due(&self.ctx);
+            if starting < STANDBYS_STARTING_AT_ONCE && dev.starting().is_none() {
+                dev.refill_standby_if_due(&self.ctx);
+                starting += usize::from(dev.starting().is_some());
+            }
             if !events {
                 continue;
             }
@@ -460,6 +475,11 @@ impl Daemon {
             let event = recovery::after_death(dev, &self.ctx, rc, &death.reason(), &self.notifier);
             self.last_event = Some(event);
         }
+    }
+
+    /// How many standbys are starting (spawned, not yet standing by).
+    fn standbys_starting(&self) -> usize {
+        self.devices.values().filter(|d| d.starting().is_some()).count()
     }
 
     /// Goes on with every recovery that waits for the kernel's release and is due.
@@ -545,6 +565,15 @@ fn worker_identity(configured: Option<&str>) -> Result<WorkerIdentity, DaemonErr
 
 /// The dedicated user of sandboxed workers, created by the package.
 pub const DEFAULT_WORKER_USER: &str = "ublkd-worker";
+
+/// How long one loop turn spends on deaths and recoveries before it serves the rest
+/// (clients, hang checks, the watchdog); the remaining deaths wait for the next turn.
+const DEATHS_PER_TURN: Duration = Duration::from_secs(1);
+
+/// How many standbys may be starting at once. Each start (exec, sandbox, rings) takes
+/// CPU from the devices serving: after every worker died at once (an OOM kill), the
+/// recoveries, not hundreds of spares starting beside them, must have it.
+const STANDBYS_STARTING_AT_ONCE: usize = 8;
 
 fn make_dir(path: &Path, mode: u32) -> Result<(), DaemonError> {
     std::fs::DirBuilder::new()

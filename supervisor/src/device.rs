@@ -285,6 +285,12 @@ impl Device {
     }
 
     /// Starts the standby a recovery left for later, once it is due.
+    /// Leaves the next standby to the loop, which starts it when few others are
+    /// starting.
+    pub fn schedule_standby(&mut self) {
+        self.standby_schedule.due_now();
+    }
+
     pub fn refill_standby_if_due(&mut self, ctx: &Context) {
         if self.standby_schedule.take_due(Instant::now()) {
             self.refill_standby(ctx);

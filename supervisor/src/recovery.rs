@@ -68,6 +68,12 @@ impl StandbySchedule {
         self.due = Some(Instant::now() + STANDBY_DELAY);
     }
 
+    /// A standby is wanted as soon as one may start (see the daemon's cap on standbys
+    /// starting at once).
+    pub fn due_now(&mut self) {
+        self.due = Some(Instant::now());
+    }
+
     /// A standby failed to start: the next try waits.
     pub fn after_failure(&mut self) {
         self.due = Some(Instant::now() + STANDBY_RETRY);

@@ -3,6 +3,8 @@
 //! shows them all LIVE, and `del -a` deletes them all side by side (at least
 //! [`MIN_OVERLAP`] at a time on average) within [`DELETE_ALL_LIMIT`]. ublkd raised
 //! its fd limit: it holds ~10 fds per device, over the default soft limit of 1024.
+//! Before the delete, every worker is killed at once (as an OOM kill would): every
+//! device recovers onto its standby within [`MASS_RECOVERY_LIMIT`].
 //!
 //! The devices are added from [`ADDERS`] threads, so that ublkctl's own start is not
 //! added to each device's; ublkd still adds one device after another, each waiting for
@@ -26,6 +28,9 @@ const ADDERS: usize = 4;
 /// busy with other VMs it took 49 s (2.4 s per device, 16 at a time); one after
 /// another it took 94-214 ms per device, 28-64 s.
 const DELETE_ALL_LIMIT: Duration = Duration::from_secs(90);
+/// How long every device may take to recover after all their workers were killed at
+/// once.
+const MASS_RECOVERY_LIMIT: Duration = Duration::from_secs(300);
 /// How many deletes must have run at once on average (16 did, 14.5 on average).
 const MIN_OVERLAP: f64 = 4.0;
 
@@ -116,6 +121,40 @@ fn three_hundred_null_devices_are_added_listed_and_deleted_in_seconds() {
     let list = ublkd.ctl_ok(&["list"]);
     let live = list.lines().filter(|l| l.contains("state LIVE")).count();
     assert_eq!(live, DEVICES, "`list` shows every device LIVE:\n{list}");
+
+    // A mass event (an OOM kill of every worker): each device recovers, once, onto its
+    // standby; none is left failing I/O by a budget meant for one device's crash loop.
+    let workers: Vec<u64> = status.iter().map(|d| d["worker_pid"].as_u64().unwrap()).collect();
+    let kill_started = Instant::now();
+    for pid in &workers {
+        common::signal(*pid as u32, libc::SIGKILL);
+    }
+    let deadline = Instant::now() + MASS_RECOVERY_LIMIT;
+    let recovered = loop {
+        let status = ublkd.status();
+        let done = status
+            .iter()
+            .filter(|d| d["state"] == "LIVE" && d["recoveries"] == 1 && d["failing_io"] == false)
+            .count();
+        if done == DEVICES {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{done} of {DEVICES} devices recovered {MASS_RECOVERY_LIMIT:?} after every worker              was killed:\n{}",
+            ublkd.log()
+        );
+        // Not more often: `status` of every device holds ublkd's loop for a while, and
+        // the loop is recovering.
+        std::thread::sleep(Duration::from_secs(5));
+    };
+    println!(
+        "every worker killed at once: all {DEVICES} devices LIVE again after {:.1} s",
+        kill_started.elapsed().as_secs_f64()
+    );
+    for d in &recovered {
+        assert!(!workers.contains(&d["worker_pid"].as_u64().unwrap()), "an old worker: {d}");
+    }
 
     let del_started = Instant::now();
     let out = ublkd.ctl(&["del", "-a"]);

@@ -51,8 +51,13 @@ impl Device {
         // gone out of LIVE); else it is held for a recovery.
         if DevState::from_raw(info.state) != DevState::Live || !dev.take_over(ctx) {
             dev.transition(DeviceState::Recovering)?;
+            // The worker its recovery needs: now.
+            dev.refill_standby(ctx);
+        } else {
+            // A spare: after a restart with a thousand devices, a thousand of them would
+            // start at once, beside the workers serving.
+            dev.schedule_standby();
         }
-        dev.refill_standby(ctx);
         Ok(dev)
     }
 
