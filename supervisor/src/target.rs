@@ -25,6 +25,8 @@ pub enum TargetError {
     CharDev { id: u32, path: PathBuf, source: io::Error },
     #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
     ZeroCopyUnsupported,
+    #[error("device {id}: the nbd target's data path is not built yet (issue 19)")]
+    NbdNotBuilt { id: u32 },
 }
 
 /// The largest request, and so each tag's buffer in the worker.
@@ -71,8 +73,12 @@ pub fn params(spec: &DeviceSpec) -> UblkParams {
     let types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
     // A loop file has a write-back cache (the page cache, or the disk's own): FLUSH and
     // FUA must reach the target. RAM and null have nothing to flush.
+    // An nbd export is taken to have a cache until its flags say otherwise (issue 19's
+    // data path will set these from the export's NBD_FLAG_SEND_FLUSH / SEND_FUA).
     let attrs = match spec.target {
-        TargetSpec::Loop { .. } => uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA,
+        TargetSpec::Loop { .. } | TargetSpec::Nbd { .. } => {
+            uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA
+        }
         TargetSpec::Null | TargetSpec::Memory => 0,
     };
     let max_sectors = MAX_IO_BUF_BYTES >> 9;
@@ -119,6 +125,7 @@ pub fn open_target(
             Ok((Some(file.into()), false))
         }
         TargetSpec::Loop { file, direct, .. } => open_backing(id, file, *direct),
+        TargetSpec::Nbd { .. } => Err(TargetError::NbdNotBuilt { id }),
     }
 }
 
