@@ -48,7 +48,7 @@ impl Device {
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
                 TargetSpec::Loop { .. } => TargetSetup::Loop,
-                // Not reached: the supervisor refuses nbd devices until the worker
+                // Not reached: `check_servable` refuses nbd devices until the worker
                 // has a data path (issue 19); failing I/O is the safe answer if one were.
                 TargetSpec::Nbd { .. } => TargetSetup::FailIo,
             },
