@@ -4,18 +4,20 @@
 //! (`tests/vm/install-host-deps.sh` installs them; the README's test command runs it).
 //!
 //! Each server is a child process owned by a [`Server`] guard that kills it on drop,
-//! and each test waits for its server's socket to accept before connecting.
+//! and each test waits for its server to be ready before connecting: nbdkit's pid file
+//! (written once it listens), qemu-nbd's socket accepting a connection.
 
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use ublkd_config::NbdUri;
+use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_supervisor::nbd::{self, ExportInfo, NbdError};
+use ublkd_supervisor::target::check_servable;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -94,6 +96,18 @@ impl Server {
         server.wait_until(|| UnixStream::connect(socket).is_ok());
         server
     }
+
+    /// nbdkit with `args`, once it accepts connections: nbdkit writes its pid file
+    /// only then, which spares it a probing connection (that it would log as an error).
+    fn nbdkit(dir: &TempDir, args: &[&str]) -> Server {
+        let pid_file = dir.join("nbdkit.pid");
+        let pid_text = pid_file.to_str().unwrap();
+        let mut full = vec!["-f", "--exit-with-parent", "-P", pid_text];
+        full.extend_from_slice(args);
+        let mut server = Server::start("nbdkit", &full);
+        server.wait_until(|| std::fs::read(&pid_file).is_ok_and(|pid| pid.ends_with(b"\n")));
+        server
+    }
 }
 
 /// nbdkit with `extra` (options, the plugin and its arguments) on a unix socket in
@@ -101,9 +115,9 @@ impl Server {
 fn nbdkit_unix(dir: &TempDir, extra: &[&str], export: &str) -> (Server, NbdUri) {
     let socket = dir.join("nbdkit.sock");
     let socket_text = socket.to_str().unwrap();
-    let mut args = vec!["-f", "--exit-with-parent", "-U", socket_text];
+    let mut args = vec!["-U", socket_text];
     args.extend_from_slice(extra);
-    let server = Server::on_unix("nbdkit", &socket, &args);
+    let server = Server::nbdkit(dir, &args);
     let uri = NbdUri::parse(&format!("nbd+unix:///{export}?socket={socket_text}")).unwrap();
     (server, uri)
 }
@@ -141,13 +155,10 @@ fn nbdkit_memory_over_a_unix_socket_gives_its_size_and_flags() {
 
 #[test]
 fn nbdkit_memory_over_tcp_on_localhost() {
+    let dir = TempDir::new("tcp");
     let port = free_port();
     let port_text = port.to_string();
-    let mut server = Server::start(
-        "nbdkit",
-        &["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p", &port_text, "memory", "64M"],
-    );
-    server.wait_until(|| TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let _server = Server::nbdkit(&dir, &["-i", "127.0.0.1", "-p", &port_text, "memory", "64M"]);
     let info = connected(&NbdUri::parse(&format!("nbd://127.0.0.1:{port}/")).unwrap());
     assert_eq!(info.size, 64 << 20);
     assert!(!info.read_only() && info.structured_replies);
@@ -305,4 +316,44 @@ fn an_oldstyle_server_is_refused_as_such() {
     let error = refused(&fake_server(&dir, greeting), TIMEOUT);
     assert!(matches!(error, NbdError::Oldstyle), "{error}");
     assert!(error.to_string().starts_with("oldstyle servers are not supported"), "{error}");
+}
+
+/// An nbd device's spec for `uri`, as the config file or `ublkctl add` makes it.
+fn nbd_spec(uri: NbdUri) -> DeviceSpec {
+    DeviceSpec {
+        id: None,
+        target: TargetSpec::Nbd { uri },
+        size_bytes: 0,
+        settings: DeviceSettings::default(),
+    }
+}
+
+/// What ublkd answers `ublkctl add -t nbd` (and logs for a configured nbd device)
+/// before it would make a kernel device: the export's details when the URI works, the
+/// handshake's error when it does not.
+#[test]
+fn ublkd_checks_an_nbd_export_then_says_the_data_path_is_not_built() {
+    let dir = TempDir::new("servable");
+    let (_server, uri) = nbdkit_unix(&dir, &["-r", "memory", "2G"], "");
+    let message = check_servable(&nbd_spec(uri.clone())).unwrap_err().to_string();
+    eprintln!("{message}");
+    assert!(
+        message.starts_with(&format!(
+            "the nbd target's data path is not built yet (issue 19): {uri} works, it is \
+             2G (2147483648 bytes), "
+        )),
+        "{message}"
+    );
+    assert!(message.contains("read-only") && message.ends_with("; no device was created"));
+
+    let port = free_port();
+    let nowhere = NbdUri::parse(&format!("nbd://127.0.0.1:{port}/disk")).unwrap();
+    let message = check_servable(&nbd_spec(nowhere)).unwrap_err().to_string();
+    assert!(
+        message.starts_with(&format!(
+            "cannot use the nbd export nbd://127.0.0.1:{port}/disk: the connection to \
+             127.0.0.1:{port} was refused"
+        )),
+        "{message}"
+    );
 }
