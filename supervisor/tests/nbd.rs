@@ -357,3 +357,37 @@ fn ublkd_checks_an_nbd_export_then_says_the_data_path_is_not_built() {
         "{message}"
     );
 }
+
+/// A server whose accept backlog is full (it never accepts): connect would wait for
+/// ever without its own timeout.
+#[test]
+fn a_server_that_never_accepts_times_out_connecting() {
+    use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let dir = TempDir::new("backlog");
+    let path = dir.join("full.sock");
+    let addr = UnixAddr::new(&path).unwrap();
+    let unix_socket = |flags| {
+        socket::socket(AddressFamily::Unix, SockType::Stream, flags | SockFlag::SOCK_CLOEXEC, None)
+            .unwrap()
+    };
+    // A backlog of one, filled by non-blocking connects until the kernel says EAGAIN.
+    let listener = unix_socket(SockFlag::empty());
+    socket::bind(listener.as_raw_fd(), &addr).unwrap();
+    socket::listen(&listener, Backlog::new(1).unwrap()).unwrap();
+    let mut pending = Vec::new();
+    loop {
+        let fd = unix_socket(SockFlag::SOCK_NONBLOCK);
+        match socket::connect(fd.as_raw_fd(), &addr) {
+            Ok(()) => pending.push(fd),
+            Err(nix::errno::Errno::EAGAIN) => break,
+            Err(e) => panic!("filling the backlog: {e}"),
+        }
+        assert!(pending.len() < 64, "a backlog of one never filled");
+    }
+    let uri = NbdUri::parse(&format!("nbd+unix:///?socket={}", path.display())).unwrap();
+    let started = Instant::now();
+    let error = refused(&uri, Duration::from_millis(300));
+    assert!(matches!(error, NbdError::Timeout { step: "connecting", .. }), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+}

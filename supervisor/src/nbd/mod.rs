@@ -18,9 +18,9 @@ pub mod wire;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ublkd_config::{MAX_BLOCK_SIZE, MAX_SIZE_BYTES, NbdTransport, NbdUri, format_size};
@@ -368,12 +368,14 @@ impl From<Stream> for OwnedFd {
 fn open(transport: &NbdTransport, deadline: Instant) -> Result<Stream, NbdError> {
     match transport {
         NbdTransport::Unix { socket } => {
-            // A unix connect does not wait for the server (a full backlog fails at once
-            // with EAGAIN), so it needs no timeout of its own.
-            let stream = UnixStream::connect(socket).map_err(|source| match source.kind() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let stream = connect_unix(socket, left).map_err(|source| match source.kind() {
                 io::ErrorKind::NotFound => NbdError::NoSocket { path: socket.clone() },
                 io::ErrorKind::ConnectionRefused => {
                     NbdError::ConnectionRefused { addr: socket.display().to_string() }
+                }
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    NbdError::Timeout { step: "connecting", secs: left.as_secs_f64() }
                 }
                 _ => NbdError::Connect { addr: socket.display().to_string(), source },
             })?;
@@ -414,6 +416,21 @@ fn open(transport: &NbdTransport, deadline: Instant) -> Result<Stream, NbdError>
             })
         }
     }
+}
+
+/// Connects to the unix socket at `path`, waiting at most `timeout`: a blocking
+/// connect waits while the server's accept backlog is full, for as long as the
+/// socket's send timeout allows (`unix_stream_connect` in `net/unix/af_unix.c`), and
+/// then fails with EAGAIN; std's `UnixStream::connect` sets none.
+fn connect_unix(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr, sockopt};
+    use nix::sys::time::{TimeVal, TimeValLike};
+    let fd = socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    // A zero timeout means "wait for ever" to the kernel: at least a microsecond.
+    let micros = i64::try_from(timeout.as_micros()).unwrap_or(i64::MAX).max(1);
+    socket::setsockopt(&fd, sockopt::SendTimeout, &TimeVal::microseconds(micros))?;
+    socket::connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    Ok(UnixStream::from(fd))
 }
 
 /// A stream whose every read and write gives up at `deadline`: each call sets the
