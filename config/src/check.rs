@@ -21,7 +21,7 @@ use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRec
 use crate::{
     Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
     DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_METRICS_INTERVAL_SECS,
-    MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS,
+    MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS, NbdUri,
     RecoveryConfig, TargetSpec, parse_size,
 };
 
@@ -93,21 +93,19 @@ impl Checker<'_> {
         let mut path = locate::path_at(self.doc, offset);
         let message = error.message().trim_end();
         let location = Some(locate::location(self.text, offset));
-        let problem = match message
-            .strip_prefix("missing field `")
-            .and_then(|rest| rest.strip_suffix('`'))
-        {
-            Some(missing) => {
-                path = path.key(missing);
-                match missing {
-                    "target" => "missing; every device needs a target: \"null\", \"memory\" or \
-                                 \"loop\""
-                        .to_owned(),
-                    _ => "missing; this key is required".to_owned(),
+        let problem =
+            match message.strip_prefix("missing field `").and_then(|rest| rest.strip_suffix('`')) {
+                Some(missing) => {
+                    path = path.key(missing);
+                    match missing {
+                        "target" => "missing; every device needs a target: \"null\", \"memory\", \
+                                 \"loop\" or \"nbd\""
+                            .to_owned(),
+                        _ => "missing; this key is required".to_owned(),
+                    }
                 }
-            }
-            None => message.to_owned(),
-        };
+                None => message.to_owned(),
+            };
         ConfigError::Invalid {
             origin: self.origin.to_owned(),
             key: path.to_string(),
@@ -280,7 +278,44 @@ impl Checker<'_> {
             ),
         };
 
+        if raw.uri.is_some() && !matches!(raw.target, RawTarget::Nbd) {
+            return Err(self.invalid(
+                &table.key("uri"),
+                "only an nbd target has a uri; remove uri or set target = \"nbd\"",
+            ));
+        }
         let (target, size_bytes) = match raw.target {
+            RawTarget::Nbd => {
+                for (key, present) in [
+                    ("file", raw.file.is_some()),
+                    ("direct", raw.direct.is_some()),
+                    ("zero_copy", raw.zero_copy.is_some()),
+                    ("size", raw.size.is_some()),
+                ] {
+                    if present {
+                        let why = if key == "size" {
+                            "an nbd device's size is its export's, which the server gives \
+                             at connection"
+                        } else {
+                            "only a loop target has a backing file"
+                        };
+                        return Err(self.invalid(
+                            &table.key(key),
+                            format!("{why}; remove {key} from this nbd device"),
+                        ));
+                    }
+                }
+                let Some(text) = &raw.uri else {
+                    return Err(self.invalid(
+                        &table.key("uri"),
+                        "missing; an nbd device needs uri = the export's NBD URI, such as \
+                         \"nbd://host/export\" or \"nbd+unix:///export?socket=/run/nbd.sock\"",
+                    ));
+                };
+                let uri = NbdUri::parse(text)
+                    .map_err(|e| self.invalid(&table.key("uri"), e.to_string()))?;
+                (TargetSpec::Nbd { uri }, 0)
+            }
             RawTarget::Null | RawTarget::Memory => {
                 let target = if matches!(raw.target, RawTarget::Null) {
                     TargetSpec::Null
@@ -346,6 +381,7 @@ impl Checker<'_> {
     fn check_unique(&self, devices: &[DeviceSpec]) -> Result<(), ConfigError> {
         let mut ids = HashMap::new();
         let mut files = HashMap::new();
+        let mut exports = HashMap::new();
         for (index, device) in devices.iter().enumerate() {
             let table = KeyPath::root().key("device").index(index);
             if let Some(id) = device.id
@@ -356,6 +392,19 @@ impl Checker<'_> {
                     format!(
                         "{id} is already used by device[{first}]; give each device its \
                          own id or use \"auto\""
+                    ),
+                ));
+            }
+            // The same export written two ways (a host name and its address) is not
+            // caught; the server is the one to refuse a second writer.
+            if let TargetSpec::Nbd { uri } = &device.target
+                && let Some(first) = exports.insert((&uri.transport, &uri.export), index)
+            {
+                return Err(self.invalid(
+                    &table.key("uri"),
+                    format!(
+                        "{uri} is already the export of device[{first}]; two devices \
+                         writing one export corrupt it"
                     ),
                 ));
             }

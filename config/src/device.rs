@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
+use crate::nbd_uri::NbdUri;
 use crate::size::format_size;
 
 /// Largest device id ublkd accepts: the kernel's `UBLK_MAX_UBLKS - 1`, where
@@ -59,15 +60,24 @@ pub enum TargetSpec {
         /// (see [`MAX_ZERO_COPY_SLOTS`]); the supervisor decides at creation.
         zero_copy: Option<bool>,
     },
+    /// An export of an NBD server. Its size, block sizes and what it supports come from
+    /// the server when ublkd connects, so a spec holds only where it is. Part 1 of
+    /// issue 19: ublkd connects and negotiates, but serves no I/O from it yet.
+    Nbd {
+        /// Where the export is.
+        uri: NbdUri,
+    },
 }
 
 impl TargetSpec {
-    /// The target's name as the config file spells it: `null`, `memory` or `loop`.
+    /// The target's name as the config file spells it: `null`, `memory`, `loop` or
+    /// `nbd`.
     pub fn name(&self) -> &'static str {
         match self {
             Self::Null => "null",
             Self::Memory => "memory",
             Self::Loop { .. } => "loop",
+            Self::Nbd { .. } => "nbd",
         }
     }
 }
@@ -125,7 +135,8 @@ pub struct DeviceSpec {
     /// What serves the I/O.
     pub target: TargetSpec,
     /// Capacity in bytes: a multiple of `settings.block_size`, at most
-    /// [`MAX_SIZE_BYTES`].
+    /// [`MAX_SIZE_BYTES`]. For an nbd target, 0: the export's size is learnt from the
+    /// server when ublkd connects, never written down ahead of it.
     pub size_bytes: u64,
     /// Queues, threads, block size and sandbox.
     pub settings: DeviceSettings,
@@ -183,7 +194,17 @@ impl DeviceSpec {
                 ),
             ));
         }
-        check_size(self.size_bytes, self.settings.block_size)?;
+        match (&self.target, self.size_bytes) {
+            (TargetSpec::Nbd { .. }, 0) => {}
+            (TargetSpec::Nbd { .. }, _) => {
+                return Err(FieldError::new(
+                    "size",
+                    "an nbd device's size is its export's, which the server gives at \
+                     connection; remove size",
+                ));
+            }
+            _ => check_size(self.size_bytes, self.settings.block_size)?,
+        }
         if matches!(self.target, TargetSpec::Loop { zero_copy: Some(true), .. })
             && !self.fits_zero_copy()
         {

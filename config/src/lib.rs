@@ -30,6 +30,7 @@ mod daemon;
 mod device;
 mod error;
 mod locate;
+mod nbd_uri;
 mod raw;
 mod recovery;
 mod size;
@@ -47,6 +48,10 @@ pub use device::{
     backing_file_size,
 };
 pub use error::{ConfigError, Location};
+pub use nbd_uri::{
+    MAX_EXPORT_NAME_BYTES, MAX_UNIX_SOCKET_PATH_BYTES, NBD_DEFAULT_PORT, NbdTransport, NbdUri,
+    NbdUriError,
+};
 pub use recovery::{MAX_HUNG_TIMEOUT_SECS, OnRestartLimit, RecoveryConfig};
 pub use size::{SizeError, format_size, parse_size};
 
@@ -226,7 +231,7 @@ mod tests {
             ),
             (
                 "[[device]]\ntarget = \"nul\"\n".into(),
-                "device[0].target: \"nul\" is not a target; expected \"null\", \"memory\" or \"loop\"",
+                "device[0].target: \"nul\" is not a target; expected \"null\", \"memory\", \"loop\" or \"nbd\"",
             ),
             (
                 "[recovery]\non_restart_limit = 3\n".into(),
@@ -234,7 +239,7 @@ mod tests {
             ),
             (
                 "[[device]]\ntarget = [\"null\"]\n".into(),
-                "device[0].target: invalid type: sequence, expected a target: \"null\", \"memory\" or \"loop\"",
+                "device[0].target: invalid type: sequence, expected a target: \"null\", \"memory\", \"loop\" or \"nbd\"",
             ),
             (
                 "[recovery]\nfast_release = \"yes\"\n".into(),
@@ -317,6 +322,39 @@ mod tests {
             (
                 "[defaults]\nqueues = 0\n".into(),
                 "defaults.queues: 0 is out of range; expected 1..=64",
+            ),
+            // nbd devices.
+            (
+                "[[device]]\ntarget = \"nbd\"\n".into(),
+                "device[0].uri: missing; an nbd device needs uri = the export's NBD URI",
+            ),
+            (
+                "[[device]]\ntarget = \"nbd\"\nuri = \"nbd://h/x\"\nsize = \"1G\"\n".into(),
+                "device[0].size: an nbd device's size is its export's, which the server gives at \
+                 connection; remove size from this nbd device (line 4, column 1)",
+            ),
+            (
+                "[[device]]\ntarget = \"nbd\"\nuri = \"nbd://h/x\"\nfile = \"/x\"\n".into(),
+                "device[0].file: only a loop target has a backing file; remove file from this nbd",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}uri = \"nbd://h/x\"\n"),
+                "device[0].uri: only an nbd target has a uri; remove uri or set target = \"nbd\"",
+            ),
+            (
+                "[[device]]\ntarget = \"nbd\"\nuri = \"nbds://h/x\"\n".into(),
+                "device[0].uri: \"nbds://h/x\" asks for TLS, which is not supported yet",
+            ),
+            (
+                "[[device]]\ntarget = \"nbd\"\nuri = \"nbd+unix:///x\"\n".into(),
+                "device[0].uri: \"nbd+unix:///x\": an nbd+unix URI needs ?socket=PATH, the \
+                 server's socket (line 3, column 1)",
+            ),
+            (
+                "[[device]]\ntarget = \"nbd\"\nuri = \"nbd://h/x\"\n\
+                 [[device]]\ntarget = \"nbd\"\nuri = \"nbd://h:10809/x\"\n"
+                    .into(),
+                "device[1].uri: nbd://h:10809/x is already the export of device[0]",
             ),
             // Device limits.
             (
@@ -751,6 +789,22 @@ mod tests {
     /// header of its own and its `[[device]]` tables commented out: made from the
     /// example here, it must match to the byte, so the prose is written once.
     #[test]
+    fn an_nbd_device_keeps_its_uri_and_leaves_the_size_to_the_export() {
+        let text = "[[device]]\nid = 4\ntarget = \"nbd\"\n\
+                    uri = \"nbd+unix:///disk?socket=/run/nbd.sock\"\nqueues = 2\n";
+        let config = Config::parse(text, ORIGIN).unwrap();
+        let device = &config.devices[0];
+        let TargetSpec::Nbd { uri } = &device.target else {
+            panic!("not an nbd target: {device:?}");
+        };
+        assert_eq!(uri.export, "disk");
+        assert_eq!(uri.transport, NbdTransport::Unix { socket: "/run/nbd.sock".into() });
+        assert_eq!(device.size_bytes, 0);
+        assert_eq!(device.settings.queues, 2);
+        assert_eq!(device.id, Some(4));
+    }
+
+    #[test]
     fn the_packaged_config_is_the_example_without_devices() {
         let example = std::fs::read_to_string(example_path()).unwrap();
         let packaged_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/ublkd.toml");
@@ -812,22 +866,20 @@ mod tests {
         assert_eq!(config.devices[1].size_bytes, 256 << 20);
     }
 
-    #[test]
-    fn example_config_commented_loop_device_is_valid_too() {
+    /// The example with the commented-out block that starts at the line starting with
+    /// `intro` uncommented, each line passed through `edit`.
+    fn uncomment_example_block(intro: &str, edit: impl Fn(&str) -> String) -> String {
         let text = std::fs::read_to_string(example_path()).expect("read the example");
-        let backing = TempFile::with_len("example.img", 1 << 30);
-        // Uncomment the loop block (the comment lines after its intro) and point it at a
-        // real file.
         let mut out = String::new();
         let mut in_block = false;
         let mut uncommented = 0;
         for line in text.lines() {
-            if line.starts_with("# A loop device takes") {
+            if line.starts_with(intro) {
                 in_block = true;
             } else if in_block && line.trim().is_empty() {
                 in_block = false;
             } else if in_block && let Some(rest) = line.strip_prefix("#   ") {
-                out.push_str(&rest.replace("/var/lib/ublkd/disk.img", &backing.toml()));
+                out.push_str(&edit(rest));
                 out.push('\n');
                 uncommented += 1;
                 continue;
@@ -835,7 +887,17 @@ mod tests {
             out.push_str(line);
             out.push('\n');
         }
-        assert!(uncommented >= 4, "the example's loop block was not found");
+        assert!(uncommented >= 3, "the example's block after {intro:?} was not found");
+        out
+    }
+
+    #[test]
+    fn example_config_commented_loop_device_is_valid_too() {
+        let backing = TempFile::with_len("example.img", 1 << 30);
+        // Uncomment the loop block and point it at a real file.
+        let out = uncomment_example_block("# A loop device takes", |line| {
+            line.replace("/var/lib/ublkd/disk.img", &backing.toml())
+        });
         let config = Config::parse(&out, "ublkd.example.toml").expect("the loop example is valid");
         let device = config.devices.last().expect("the loop device");
         assert_eq!(
@@ -843,6 +905,15 @@ mod tests {
             TargetSpec::Loop { file: backing.path.clone(), direct: true, zero_copy: Some(true) }
         );
         assert_eq!(device.size_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn example_config_commented_nbd_device_is_valid_too() {
+        let out = uncomment_example_block("# An nbd device", str::to_owned);
+        let config = Config::parse(&out, "ublkd.example.toml").expect("the nbd example is valid");
+        let device = config.devices.last().expect("the nbd device");
+        assert_eq!(device.target.name(), "nbd");
+        assert_eq!(device.size_bytes, 0);
     }
 
     #[test]

@@ -82,6 +82,7 @@ pub(crate) struct RawDevice {
     pub file: Option<PathBuf>,
     pub direct: Option<bool>,
     pub zero_copy: Option<bool>,
+    pub uri: Option<String>,
     pub queues: Option<Int>,
     pub queue_depth: Option<Int>,
     pub block_size: Option<Int>,
@@ -95,6 +96,7 @@ pub(crate) enum RawTarget {
     Null,
     Memory,
     Loop,
+    Nbd,
 }
 
 /// A TOML integer, any width TOML can carry.
@@ -251,7 +253,12 @@ impl<'de> Deserialize<'de> for RawTarget {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserializer.deserialize_any(ChoiceVisitor {
             what: "target",
-            choices: &[("null", Self::Null), ("memory", Self::Memory), ("loop", Self::Loop)],
+            choices: &[
+                ("null", Self::Null),
+                ("memory", Self::Memory),
+                ("loop", Self::Loop),
+                ("nbd", Self::Nbd),
+            ],
         })
     }
 }

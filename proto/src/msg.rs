@@ -392,6 +392,8 @@ pub enum TargetKind {
     Null,
     Memory,
     Loop,
+    /// An NBD server's export (issue 19: checked, not served yet).
+    Nbd,
 }
 
 impl TargetKind {
@@ -400,6 +402,7 @@ impl TargetKind {
             TargetKind::Null => "null",
             TargetKind::Memory => "memory",
             TargetKind::Loop => "loop",
+            TargetKind::Nbd => "nbd",
         }
     }
 }
@@ -412,6 +415,8 @@ pub struct AddRequest {
     pub target: TargetKind,
     /// Absolute path (ublkctl resolves it), loop only.
     pub file: Option<PathBuf>,
+    /// The export's NBD URI as typed (ublkd parses it), nbd only.
+    pub uri: Option<String>,
     pub size: Option<u64>,
     pub queues: Option<u16>,
     pub queue_depth: Option<u16>,

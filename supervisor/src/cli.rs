@@ -79,6 +79,9 @@ pub enum Target {
     Memory,
     /// A backing file or block device.
     Loop,
+    /// An NBD server's export (--uri). Not served yet: ublkd checks the export and
+    /// reports its size and flags, then refuses (issue 19).
+    Nbd,
 }
 
 /// `ublkctl`'s subcommands.
@@ -92,7 +95,13 @@ pub enum UblkctlCommand {
         /// Backing file or block device (loop).
         #[arg(short, long)]
         file: Option<PathBuf>,
-        /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's size.
+        /// The export's NBD URI (nbd): nbd://HOST:PORT/EXPORT (port 10809 and the
+        /// default export when left out) or nbd+unix:///EXPORT?socket=PATH. TLS
+        /// (nbds://) is not supported yet.
+        #[arg(long, value_name = "URI")]
+        uri: Option<String>,
+        /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's
+        /// size; an nbd device's is its export's.
         #[arg(short, long, value_parser = parse_size)]
         size: Option<u64>,
         /// Hardware queues.

@@ -157,6 +157,7 @@ pub struct Device {
 impl Device {
     /// Creates, hands over and starts a device described by `spec` (already validated).
     pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
+        crate::target::check_servable(spec)?;
         let spec = &decide_zero_copy(spec, ctx.kernel_features)?;
         let info = UblksrvCtrlDevInfo {
             nr_hw_queues: spec.settings.queues,

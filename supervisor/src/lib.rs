@@ -31,6 +31,7 @@ pub mod hang;
 pub mod inspect;
 pub mod logging;
 pub mod metrics;
+pub mod nbd;
 pub mod recovery;
 pub mod render;
 pub mod rlimit;

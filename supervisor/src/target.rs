@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
 
+use crate::nbd::{self, ExportInfo, NbdError};
 use crate::state::{StateDir, StateError};
 
 /// Errors in setting up a device's target. Each names the device.
@@ -25,6 +26,31 @@ pub enum TargetError {
     CharDev { id: u32, path: PathBuf, source: io::Error },
     #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
     ZeroCopyUnsupported,
+    #[error("cannot use the nbd export {uri}: {source}")]
+    Nbd { uri: String, source: Box<NbdError> },
+    #[error(
+        "the nbd target's data path is not built yet (issue 19): {uri} works, it is {info}; \
+         no device was created"
+    )]
+    NbdNotServed { uri: String, info: Box<ExportInfo> },
+}
+
+/// How long ublkd gives an NBD server to accept the connection and finish the handshake.
+/// ublkd's loop waits meanwhile (creating a device is not concurrent with the rest).
+pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether ublkd can serve `spec` at all, checked before any kernel device is made.
+/// For an nbd target (issue 19, part 1) it connects and negotiates, so the operator
+/// learns whether the URI works, then refuses: there is no data path yet.
+pub fn check_servable(spec: &DeviceSpec) -> Result<(), TargetError> {
+    let TargetSpec::Nbd { uri } = &spec.target else { return Ok(()) };
+    match nbd::connect(uri, NBD_HANDSHAKE_TIMEOUT) {
+        Ok((socket, info)) => {
+            nbd::disconnect(socket);
+            Err(TargetError::NbdNotServed { uri: uri.to_string(), info: Box::new(info) })
+        }
+        Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
+    }
 }
 
 /// The largest request, and so each tag's buffer in the worker.
@@ -71,8 +97,12 @@ pub fn params(spec: &DeviceSpec) -> UblkParams {
     let types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
     // A loop file has a write-back cache (the page cache, or the disk's own): FLUSH and
     // FUA must reach the target. RAM and null have nothing to flush.
+    // An nbd export is taken to have a cache until its flags say otherwise (issue 19's
+    // data path will set these from the export's NBD_FLAG_SEND_FLUSH / SEND_FUA).
     let attrs = match spec.target {
-        TargetSpec::Loop { .. } => uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA,
+        TargetSpec::Loop { .. } | TargetSpec::Nbd { .. } => {
+            uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA
+        }
         TargetSpec::Null | TargetSpec::Memory => 0,
     };
     let max_sectors = MAX_IO_BUF_BYTES >> 9;
@@ -119,6 +149,11 @@ pub fn open_target(
             Ok((Some(file.into()), false))
         }
         TargetSpec::Loop { file, direct, .. } => open_backing(id, file, *direct),
+        // `check_servable` refuses nbd devices before one is made.
+        TargetSpec::Nbd { uri } => Err(TargetError::Nbd {
+            uri: uri.to_string(),
+            source: Box::new(NbdError::DataPathMissing),
+        }),
     }
 }
 

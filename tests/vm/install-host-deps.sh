@@ -11,7 +11,10 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # python3-prometheus-client: tests/tests/metrics.rs parses ublkctl's metrics with it.
-need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client)
+# nbdkit, qemu-utils: supervisor/tests/nbd.rs negotiates with real NBD servers (nbdkit,
+# qemu-nbd serving a qcow2 image made by qemu-img) on the host, no VM needed.
+need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client
+  nbdkit qemu-utils)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         Command::Add {
             target,
             file,
+            uri,
             size,
             queues,
             depth,
@@ -43,8 +44,10 @@ fn main() -> ExitCode {
                     Target::Null => TargetKind::Null,
                     Target::Memory => TargetKind::Memory,
                     Target::Loop => TargetKind::Loop,
+                    Target::Nbd => TargetKind::Nbd,
                 },
                 file,
+                uri,
                 size,
                 queues,
                 queue_depth: depth,

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
+use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
     UpgradeOutcome,
@@ -303,9 +303,20 @@ pub fn spec_from_request(
             let file = add.file.clone().ok_or("a loop device needs a backing file (-f FILE)")?;
             TargetSpec::Loop { file, direct: true, zero_copy: add.zero_copy }
         }
+        TargetKind::Nbd => {
+            let text = add.uri.as_deref().ok_or(
+                "an nbd device needs its export's URI (--uri nbd://HOST/EXPORT or \
+                 --uri nbd+unix:///EXPORT?socket=PATH)",
+            )?;
+            let uri = NbdUri::parse(text).map_err(|e| format!("--uri: {e}"))?;
+            TargetSpec::Nbd { uri }
+        }
     };
     if add.file.is_some() && add.target != TargetKind::Loop {
         return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
+    }
+    if add.uri.is_some() && add.target != TargetKind::Nbd {
+        return Err(format!("--uri is only for nbd devices, not {}", add.target.name()));
     }
     if let Some(on) = add.zero_copy
         && add.target != TargetKind::Loop
@@ -322,6 +333,8 @@ pub fn spec_from_request(
         (None, TargetSpec::Loop { file, .. }) => {
             DeviceSpec::loop_size_from_file(file, block_size).map_err(|e| flag_error(&e))?
         }
+        // The export's, learnt at connection (see `DeviceSpec::size_bytes`).
+        (None, TargetSpec::Nbd { .. }) => 0,
         (None, _) => {
             return Err(format!(
                 "a {} device needs a size (-s SIZE, e.g. -s 1G)",
@@ -359,6 +372,7 @@ fn flag_error(e: &ublkd_config::FieldError) -> String {
         "id" => "-n/--id",
         "file" => "-f/--file",
         "zero_copy" => "--zero-copy",
+        "uri" => "--uri",
         other => other,
     };
     format!("{flag}: {}", e.problem)
@@ -390,6 +404,7 @@ mod tests {
             id: None,
             target,
             file: None,
+            uri: None,
             size: None,
             queues: None,
             queue_depth: None,
@@ -474,6 +489,39 @@ mod tests {
         a.queue_depth = Some(0);
         let err = spec_from_request(&a, &defaults()).unwrap_err();
         assert!(err.starts_with("-d/--depth: "), "{err}");
+    }
+
+    #[test]
+    fn an_nbd_device_takes_its_uri_and_no_size() {
+        let mut a = add(TargetKind::Nbd);
+        a.uri = Some("nbd+unix:///disk?socket=/run/nbd.sock".into());
+        let spec = spec_from_request(&a, &defaults()).unwrap();
+        assert!(matches!(&spec.target, TargetSpec::Nbd { uri } if uri.export == "disk"));
+        assert_eq!(spec.size_bytes, 0);
+
+        a.size = Some(1 << 30);
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert!(err.starts_with("-s/--size: an nbd device's size is its export's"), "{err}");
+    }
+
+    #[test]
+    fn nbd_uri_mistakes_name_the_flag() {
+        let err = spec_from_request(&add(TargetKind::Nbd), &defaults()).unwrap_err();
+        assert!(err.starts_with("an nbd device needs its export's URI (--uri"), "{err}");
+
+        let mut a = add(TargetKind::Nbd);
+        a.uri = Some("nbds://host/disk".into());
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert_eq!(
+            err,
+            "--uri: \"nbds://host/disk\" asks for TLS, which is not supported yet; use nbd:// \
+             or nbd+unix:// over a trusted network or a local socket"
+        );
+
+        let mut a = sized(TargetKind::Memory, 1 << 20);
+        a.uri = Some("nbd://host/".into());
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert_eq!(err, "--uri is only for nbd devices, not memory");
     }
 
     #[test]

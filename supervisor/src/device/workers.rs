@@ -48,6 +48,9 @@ impl Device {
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
                 TargetSpec::Loop { .. } => TargetSetup::Loop,
+                // Not reached: `check_servable` refuses nbd devices until the worker
+                // has a data path (issue 19); failing I/O is the safe answer if one were.
+                TargetSpec::Nbd { .. } => TargetSetup::FailIo,
             },
             zero_copy: zero_copy(&self.spec),
             fast_release: ctx.fast_release && self.fast_release_is_safe(),

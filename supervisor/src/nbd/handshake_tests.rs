@@ -1,0 +1,220 @@
+//! The handshake against scripted servers: what a correct one yields, and the error
+//! each kind of misbehaviour gets. The real servers are in `tests/nbd.rs`.
+
+use std::io::{self, Cursor, Read, Write};
+use std::time::Duration;
+
+use super::super::wire::*;
+use super::*;
+
+/// A server that sends `script` whatever the client says, and records what it says.
+struct Scripted {
+    input: Cursor<Vec<u8>>,
+    sent: Vec<u8>,
+}
+
+impl Read for Scripted {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.input.read(buf)
+    }
+}
+
+impl Write for Scripted {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.sent.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn greeting(flags: u16) -> Vec<u8> {
+    let mut out = NBDMAGIC.to_be_bytes().to_vec();
+    out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    out.extend_from_slice(&flags.to_be_bytes());
+    out
+}
+
+fn reply(option: u32, kind: u32, data: &[u8]) -> Vec<u8> {
+    let mut out = OPTION_REPLY_MAGIC.to_be_bytes().to_vec();
+    out.extend_from_slice(&option.to_be_bytes());
+    out.extend_from_slice(&kind.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+fn info_export(size: u64, flags: u16) -> Vec<u8> {
+    let mut data = INFO_EXPORT.to_be_bytes().to_vec();
+    data.extend_from_slice(&size.to_be_bytes());
+    data.extend_from_slice(&flags.to_be_bytes());
+    reply(OPT_GO, REP_INFO, &data)
+}
+
+fn info_block_size(min: u32, preferred: u32, max: u32) -> Vec<u8> {
+    let mut data = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+    for v in [min, preferred, max] {
+        data.extend_from_slice(&v.to_be_bytes());
+    }
+    reply(OPT_GO, REP_INFO, &data)
+}
+
+const BOTH: u16 = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
+const RW: u16 = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA;
+
+fn run(parts: &[Vec<u8>]) -> (Result<ExportInfo, NbdError>, Vec<u8>) {
+    let mut server = Scripted { input: Cursor::new(parts.concat()), sent: Vec::new() };
+    let result = negotiate(&mut server, "disk", Duration::from_secs(1));
+    (result, server.sent)
+}
+
+fn error(parts: &[Vec<u8>]) -> String {
+    match run(parts).0 {
+        Ok(info) => panic!("expected an error, got {info:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_correct_server_yields_size_flags_block_sizes_and_structured_replies() {
+    let (result, sent) = run(&[
+        greeting(BOTH),
+        reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
+        // A name info the client did not ask for is ignored.
+        reply(OPT_GO, REP_INFO, &[0, INFO_NAME as u8, b'x']),
+        info_block_size(512, 4096, 1 << 25),
+        info_export(1 << 30, RW | FLAG_SEND_TRIM),
+        reply(OPT_GO, REP_ACK, &[]),
+    ]);
+    let info = result.unwrap();
+    assert_eq!(info.size, 1 << 30);
+    assert_eq!(info.block_sizes, Some(BlockSizes { min: 512, preferred: 4096, max: 1 << 25 }));
+    assert!(info.structured_replies && info.can_flush() && info.can_fua() && info.can_trim());
+    assert!(!info.read_only() && !info.can_write_zeroes() && !info.can_multi_conn());
+    // Client flags: fixed newstyle and no zeroes, as offered.
+    assert_eq!(sent[..4], (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
+    // Then NBD_OPT_STRUCTURED_REPLY with no data, then NBD_OPT_GO for "disk" asking
+    // for two infos.
+    let mut want = IHAVEOPT.to_be_bytes().to_vec();
+    want.extend_from_slice(&OPT_STRUCTURED_REPLY.to_be_bytes());
+    want.extend_from_slice(&0u32.to_be_bytes());
+    want.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    want.extend_from_slice(&OPT_GO.to_be_bytes());
+    want.extend_from_slice(&14u32.to_be_bytes());
+    want.extend_from_slice(&4u32.to_be_bytes());
+    want.extend_from_slice(b"disk");
+    want.extend_from_slice(&[0, 2, 0, 0, 0, 3]);
+    assert_eq!(sent[4..], want);
+}
+
+#[test]
+fn a_server_without_structured_replies_or_block_sizes_is_fine() {
+    let (result, sent) = run(&[
+        greeting(FLAG_FIXED_NEWSTYLE),
+        reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]),
+        info_export(4096, FLAG_HAS_FLAGS | FLAG_READ_ONLY),
+        reply(OPT_GO, REP_ACK, &[]),
+    ]);
+    let info = result.unwrap();
+    assert!(!info.structured_replies && info.read_only() && info.block_sizes.is_none());
+    // No NO_ZEROES offered: the client must not set it.
+    assert_eq!(sent[..4], FLAG_C_FIXED_NEWSTYLE.to_be_bytes());
+}
+
+#[test]
+fn an_unknown_export_is_named_with_the_servers_message_and_aborted() {
+    let (result, sent) = run(&[
+        greeting(BOTH),
+        reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
+        reply(OPT_GO, REP_ERR_UNKNOWN, b"no such export\nsorry"),
+    ]);
+    let message = result.unwrap_err().to_string();
+    assert_eq!(message, "the server has no export named \"disk\": no such export?sorry");
+    let abort = [IHAVEOPT.to_be_bytes().as_slice(), &OPT_ABORT.to_be_bytes(), &[0; 4]].concat();
+    assert!(sent.ends_with(&abort), "no NBD_OPT_ABORT sent");
+}
+
+#[test]
+fn each_misbehaviour_gets_its_own_message() {
+    let garbage = b"HTTP/1.1 400 Bad Request\r\n\r\n".to_vec();
+    let oldstyle = [NBDMAGIC.to_be_bytes(), CLISERV_MAGIC.to_be_bytes()].concat();
+    let sr_ack = reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]);
+    let mut huge = reply(OPT_GO, REP_INFO, &[]);
+    huge[16..20].copy_from_slice(&u32::MAX.to_be_bytes());
+    let cases: Vec<(Vec<Vec<u8>>, &str)> = vec![
+        (vec![garbage], "does not start with NBDMAGIC: it is not an NBD server"),
+        (vec![oldstyle], "oldstyle servers are not supported"),
+        (vec![NBDMAGIC.to_be_bytes().to_vec(), vec![7; 8]], "neither IHAVEOPT"),
+        (vec![greeting(0)], "does not offer fixed newstyle"),
+        (vec![greeting(BOTH)], "closed the connection while negotiating structured replies"),
+        (vec![greeting(BOTH), vec![1; 20]], "not the reply magic"),
+        (vec![greeting(BOTH), reply(OPT_GO, REP_ACK, &[])], "replied to option 7 while"),
+        (vec![greeting(BOTH), reply(OPT_STRUCTURED_REPLY, REP_INFO, &[])], "not an ACK"),
+        (
+            vec![greeting(BOTH), reply(OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD, b"")],
+            "requires TLS, which is not supported yet",
+        ),
+        (vec![greeting(BOTH), sr_ack.clone(), huge], "claims 4294967295 bytes"),
+        (
+            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ACK, &[])],
+            "without sending NBD_INFO_EXPORT",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_INFO, &[0, 0, 1])],
+            "NBD_INFO_EXPORT is 3 bytes long, the protocol says 12",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_INFO, &[0])],
+            "has no information type",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ERR_UNSUP, &[])],
+            "does not support NBD_OPT_GO",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ERR_POLICY, b"go away")],
+            "refused NBD_OPT_GO with NBD_REP_ERR_POLICY: go away",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ERR_SHUTDOWN, &[])],
+            "the server is shutting down",
+        ),
+        (
+            vec![
+                greeting(BOTH),
+                sr_ack.clone(),
+                info_block_size(3, 4096, 1 << 20),
+                info_export(1 << 20, RW),
+                reply(OPT_GO, REP_ACK, &[]),
+            ],
+            "minimum block size 3 is not a power of two",
+        ),
+        (
+            vec![
+                greeting(BOTH),
+                sr_ack.clone(),
+                info_block_size(512, 256, 1 << 20),
+                info_export(1 << 20, RW),
+                reply(OPT_GO, REP_ACK, &[]),
+            ],
+            "preferred block size 256",
+        ),
+        (
+            vec![
+                greeting(BOTH),
+                sr_ack.clone(),
+                info_block_size(512, 4096, 1000),
+                info_export(1 << 20, RW),
+                reply(OPT_GO, REP_ACK, &[]),
+            ],
+            "maximum block size 1000",
+        ),
+        (vec![greeting(BOTH), sr_ack, info_export(4096, RW).repeat(40)], "more than 32 replies"),
+    ];
+    for (parts, part) in cases {
+        let message = error(&parts);
+        assert!(message.contains(part), "{part:?} not in {message:?}");
+    }
+}

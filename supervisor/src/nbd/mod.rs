@@ -1,0 +1,525 @@
+//! The NBD target's client side in the supervisor: connecting to an export's server
+//! (TCP or a unix socket, as its [`NbdUri`] says), the fixed-newstyle handshake
+//! (the `handshake` module), and checking that the export can be a kernel block device.
+//!
+//! The supervisor, not the worker, connects and negotiates: the worker's sandbox has
+//! no network and no filesystem, so it will be handed the connected socket, already in
+//! the transmission phase, with the [`ExportInfo`] that says how to use it. This part
+//! (issue 19, part 1) ends there: no request is sent yet.
+//!
+//! Every step has a deadline ([`connect`]'s `timeout`, for the whole handshake); a
+//! server that stalls, talks garbage or sends a huge length gets a one-line
+//! [`NbdError`], never a hang or an allocation of its choosing. Host names are
+//! resolved by the C library, whose own timeout applies to that step.
+
+mod handshake;
+pub mod wire;
+
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ublkd_config::{MAX_BLOCK_SIZE, MAX_SIZE_BYTES, NbdTransport, NbdUri, format_size};
+
+/// Why an export could not be connected to or used. Messages are sentences that say
+/// what went wrong and, where there is one, what to do; callers prefix the URI.
+#[derive(Debug, thiserror::Error)]
+pub enum NbdError {
+    /// The host name did not resolve.
+    #[error("cannot resolve host {host}: {source}")]
+    Resolve {
+        /// The host as written.
+        host: String,
+        /// Why.
+        source: io::Error,
+    },
+    /// Nothing listens at the address.
+    #[error("the connection to {addr} was refused: no NBD server listens there (is it running?)")]
+    ConnectionRefused {
+        /// The address or socket path.
+        addr: String,
+    },
+    /// The unix socket does not exist.
+    #[error("there is no socket at {}: no NBD server listens there (is it running?)", path.display())]
+    NoSocket {
+        /// The socket path.
+        path: PathBuf,
+    },
+    /// Connecting failed otherwise.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// The address or socket path.
+        addr: String,
+        /// Why.
+        source: io::Error,
+    },
+    /// A step took longer than the handshake's time limit.
+    #[error("the server did not answer within {secs} s while {step}")]
+    Timeout {
+        /// What ublkd was doing.
+        step: &'static str,
+        /// The limit, in seconds.
+        secs: f64,
+    },
+    /// The server closed the connection.
+    #[error("the server closed the connection while {step}")]
+    Closed {
+        /// What ublkd was doing.
+        step: &'static str,
+    },
+    /// Another I/O error.
+    #[error("I/O error while {step}: {source}")]
+    Io {
+        /// What ublkd was doing.
+        step: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+    /// The peer's first bytes are not `NBDMAGIC`.
+    #[error("the server's greeting does not start with NBDMAGIC: it is not an NBD server")]
+    NotNbd,
+    /// The peer uses the oldstyle handshake.
+    #[error(
+        "oldstyle servers are not supported (the oldstyle handshake has no export names and \
+         cannot report errors); serve the export with the newstyle handshake, the default \
+         of nbdkit, qemu-nbd and nbd-server"
+    )]
+    Oldstyle,
+    /// The peer speaks newstyle but not fixed newstyle.
+    #[error(
+        "the server does not offer fixed newstyle negotiation, which ublkd needs to learn \
+         the export's block sizes and to get errors back"
+    )]
+    NotFixedNewstyle,
+    /// `NBD_REP_ERR_UNKNOWN`.
+    #[error("the server has no export named {export:?}{}", suffix(message))]
+    UnknownExport {
+        /// The name ublkd asked for.
+        export: String,
+        /// The server's message, if any.
+        message: String,
+    },
+    /// `NBD_REP_ERR_TLS_REQD`.
+    #[error("the server requires TLS, which is not supported yet{}", suffix(message))]
+    TlsRequired {
+        /// The server's message, if any.
+        message: String,
+    },
+    /// `NBD_REP_ERR_SHUTDOWN`.
+    #[error("the server is shutting down{}", suffix(message))]
+    ShuttingDown {
+        /// The server's message, if any.
+        message: String,
+    },
+    /// `NBD_REP_ERR_UNSUP` to `NBD_OPT_GO`.
+    #[error(
+        "the server does not support NBD_OPT_GO, which ublkd needs to learn the export's \
+         block sizes; upgrade the server"
+    )]
+    GoUnsupported,
+    /// Another error reply.
+    #[error("the server refused {option} with {reply}{}", suffix(message))]
+    Refused {
+        /// The option.
+        option: &'static str,
+        /// The reply type's name.
+        reply: String,
+        /// The server's message, if any.
+        message: String,
+    },
+    /// The server broke the protocol.
+    #[error("the server broke the NBD protocol: {problem}")]
+    Protocol {
+        /// What it did.
+        problem: String,
+    },
+    /// The export's size cannot be a block device's.
+    #[error("the export's size, {size} bytes, {problem}")]
+    UnusableSize {
+        /// The size the server gave.
+        size: u64,
+        /// Why the kernel cannot take it.
+        problem: &'static str,
+    },
+    /// The export's minimum block size is larger than any logical block size.
+    #[error(
+        "the export's minimum block size, {min} bytes, is larger than {MAX_BLOCK_SIZE}, the \
+         largest logical block size the kernel takes"
+    )]
+    UnusableBlockSize {
+        /// The server's minimum block size.
+        min: u32,
+    },
+    /// The worker cannot serve an nbd export yet.
+    #[error("the nbd target's data path is not built yet (issue 19)")]
+    DataPathMissing,
+}
+
+fn suffix(message: &str) -> String {
+    if message.is_empty() { String::new() } else { format!(": {message}") }
+}
+
+impl NbdError {
+    /// Whether the server answered with a refusal during option haggling, after which
+    /// the protocol wants the client's soft disconnect (`NBD_OPT_ABORT`).
+    fn server_refused(&self) -> bool {
+        matches!(
+            self,
+            Self::UnknownExport { .. }
+                | Self::TlsRequired { .. }
+                | Self::ShuttingDown { .. }
+                | Self::GoUnsupported
+                | Self::Refused { .. }
+        )
+    }
+}
+
+/// An export's block size constraints, as its server advertised them
+/// (`NBD_INFO_BLOCK_SIZE`; proto.md "Block size constraints").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    /// Smallest length and alignment of a request.
+    pub min: u32,
+    /// Smallest length at which aligned requests are efficient.
+    pub preferred: u32,
+    /// Longest request, or `u32::MAX` for no limit.
+    pub max: u32,
+}
+
+/// What the handshake learnt about the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// Size in bytes.
+    pub size: u64,
+    /// The transmission flags (`NBD_FLAG_*`), see the accessors.
+    pub transmission_flags: u16,
+    /// The block sizes, if the server advertised any. Without, the protocol's defaults
+    /// apply to the server (minimum 1, preferred 4096, maximum unlimited) and a client
+    /// keeps to 512-byte alignment and 32 MiB requests.
+    pub block_sizes: Option<BlockSizes>,
+    /// Whether the server agreed to structured replies (`NBD_OPT_STRUCTURED_REPLY`).
+    pub structured_replies: bool,
+}
+
+impl ExportInfo {
+    fn flag(&self, flag: u16) -> bool {
+        self.transmission_flags & flag != 0
+    }
+
+    /// The server refuses writes.
+    pub fn read_only(&self) -> bool {
+        self.flag(wire::FLAG_READ_ONLY)
+    }
+
+    /// The server takes `NBD_CMD_FLUSH`.
+    pub fn can_flush(&self) -> bool {
+        self.flag(wire::FLAG_SEND_FLUSH)
+    }
+
+    /// The server takes `NBD_CMD_FLAG_FUA`.
+    pub fn can_fua(&self) -> bool {
+        self.flag(wire::FLAG_SEND_FUA)
+    }
+
+    /// The server takes `NBD_CMD_TRIM`.
+    pub fn can_trim(&self) -> bool {
+        self.flag(wire::FLAG_SEND_TRIM)
+    }
+
+    /// The server takes `NBD_CMD_WRITE_ZEROES`.
+    pub fn can_write_zeroes(&self) -> bool {
+        self.flag(wire::FLAG_SEND_WRITE_ZEROES)
+    }
+
+    /// Several connections to the export see each other's flushed writes.
+    pub fn can_multi_conn(&self) -> bool {
+        self.flag(wire::FLAG_CAN_MULTI_CONN)
+    }
+
+    /// The export behaves like a spinning disk.
+    pub fn rotational(&self) -> bool {
+        self.flag(wire::FLAG_ROTATIONAL)
+    }
+}
+
+impl fmt::Display for ExportInfo {
+    /// `1 GiB (1073741824 bytes), block sizes 1/4096/4294967295 (min/preferred/max),
+    /// read-write, flush, fua, trim, write-zeroes, multi-conn, structured replies`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({} bytes), ", format_size(self.size), self.size)?;
+        match self.block_sizes {
+            Some(b) => {
+                write!(f, "block sizes {}/{}/{} (min/preferred/max)", b.min, b.preferred, b.max)?
+            }
+            None => f.write_str("no block sizes advertised")?,
+        }
+        f.write_str(if self.read_only() { ", read-only" } else { ", read-write" })?;
+        for (on, name) in [
+            (self.can_flush(), "flush"),
+            (self.can_fua(), "fua"),
+            (self.can_trim(), "trim"),
+            (self.can_write_zeroes(), "write-zeroes"),
+            (self.can_multi_conn(), "multi-conn"),
+            (self.rotational(), "rotational"),
+        ] {
+            if on {
+                write!(f, ", {name}")?;
+            }
+        }
+        f.write_str(if self.structured_replies {
+            ", structured replies"
+        } else {
+            ", simple replies only"
+        })
+    }
+}
+
+/// Connects to `uri`'s server and negotiates its export, all within `timeout`. Returns
+/// the socket, in the transmission phase (no timeouts left set on it), and what the
+/// server said about the export, which has been checked to fit a kernel block device.
+pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo), NbdError> {
+    let deadline = Instant::now() + timeout;
+    let stream = open(&uri.transport, deadline)?;
+    let mut timed = Timed { stream: &stream, deadline };
+    let info = handshake::negotiate(&mut timed, &uri.export, timeout)?;
+    if let Err(error) = fits_kernel(&info) {
+        let _ = timed.write_all(&disconnect_request());
+        return Err(error);
+    }
+    stream
+        .clear_timeouts()
+        .map_err(|e| NbdError::from_io(e, "finishing the handshake", timeout))?;
+    Ok((stream.into(), info))
+}
+
+/// Ends a session that [`connect`] opened, the protocol's way (`NBD_CMD_DISC`, then
+/// close), so the server logs a clean disconnect rather than a dropped client.
+pub fn disconnect(socket: OwnedFd) {
+    // A 28-byte write to a socket whose send buffer nothing else has used does not
+    // block; the fd is closed when `file` drops, whatever the write did.
+    let mut file = std::fs::File::from(socket);
+    let _ = file.write_all(&disconnect_request());
+}
+
+/// `NBD_CMD_DISC`: magic, flags 0, type, handle 0, offset 0, length 0.
+fn disconnect_request() -> [u8; 28] {
+    let mut request = [0u8; 28];
+    request[..4].copy_from_slice(&wire::REQUEST_MAGIC.to_be_bytes());
+    request[6..8].copy_from_slice(&wire::CMD_DISC.to_be_bytes());
+    request
+}
+
+/// The export fits a ublk device: a non-zero whole number of 512-byte sectors, at most
+/// what ublkd's devices can be, and a minimum block size the kernel can take as its
+/// logical block size.
+fn fits_kernel(info: &ExportInfo) -> Result<(), NbdError> {
+    let problem = if info.size == 0 {
+        "is zero: an empty export cannot be a block device"
+    } else if !info.size.is_multiple_of(512) {
+        "is not a multiple of 512: the kernel counts a block device in 512-byte sectors"
+    } else if info.size > MAX_SIZE_BYTES {
+        "is larger than 2^63 bytes, the largest device ublkd makes"
+    } else {
+        return match info.block_sizes {
+            Some(b) if b.min > MAX_BLOCK_SIZE => Err(NbdError::UnusableBlockSize { min: b.min }),
+            _ => Ok(()),
+        };
+    };
+    Err(NbdError::UnusableSize { size: info.size, problem })
+}
+
+/// A connected socket of either kind.
+#[derive(Debug)]
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_read_timeout(timeout).and_then(|()| s.set_write_timeout(timeout)),
+            Self::Unix(s) => {
+                s.set_read_timeout(timeout).and_then(|()| s.set_write_timeout(timeout))
+            }
+        }
+    }
+
+    fn clear_timeouts(&self) -> io::Result<()> {
+        self.set_timeouts(None)
+    }
+}
+
+impl From<Stream> for OwnedFd {
+    fn from(stream: Stream) -> OwnedFd {
+        match stream {
+            Stream::Tcp(s) => s.into(),
+            Stream::Unix(s) => s.into(),
+        }
+    }
+}
+
+/// Connects to the server, within `deadline`: each address a host name resolves to in
+/// turn, or the unix socket.
+fn open(transport: &NbdTransport, deadline: Instant) -> Result<Stream, NbdError> {
+    match transport {
+        NbdTransport::Unix { socket } => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let stream = connect_unix(socket, left).map_err(|source| match source.kind() {
+                io::ErrorKind::NotFound => NbdError::NoSocket { path: socket.clone() },
+                io::ErrorKind::ConnectionRefused => {
+                    NbdError::ConnectionRefused { addr: socket.display().to_string() }
+                }
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    NbdError::Timeout { step: "connecting", secs: left.as_secs_f64() }
+                }
+                _ => NbdError::Connect { addr: socket.display().to_string(), source },
+            })?;
+            Ok(Stream::Unix(stream))
+        }
+        NbdTransport::Tcp { host, port } => {
+            let addrs: Vec<_> = (host.as_str(), *port)
+                .to_socket_addrs()
+                .map_err(|source| NbdError::Resolve { host: host.clone(), source })?
+                .collect();
+            let mut last = None;
+            for addr in &addrs {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                match TcpStream::connect_timeout(addr, left) {
+                    Ok(stream) => {
+                        // The protocol asks both sides to turn Nagle off: requests are
+                        // small and latency-bound.
+                        let _ = stream.set_nodelay(true);
+                        return Ok(Stream::Tcp(stream));
+                    }
+                    Err(e) => last = Some((addr, e)),
+                }
+            }
+            let Some((addr, source)) = last else {
+                return Err(NbdError::Resolve {
+                    host: host.clone(),
+                    source: io::Error::new(io::ErrorKind::NotFound, "no address"),
+                });
+            };
+            Err(match source.kind() {
+                io::ErrorKind::ConnectionRefused => {
+                    NbdError::ConnectionRefused { addr: addr.to_string() }
+                }
+                _ => NbdError::Connect { addr: addr.to_string(), source },
+            })
+        }
+    }
+}
+
+/// Connects to the unix socket at `path`, waiting at most `timeout`: a blocking
+/// connect waits while the server's accept backlog is full, for as long as the
+/// socket's send timeout allows (`unix_stream_connect` in `net/unix/af_unix.c`), and
+/// then fails with EAGAIN; std's `UnixStream::connect` sets none.
+fn connect_unix(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr, sockopt};
+    use nix::sys::time::{TimeVal, TimeValLike};
+    let fd = socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    // A zero timeout means "wait for ever" to the kernel: at least a microsecond.
+    let micros = i64::try_from(timeout.as_micros()).unwrap_or(i64::MAX).max(1);
+    socket::setsockopt(&fd, sockopt::SendTimeout, &TimeVal::microseconds(micros))?;
+    socket::connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    Ok(UnixStream::from(fd))
+}
+
+/// A stream whose every read and write gives up at `deadline`: each call sets the
+/// socket's timeout to the time left.
+struct Timed<'a> {
+    stream: &'a Stream,
+    deadline: Instant,
+}
+
+impl Timed<'_> {
+    fn arm(&self) -> io::Result<()> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_timeouts(Some(left))
+    }
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        match self.stream {
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Unix(s) => (&*s).read(buf),
+        }
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
+        match self.stream {
+            Stream::Tcp(s) => (&*s).write(buf),
+            Stream::Unix(s) => (&*s).write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn export(size: u64, min: Option<u32>) -> ExportInfo {
+        ExportInfo {
+            size,
+            transmission_flags: wire::FLAG_HAS_FLAGS,
+            block_sizes: min.map(|min| BlockSizes { min, preferred: 4096, max: u32::MAX }),
+            structured_replies: false,
+        }
+    }
+
+    #[test]
+    fn only_sizes_and_block_sizes_a_kernel_device_can_have_fit() {
+        assert!(fits_kernel(&export(512, None)).is_ok());
+        assert!(fits_kernel(&export(MAX_SIZE_BYTES, Some(4096))).is_ok());
+        for (size, part) in [
+            (0, "is zero"),
+            (4097, "not a multiple of 512"),
+            (MAX_SIZE_BYTES + 512, "larger than 2^63 bytes"),
+        ] {
+            let error = fits_kernel(&export(size, None)).unwrap_err().to_string();
+            assert!(error.contains(part), "{size}: {error}");
+        }
+        let error = fits_kernel(&export(1 << 20, Some(8192))).unwrap_err();
+        assert!(matches!(error, NbdError::UnusableBlockSize { min: 8192 }));
+    }
+
+    #[test]
+    fn export_info_reads_as_one_line_with_every_flag_it_has() {
+        let mut info = export(1 << 30, Some(512));
+        info.transmission_flags |= wire::FLAG_READ_ONLY | wire::FLAG_SEND_FLUSH;
+        info.structured_replies = true;
+        assert_eq!(
+            info.to_string(),
+            "1G (1073741824 bytes), block sizes 512/4096/4294967295 (min/preferred/max), \
+             read-only, flush, structured replies"
+        );
+    }
+
+    #[test]
+    fn the_disconnect_request_is_nbd_cmd_disc() {
+        let request = disconnect_request();
+        assert_eq!(request[..4], [0x25, 0x60, 0x95, 0x13]);
+        assert_eq!(request[4..8], [0, 0, 0, 2]);
+        assert!(request[8..].iter().all(|b| *b == 0));
+    }
+}

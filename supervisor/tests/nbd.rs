@@ -1,0 +1,393 @@
+//! The NBD client's handshake against real servers on this host (nbdkit, qemu-nbd)
+//! and against tiny fake ones written here (garbage, oldstyle, a stall). No kernel
+//! device is involved, so these run anywhere nbdkit and qemu-utils are installed
+//! (`tests/vm/install-host-deps.sh` installs them; the README's test command runs it).
+//!
+//! Each server is a child process owned by a [`Server`] guard that kills it on drop,
+//! and each test waits for its server to be ready before connecting: nbdkit's pid file
+//! (written once it listens), qemu-nbd's socket accepting a connection.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
+use ublkd_supervisor::nbd::{self, ExportInfo, NbdError};
+use ublkd_supervisor::target::check_servable;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A scratch directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "ublkd-nbd-{}-{}-{name}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("create the test's directory");
+        TempDir(path)
+    }
+
+    fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A server process, killed and reaped on drop.
+struct Server {
+    child: Child,
+    name: &'static str,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `program args`, checking first that it is installed.
+    fn start(program: &'static str, args: &[&str]) -> Server {
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {program} ({e}): the nbd tests need nbdkit and qemu-nbd; \
+                     install them with tests/vm/install-host-deps.sh (as root) or \
+                     apt-get install nbdkit qemu-utils"
+                )
+            });
+        Server { child, name: program }
+    }
+
+    /// Waits until `ready` succeeds (the server accepts connections), failing the test
+    /// if the server exits or takes longer than [`TIMEOUT`].
+    fn wait_until(&mut self, ready: impl Fn() -> bool) {
+        let deadline = Instant::now() + TIMEOUT;
+        while !ready() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("{} exited before it listened: {status}", self.name);
+            }
+            assert!(Instant::now() < deadline, "{} did not listen within {TIMEOUT:?}", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn on_unix(program: &'static str, socket: &Path, args: &[&str]) -> Server {
+        let mut server = Server::start(program, args);
+        server.wait_until(|| UnixStream::connect(socket).is_ok());
+        server
+    }
+
+    /// nbdkit with `args`, once it accepts connections: nbdkit writes its pid file
+    /// only then, which spares it a probing connection (that it would log as an error).
+    fn nbdkit(dir: &TempDir, args: &[&str]) -> Server {
+        let pid_file = dir.join("nbdkit.pid");
+        let pid_text = pid_file.to_str().unwrap();
+        let mut full = vec!["-f", "--exit-with-parent", "-P", pid_text];
+        full.extend_from_slice(args);
+        let mut server = Server::start("nbdkit", &full);
+        server.wait_until(|| std::fs::read(&pid_file).is_ok_and(|pid| pid.ends_with(b"\n")));
+        server
+    }
+}
+
+/// nbdkit with `extra` (options, the plugin and its arguments) on a unix socket in
+/// `dir`; returns it and its URI for `export` (as written in a URI: percent-encoded).
+fn nbdkit_unix(dir: &TempDir, extra: &[&str], export: &str) -> (Server, NbdUri) {
+    let socket = dir.join("nbdkit.sock");
+    let socket_text = socket.to_str().unwrap();
+    let mut args = vec!["-U", socket_text];
+    args.extend_from_slice(extra);
+    let server = Server::nbdkit(dir, &args);
+    let uri = NbdUri::parse(&format!("nbd+unix:///{export}?socket={socket_text}")).unwrap();
+    (server, uri)
+}
+
+fn connected(uri: &NbdUri) -> ExportInfo {
+    let (socket, info) = nbd::connect(uri, TIMEOUT).unwrap_or_else(|e| panic!("{uri}: {e}"));
+    eprintln!("{uri}: {info}");
+    nbd::disconnect(socket);
+    info
+}
+
+fn refused(uri: &NbdUri, timeout: Duration) -> NbdError {
+    match nbd::connect(uri, timeout) {
+        Ok((_, info)) => panic!("{uri}: expected an error, connected to {info:?}"),
+        Err(e) => e,
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the server to take).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn nbdkit_memory_over_a_unix_socket_gives_its_size_and_flags() {
+    let dir = TempDir::new("unix");
+    let (_server, uri) = nbdkit_unix(&dir, &["memory", "1G"], "");
+    let info = connected(&uri);
+    assert_eq!(info.size, 1 << 30);
+    assert!(!info.read_only());
+    assert!(info.can_flush() && info.can_fua() && info.can_trim() && info.can_write_zeroes());
+    assert!(info.can_multi_conn(), "nbdkit's memory plugin shares one RAM disk");
+    assert!(info.structured_replies);
+}
+
+#[test]
+fn nbdkit_memory_over_tcp_on_localhost() {
+    let dir = TempDir::new("tcp");
+    let port = free_port();
+    let port_text = port.to_string();
+    let _server = Server::nbdkit(&dir, &["-i", "127.0.0.1", "-p", &port_text, "memory", "64M"]);
+    let info = connected(&NbdUri::parse(&format!("nbd://127.0.0.1:{port}/")).unwrap());
+    assert_eq!(info.size, 64 << 20);
+    assert!(!info.read_only() && info.structured_replies);
+}
+
+#[test]
+fn a_named_export_is_found_and_an_unknown_one_is_named_in_the_error() {
+    let dir = TempDir::new("named");
+    let strict =
+        ["--filter=exportname", "memory", "16M", "exportname=disk one", "exportname-strict=true"];
+    let (_server, uri) = nbdkit_unix(&dir, &strict, "disk%20one");
+    assert_eq!(connected(&uri).size, 16 << 20);
+
+    let socket = dir.join("nbdkit.sock");
+    let other = NbdUri::parse(&format!("nbd+unix:///nope?socket={}", socket.display())).unwrap();
+    let error = refused(&other, TIMEOUT);
+    assert!(matches!(&error, NbdError::UnknownExport { export, .. } if export == "nope"));
+    assert!(error.to_string().starts_with("the server has no export named \"nope\""), "{error}");
+}
+
+#[test]
+fn a_read_only_export_says_so() {
+    let dir = TempDir::new("ro");
+    let (_server, uri) = nbdkit_unix(&dir, &["-r", "memory", "1M"], "");
+    assert!(connected(&uri).read_only());
+}
+
+#[test]
+fn advertised_block_sizes_are_recorded_and_one_the_kernel_cannot_take_is_refused() {
+    let dir = TempDir::new("bs");
+    let policy = |min: &'static str| {
+        [
+            "--filter=blocksize-policy",
+            "memory",
+            "1M",
+            min,
+            "blocksize-preferred=65536",
+            "blocksize-maximum=1048576",
+        ]
+    };
+    let (server, uri) = nbdkit_unix(&dir, &policy("blocksize-minimum=4096"), "");
+    let info = connected(&uri);
+    let sizes = info.block_sizes.expect("blocksize-policy advertises block sizes");
+    assert_eq!((sizes.min, sizes.preferred, sizes.max), (4096, 65536, 1 << 20));
+    drop(server);
+
+    let dir = TempDir::new("bs-big");
+    let (_server, uri) = nbdkit_unix(&dir, &policy("blocksize-minimum=8192"), "");
+    let error = refused(&uri, TIMEOUT);
+    assert!(matches!(error, NbdError::UnusableBlockSize { min: 8192 }), "{error}");
+}
+
+#[test]
+fn a_size_that_is_not_whole_sectors_is_refused() {
+    let dir = TempDir::new("odd");
+    let (_server, uri) = nbdkit_unix(&dir, &["memory", "1000"], "");
+    let error = refused(&uri, TIMEOUT);
+    assert!(matches!(error, NbdError::UnusableSize { size: 1000, .. }), "{error}");
+    assert!(error.to_string().contains("not a multiple of 512"), "{error}");
+}
+
+#[test]
+fn qemu_nbd_serves_a_qcow2_image_over_a_unix_socket() {
+    let dir = TempDir::new("qemu");
+    let image = dir.join("disk.qcow2");
+    let status = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&image)
+        .arg("256M")
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run qemu-img ({e}): install qemu-utils"));
+    assert!(status.success(), "qemu-img create failed: {status}");
+    let socket = dir.join("qemu.sock");
+    let (socket_text, image_text) = (socket.to_str().unwrap(), image.to_str().unwrap());
+    let _server = Server::on_unix(
+        "qemu-nbd",
+        &socket,
+        &["-k", socket_text, "-f", "qcow2", "-x", "vm-disk", "-t", image_text],
+    );
+    let uri = NbdUri::parse(&format!("nbd+unix:///vm-disk?socket={socket_text}")).unwrap();
+    let info = connected(&uri);
+    assert_eq!(info.size, 256 << 20);
+    assert!(!info.read_only() && info.can_flush() && info.structured_replies);
+    assert!(info.block_sizes.is_some(), "qemu-nbd advertises block sizes");
+}
+
+#[test]
+fn nothing_listening_is_a_refused_connection() {
+    let port = free_port();
+    let error = refused(&NbdUri::parse(&format!("nbd://127.0.0.1:{port}")).unwrap(), TIMEOUT);
+    assert!(matches!(error, NbdError::ConnectionRefused { .. }), "{error}");
+    assert!(error.to_string().contains("no NBD server listens there"), "{error}");
+
+    let dir = TempDir::new("refused");
+    let missing = dir.join("missing.sock");
+    let uri = NbdUri::parse(&format!("nbd+unix:///?socket={}", missing.display())).unwrap();
+    assert!(matches!(refused(&uri, TIMEOUT), NbdError::NoSocket { .. }));
+
+    // A socket file whose listener is gone.
+    let stale = dir.join("stale.sock");
+    drop(UnixListener::bind(&stale).unwrap());
+    let uri = NbdUri::parse(&format!("nbd+unix:///?socket={}", stale.display())).unwrap();
+    assert!(matches!(refused(&uri, TIMEOUT), NbdError::ConnectionRefused { .. }));
+}
+
+/// A fake server on a unix socket in `dir`: each connection gets `greeting`, then the
+/// connection is held open (so the client must judge the bytes, not an EOF) until the
+/// client goes.
+fn fake_server(dir: &TempDir, greeting: Vec<u8>) -> NbdUri {
+    let socket = dir.join("fake.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let _ = stream.write_all(&greeting);
+            // Drain until the client closes; the thread ends with the test process.
+            let _ = std::io::copy(&mut stream, &mut std::io::sink());
+        }
+    });
+    NbdUri::parse(&format!("nbd+unix:///?socket={}", socket.display())).unwrap()
+}
+
+#[test]
+fn a_server_that_talks_garbage_gets_a_clear_error_not_a_hang() {
+    let dir = TempDir::new("garbage");
+    let uri = fake_server(&dir, b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n".to_vec());
+    let started = Instant::now();
+    let error = refused(&uri, TIMEOUT);
+    assert!(matches!(error, NbdError::NotNbd), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn a_server_that_stalls_mid_handshake_times_out() {
+    let dir = TempDir::new("stall");
+    // The greeting up to the handshake flags, then nothing.
+    let uri = fake_server(&dir, 0x4e42_444d_4147_4943u64.to_be_bytes().to_vec());
+    let started = Instant::now();
+    let error = refused(&uri, Duration::from_millis(300));
+    assert!(
+        matches!(error, NbdError::Timeout { step: "reading the server's greeting", .. }),
+        "{error}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn an_oldstyle_server_is_refused_as_such() {
+    let dir = TempDir::new("oldstyle");
+    let mut greeting = 0x4e42_444d_4147_4943u64.to_be_bytes().to_vec();
+    greeting.extend_from_slice(&0x0000_4202_8186_1253u64.to_be_bytes());
+    greeting.extend_from_slice(&(1u64 << 30).to_be_bytes());
+    greeting.extend_from_slice(&1u32.to_be_bytes());
+    greeting.extend_from_slice(&[0; 124]);
+    let error = refused(&fake_server(&dir, greeting), TIMEOUT);
+    assert!(matches!(error, NbdError::Oldstyle), "{error}");
+    assert!(error.to_string().starts_with("oldstyle servers are not supported"), "{error}");
+}
+
+/// An nbd device's spec for `uri`, as the config file or `ublkctl add` makes it.
+fn nbd_spec(uri: NbdUri) -> DeviceSpec {
+    DeviceSpec {
+        id: None,
+        target: TargetSpec::Nbd { uri },
+        size_bytes: 0,
+        settings: DeviceSettings::default(),
+    }
+}
+
+/// What ublkd answers `ublkctl add -t nbd` (and logs for a configured nbd device)
+/// before it would make a kernel device: the export's details when the URI works, the
+/// handshake's error when it does not.
+#[test]
+fn ublkd_checks_an_nbd_export_then_says_the_data_path_is_not_built() {
+    let dir = TempDir::new("servable");
+    let (_server, uri) = nbdkit_unix(&dir, &["-r", "memory", "2G"], "");
+    let message = check_servable(&nbd_spec(uri.clone())).unwrap_err().to_string();
+    eprintln!("{message}");
+    assert!(
+        message.starts_with(&format!(
+            "the nbd target's data path is not built yet (issue 19): {uri} works, it is \
+             2G (2147483648 bytes), "
+        )),
+        "{message}"
+    );
+    assert!(message.contains("read-only") && message.ends_with("; no device was created"));
+
+    let port = free_port();
+    let nowhere = NbdUri::parse(&format!("nbd://127.0.0.1:{port}/disk")).unwrap();
+    let message = check_servable(&nbd_spec(nowhere)).unwrap_err().to_string();
+    assert!(
+        message.starts_with(&format!(
+            "cannot use the nbd export nbd://127.0.0.1:{port}/disk: the connection to \
+             127.0.0.1:{port} was refused"
+        )),
+        "{message}"
+    );
+}
+
+/// A server whose accept backlog is full (it never accepts): connect would wait for
+/// ever without its own timeout.
+#[test]
+fn a_server_that_never_accepts_times_out_connecting() {
+    use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let dir = TempDir::new("backlog");
+    let path = dir.join("full.sock");
+    let addr = UnixAddr::new(&path).unwrap();
+    let unix_socket = |flags| {
+        socket::socket(AddressFamily::Unix, SockType::Stream, flags | SockFlag::SOCK_CLOEXEC, None)
+            .unwrap()
+    };
+    // A backlog of one, filled by non-blocking connects until the kernel says EAGAIN.
+    let listener = unix_socket(SockFlag::empty());
+    socket::bind(listener.as_raw_fd(), &addr).unwrap();
+    socket::listen(&listener, Backlog::new(1).unwrap()).unwrap();
+    let mut pending = Vec::new();
+    loop {
+        let fd = unix_socket(SockFlag::SOCK_NONBLOCK);
+        match socket::connect(fd.as_raw_fd(), &addr) {
+            Ok(()) => pending.push(fd),
+            Err(nix::errno::Errno::EAGAIN) => break,
+            Err(e) => panic!("filling the backlog: {e}"),
+        }
+        assert!(pending.len() < 64, "a backlog of one never filled");
+    }
+    let uri = NbdUri::parse(&format!("nbd+unix:///?socket={}", path.display())).unwrap();
+    let started = Instant::now();
+    let error = refused(&uri, Duration::from_millis(300));
+    assert!(matches!(error, NbdError::Timeout { step: "connecting", .. }), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+}
