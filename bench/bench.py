@@ -113,11 +113,9 @@ def host(args):
     timeout = int(1.6 * est + 180)
     log(f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
         f"~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {hr.outdir}")
-    vm = hr.run_vm("bench.py", plan_path, timeout, prm["VM_MEM_MB"], (REC, META, DONE))
-    errs = hr.finish(prm, vm, summarize, table, svg_plot, "latest", "runs it recorded")
-    if errs:
-        print(f"bench: {len(errs)} of {len(vm[0])} runs failed; see results.json", flush=True)
-        sys.exit(1)
+    hr.run_and_finish(prm, plan_path, "bench.py", timeout, prm["VM_MEM_MB"],
+                      (REC, META, DONE), (summarize, table, svg_plot), "latest",
+                      "runs it recorded", "runs")
 
 
 # ======================================================================================

@@ -220,6 +220,17 @@ class HostRun:
                "python3", "-u", os.path.join(HERE, script), "guest", plan_path]
         return run_guest(cmd, self.outdir, markers)
 
+    def run_and_finish(self, prm, plan_path, script, timeout, mem_mb, markers, outputs,
+                       latest, recorded, failed):
+        """run_vm, then finish with `outputs` = (summarize, render_table, render_plot);
+        exits 1 if any record failed (`failed` names them in the message)."""
+        vm = self.run_vm(script, plan_path, timeout, mem_mb, markers)
+        bad = self.finish(prm, vm, *outputs, latest, recorded)
+        if bad:
+            print(f"bench: {len(bad)} of {len(vm[0])} {failed} failed; see results.json",
+                  flush=True)
+            sys.exit(1)
+
     def finish(self, prm, vm, summarize, render_table, render_plot, latest, recorded):
         """Writes the outputs from the VM's records (`vm`: run_vm's answer), points
         results/<latest> at them, and dies if the VM did not finish (`recorded` names

@@ -89,11 +89,9 @@ def host(args):
     log(f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
         f"{prm['RECOVERY_ROUNDS']} rounds, ~{est / 60:.0f} min in the VM (timeout "
         f"{timeout} s); results: {hr.outdir}")
-    vm = hr.run_vm("recovery.py", plan_path, timeout, prm["VM_MEM_MB"], (REC, META, DONE))
-    bad = hr.finish(prm, vm, summarize, table, None, "latest-recovery", "records it got")
-    if bad:
-        print(f"bench: {len(bad)} kills or series failed; see results.json", flush=True)
-        sys.exit(1)
+    hr.run_and_finish(prm, plan_path, "recovery.py", timeout, prm["VM_MEM_MB"],
+                      (REC, META, DONE), (summarize, table, None), "latest-recovery",
+                      "records it got", "kills or series")
 
 
 # ======================================================================================

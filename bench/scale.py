@@ -63,11 +63,9 @@ def host(args):
     timeout = int(2 * est + 300) if not args.timeout else args.timeout
     log(f"counts {prm['SCALE_COUNTS']}, ~{est / 60:.0f} min in the VM (timeout {timeout} s); "
         f"results: {hr.outdir}")
-    vm = hr.run_vm("scale.py", plan_path, timeout, prm["SCALE_VM_MEM_MB"], (REC, META, DONE))
-    bad = hr.finish(prm, vm, summarize, table, None, "latest-scale", "counts it got")
-    if bad:
-        print(f"bench: {len(bad)} counts failed; see results.json", flush=True)
-        sys.exit(1)
+    hr.run_and_finish(prm, plan_path, "scale.py", timeout, prm["SCALE_VM_MEM_MB"],
+                      (REC, META, DONE), (summarize, table, None), "latest-scale",
+                      "counts it got", "counts")
 
 
 def summarize(results):
