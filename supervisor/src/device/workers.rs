@@ -5,7 +5,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use ublkd_config::TargetSpec;
-use ublkd_proto::msg::{Activation, TargetSetup, WorkerSetup};
+use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
 use crate::target::{MAX_IO_BUF_BYTES, open_char_dev, zero_copy};
@@ -52,6 +52,8 @@ impl Device {
             zero_copy: zero_copy(&self.spec),
             fast_release: ctx.fast_release && self.fast_release_is_safe(),
             block_size: self.spec.settings.block_size,
+            // The kernel's, as at the device's creation (`target::device_flags`).
+            data_path: DataPath::for_kernel(ctx.kernel_features),
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {
