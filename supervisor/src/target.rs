@@ -54,6 +54,17 @@ pub fn device_flags(spec: &DeviceSpec, kernel_features: u64) -> u64 {
     flags
 }
 
+/// Whether a device served with `path` may use `recovery.fast_release` (ublkd
+/// unregistering `/dev/ublkcN` from its copy of a dead worker's rings). Only on the
+/// batched path: the per-I/O path runs on older kernels (6.12), whose io_uring makes
+/// that unregistration wait for every command still in the ring, and a dead worker's
+/// FETCH_REQs stay there for as long as ublkd holds the ring, so ublkd's loop would
+/// block for good (seen in the test VM: ublkd stuck in `io_rsrc_ref_quiesce`). Those
+/// devices are released by the rings' teardown instead.
+pub fn fast_release_supported(path: DataPath) -> bool {
+    path == DataPath::Batch
+}
+
 /// Whether `spec` (its zero copy decided) serves a loop file with zero copy.
 pub fn zero_copy(spec: &DeviceSpec) -> bool {
     matches!(spec.target, TargetSpec::Loop { zero_copy: Some(true), .. })
