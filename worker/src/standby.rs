@@ -97,6 +97,7 @@ impl Standby {
             target: self.target,
             generation,
             zero_copy: setup.zero_copy,
+            data_path: setup.data_path,
         })
     }
 }

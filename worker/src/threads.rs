@@ -147,6 +147,7 @@ impl ThreadSet {
                 source,
             })?;
         let (control_go, go) = mpsc::channel::<u64>();
+        let per_io = setup.data_path == msg::DataPath::PerIo;
         let control_raw = control.as_raw_fd();
         let rings = if setup.fast_release { ring_fds.clone() } else { Vec::new() };
         std::thread::Builder::new()
@@ -155,7 +156,7 @@ impl ThreadSet {
                 // A standby that is let go never gets here: the main thread reads the
                 // socket until activation, then hands it over.
                 let Ok(generation) = go.recv() else { return };
-                hooks::on_serving(generation);
+                hooks::on_serving(generation, per_io);
                 // SAFETY: the control socket is owned by `main`'s frame, which never
                 // returns while the worker serves (it parks), so the fd stays open.
                 let control = unsafe { BorrowedFd::borrow_raw(control_raw) };

@@ -40,7 +40,6 @@ pub fn elem_format(zero_copy: bool) -> ElemFormat {
 /// wait for rings to be created.
 pub struct StandbyRing {
     ring: IoUring<squeue::Entry, cqueue::Entry>,
-    path: DataPath,
     plan: ThreadPlan,
     queues: Vec<QueueState>,
     nr_tags: usize,
@@ -115,7 +114,7 @@ impl StandbyRing {
             ring.submitter().register_enable_rings().map_err(ring_err)?;
         }
         let nr_tags = usize::from(nr_queues) * usize::from(depth);
-        Ok(StandbyRing { ring, path: setup.data_path, plan, queues, nr_tags, entries })
+        Ok(StandbyRing { ring, plan, queues, nr_tags, entries })
     }
 
     /// The ring's fd, for the supervisor (see `msg::FromWorker::Standby`).
@@ -129,14 +128,6 @@ impl StandbyRing {
         let ring_err = |source| LoopError::Ring { thread, source };
         let ring = self.ring;
         ring.submitter().register_files_update(UBLKC_FIXED_FD, &[ublkc]).map_err(ring_err)?;
-        Ok(QueueThread::new(
-            ring,
-            dev,
-            self.path,
-            self.plan,
-            self.queues,
-            self.nr_tags,
-            self.entries,
-        ))
+        Ok(QueueThread::new(ring, dev, self.plan, self.queues, self.nr_tags, self.entries))
     }
 }

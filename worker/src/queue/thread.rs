@@ -88,11 +88,11 @@ pub struct QueueThread {
 
 impl QueueThread {
     /// The loop of `plan` on `ring` (`entries` SQEs, the device registered), serving
-    /// `queues` of `dev`, which has `nr_tags` tags in all, with the commands of `path`.
+    /// `queues` of `dev`, which has `nr_tags` tags in all, with the commands of its
+    /// data path.
     pub fn new(
         ring: IoUring<squeue::Entry, cqueue::Entry>,
         dev: Arc<Device>,
-        path: DataPath,
         plan: ThreadPlan,
         queues: Vec<QueueState>,
         nr_tags: usize,
@@ -100,7 +100,7 @@ impl QueueThread {
     ) -> Self {
         QueueThread {
             ring,
-            path,
+            path: dev.data_path,
             plan,
             queues,
             reqs: vec![None; nr_tags],
