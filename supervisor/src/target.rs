@@ -253,6 +253,8 @@ mod tests {
         assert_eq!(flags, DEVICE_FLAGS, "{flags:#x}");
         let batched = device_flags(&loop_spec(Some(false)), features | uapi::UBLK_F_BATCH_IO);
         assert_eq!(batched, DEVICE_FLAGS | uapi::UBLK_F_BATCH_IO);
+        assert!(!fast_release_supported(DataPath::for_kernel(features)));
+        assert!(fast_release_supported(DataPath::for_kernel(features | uapi::UBLK_F_BATCH_IO)));
     }
 
     #[test]
