@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
 use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
 use crate::shm::{CounterSnapshot, DevLatency, LatencySnapshot};
 
+mod data_path;
 mod frame;
+pub use data_path::DataPath;
 pub use frame::{read_frame, read_response, write_frame, write_response};
 
 /// The most fds one message may carry.
@@ -100,6 +102,8 @@ pub struct WorkerSetup {
     /// SINGLE_ISSUER, so without DEFER_TASKRUN); otherwise they use DEFER_TASKRUN and
     /// a recovery waits for the kernel's teardown of the dead worker's rings.
     pub fast_release: bool,
+    /// The ublk commands the device was created for (see [`DataPath`]).
+    pub data_path: DataPath,
 }
 
 impl WorkerSetup {
@@ -604,6 +608,7 @@ mod tests {
             block_size: 4096,
             zero_copy: true,
             fast_release: true,
+            data_path: DataPath::PerIo,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();
         let f2 = std::fs::File::open("/dev/zero").unwrap();

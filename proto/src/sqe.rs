@@ -1,13 +1,14 @@
-//! The io_uring SQEs of ublk's batch I/O commands on `/dev/ublkcN`: PREP and COMMIT
-//! (the batch header in the command area, the elements at `addr`) and the multishot
-//! FETCH, whose two flags the `io-uring` crate cannot set (`uring_cmd_flags` and
-//! `buf_group`), so they are written into the SQE's bytes here, at the offsets of the
-//! kernel's `struct io_uring_sqe`.
+//! The io_uring SQEs of ublk's I/O commands on `/dev/ublkcN`: the batch commands PREP
+//! and COMMIT (the batch header in the command area, the elements at `addr`) and the
+//! multishot FETCH, whose two flags the `io-uring` crate cannot set (`uring_cmd_flags`
+//! and `buf_group`), so they are written into the SQE's bytes here, at the offsets of
+//! the kernel's `struct io_uring_sqe`; and the per-I/O commands FETCH_REQ and
+//! COMMIT_AND_FETCH_REQ (a `struct ublksrv_io_cmd` in the command area).
 
 use io_uring::{opcode, squeue, types};
 
 use crate::batch::MAX_TAGS_PER_FETCH;
-use crate::uapi::{self, AsBytes, UblkBatchIo};
+use crate::uapi::{self, AsBytes, UblkBatchIo, UblksrvIoCmd};
 
 // `struct io_uring_sqe` offsets of the two fields set by hand.
 const SQE_URING_CMD_FLAGS: usize = 28;
@@ -28,6 +29,15 @@ pub fn batch_cmd(ublkc: u32, cmd_op: u32, header: UblkBatchIo, elems: &[u8]) -> 
         .cmd(command_area(header))
         .addr(Some(elems.as_ptr() as u64))
         .build()
+}
+
+/// A per-I/O command (`cmd_op`: `UBLK_U_IO_FETCH_REQ` or
+/// `UBLK_U_IO_COMMIT_AND_FETCH_REQ`) on the registered file `ublkc`. Everything the
+/// kernel needs is in the command area: nothing outside the SQE must stay alive.
+pub fn io_cmd(ublkc: u32, cmd_op: u32, cmd: UblksrvIoCmd) -> squeue::Entry {
+    let mut area = [0u8; 16];
+    area.copy_from_slice(cmd.as_bytes());
+    opcode::UringCmd16::new(types::Fixed(ublkc), cmd_op).cmd(area).build()
 }
 
 /// A multishot FETCH for queue `q_id` (of depth `depth`) on the registered file
@@ -80,6 +90,23 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([raw[48], raw[49]]), 3, "q_id in the command area");
         assert_eq!(u16::from_ne_bytes([raw[52], raw[53]]), 128, "nr_elem capped at one CQE's tags");
         assert_eq!(raw[54], 2, "elem_bytes: one u16 tag");
+    }
+
+    #[test]
+    fn io_cmd_carries_queue_tag_result_and_buffer_in_the_command_area() {
+        let cmd = UblksrvIoCmd { q_id: 2, tag: 17, result: -5, addr: 0x7f00_1000 };
+        let raw = bytes(io_cmd(1, uapi::UBLK_U_IO_COMMIT_AND_FETCH_REQ, cmd));
+        assert_eq!(raw[0], opcode::UringCmd16::CODE);
+        assert_ne!(raw[1] & 1, 0, "IOSQE_FIXED_FILE");
+        assert_eq!(i32::from_ne_bytes(raw[4..8].try_into().unwrap()), 1, "the fixed file");
+        assert_eq!(
+            u32::from_ne_bytes(raw[8..12].try_into().unwrap()),
+            uapi::UBLK_U_IO_COMMIT_AND_FETCH_REQ
+        );
+        assert_eq!(u16::from_ne_bytes([raw[48], raw[49]]), 2);
+        assert_eq!(u16::from_ne_bytes([raw[50], raw[51]]), 17);
+        assert_eq!(i32::from_ne_bytes(raw[52..56].try_into().unwrap()), -5);
+        assert_eq!(u64::from_ne_bytes(raw[56..64].try_into().unwrap()), 0x7f00_1000);
     }
 
     #[test]

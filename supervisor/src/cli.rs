@@ -196,9 +196,10 @@ pub enum UblkctlCommand {
     /// Delete every device, then stop ublkd (what removing the package does). A stop
     /// or restart of ublkd (SIGTERM, `systemctl stop`) keeps the devices; this does not.
     Shutdown,
-    /// List the ublk features this kernel supports, one per line (no daemon needed).
+    /// List the ublk features this kernel supports, one per line (no daemon needed),
+    /// and on stderr the data path its devices get: "batched (BATCH_IO)" or "per-I/O".
     Features {
-        /// Print one JSON object: {"mask":"0x…","features":[…]}.
+        /// Print one JSON object: {"mask":"0x…","features":[…],"data_path":"…"}.
         #[arg(long)]
         json: bool,
     },

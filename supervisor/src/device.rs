@@ -164,7 +164,7 @@ impl Device {
             queue_depth: spec.settings.queue_depth,
             max_io_buf_bytes: MAX_IO_BUF_BYTES,
             dev_id: spec.id.unwrap_or(AUTO_DEV_ID),
-            flags: device_flags(spec),
+            flags: device_flags(spec, ctx.kernel_features),
             ublksrv_flags: OWNER_TAG,
             ..UblksrvCtrlDevInfo::default()
         };

@@ -1,6 +1,9 @@
-//! `ublkctl features`: the kernel's ublk feature mask, for people and for scripts.
+//! The kernel's ublk feature mask: what `ublkctl features` shows (for people and for
+//! scripts), which features ublkd requires (`ublkd --check-kernel`, and ublkd's start),
+//! and which data path the kernel gets.
 
 use serde::Serialize;
+use ublkd_proto::msg::DataPath;
 use ublkd_proto::uapi;
 
 /// The JSON shape of `ublkctl features --json`.
@@ -9,6 +12,8 @@ struct FeaturesJson {
     /// The raw mask, as hex (`"0xfffff"`), so no reader loses bits to float parsing.
     mask: String,
     features: Vec<String>,
+    /// [`DataPath::describe`] of the path ublkd serves this kernel's devices with.
+    data_path: &'static str,
 }
 
 /// One supported feature name per line, in bit order (unknown bits as `BIT_n`).
@@ -16,24 +21,38 @@ pub fn render_text(mask: u64) -> String {
     uapi::features(mask).iter().map(|f| format!("{f}\n")).collect()
 }
 
-/// `{"mask":"0x…","features":["…",…]}`.
+/// `{"mask":"0x…","features":["…",…],"data_path":"…"}`.
 pub fn render_json(mask: u64) -> String {
     let json = FeaturesJson {
         mask: format!("{mask:#x}"),
         features: uapi::features(mask).iter().map(ToString::to_string).collect(),
+        data_path: DataPath::for_kernel(mask).describe(),
     };
     serde_json::to_string(&json).expect("a struct of strings always serializes")
 }
 
+/// The oldest kernel ublkd serves on: the first with GET_FEATURES (6.5), which also
+/// has every flag of [`REQUIRED`]. `UBLK_F_BATCH_IO` (7.0) is not required: without
+/// it the device is served by the per-I/O commands ([`DataPath::PerIo`]).
+pub const MIN_KERNEL: &str = "Linux 6.5";
+
 /// The features ublkd requires of the kernel, with the reason each is needed.
 pub const REQUIRED: [(u64, &str); 3] = [
-    (uapi::UBLK_F_BATCH_IO, "the batched multishot data path (Linux >= 7.0)"),
     (uapi::UBLK_F_USER_RECOVERY, "crash recovery of a device when its worker dies"),
     (
         uapi::UBLK_F_USER_RECOVERY_REISSUE,
         "reissuing in-flight I/O to the new worker, so none fails",
     ),
+    (uapi::UBLK_F_CMD_IOCTL_ENCODE, "the ioctl-encoded commands ublkd sends (UBLK_U_*)"),
 ];
+
+/// What `ublkd --check-kernel` says of a kernel with every required feature.
+pub fn summary(mask: u64) -> String {
+    format!(
+        "kernel ublk features {mask:#x}: everything ublkd needs is there; data path: {}",
+        DataPath::for_kernel(mask).describe()
+    )
+}
 
 /// The required features missing from `mask`, each with why ublkd needs it.
 pub fn missing_required(mask: u64) -> Vec<String> {
@@ -42,7 +61,7 @@ pub fn missing_required(mask: u64) -> Vec<String> {
         .filter(|(flag, _)| mask & flag == 0)
         .map(|(flag, why)| {
             let name = uapi::feature_names(*flag).first().copied().unwrap_or("?");
-            format!("UBLK_F_{name} (needed for {why})")
+            format!("UBLK_F_{name} (needed for {why}; ublkd needs {MIN_KERNEL} or newer)")
         })
         .collect()
 }
@@ -63,16 +82,28 @@ mod tests {
         let mask = uapi::UBLK_F_BATCH_IO | (1 << 63);
         assert_eq!(
             render_json(mask),
-            r#"{"mask":"0x8000000000008000","features":["BATCH_IO","BIT_63"]}"#
+            r#"{"mask":"0x8000000000008000","features":["BATCH_IO","BIT_63"],"data_path":"batched (BATCH_IO)"}"#
         );
+    }
+
+    #[test]
+    fn json_and_summary_name_the_per_io_path_without_batch_io() {
+        let mask_6_12 = 0xfc | uapi::UBLK_F_CMD_IOCTL_ENCODE;
+        assert!(missing_required(mask_6_12).is_empty());
+        assert!(render_json(mask_6_12).ends_with(r#""data_path":"per-I/O"}"#));
+        assert!(summary(mask_6_12).ends_with("data path: per-I/O"), "{}", summary(mask_6_12));
+        let mask_7 = mask_6_12 | uapi::UBLK_F_BATCH_IO;
+        assert!(summary(mask_7).ends_with("data path: batched (BATCH_IO)"));
     }
 
     #[test]
     fn missing_required_names_each_absent_flag() {
         let all = REQUIRED.iter().fold(0, |m, (f, _)| m | f);
         assert!(missing_required(all).is_empty());
-        let missing = missing_required(all & !uapi::UBLK_F_BATCH_IO);
+        assert!(missing_required(all & !uapi::UBLK_F_BATCH_IO).is_empty());
+        let missing = missing_required(all & !uapi::UBLK_F_USER_RECOVERY_REISSUE);
         assert_eq!(missing.len(), 1);
-        assert!(missing[0].starts_with("UBLK_F_BATCH_IO (needed for"), "{missing:?}");
+        assert!(missing[0].starts_with("UBLK_F_USER_RECOVERY_REISSUE (needed for"), "{missing:?}");
+        assert!(missing[0].ends_with("ublkd needs Linux 6.5 or newer)"), "{missing:?}");
     }
 }

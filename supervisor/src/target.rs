@@ -1,6 +1,7 @@
 //! What a device is made of besides its worker: the flags and kernel parameters it is
-//! created with, whether it uses zero copy, and the files its workers are given (the
-//! target's data and `/dev/ublkcN`).
+//! created with (among them its data path: batched where the kernel has
+//! `UBLK_F_BATCH_IO`, per-I/O otherwise), whether it uses zero copy, and the files its
+//! workers are given (the target's data and `/dev/ublkcN`).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_proto::msg::DataPath;
 use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
 
 use crate::nbd::{self, ExportInfo, NbdError};
@@ -24,7 +26,10 @@ pub enum TargetError {
     Backing { id: u32, path: PathBuf, source: io::Error },
     #[error("device {id}: {} did not appear: {source}", path.display())]
     CharDev { id: u32, path: PathBuf, source: io::Error },
-    #[error("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG (Linux >= 6.16), which it lacks")]
+    #[error(
+        "zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG with the batched data path \
+         (UBLK_F_BATCH_IO, Linux >= 7.0), which it lacks"
+    )]
     ZeroCopyUnsupported,
     #[error("cannot use the nbd export {uri}: {source}")]
     Nbd { uri: String, source: Box<NbdError> },
@@ -56,14 +61,34 @@ pub fn check_servable(spec: &DeviceSpec) -> Result<(), TargetError> {
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
 
-/// The feature flags every ublkd device is created with.
-pub const DEVICE_FLAGS: u64 =
-    uapi::UBLK_F_BATCH_IO | uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
+/// The feature flags every ublkd device is created with. Not NEED_GET_DATA: WRITE
+/// data is copied into the tag's buffer before the request is delivered.
+pub const DEVICE_FLAGS: u64 = uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
 
-/// The flags of a device: [`DEVICE_FLAGS`], and automatic buffer registration for a
-/// zero-copy loop device.
-pub fn device_flags(spec: &DeviceSpec) -> u64 {
-    if zero_copy(spec) { DEVICE_FLAGS | uapi::UBLK_F_AUTO_BUF_REG } else { DEVICE_FLAGS }
+/// The flags of a device on a kernel with `kernel_features`: [`DEVICE_FLAGS`],
+/// `UBLK_F_BATCH_IO` where the kernel has it (the batched data path, see
+/// [`DataPath::for_kernel`]), and automatic buffer registration for a zero-copy loop
+/// device.
+pub fn device_flags(spec: &DeviceSpec, kernel_features: u64) -> u64 {
+    let mut flags = DEVICE_FLAGS;
+    if DataPath::for_kernel(kernel_features) == DataPath::Batch {
+        flags |= uapi::UBLK_F_BATCH_IO;
+    }
+    if zero_copy(spec) {
+        flags |= uapi::UBLK_F_AUTO_BUF_REG;
+    }
+    flags
+}
+
+/// Whether a device served with `path` may use `recovery.fast_release` (ublkd
+/// unregistering `/dev/ublkcN` from its copy of a dead worker's rings). Only on the
+/// batched path: the per-I/O path runs on older kernels (6.12), whose io_uring makes
+/// that unregistration wait for every command still in the ring, and a dead worker's
+/// FETCH_REQs stay there for as long as ublkd holds the ring, so ublkd's loop would
+/// block for good (seen in the test VM: ublkd stuck in `io_rsrc_ref_quiesce`). Those
+/// devices are released by the rings' teardown instead.
+pub fn fast_release_supported(path: DataPath) -> bool {
+    path == DataPath::Batch
 }
 
 /// Whether `spec` (its zero copy decided) serves a loop file with zero copy.
@@ -71,15 +96,18 @@ pub fn zero_copy(spec: &DeviceSpec) -> bool {
     matches!(spec.target, TargetSpec::Loop { zero_copy: Some(true), .. })
 }
 
-/// `spec` with its zero copy decided: asked for, it needs the kernel's AUTO_BUF_REG;
-/// left unset, a loop device gets it where the kernel has it and the device fits a
-/// ring's buffer table (zero copy is faster than copying each request's data).
+/// `spec` with its zero copy decided: asked for, it needs the kernel's AUTO_BUF_REG
+/// and the batched data path (the per-I/O path copies: it is what kernels without
+/// BATCH_IO get, and ublkd does not register buffers on it); left unset, a loop device
+/// gets it where the kernel has both and the device fits a ring's buffer table (zero
+/// copy is faster than copying each request's data).
 pub fn decide_zero_copy(
     spec: &DeviceSpec,
     kernel_features: u64,
 ) -> Result<DeviceSpec, TargetError> {
     let mut spec = spec.clone();
-    let has = kernel_features & uapi::UBLK_F_AUTO_BUF_REG != 0;
+    let has = kernel_features & uapi::UBLK_F_AUTO_BUF_REG != 0
+        && DataPath::for_kernel(kernel_features) == DataPath::Batch;
     let fits = spec.fits_zero_copy();
     if let TargetSpec::Loop { zero_copy, .. } = &mut spec.target {
         match zero_copy {
@@ -232,7 +260,7 @@ mod tests {
 
     #[test]
     fn zero_copy_by_default_only_where_the_kernel_has_it_and_the_device_fits() {
-        let all = uapi::UBLK_F_AUTO_BUF_REG;
+        let all = uapi::UBLK_F_AUTO_BUF_REG | uapi::UBLK_F_BATCH_IO;
         assert_eq!(decided(&loop_spec(None), all), Some(true));
         assert_eq!(decided(&loop_spec(None), 0), Some(false));
         let mut big = loop_spec(None);
@@ -244,8 +272,24 @@ mod tests {
             decide_zero_copy(&loop_spec(Some(true)), 0),
             Err(TargetError::ZeroCopyUnsupported)
         ));
-        assert_eq!(device_flags(&loop_spec(Some(true))) & all, all);
-        assert_eq!(device_flags(&loop_spec(Some(false))) & all, 0);
+        let zc = uapi::UBLK_F_AUTO_BUF_REG;
+        assert_eq!(device_flags(&loop_spec(Some(true)), all) & zc, zc);
+        assert_eq!(device_flags(&loop_spec(Some(false)), all) & zc, 0);
+    }
+
+    #[test]
+    fn without_batch_io_devices_get_the_per_io_path_and_no_zero_copy() {
+        // Linux 6.16+: AUTO_BUF_REG without BATCH_IO.
+        let features = uapi::UBLK_F_AUTO_BUF_REG | DEVICE_FLAGS;
+        assert_eq!(decided(&loop_spec(None), features), Some(false));
+        let refused = decide_zero_copy(&loop_spec(Some(true)), features).unwrap_err();
+        assert!(refused.to_string().contains("UBLK_F_BATCH_IO"), "{refused}");
+        let flags = device_flags(&loop_spec(Some(false)), features);
+        assert_eq!(flags, DEVICE_FLAGS, "{flags:#x}");
+        let batched = device_flags(&loop_spec(Some(false)), features | uapi::UBLK_F_BATCH_IO);
+        assert_eq!(batched, DEVICE_FLAGS | uapi::UBLK_F_BATCH_IO);
+        assert!(!fast_release_supported(DataPath::for_kernel(features)));
+        assert!(fast_release_supported(DataPath::for_kernel(features | uapi::UBLK_F_BATCH_IO)));
     }
 
     #[test]

@@ -11,12 +11,12 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ublkd_proto::uapi::UBLK_F_AUTO_BUF_REG;
+use ublkd_proto::uapi::{UBLK_F_AUTO_BUF_REG, UBLK_F_BATCH_IO};
 
 use common::{
     FioJob, Mount, Ublkd, assert_fio_clean, block_dev, fd_targets, fio, fio_args, fio_verify_args,
-    holders, kernel_devices, pattern, pid_exists, run, run_ok, serial, sha256, sparse_file,
-    ublk_nodes, worker_pids, write_file,
+    holders, kernel_devices, kernel_features, pattern, pid_exists, run, run_ok, serial, sha256,
+    sparse_file, ublk_nodes, worker_pids, write_file,
 };
 
 const MIB: u64 = 1 << 20;
@@ -62,8 +62,18 @@ fn loop_device_passes_fio_verify() {
     sparse_file(&backing, 256 * MIB);
     let ublkd = Ublkd::start("loop-verify");
     let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
-    // The test VM's kernel has AUTO_BUF_REG: a loop device is zero-copy by default.
-    assert_ne!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "not zero copy by default");
+    // Where the kernel has AUTO_BUF_REG and BATCH_IO (7.x) a loop device is zero-copy
+    // and batched by default; on 6.12 it is neither (the per-I/O path copies).
+    let features = kernel_features();
+    let zero_copy_and_batch = UBLK_F_AUTO_BUF_REG | UBLK_F_BATCH_IO;
+    let expected =
+        if features & zero_copy_and_batch == zero_copy_and_batch { zero_copy_and_batch } else { 0 };
+    let flags = kernel_flags(&ublkd, id);
+    assert_eq!(
+        flags & zero_copy_and_batch,
+        expected,
+        "device flags {flags:#x} on a kernel with features {features:#x}"
+    );
 
     fio_verify(&block_dev(id), 16 * MIB);
 
@@ -245,17 +255,27 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
     let own_rings = io_urings(ublkd.pid());
     // More threads than queues: a tag may come back through another thread's ring, so
     // every ring must have the same buffer table layout.
-    let id = ublkd.add(&[
-        "-t",
-        "loop",
-        "-f",
-        backing.to_str().unwrap(),
-        "--zero-copy",
-        "-q",
-        "2",
-        "--threads",
-        "3",
-    ]);
+    let args =
+        ["-t", "loop", "-f", backing.to_str().unwrap(), "--zero-copy", "-q", "2", "--threads", "3"];
+    // Zero copy needs AUTO_BUF_REG and the batched path (7.x): elsewhere (6.12) the
+    // device is refused, saying why, and nothing is left behind.
+    let needed = UBLK_F_AUTO_BUF_REG | UBLK_F_BATCH_IO;
+    if kernel_features() & needed != needed {
+        let before = kernel_devices();
+        let out = ublkd.ctl(&["add"].iter().chain(&args).copied().collect::<Vec<_>>());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--zero-copy was accepted without the kernel's support");
+        assert!(
+            stderr.contains("zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG")
+                && stderr.contains("UBLK_F_BATCH_IO"),
+            "the refusal does not say why: {stderr}"
+        );
+        assert_eq!(kernel_devices(), before, "a refused device was left");
+        ublkd.stop();
+        std::fs::remove_file(&backing).unwrap();
+        return;
+    }
+    let id = ublkd.add(&args);
     assert_ne!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "not a zero-copy device");
     // recovery.fast_release (the default): ublkd holds a copy of each of the worker's
     // three rings (and of its standby's, once that is up), to take the device and the

@@ -165,6 +165,8 @@ pub struct Device {
     /// `UBLK_F_AUTO_BUF_REG`: requests' pages arrive registered in the fetching ring
     /// (see `WorkerSetup::zero_copy`); `bufs` is not used for their data.
     pub zero_copy: bool,
+    /// The ublk commands the queue threads use (see `queue`).
+    pub data_path: ublkd_proto::msg::DataPath,
 }
 
 impl std::fmt::Debug for Device {

@@ -21,6 +21,13 @@ mod imp {
 
     use super::ThreadStart;
     use crate::attack;
+
+    /// On the per-I/O path (Linux 6.12), how long the attacks wait once the worker
+    /// serves before they end it: seen in the 6.12 VM, a device whose server dies while
+    /// START_DEV runs stays LIVE without a server and is never released for recovery,
+    /// and these attacks would otherwise end the worker exactly then. A real crash in
+    /// that window is the kernel's limitation (README, "Kernel requirements").
+    const PER_IO_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
     use crate::device::Device;
     use crate::queue::user_data::UserData;
 
@@ -36,12 +43,15 @@ mod imp {
         }
     }
 
-    /// On the control thread once the device `generation` is served: the first
-    /// incarnation makes the requested process-level attack.
-    pub fn on_serving(generation: u64) {
+    /// On the control thread once the device `generation` is served (`per_io`: on the
+    /// per-I/O path): the first incarnation makes the requested process-level attack.
+    pub fn on_serving(generation: u64, per_io: bool) {
         if let Some(&(name, supervisor)) = ATTACK.get()
             && generation == 1
         {
+            if per_io {
+                std::thread::sleep(PER_IO_SETTLE);
+            }
             attack::run(name, supervisor);
         }
     }
@@ -52,6 +62,9 @@ mod imp {
         let mut start = ThreadStart::default();
         if dev.generation != 1 || thread != 0 {
             return start;
+        }
+        if attack::requested().is_some() && dev.data_path == ublkd_proto::msg::DataPath::PerIo {
+            std::thread::sleep(PER_IO_SETTLE);
         }
         match attack::requested() {
             // Ask the ring to open a host file: its restrictions must refuse.
@@ -116,7 +129,7 @@ mod imp {
     pub fn before_sandbox() {}
 
     #[inline(always)]
-    pub fn on_serving(_generation: u64) {}
+    pub fn on_serving(_generation: u64, _per_io: bool) {}
 
     #[inline(always)]
     pub fn on_thread_start(_dev: &Device, _thread: usize, _ring_fd: RawFd) -> ThreadStart {

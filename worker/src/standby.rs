@@ -4,7 +4,7 @@
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
-use ublkd_proto::msg::WorkerSetup;
+use ublkd_proto::msg::{DataPath, WorkerSetup};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
 
 use crate::device::{self, DescArray, Device, TagBuffers};
@@ -15,6 +15,8 @@ use crate::target::{self, TargetError};
 pub enum StandbyError {
     #[error("setup has a zero dimension: {0:?}")]
     ZeroDimension(Box<WorkerSetup>),
+    #[error("zero copy needs the batched data path; this device is served per-I/O")]
+    ZeroCopyPerIo,
     #[error("max_io_buf_bytes {0} is not a positive multiple of the page")]
     BufBytes(usize),
     #[error(transparent)]
@@ -45,6 +47,10 @@ impl Standby {
     ) -> Result<Standby, StandbyError> {
         if setup.nr_queues == 0 || setup.queue_depth == 0 || setup.nr_threads == 0 {
             return Err(StandbyError::ZeroDimension(Box::new(setup.clone())));
+        }
+        // The per-I/O commands name a buffer address, never a buffer index.
+        if setup.zero_copy && setup.data_path == DataPath::PerIo {
+            return Err(StandbyError::ZeroCopyPerIo);
         }
         let page = device::page_size();
         let buf_bytes = setup.max_io_buf_bytes as usize;
@@ -91,6 +97,7 @@ impl Standby {
             target: self.target,
             generation,
             zero_copy: setup.zero_copy,
+            data_path: setup.data_path,
         })
     }
 }

@@ -11,7 +11,7 @@ use ublkd_proto::msg::{self, FromWorker, MsgError, ToWorker, WorkerSetup};
 
 use crate::device::Device;
 use crate::hooks;
-use crate::queue::{self, LoopError, QueueThread, StandbyRing, plan};
+use crate::queue::{self, LoopError, QueueThread, StandbyRing, plan_for};
 
 /// Why the worker's threads cannot be started or activated.
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +56,15 @@ impl ThreadSet {
         control: &OwnedFd,
         restricted: bool,
     ) -> Result<Self, ThreadError> {
-        let mut plans = plan(setup.nr_threads, setup.nr_queues);
+        let mut plans = plan_for(setup.data_path, setup.nr_threads, setup.nr_queues);
+        if plans.len() < usize::from(setup.nr_threads) {
+            tracing::info!(
+                dev_id = setup.dev_id,
+                "per-I/O data path: {} threads asked, {} serve (one per queue)",
+                setup.nr_threads,
+                plans.len()
+            );
+        }
         let nr_threads = plans.len();
         let barrier = Arc::new(Barrier::new(nr_threads));
         let target_fd = target_file.map(|f| f.as_raw_fd());
@@ -139,6 +147,7 @@ impl ThreadSet {
                 source,
             })?;
         let (control_go, go) = mpsc::channel::<u64>();
+        let per_io = setup.data_path == msg::DataPath::PerIo;
         let control_raw = control.as_raw_fd();
         let rings = if setup.fast_release { ring_fds.clone() } else { Vec::new() };
         std::thread::Builder::new()
@@ -147,7 +156,7 @@ impl ThreadSet {
                 // A standby that is let go never gets here: the main thread reads the
                 // socket until activation, then hands it over.
                 let Ok(generation) = go.recv() else { return };
-                hooks::on_serving(generation);
+                hooks::on_serving(generation, per_io);
                 // SAFETY: the control socket is owned by `main`'s frame, which never
                 // returns while the worker serves (it parks), so the fd stays open.
                 let control = unsafe { BorrowedFd::borrow_raw(control_raw) };

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, TargetKind};
+use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, DataPath, TargetKind};
 use ublkd_supervisor::cli::{Target, UblkctlCli, UblkctlCommand as Command};
 use ublkd_supervisor::metrics::{self, Format};
 use ublkd_supervisor::{exit, features, logging, render};
@@ -225,6 +225,8 @@ fn cmd_features(json: bool) -> ExitCode {
         println!("{}", features::render_json(mask));
     } else {
         print!("{}", features::render_text(mask));
+        // Beside the list, not in it: stdout stays one feature name per line.
+        eprintln!("data path: {}", DataPath::for_kernel(mask).describe());
     }
     ExitCode::SUCCESS
 }

@@ -66,12 +66,16 @@ fn check_kernel() -> ExitCode {
     let mask = match CtrlClient::open().and_then(|c| c.get_features()) {
         Ok(mask) => mask,
         Err(e) => {
-            eprintln!("ublkd: {e}");
-            let c = if matches!(e, ublkd_proto::ctrl::CtrlError::NoDriver { .. }) {
-                exit::NO_UBLK
-            } else {
-                exit::FAILURE
+            let c = match e {
+                ublkd_proto::ctrl::CtrlError::NoDriver { .. } => exit::NO_UBLK,
+                // GET_FEATURES came with Linux 6.5, ublkd's oldest kernel.
+                ublkd_proto::ctrl::CtrlError::Kernel { .. } => {
+                    eprintln!("ublkd: {e}: ublkd needs {} or newer", features::MIN_KERNEL);
+                    return code(exit::MISSING_FEATURE);
+                }
+                _ => exit::FAILURE,
             };
+            eprintln!("ublkd: {e}");
             return code(c);
         }
     };
@@ -80,7 +84,7 @@ fn check_kernel() -> ExitCode {
         eprintln!("ublkd: this kernel's ublk driver lacks {}", missing.join(", "));
         return code(exit::MISSING_FEATURE);
     }
-    println!("ublkd: kernel ublk features {mask:#x}: everything ublkd needs is there");
+    println!("ublkd: {}", features::summary(mask));
     ExitCode::SUCCESS
 }
 

@@ -37,7 +37,8 @@ impl Device {
         }
         let spec = rec.spec().map_err(not_ours)?;
         // The worker's batch elements depend on it: a mismatch would fail every PREP.
-        if info.flags & uapi::UBLK_F_AUTO_BUF_REG != device_flags(&spec) & uapi::UBLK_F_AUTO_BUF_REG
+        if info.flags & uapi::UBLK_F_AUTO_BUF_REG
+            != device_flags(&spec, ctx.kernel_features) & uapi::UBLK_F_AUTO_BUF_REG
         {
             return Err(not_ours("its zero-copy flag differs from ublkd's record".into()));
         }

@@ -5,10 +5,10 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use ublkd_config::TargetSpec;
-use ublkd_proto::msg::{Activation, TargetSetup, WorkerSetup};
+use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
-use crate::target::{MAX_IO_BUF_BYTES, open_char_dev, zero_copy};
+use crate::target::{MAX_IO_BUF_BYTES, fast_release_supported, open_char_dev, zero_copy};
 use crate::worker::{AttachClaim, Worker, WorkerSandbox};
 
 impl Device {
@@ -36,6 +36,8 @@ impl Device {
             optional: self.spec.settings.sandbox_optional,
         });
         let mut worker = Worker::spawn(&ctx.worker_binary, id, sandbox).map_err(worker_err)?;
+        // The kernel's, as at the device's creation (`target::device_flags`).
+        let data_path = DataPath::for_kernel(ctx.kernel_features);
         let setup = WorkerSetup {
             dev_id: id,
             size_bytes: self.spec.size_bytes,
@@ -53,8 +55,11 @@ impl Device {
                 TargetSpec::Nbd { .. } => TargetSetup::FailIo,
             },
             zero_copy: zero_copy(&self.spec),
-            fast_release: ctx.fast_release && self.fast_release_is_safe(),
+            fast_release: ctx.fast_release
+                && self.fast_release_is_safe()
+                && fast_release_supported(data_path),
             block_size: self.spec.settings.block_size,
+            data_path,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {

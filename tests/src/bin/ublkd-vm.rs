@@ -49,7 +49,8 @@ impl KernelArg {
 enum Cmd {
     /// Download (if not cached) the newest cloud kernel of the series (sid's >= 7.0:
     /// linux-binary, -modules, -base; 6.12: linux-image) and sid's linux-libc-dev into
-    /// the cache; make it the kernel `run` boots for that series.
+    /// the cache; make it the kernel `run` boots for that series. Without --kernel (and
+    /// $UBLKD_VM_KERNEL), both series: the tests run on both.
     Fetch {
         #[command(flatten)]
         kernel: KernelArg,
@@ -100,14 +101,25 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Fetch { kernel } => {
-            let series = match kernel.series() {
-                Ok(s) => s,
-                Err(e) => return fail(exit::SETUP_FAILED, &e),
+            // Neither --kernel nor $UBLKD_VM_KERNEL: every series.
+            let series = if kernel.kernel.is_none() && matches!(Series::from_env(), Ok(None)) {
+                Series::ALL.to_vec()
+            } else {
+                match kernel.series() {
+                    Ok(s) => vec![s],
+                    Err(e) => return fail(exit::SETUP_FAILED, &e),
+                }
             };
-            match Cache::from_env().map_err(Into::into).and_then(|c| kernel::fetch(&c, series)) {
-                Ok(_) => ExitCode::SUCCESS,
-                Err(e) => fail_kernel(e),
+            let cache = match Cache::from_env() {
+                Ok(c) => c,
+                Err(e) => return fail_kernel(e.into()),
+            };
+            for s in series {
+                if let Err(e) = kernel::fetch(&cache, s) {
+                    return fail_kernel(e);
+                }
             }
+            ExitCode::SUCCESS
         }
         Cmd::UapiInclude { kernel } => {
             let series = match kernel.series() {

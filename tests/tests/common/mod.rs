@@ -26,6 +26,22 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The kernel's ublk feature mask (GET_FEATURES): what a test that depends on a
+/// feature asks before it decides what to assert (a refusal where it is missing).
+#[allow(dead_code)]
+pub fn kernel_features() -> u64 {
+    CtrlClient::open()
+        .and_then(|c| c.get_features())
+        .expect("GET_FEATURES must work: run these tests in the test VM")
+}
+
+/// Whether the kernel has `UBLK_F_BATCH_IO` (Linux >= 7.0), so ublkd serves its
+/// devices with the batched data path and offers zero copy.
+#[allow(dead_code)]
+pub fn kernel_has_batch_io() -> bool {
+    kernel_features() & ublkd_proto::uapi::UBLK_F_BATCH_IO != 0
+}
+
 /// A workspace binary: they sit two levels above this test binary (target/debug/deps).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();

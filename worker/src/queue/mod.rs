@@ -1,14 +1,20 @@
 //! The worker's queue threads: which queues each serves ([`plan`](mod@plan)), its ring
-//! made while standing by ([`ring`]), and its io_uring loop ([`thread`]): PREP its
-//! queues, keep a multishot FETCH armed on each queue it serves, run the target for
-//! every delivered tag, and COMMIT results in batches (one COMMIT per queue per loop
-//! turn).
+//! made while standing by ([`ring`]), and its io_uring loop ([`thread`]), which runs
+//! the target for every request the kernel delivers, with one of two sets of ublk
+//! commands (the device's [`DataPath`](ublkd_proto::msg::DataPath)):
+//! - [`batched`] (`UBLK_F_BATCH_IO`, Linux >= 7.0): PREP its queues, keep a multishot
+//!   FETCH armed on each queue it serves, and COMMIT results in batches (one COMMIT per
+//!   queue per loop turn); any thread may serve any queue;
+//! - [`per_io`] (every other kernel): a FETCH_REQ per tag, then a COMMIT_AND_FETCH_REQ
+//!   per request, each queue served by one thread.
 //!
 //! A COMMIT the kernel refuses (even partly) means the worker and the kernel disagree
 //! about who owns a tag. The loop does not guess: it fails, the worker exits, and the
 //! supervisor recovers the device, whose in-flight I/O the kernel reissues (REISSUE) to
 //! the next worker, so no I/O fails.
 
+pub mod batched;
+pub mod per_io;
 pub mod plan;
 pub mod ring;
 pub mod thread;
@@ -17,7 +23,7 @@ pub mod user_data;
 use ublkd_proto::batch;
 use ublkd_proto::errno::Errno;
 
-pub use plan::{allowed_cpus, cpu_of, plan};
+pub use plan::{allowed_cpus, cpu_of, plan_for};
 pub use ring::StandbyRing;
 pub use thread::QueueThread;
 
@@ -28,6 +34,8 @@ pub enum LoopError {
     Ring { thread: usize, source: std::io::Error },
     #[error("PREP of queue {q_id} failed: {}", Errno(-res))]
     Prep { q_id: u16, res: i32 },
+    #[error("the kernel refused FETCH_REQ of queue {q_id} (tag {tag}): {errno}")]
+    FetchReq { q_id: u16, tag: u16, errno: Errno },
     #[error("the kernel refused a COMMIT on queue {q_id} (tag {tag}): {what}")]
     Commit { q_id: u16, tag: u16, what: CommitRefusal },
     #[error("FETCH on queue {q_id} delivered a malformed batch: {source}")]

@@ -1,13 +1,16 @@
 //! Which queues each queue thread serves and which CPU it runs on: the plan is made
 //! once, while standing by, before any thread or ring exists.
 //!
-//! Any thread may serve any tag: with fewer threads than queues each thread serves a
-//! set of queues; with more, several threads arm FETCH on the same queue and the kernel
-//! hands each batch of tags to one of them. A tag is handled start to finish by the
-//! thread that fetched it, so no per-tag state is shared between threads.
+//! On the batched path any thread may serve any tag: with fewer threads than queues
+//! each thread serves a set of queues; with more, several threads arm FETCH on the same
+//! queue and the kernel hands each batch of tags to one of them. A tag is handled start
+//! to finish by the thread that fetched it, so no per-tag state is shared between
+//! threads. On the per-I/O path a queue belongs to one task, so there are at most as
+//! many threads as queues ([`plan_for`]).
 
 use nix::sched::{self, CpuSet};
 use nix::unistd::Pid;
+use ublkd_proto::msg::DataPath;
 
 /// Which queues a thread serves, and which of them it PREPs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,6 +19,16 @@ pub struct ThreadPlan {
     pub queues: Vec<u16>,
     /// Each queue is PREPed by exactly one thread (its lowest-numbered server).
     pub prep_queues: Vec<u16>,
+}
+
+/// The plan for a device served with `path`: [`plan`], with at most one thread per
+/// queue on the per-I/O path (the kernel binds each queue to one task there; the
+/// shared region's slots of threads beyond that stay unused).
+pub fn plan_for(path: DataPath, nr_threads: u16, nr_queues: u16) -> Vec<ThreadPlan> {
+    match path {
+        DataPath::Batch => plan(nr_threads, nr_queues),
+        DataPath::PerIo => plan(nr_threads.min(nr_queues), nr_queues),
+    }
 }
 
 /// Spreads `nr_queues` over `nr_threads`: round robin, every queue served by at least
@@ -107,6 +120,21 @@ mod tests {
                 assert!(plan(threads, queues).iter().all(|t| !t.queues.is_empty()));
             }
         }
+    }
+
+    #[test]
+    fn per_io_plans_give_each_queue_exactly_one_thread() {
+        for threads in 1..=9u16 {
+            for queues in 1..=9u16 {
+                let p = plan_for(DataPath::PerIo, threads, queues);
+                assert_eq!(p.len(), usize::from(threads.min(queues)));
+                let mut served: Vec<u16> = p.iter().flat_map(|t| t.queues.clone()).collect();
+                served.sort_unstable();
+                assert_eq!(served, (0..queues).collect::<Vec<_>>(), "{threads}/{queues}");
+                assert!(p.iter().all(|t| t.queues == t.prep_queues));
+            }
+        }
+        assert_eq!(plan_for(DataPath::Batch, 4, 2).len(), 4);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use io_uring::{IoUring, cqueue, squeue};
 use ublkd_proto::batch::{ElemBuf, ElemFormat};
-use ublkd_proto::msg::WorkerSetup;
+use ublkd_proto::msg::{DataPath, WorkerSetup};
 
 use super::LoopError;
 use super::plan::{ThreadPlan, pin_to_cpu};
@@ -48,7 +48,8 @@ pub struct StandbyRing {
 
 impl StandbyRing {
     /// Creates the ring for `setup`'s device, registering `target_file` (if the target
-    /// has one) at [`TARGET_FIXED_FD`] and one buffer ring per queue the thread serves,
+    /// has one) at [`TARGET_FIXED_FD`] and on the batched path one buffer ring per
+    /// queue the thread serves,
     /// and for zero copy an empty buffer table the kernel registers requests' pages in;
     /// then restricts it (if `restricted`, see `sandbox::restrict_ring`) and enables
     /// it, all before the device is there. Pins the calling thread (the ring's owner)
@@ -69,7 +70,8 @@ impl StandbyRing {
             pin_to_cpu(cpu);
         }
         let tags = plan.queues.len() * usize::from(depth);
-        // One slot per tag (target I/O) plus a FETCH and a COMMIT per queue, with room.
+        // One slot per tag (target I/O, or a per-I/O command) plus a FETCH and a COMMIT
+        // per queue, with room.
         let entries = (tags + 4 * plan.queues.len() + 8).next_power_of_two().min(4096) as u32;
         let mut builder = IoUring::<squeue::Entry, cqueue::Entry>::builder();
         // Completions (FETCH batches, target I/O) run as task work when this thread
@@ -95,8 +97,12 @@ impl StandbyRing {
         }
         let mut queues = Vec::with_capacity(plan.queues.len());
         for (i, &q_id) in plan.queues.iter().enumerate() {
-            let bufring =
-                BufRing::register(&ring, i as u16, usize::from(depth)).map_err(ring_err)?;
+            let bufring = match setup.data_path {
+                DataPath::Batch => {
+                    Some(BufRing::register(&ring, i as u16, usize::from(depth)).map_err(ring_err)?)
+                }
+                DataPath::PerIo => None,
+            };
             let pending = ElemBuf::new(elem_format(zero_copy), depth);
             queues.push(QueueState::new(q_id, bufring, pending));
         }

@@ -1,8 +1,9 @@
-//! One queue thread's loop: keep a multishot FETCH armed on each queue it serves, run
-//! the target for every delivered tag, and COMMIT results in batches (one COMMIT per
-//! queue per loop turn). It owns the per-tag state of the tags it fetched, the COMMIT
-//! element buffers in flight, and the thread's heartbeat and counters in the shared
-//! region.
+//! One queue thread's loop, the same for both data paths (see `DataPath`): wait for
+//! requests, run the target for each, hand results back, and keep the thread's
+//! heartbeat, counters, latency histogram and tag records in the shared region. It owns
+//! the per-tag state of the tags it was given. How requests arrive and results leave
+//! is the data path's: `batched` (multishot FETCH, batched COMMIT) or `per_io`
+//! (FETCH_REQ, then COMMIT_AND_FETCH_REQ per request).
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -10,14 +11,13 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use io_uring::{IoUring, cqueue, squeue};
-use ublkd_proto::batch::{self, BatchElem, ElemBuf};
+use ublkd_proto::batch::ElemBuf;
 use ublkd_proto::errno::Errno;
+use ublkd_proto::msg::DataPath;
 use ublkd_proto::shm::{CounterSnapshot, LatencyOp, TagRecord, tag_state};
-use ublkd_proto::sqe;
 use ublkd_proto::uapi;
 
 use super::plan::ThreadPlan;
-use super::ring::{UBLKC_FIXED_FD, elem_format};
 use super::user_data::UserData;
 use super::{CommitRefusal, LoopError};
 use crate::bufring::BufRing;
@@ -31,36 +31,42 @@ const COMMIT_CQE_WAIT_NS: u32 = 20_000_000;
 
 /// One queue a thread serves.
 pub struct QueueState {
-    q_id: u16,
-    bufring: BufRing,
-    fetch_armed: bool,
-    /// The device is going away: FETCH ended for good.
-    closed: bool,
-    pending: ElemBuf,
+    pub(super) q_id: u16,
+    /// Batched path: the provided buffers its FETCH writes tags into.
+    pub(super) bufring: Option<BufRing>,
+    pub(super) fetch_armed: bool,
+    /// The device is going away: no more requests will come on this queue.
+    pub(super) closed: bool,
+    /// Batched path: COMMIT elements collected in this turn.
+    pub(super) pending: ElemBuf,
+    /// Per-I/O path: tags with a FETCH_REQ or COMMIT_AND_FETCH_REQ in the kernel.
+    pub(super) armed: u32,
 }
 
 impl QueueState {
-    /// Queue `q_id`, fetching into `bufring`, collecting COMMIT elements in `pending`.
-    pub fn new(q_id: u16, bufring: BufRing, pending: ElemBuf) -> Self {
-        QueueState { q_id, bufring, fetch_armed: false, closed: false, pending }
+    /// Queue `q_id`, fetching into `bufring` (batched path), collecting COMMIT elements
+    /// in `pending`.
+    pub fn new(q_id: u16, bufring: Option<BufRing>, pending: ElemBuf) -> Self {
+        QueueState { q_id, bufring, fetch_armed: false, closed: false, pending, armed: 0 }
     }
 }
 
 /// One thread's loop state. `ring` is declared first so it drops first.
 pub struct QueueThread {
-    ring: IoUring<squeue::Entry, cqueue::Entry>,
-    dev: Arc<Device>,
-    plan: ThreadPlan,
-    queues: Vec<QueueState>,
+    pub(super) ring: IoUring<squeue::Entry, cqueue::Entry>,
+    pub(super) dev: Arc<Device>,
+    pub(super) path: DataPath,
+    pub(super) plan: ThreadPlan,
+    pub(super) queues: Vec<QueueState>,
     /// Per tag of every queue (only this thread's tags are used): the request and the
     /// bytes done so far.
     reqs: Vec<Option<(IoReq, u32)>>,
-    commit_slots: Vec<Option<(u16, ElemBuf)>>,
+    pub(super) commit_slots: Vec<Option<(u16, ElemBuf)>>,
     /// Element buffers of one-element COMMITs, which complete only on failure: the
     /// kernel reads them while it issues the COMMIT (ublk's COMMIT runs inline), so
     /// they are free again once the submission queue is empty after a submit.
-    sent_unacked: Vec<ElemBuf>,
-    spare: Vec<ElemBuf>,
+    pub(super) sent_unacked: Vec<ElemBuf>,
+    pub(super) spare: Vec<ElemBuf>,
     inflight: u32,
     started: Instant,
     /// Completions counted in this loop turn, added to the device's shared counters
@@ -75,12 +81,15 @@ pub struct QueueThread {
     /// Requests finished since the last COMMIT, with when they were fetched: their
     /// latency is counted when the COMMIT goes out, with one clock read for them all.
     finished: Vec<(LatencyOp, u64)>,
-    cqes: Vec<(u64, i32, u32)>,
+    /// Completions taken from the ring and not yet handled: each turn's, and the ones
+    /// the per-I/O path's first FETCH_REQs posted while it waited for none.
+    pub(super) cqes: Vec<(u64, i32, u32)>,
 }
 
 impl QueueThread {
     /// The loop of `plan` on `ring` (`entries` SQEs, the device registered), serving
-    /// `queues` of `dev`, which has `nr_tags` tags in all.
+    /// `queues` of `dev`, which has `nr_tags` tags in all, with the commands of its
+    /// data path.
     pub fn new(
         ring: IoUring<squeue::Entry, cqueue::Entry>,
         dev: Arc<Device>,
@@ -91,6 +100,7 @@ impl QueueThread {
     ) -> Self {
         QueueThread {
             ring,
+            path: dev.data_path,
             plan,
             queues,
             reqs: vec![None; nr_tags],
@@ -108,10 +118,21 @@ impl QueueThread {
         }
     }
 
-    fn push(&mut self, sqe: &squeue::Entry) -> Result<(), LoopError> {
+    /// Hands the kernel every tag of this thread's queues (batched: PREP, waiting for
+    /// it; per-I/O: a FETCH_REQ per tag, which completes only with a request), before
+    /// the device is started or recovered.
+    pub fn prep(&mut self) -> Result<(), LoopError> {
+        match self.path {
+            DataPath::Batch => self.prep_batch(),
+            DataPath::PerIo => self.prep_per_io(),
+        }
+    }
+
+    pub(super) fn push(&mut self, sqe: &squeue::Entry) -> Result<(), LoopError> {
         loop {
             // SAFETY: every SQE this loop builds references memory that outlives its
-            // completion: tag buffers and descriptor arrays (process-lifetime mappings),
+            // completion (per-I/O commands reference none outside the SQE but their
+            // tag's buffer): tag buffers and descriptor arrays (process-lifetime mappings),
             // FETCH buffer rings (leaked), and COMMIT/PREP element buffers, which stay
             // in `commit_slots` (or the PREP call's frame, which waits) until their CQE,
             // or for one-element COMMITs in `sent_unacked` and then `spare`: never freed
@@ -126,71 +147,6 @@ impl QueueThread {
         }
     }
 
-    /// The PREP or COMMIT element of a tag: its buffer's address (kernel copy), or the
-    /// buffer table index its pages are to be registered at (zero copy).
-    fn elem(&self, q_id: u16, tag: u16, result: i32) -> BatchElem {
-        if self.dev.zero_copy {
-            let buf_index = self.buf_index(q_id, tag);
-            BatchElem { tag, buf_index, result, ..BatchElem::default() }
-        } else {
-            let buf_addr = self.dev.bufs.get(q_id, tag).map_or(0, |p| p as u64);
-            BatchElem { tag, buf_addr, result, ..BatchElem::default() }
-        }
-    }
-
-    /// PREPs every tag of this thread's PREP queues and waits until the kernel took them.
-    pub fn prep(&mut self) -> Result<(), LoopError> {
-        let mut bufs = Vec::new();
-        for q_id in self.plan.prep_queues.clone() {
-            let mut elems = ElemBuf::new(elem_format(self.dev.zero_copy), self.dev.depth);
-            for tag in 0..self.dev.depth {
-                elems.push(self.elem(q_id, tag, 0)).expect("capacity is the depth");
-            }
-            let sqe = sqe::batch_cmd(
-                UBLKC_FIXED_FD,
-                uapi::UBLK_U_IO_PREP_IO_CMDS,
-                elems.header(q_id),
-                elems.as_bytes(),
-            )
-            .user_data(UserData::Prep { q_id }.encode());
-            self.push(&sqe)?;
-            bufs.push(elems);
-        }
-        let mut left = bufs.len();
-        while left > 0 {
-            self.ring
-                .submit_and_wait(1)
-                .map_err(|source| LoopError::Wait { thread: self.plan.index, source })?;
-            let done: Vec<(u64, i32)> =
-                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
-            for (ud, res) in done {
-                if res != 0 {
-                    let q_id = match UserData::decode(ud) {
-                        Some(UserData::Prep { q_id }) => q_id,
-                        _ => 0,
-                    };
-                    return Err(LoopError::Prep { q_id, res });
-                }
-                left -= 1;
-            }
-        }
-        drop(bufs);
-        Ok(())
-    }
-
-    fn arm_fetch(&mut self, qi: usize) -> Result<(), LoopError> {
-        let q = &self.queues[qi];
-        if q.fetch_armed || q.closed {
-            return Ok(());
-        }
-        let ud = UserData::Fetch { q_id: q.q_id, index: qi as u32 };
-        let sqe = sqe::fetch(UBLKC_FIXED_FD, q.q_id, self.dev.depth, q.bufring.bgid())
-            .user_data(ud.encode());
-        self.push(&sqe)?;
-        self.queues[qi].fetch_armed = true;
-        Ok(())
-    }
-
     /// What a test hook asks of this thread before its first turn (nothing without
     /// the `test-hooks` feature).
     fn start_hooks(&mut self) -> Result<(), LoopError> {
@@ -198,9 +154,15 @@ impl QueueThread {
         if let Some(sqe) = start.sqe {
             self.push(&sqe)?;
         }
+        let q_id = self.queues[0].q_id;
         for tag in start.unowned_tags {
-            let elem = self.elem(self.queues[0].q_id, tag, 0);
-            let _ = self.queues[0].pending.push(elem);
+            match self.path {
+                DataPath::Batch => {
+                    let elem = self.elem(q_id, tag, 0);
+                    let _ = self.queues[0].pending.push(elem);
+                }
+                DataPath::PerIo => self.commit_and_fetch(q_id, tag, 0)?,
+            }
         }
         Ok(())
     }
@@ -217,12 +179,17 @@ impl QueueThread {
         }
         // This thread is the slot's only writer: its heartbeat needs no read-modify-write.
         let mut beat = 0u64;
-        for qi in 0..self.queues.len() {
-            self.arm_fetch(qi)?;
+        if self.path == DataPath::Batch {
+            for qi in 0..self.queues.len() {
+                self.arm_fetch(qi)?;
+            }
         }
         self.start_hooks()?;
         loop {
-            self.flush_commits()?;
+            self.record_latency();
+            if self.path == DataPath::Batch {
+                self.flush_commits()?;
+            }
             let open = self.queues.iter().any(|q| !q.closed);
             if !open
                 && self.inflight == 0
@@ -231,7 +198,10 @@ impl QueueThread {
             {
                 return Ok(());
             }
-            let waited = self.submit_and_wait_for_work(open || self.inflight > 0);
+            // Completions already taken (the per-I/O path's first FETCH_REQs') are
+            // handled without waiting.
+            let work_expected = (open || self.inflight > 0) && self.cqes.is_empty();
+            let waited = self.submit_and_wait_for_work(work_expected);
             if self.ring.submission().is_empty() {
                 for mut elems in self.sent_unacked.drain(..) {
                     elems.clear();
@@ -251,11 +221,11 @@ impl QueueThread {
             }
             self.turn_ns = self.started.elapsed().as_nanos() as u64;
             let mut cqes = std::mem::take(&mut self.cqes);
-            cqes.clear();
             cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
             for &(ud, res, flags) in &cqes {
                 self.handle_cqe(ud, res, flags)?;
             }
+            cqes.clear();
             self.cqes = cqes;
             let handled = self.counted != CounterSnapshot::default();
             hooks::after_turn(&self.dev, slot_index, beat / 2, handled);
@@ -272,8 +242,8 @@ impl QueueThread {
         }
     }
 
-    /// Submits what is queued and sleeps until there is work: a FETCH batch or a target
-    /// completion. A COMMIT of several elements completes at once (ublk runs it inline),
+    /// Submits what is queued and sleeps until there is work: a FETCH batch (a request,
+    /// per-I/O) or a target completion. A COMMIT of several elements completes at once (ublk runs it inline),
     /// so waiting for a single completion would return at once for that CQE alone and
     /// cost a second `io_uring_enter` per loop turn; the wait counts those CQEs in and
     /// asks for one more. Its timeout only bounds how late a failed COMMIT is noticed if
@@ -298,6 +268,7 @@ impl QueueThread {
         match UserData::decode(ud) {
             Some(UserData::Fetch { index, .. }) => self.on_fetch(index as usize, res, flags),
             Some(UserData::Target { q_id, tag }) => self.on_target(q_id, tag, res),
+            Some(UserData::IoCmd { q_id, tag }) => self.on_io_cmd(q_id, tag, res),
             Some(UserData::Commit { slot, .. }) => self.on_commit(slot as usize, res),
             // Posted only on failure (IOSQE_CQE_SKIP_SUCCESS).
             Some(UserData::CommitOne { q_id, tag }) => Err(LoopError::Commit {
@@ -317,46 +288,7 @@ impl QueueThread {
         }
     }
 
-    fn on_fetch(&mut self, qi: usize, res: i32, flags: u32) -> Result<(), LoopError> {
-        let Some(q) = self.queues.get_mut(qi) else { return Ok(()) };
-        let q_id = q.q_id;
-        if !cqueue::more(flags) {
-            q.fetch_armed = false;
-        }
-        if res < 0 {
-            if res != -libc::ENOBUFS {
-                // -ENODEV (device stopping or the fd going away) or a cancel: no more I/O
-                // will come on this queue for this worker.
-                q.closed = true;
-                tracing::debug!(q_id, res, "FETCH ended");
-            }
-        } else if let Some(bid) = cqueue::buffer_select(flags) {
-            let mut tags = [0u16; batch::MAX_TAGS_PER_FETCH];
-            let count = {
-                let bytes = q.bufring.filled(bid, res as usize).ok_or(LoopError::Fetch {
-                    q_id,
-                    source: batch::BatchError::FetchTooMany(res as usize / 2),
-                })?;
-                let fetched = batch::decode_fetched_tags(bytes, self.dev.depth)
-                    .map_err(|source| LoopError::Fetch { q_id, source })?;
-                let n = fetched.len();
-                for (slot, tag) in tags.iter_mut().zip(fetched) {
-                    *slot = tag;
-                }
-                n
-            };
-            q.bufring.recycle(bid);
-            for &tag in &tags[..count] {
-                self.on_tag(q_id, tag)?;
-            }
-        }
-        if !self.queues[qi].fetch_armed && !self.queues[qi].closed {
-            self.arm_fetch(qi)?;
-        }
-        Ok(())
-    }
-
-    fn on_tag(&mut self, q_id: u16, tag: u16) -> Result<(), LoopError> {
+    pub(super) fn on_tag(&mut self, q_id: u16, tag: u16) -> Result<(), LoopError> {
         // Borrowed through the field, not cloned: the reference count is two atomic
         // operations per I/O, which cost under emulation.
         let dev = &*self.dev;
@@ -403,7 +335,7 @@ impl QueueThread {
         self.step(q_id, tag, step)
     }
 
-    fn tag_index(&self, q_id: u16, tag: u16) -> usize {
+    pub(super) fn tag_index(&self, q_id: u16, tag: u16) -> usize {
         usize::from(q_id) * usize::from(self.dev.depth) + usize::from(tag)
     }
 
@@ -411,7 +343,7 @@ impl QueueThread {
     /// pages — the tag's index, the same in every ring, so that whichever thread's
     /// FETCH delivers a tag finds its slot free. (The config keeps queues × depth
     /// within io_uring's 2^14 buffers for zero-copy devices.)
-    fn buf_index(&self, q_id: u16, tag: u16) -> u16 {
+    pub(super) fn buf_index(&self, q_id: u16, tag: u16) -> u16 {
         self.tag_index(q_id, tag) as u16
     }
 
@@ -439,7 +371,8 @@ impl QueueThread {
         self.step(q_id, tag, step)
     }
 
-    /// Records a finished request and queues its COMMIT element.
+    /// Records a finished request and hands its result back: queues its COMMIT element
+    /// (batched) or submits its COMMIT_AND_FETCH_REQ (per-I/O).
     fn complete(&mut self, q_id: u16, tag: u16, op: u8, res: i32) -> Result<(), LoopError> {
         let c = &mut self.counted;
         match op {
@@ -466,6 +399,9 @@ impl QueueThread {
             self.finished.push((class, at));
         }
         self.inflight = self.inflight.saturating_sub(1);
+        if self.path == DataPath::PerIo {
+            return self.commit_and_fetch(q_id, tag, res);
+        }
         let elem = self.elem(q_id, tag, res);
         let Some(q) = self.queues.iter_mut().find(|q| q.q_id == q_id) else { return Ok(()) };
         q.pending.push(elem).map_err(|e| LoopError::Commit { q_id, tag, what: e.into() })
@@ -485,76 +421,5 @@ impl QueueThread {
             }
         }
         self.finished.clear();
-    }
-
-    /// Submits one COMMIT per queue with finished requests.
-    fn flush_commits(&mut self) -> Result<(), LoopError> {
-        self.record_latency();
-        for qi in 0..self.queues.len() {
-            if self.queues[qi].pending.is_empty() {
-                continue;
-            }
-            let depth = self.dev.depth;
-            let format = elem_format(self.dev.zero_copy);
-            let fresh = self.spare.pop().unwrap_or_else(|| ElemBuf::new(format, depth));
-            let elems = std::mem::replace(&mut self.queues[qi].pending, fresh);
-            let q_id = self.queues[qi].q_id;
-            let sqe = sqe::batch_cmd(
-                UBLKC_FIXED_FD,
-                uapi::UBLK_U_IO_COMMIT_IO_CMDS,
-                elems.header(q_id),
-                elems.as_bytes(),
-            );
-            // The element buffer's heap storage does not move when the ElemBuf moves
-            // below, so the address in the SQE stays valid.
-            let sqe = if elems.len() == 1 {
-                // One element: the COMMIT either takes it (success, no CQE) or fails
-                // (a CQE with the error), so no partial result can go unseen.
-                let tag = elems.get(0).map_or(0, |e| e.tag);
-                self.sent_unacked.push(elems);
-                let ud = UserData::CommitOne { q_id, tag };
-                sqe.flags(squeue::Flags::SKIP_SUCCESS).user_data(ud.encode())
-            } else {
-                let slot = match self.commit_slots.iter().position(Option::is_none) {
-                    Some(free) => free,
-                    None => {
-                        self.commit_slots.push(None);
-                        self.commit_slots.len() - 1
-                    }
-                };
-                self.commit_slots[slot] = Some((q_id, elems));
-                sqe.user_data(UserData::Commit { q_id, slot: slot as u32 }.encode())
-            };
-            self.push(&sqe)?;
-        }
-        Ok(())
-    }
-
-    fn on_commit(&mut self, slot: usize, res: i32) -> Result<(), LoopError> {
-        let Some((q_id, mut elems)) = self.commit_slots.get_mut(slot).and_then(Option::take) else {
-            return Ok(());
-        };
-        let sent = elems.len();
-        let first = elems.get(0).map_or(0, |e| e.tag);
-        if res < 0 {
-            let what = CommitRefusal::Errno(Errno(-res));
-            return Err(LoopError::Commit { q_id, tag: first, what });
-        }
-        let done = elems.consume_committed(res as usize).map_err(|e| LoopError::Commit {
-            q_id,
-            tag: first,
-            what: e.into(),
-        })?;
-        if done != sent {
-            let tag = elems.get(0).map_or(0, |e| e.tag);
-            return Err(LoopError::Commit {
-                q_id,
-                tag,
-                what: CommitRefusal::Partial { done, sent },
-            });
-        }
-        elems.clear();
-        self.spare.push(elems);
-        Ok(())
     }
 }

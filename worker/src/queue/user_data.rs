@@ -1,5 +1,5 @@
 //! The `user_data` of every SQE a queue thread submits: what the completion belongs
-//! to (a PREP, a FETCH, a COMMIT, a target I/O), packed into the 64 bits io_uring hands
+//! to (a PREP, a FETCH, a COMMIT, a per-I/O command, a target I/O), packed into the 64 bits io_uring hands
 //! back with it. Packed and unpacked only here.
 
 /// What a completion belongs to.
@@ -15,6 +15,9 @@ pub enum UserData {
     /// A one-element COMMIT sent with `IOSQE_CQE_SKIP_SUCCESS`: only a failure
     /// completes.
     CommitOne { q_id: u16, tag: u16 },
+    /// The per-I/O FETCH_REQ or COMMIT_AND_FETCH_REQ of tag `tag` of queue `q_id`:
+    /// completes with the tag's next request.
+    IoCmd { q_id: u16, tag: u16 },
     /// The target's SQE for request `tag` of queue `q_id`.
     Target { q_id: u16, tag: u16 },
     /// A test hook's SQE (see `crate::hooks`).
@@ -28,6 +31,7 @@ const KIND_COMMIT: u64 = 3;
 const KIND_TARGET: u64 = 4;
 const KIND_ATTACK: u64 = 5;
 const KIND_COMMIT_ONE: u64 = 6;
+const KIND_IO_CMD: u64 = 7;
 
 fn pack(kind: u64, q_id: u16, low: u32) -> u64 {
     (kind << 56) | (u64::from(q_id) << 32) | u64::from(low)
@@ -41,6 +45,7 @@ impl UserData {
             UserData::Commit { q_id, slot } => pack(KIND_COMMIT, q_id, slot),
             UserData::CommitOne { q_id, tag } => pack(KIND_COMMIT_ONE, q_id, u32::from(tag)),
             UserData::Target { q_id, tag } => pack(KIND_TARGET, q_id, u32::from(tag)),
+            UserData::IoCmd { q_id, tag } => pack(KIND_IO_CMD, q_id, u32::from(tag)),
             UserData::Attack => pack(KIND_ATTACK, 0, 0),
         }
     }
@@ -55,6 +60,7 @@ impl UserData {
             KIND_COMMIT => UserData::Commit { q_id, slot: low },
             KIND_COMMIT_ONE => UserData::CommitOne { q_id, tag: low as u16 },
             KIND_TARGET => UserData::Target { q_id, tag: low as u16 },
+            KIND_IO_CMD => UserData::IoCmd { q_id, tag: low as u16 },
             KIND_ATTACK => UserData::Attack,
             _ => return None,
         })
@@ -65,13 +71,14 @@ impl UserData {
 mod tests {
     use super::*;
 
-    fn all() -> [UserData; 6] {
+    fn all() -> [UserData; 7] {
         [
             UserData::Prep { q_id: 3 },
             UserData::Fetch { q_id: 513, index: 7 },
             UserData::Commit { q_id: 513, slot: 77 },
             UserData::CommitOne { q_id: u16::MAX, tag: u16::MAX },
             UserData::Target { q_id: 0, tag: 4095 },
+            UserData::IoCmd { q_id: 1, tag: 4095 },
             UserData::Attack,
         ]
     }
@@ -91,6 +98,7 @@ mod tests {
             UserData::Commit { q_id, slot: u32::from(n) }.encode(),
             UserData::CommitOne { q_id, tag: n }.encode(),
             UserData::Target { q_id, tag: n }.encode(),
+            UserData::IoCmd { q_id, tag: n }.encode(),
         ];
         for (i, a) in encoded.iter().enumerate() {
             assert!(encoded[i + 1..].iter().all(|b| a != b), "{encoded:x?}");
@@ -100,7 +108,7 @@ mod tests {
     #[test]
     fn values_never_submitted_decode_to_none() {
         assert_eq!(UserData::decode(0), None);
-        assert_eq!(UserData::decode(7 << 56), None);
+        assert_eq!(UserData::decode(8 << 56), None);
         assert_eq!(UserData::decode(u64::MAX), None);
     }
 }
