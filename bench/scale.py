@@ -16,6 +16,7 @@ others, and `del -a` per device.
 Python 3 standard library only; parameters in bench/params.py (the SCALE_* block).
 """
 
+import json
 import os
 import resource
 import signal
@@ -289,7 +290,6 @@ def fio_stop(f):
     """Waits for a fio told to stop by its trigger file; one that does not stop within
     60 s (fio over hundreds of files can be slow to) gets SIGINT. Raises if a job
     reported an error: what counts is that no I/O failed, not how fio ended."""
-    import json
     try:
         out, err = f.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -310,7 +310,6 @@ def fio_stop(f):
 
 
 def worker_of(u, dev_id):
-    import json
     st = json.loads(u.ctl("status", "-n", str(dev_id), "--json"))
     devs = st.get("devices", st if isinstance(st, list) else [])
     return int(devs[0]["worker_pid"])
