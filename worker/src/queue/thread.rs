@@ -84,6 +84,42 @@ pub struct QueueThread {
     /// Completions taken from the ring and not yet handled: each turn's, and the ones
     /// the per-I/O path's first FETCH_REQs posted while it waited for none.
     pub(super) cqes: Vec<(u64, i32, u32)>,
+    /// Which failed requests this thread has said in the log (a few per window).
+    failures_logged: FailureLog,
+}
+
+/// A failed request is logged (a backend that fails is what an operator must see, and
+/// fio's EIO names no cause), but a failing backend fails thousands: at most
+/// [`FailureLog::PER_WINDOW`] lines per [`FailureLog::WINDOW_NS`], then one line with
+/// how many more there were.
+#[derive(Default)]
+struct FailureLog {
+    window_start_ns: u64,
+    logged: u32,
+    suppressed: u64,
+}
+
+impl FailureLog {
+    const PER_WINDOW: u32 = 5;
+    const WINDOW_NS: u64 = 10_000_000_000;
+
+    /// Whether a failure at `now_ns` gets its own line; says how many the window before
+    /// left out when a new one starts.
+    fn admit(&mut self, now_ns: u64) -> bool {
+        if now_ns.saturating_sub(self.window_start_ns) >= Self::WINDOW_NS {
+            if self.suppressed > 0 {
+                tracing::warn!(more = self.suppressed, "more requests failed than were logged");
+            }
+            *self = FailureLog { window_start_ns: now_ns, logged: 0, suppressed: 0 };
+        }
+        if self.logged < Self::PER_WINDOW {
+            self.logged += 1;
+            true
+        } else {
+            self.suppressed += 1;
+            false
+        }
+    }
 }
 
 impl QueueThread {
@@ -114,6 +150,7 @@ impl QueueThread {
             finished: Vec::with_capacity(nr_tags),
             counted: CounterSnapshot::default(),
             cqes: Vec::with_capacity(entries as usize * 4),
+            failures_logged: FailureLog::default(),
             dev,
         }
     }
@@ -351,8 +388,22 @@ impl QueueThread {
         match step {
             Step::Done(res) => {
                 let index = self.tag_index(q_id, tag);
-                let op = self.reqs[index].take().map_or(0, |(r, _)| r.op);
-                self.complete(q_id, tag, op, res)
+                let req = self.reqs[index].take().map(|(r, _)| r);
+                if res < 0
+                    && !self.dev.target.fails_on_purpose()
+                    && self.failures_logged.admit(self.turn_ns)
+                {
+                    tracing::warn!(
+                        q_id,
+                        tag,
+                        op = req.map(|r| r.op),
+                        offset = req.map(|r| r.offset),
+                        len = req.map(|r| r.len),
+                        "request failed: {}",
+                        std::io::Error::from_raw_os_error(res.saturating_neg())
+                    );
+                }
+                self.complete(q_id, tag, req.map_or(0, |r| r.op), res)
             }
             Step::Submit(sqe) => {
                 let sqe = sqe.user_data(UserData::Target { q_id, tag }.encode());
@@ -421,5 +472,24 @@ impl QueueThread {
             }
         }
         self.finished.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FailureLog;
+
+    #[test]
+    fn failures_are_logged_a_few_per_window_then_counted() {
+        let mut log = FailureLog::default();
+        let second = 1_000_000_000;
+        let admitted = (0..20).filter(|&i| log.admit(i * 1_000)).count();
+        assert_eq!(admitted, FailureLog::PER_WINDOW as usize);
+        assert_eq!(log.suppressed, 20 - u64::from(FailureLog::PER_WINDOW));
+        // Still the same window: nothing more gets a line.
+        assert!(!log.admit(5 * second));
+        // A new window: the count starts again, and the left-out ones are said once.
+        assert!(log.admit(FailureLog::WINDOW_NS + 1));
+        assert_eq!((log.logged, log.suppressed), (1, 0));
     }
 }

@@ -23,4 +23,8 @@ impl Target for FailTarget {
     fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
         None
     }
+
+    fn fails_on_purpose(&self) -> bool {
+        true
+    }
 }

@@ -45,6 +45,12 @@ pub trait Target: Send + Sync {
 
     /// The file to register at [`TARGET_FIXED_FD`] in every ring, if any.
     fn fixed_file(&self) -> Option<BorrowedFd<'_>>;
+
+    /// Whether this target fails requests by design (`fail-io`): its failures are not
+    /// logged one by one.
+    fn fails_on_purpose(&self) -> bool {
+        false
+    }
 }
 
 /// Errors setting a target up.
