@@ -54,7 +54,7 @@ def effective_params(args):
                 die(f"unknown job {j!r}; known: {', '.join(P.JOBS)}", 2)
         prm["JOBS"] = {j: P.JOBS[j] for j in names}
     prm.pop("QUICK", None)
-    return prm
+    return L.apply_kernel(prm, args.kernel, "SERVERS", args.servers)
 
 
 def runs_job(prm, server, job):
@@ -501,6 +501,7 @@ def guest(args):
     prm = plan["params"]
     t_start = time.monotonic()
     emit(META, {**L.guest_meta(), "versions": {}})
+    L.check_kernel(prm)
 
     jobs = prm["JOBS"]
     targets = [t for t in ("null", "loop") if any(s[0] == t for s in jobs.values())]
@@ -605,6 +606,7 @@ def host_args(h):
                         "to measure a change in the same boot")
     h.add_argument("--rebuild-peers", action="store_true",
                    help="rebuild kublk and rublk even if cached")
+    L.add_kernel_arg(h)
 
 
 if __name__ == "__main__":
