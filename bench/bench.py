@@ -269,7 +269,7 @@ def svg_plot(results):
     height = top + len(panels) * (ph + 110) + 40
     o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
          f'font-family="sans-serif" font-size="11">',
-         f'<rect width="100%" height="100%" fill="white"/>',
+         '<rect width="100%" height="100%" fill="white"/>',
          f'<text x="10" y="20" font-size="14" font-weight="bold">ublkd benchmark '
          f'{esc(results["meta"].get("date", ""))}: {prm["ROUNDS"]} rounds, '
          f'{prm["RUNTIME_S"]} s runs, {esc(results["meta"].get("kernel", ""))} '
