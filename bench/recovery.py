@@ -195,7 +195,8 @@ def table(results):
                      f"(target <= {prm['RECOVERY_TARGET_RATIO']}: "
                      f"{'met' if summ['target_met'] else 'NOT met'})")
     for ours, theirs in PAIRS:
-        if f"ratio_{ours}_{theirs}" in summ:
+        # (ublkd's own pair is the line above: its key, ratio_ublkd_kublk, is the same)
+        if ours != "ublkd" and f"ratio_{ours}_{theirs}" in summ:
             lines.append(f"median stall {ours} / {theirs} = "
                          f"{summ[f'ratio_{ours}_{theirs}']:.3f}  ({NOTES[ours]})")
     if len(lines) and lines[-1]:
