@@ -54,7 +54,7 @@ def effective_params(args):
                 die(f"unknown job {j!r}; known: {', '.join(P.JOBS)}", 2)
         prm["JOBS"] = {j: P.JOBS[j] for j in names}
     prm.pop("QUICK", None)
-    return prm
+    return L.apply_kernel(prm, args.kernel, "SERVERS", args.servers)
 
 
 def runs_job(prm, server, job):
@@ -269,7 +269,7 @@ def svg_plot(results):
     height = top + len(panels) * (ph + 110) + 40
     o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
          f'font-family="sans-serif" font-size="11">',
-         f'<rect width="100%" height="100%" fill="white"/>',
+         '<rect width="100%" height="100%" fill="white"/>',
          f'<text x="10" y="20" font-size="14" font-weight="bold">ublkd benchmark '
          f'{esc(results["meta"].get("date", ""))}: {prm["ROUNDS"]} rounds, '
          f'{prm["RUNTIME_S"]} s runs, {esc(results["meta"].get("kernel", ""))} '
@@ -501,6 +501,7 @@ def guest(args):
     prm = plan["params"]
     t_start = time.monotonic()
     emit(META, {**L.guest_meta(), "versions": {}})
+    L.check_kernel(prm)
 
     jobs = prm["JOBS"]
     targets = [t for t in ("null", "loop") if any(s[0] == t for s in jobs.values())]
@@ -605,6 +606,7 @@ def host_args(h):
                         "to measure a change in the same boot")
     h.add_argument("--rebuild-peers", action="store_true",
                    help="rebuild kublk and rublk even if cached")
+    L.add_kernel_arg(h)
 
 
 if __name__ == "__main__":

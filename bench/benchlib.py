@@ -166,6 +166,29 @@ def need_root():
         die("needs root (the VM harness, apt-get download, the cache dir)")
 
 
+def add_kernel_arg(h):
+    """`--kernel 7.2|6.12`, the kernel the VM boots (bench.py and recovery.py)."""
+    h.add_argument("--kernel", choices=list(P.KERNELS), default=P.KERNEL,
+                   help=f"the guest kernel (default {P.KERNEL}); 6.12 has no "
+                        "UBLK_F_BATCH_IO: ublkd's per-I/O path, kublk without -b")
+
+
+def apply_kernel(prm, kernel, servers_key, chosen):
+    """Fits `prm` to `kernel`: on 6.12 the KERNEL_6_12 lists replace the default ones
+    (the server list `servers_key` only if `chosen`, the --servers list, is None);
+    a server that cannot run there (REFUSED_6_12) dies with the reason."""
+    prm["KERNEL"] = kernel
+    if kernel != "6.12":
+        return prm
+    for k, v in P.KERNEL_6_12.items():
+        if k in prm and not (k == servers_key and chosen):
+            prm[k] = v
+    bad = [s for s in prm[servers_key] if s in P.REFUSED_6_12]
+    if bad:
+        die("on kernel 6.12 " + "; ".join(f"{s}: {P.REFUSED_6_12[s]}" for s in bad), 2)
+    return prm
+
+
 class HostRun:
     """One run on the host: its results dir, ublkd and the peers built, the plan, the
     VM and its records, the outputs."""
@@ -180,6 +203,8 @@ class HostRun:
         self.cache = cache
         os.makedirs(cache, exist_ok=True)
         self.t0 = time.monotonic()
+        # --kernel (bench.py, recovery.py); None: tests/vm/run's own default
+        self.kernel = getattr(args, "kernel", None)
 
         log("building ublkd: cargo build --release --workspace --bins")
         try:
@@ -215,8 +240,9 @@ class HostRun:
 
     def run_vm(self, script, plan_path, timeout, mem_mb, markers):
         """Boots the test VM running `script guest PLAN`; returns run_guest's answer."""
+        kernel = ["--kernel", P.KERNELS[self.kernel]] if self.kernel else []
         cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
-               "--mem", str(mem_mb), "--",
+               "--mem", str(mem_mb), *kernel, "--",
                "python3", "-u", os.path.join(HERE, script), "guest", plan_path]
         return run_guest(cmd, self.outdir, markers)
 
@@ -506,6 +532,16 @@ def guest_meta():
     """What the host's results record of the guest: its kernel, CPUs and fio."""
     return {"kernel": os.uname().release, "cpus": os.cpu_count(),
             "fio": sh(["fio", "--version"]).strip()}
+
+
+def check_kernel(prm):
+    """Dies unless the guest runs the series the plan asked for (--kernel)."""
+    want = prm.get("KERNEL")
+    rel = os.uname().release
+    if want == "6.12" and not rel.startswith("6.12."):
+        die(f"the plan is for kernel 6.12, the guest runs {rel}")
+    if want and want != "6.12" and rel.startswith("6."):
+        die(f"the plan is for kernel {want}, the guest runs {rel}")
 
 
 def zero_file(path, mb):

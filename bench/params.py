@@ -30,6 +30,32 @@ SERVER_JOBS = {
 # ublkd >= 1.0x kublk's best mode); ublkd-nosandbox is not a production mode.
 BEST_OF = {"ublkd": ["ublkd", "ublkd-deferred", "ublkd-copy"], "kublk": ["kublk", "kublk-b", "kublk-b-zc"]}
 
+# ---- the kernel: `--kernel 7.2` (the default) or `--kernel 6.12` (bench.py, recovery.py)
+# 7.2: Debian sid's newest cloud kernel >= 7.0, with UBLK_F_BATCH_IO. 6.12: Debian's 6.12
+# LTS, without it: ublkd serves on its per-I/O path (FETCH_REQ / COMMIT_AND_FETCH_REQ per
+# tag), never zero copy (ublkd's zero copy is UBLK_F_AUTO_BUF_REG on the batch path), and
+# kublk runs without -b. The value is what tests/vm/run's --kernel takes.
+KERNEL = "7.2"
+KERNELS = {"7.2": "7", "6.12": "6.12"}
+# What 6.12 changes of the lists above and of RECOVERY_SERVERS below (unless --servers).
+# rublk is allowed there (--servers ...,rublk) but not in the default set: not tried yet.
+KERNEL_6_12 = {
+    "SERVERS": ["ublkd", "ublkd-deferred", "ublkd-nosandbox", "kublk"],
+    "RATIO_BASELINES": ["kublk", "rublk"],
+    "BEST_OF": {"ublkd": ["ublkd", "ublkd-deferred"], "kublk": ["kublk"]},
+    "RECOVERY_SERVERS": ["ublkd", "kublk", "ublkd-deferred"],
+}
+# Servers refused on 6.12 (even with --servers), and why.
+REFUSED_6_12 = {
+    # (6.12 drops the flag it does not know from ADD_DEV's and kublk -b then serves per
+    # I/O: it runs, but a row named kublk-b would be kublk)
+    "kublk-b": "kublk -b needs UBLK_F_BATCH_IO (Linux >= 7.0); use kublk",
+    "kublk-b-zc": "kublk -b --auto_zc needs UBLK_F_BATCH_IO and UBLK_F_AUTO_BUF_REG",
+    "ublkd-zc": "ublkd's zero copy needs UBLK_F_BATCH_IO and UBLK_F_AUTO_BUF_REG "
+                "(`ublkctl add --zero-copy` is refused there)",
+    "ublkd-copy": "ublkd's loop devices copy anyway on 6.12: ublkd-copy would be ublkd",
+}
+
 # ---- devices -------------------------------------------------------------------------
 QUEUES = 1
 QUEUE_DEPTH = 128
@@ -77,6 +103,7 @@ OVERHEAD_PER_RUN_S = 4.5
 # SIGKILLed RECOVERY_KILLS times, RECOVERY_INTERVAL_S after each recovery completed.
 # ublkd recovers by itself; kublk-b (kublk -b -r 1 -i 1) gets `kublk recover` at once.
 RECOVERY_SERVERS = ["ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc"]  # the two pairs: copy, zero copy
+# (on 6.12: KERNEL_6_12's; kublk there is kublk -r 1 -i 1 without -b)
 RECOVERY_KILLS = 24             # per server, over all rounds (the issue asks >= 20)
 RECOVERY_ROUNDS = 2             # each server's kills split into this many series, alternating
 RECOVERY_INTERVAL_S = 1.0       # pause after a recovery completed, before the next kill
@@ -88,7 +115,7 @@ RECOVERY_LOOP_FILE = "/tmp/ublkd-bench-recovery.img"   # in the guest's tmpfs
 RECOVERY_LOOP_FILE_MB = 256
 RECOVERY_RESTART_MAX = 1000     # ublkd's [recovery] restart_max: never the limit here
 RECOVERY_KUBLK_MAX_ATTEMPTS = 200   # `kublk recover` re-runs (e.g. -EBUSY) per kill
-RECOVERY_TARGET_RATIO = 0.25    # median stall ublkd / kublk-b must be at most this
+RECOVERY_TARGET_RATIO = 0.25    # median stall ublkd / kublk-b (6.12: kublk) must be at most this
 
 # ---- the scale benchmark (bench/scale.py, `bench/run scale`) ----
 SCALE_COUNTS = [100, 300, 1000]  # devices, one fresh ublkd per count

@@ -38,9 +38,20 @@ DONE = "@@UBLKD-RECOVERY-DONE@@"
 # ublkd and kublk-b copy every request (the issue's comparison: kublk -b); ublkd-zc and
 # kublk-b-zc are the zero-copy pair (ublkd's default for loop devices, kublk --auto_zc).
 # ublkd-deferred: ublkd (copying) with `recovery.fast_release = false`, whose recovery
-# waits for the kernel to tear the dead worker's rings down, as kublk's does.
-SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc", "ublkd-deferred")
-PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"), ("ublkd-deferred", "kublk-b"))
+# waits for the kernel to tear the dead worker's rings down, as kublk's does. kublk:
+# kublk without -b, the per-I/O peer on 6.12 (no UBLK_F_BATCH_IO; ublkd's per-I/O path).
+SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc", "ublkd-deferred", "kublk")
+PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"), ("ublkd-deferred", "kublk-b"),
+         ("ublkd", "kublk"), ("ublkd-deferred", "kublk"))
+NOTES = {"ublkd-zc": "zero copy: the dead server's ring also holds the requests' registered "
+                     "pages",
+         "ublkd-deferred": "recovery.fast_release = false: the kernel's teardown of the dead "
+                           "worker's rings, as for kublk"}
+
+
+def baseline(servers):
+    """ublkd's peer for the target: kublk -b where it runs (7.x), else kublk (6.12)."""
+    return "kublk-b" if "kublk-b" in servers else "kublk"
 
 
 # ======================================================================================
@@ -62,6 +73,7 @@ def effective_params(args):
     for s in prm["RECOVERY_SERVERS"]:
         if s not in SERVERS:
             die(f"unknown server {s!r}; known: {', '.join(SERVERS)}", 2)
+    L.apply_kernel(prm, args.kernel, "RECOVERY_SERVERS", args.servers)
     if prm["RECOVERY_ROUNDS"] < 1 or prm["RECOVERY_KILLS"] < prm["RECOVERY_ROUNDS"]:
         die("need rounds >= 1 and kills >= rounds", 2)
     return prm
@@ -122,14 +134,15 @@ def summarize(results):
             "series_ok": sum(1 for r in series if not r.get("error")),
             "fio_ios": sum(r.get("fio_ios", 0) for r in series),
         }
+    base = baseline(prm["RECOVERY_SERVERS"])
     for ours, theirs in PAIRS:
         u, k = out.get(ours), out.get(theirs)
         if u and k and u["stall_ms"] and k["stall_ms"] and k["stall_ms"]["median"]:
             r = u["stall_ms"]["median"] / k["stall_ms"]["median"]
-            if ours == "ublkd":
+            if ours == "ublkd" and theirs == base:
                 out["ratio_ublkd_kublk"] = r
                 out["target_met"] = r <= prm["RECOVERY_TARGET_RATIO"]
-            else:
+            elif ours != "ublkd":
                 out[f"ratio_{ours}_{theirs}"] = r
     return out
 
@@ -178,17 +191,14 @@ def table(results):
     lines.append("")
     if "ratio_ublkd_kublk" in summ:
         r = summ["ratio_ublkd_kublk"]
-        lines.append(f"median stall ublkd / kublk-b = {r:.3f}  (target <= "
-                     f"{prm['RECOVERY_TARGET_RATIO']}: "
+        lines.append(f"median stall ublkd / {baseline(prm['RECOVERY_SERVERS'])} = {r:.3f}  "
+                     f"(target <= {prm['RECOVERY_TARGET_RATIO']}: "
                      f"{'met' if summ['target_met'] else 'NOT met'})")
-    if "ratio_ublkd-zc_kublk-b-zc" in summ:
-        lines.append(f"median stall ublkd-zc / kublk-b-zc = "
-                     f"{summ['ratio_ublkd-zc_kublk-b-zc']:.3f}  (zero copy: the dead "
-                     f"server's ring also holds the requests' registered pages)")
-    if "ratio_ublkd-deferred_kublk-b" in summ:
-        lines.append(f"median stall ublkd-deferred / kublk-b = "
-                     f"{summ['ratio_ublkd-deferred_kublk-b']:.3f}  (recovery.fast_release = "
-                     f"false: the kernel's teardown of the dead worker's rings, as for kublk)")
+    for ours, theirs in PAIRS:
+        # (ublkd's own pair is the line above: its key, ratio_ublkd_kublk, is the same)
+        if ours != "ublkd" and f"ratio_{ours}_{theirs}" in summ:
+            lines.append(f"median stall {ours} / {theirs} = "
+                         f"{summ[f'ratio_{ours}_{theirs}']:.3f}  ({NOTES[ours]})")
     if len(lines) and lines[-1]:
         lines.append("")
     m = results["meta"]
@@ -207,9 +217,10 @@ def table(results):
                  + (f"{statistics.median(polls):.2f}" if polls else "?") + " ms.")
     lines.append("ublkd: kill -9 of the device's worker, ublkd recovers by itself (warm "
                  "standby); last_recovery_ms = its own death-detected -> LIVE figure.")
-    lines.append("kublk-b: kublk add -t loop -b -r 1 -i 1; kill -9 of its daemon, then at once "
-                 "`kublk recover -n ID` with the add's arguments, re-run until it succeeds "
-                 "(recover: kill -> the successful command's exit; Nx = attempts).")
+    lines.append("kublk-b: kublk add -t loop -b -r 1 -i 1 (kublk: the same without -b); kill -9 "
+                 "of its daemon, then at once `kublk recover -n ID` with the add's arguments, "
+                 "re-run until it succeeds (recover: kill -> the successful command's exit; "
+                 "Nx = attempts).")
     lines += L.footer(results)
     errs = [r for r in results["records"] if r.get("error")]
     for r in errs[:10]:
@@ -378,18 +389,18 @@ class Ublkd(L.Ublkd):
 
 
 class Kublk(L.Peer):
-    """kublk -b with USER_RECOVERY|REISSUE; recovery is `kublk recover` run by us."""
-    name = "kublk-b"
+    """kublk (-b unless `batch` is false) with USER_RECOVERY|REISSUE; recovery is
+    `kublk recover` run by us."""
     NEED_PID = True
 
-    def __init__(self, plan, auto_zc=False):
+    def __init__(self, plan, auto_zc=False, batch=True):
         super().__init__(plan)
-        self.auto_zc = auto_zc
+        self.auto_zc, self.batch = auto_zc, batch
         self.outf = "/run/ublkd-bench-kublk-recover.out"
 
     def args(self):
-        return (["-t", "loop", "-q", "1", "-d", "128", "-b", "-r", "1", "-i", "1"]
-                + (["--auto_zc"] if self.auto_zc else []))
+        return (["-t", "loop", "-q", "1", "-d", "128"] + (["-b"] if self.batch else [])
+                + ["-r", "1", "-i", "1"] + (["--auto_zc"] if self.auto_zc else []))
 
     def add(self):
         return self._parse(sh([self.bin, "add", *self.args(),
@@ -517,7 +528,7 @@ def run_series(sname, plan, rnd, nkills, first_kill, total):
     prm = plan["params"]
     zc = sname.endswith("-zc")
     srv = (Ublkd(plan, zc, fast_release=sname != "ublkd-deferred") if sname.startswith("ublkd")
-           else Kublk(plan, zc))
+           else Kublk(plan, zc, batch=sname.startswith("kublk-b")))
     tag = f"round {rnd}/{prm['RECOVERY_ROUNDS']} {sname:<8}"
     series = {"kind": "series", "server": sname, "round": rnd}
     dev_id = fio = ctr = None
@@ -603,6 +614,7 @@ def guest(args):
     prm = plan["params"]
     t_start = time.monotonic()
     emit(META, L.guest_meta())
+    L.check_kernel(prm)
     log(f"creating the loop file {prm['RECOVERY_LOOP_FILE']} "
         f"({prm['RECOVERY_LOOP_FILE_MB']} MiB, tmpfs)")
     L.zero_file(prm["RECOVERY_LOOP_FILE"], prm["RECOVERY_LOOP_FILE_MB"])
@@ -626,6 +638,7 @@ def host_args(h):
     h.add_argument("--servers", help="comma-separated subset of " + ",".join(SERVERS))
     h.add_argument("--out", help="results parent dir (default bench/results)")
     h.add_argument("--rebuild-peers", action="store_true", help="rebuild kublk even if cached")
+    L.add_kernel_arg(h)
 
 
 if __name__ == "__main__":

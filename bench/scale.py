@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 import params as P  # noqa: E402
 import benchlib as L  # noqa: E402
 import recovery as R  # noqa: E402
-from benchlib import log, emit, sh  # noqa: E402
+from benchlib import log, emit  # noqa: E402
 
 REC = "@@UBLKD-SCALE-REC@@ "
 META = "@@UBLKD-SCALE-META@@ "
