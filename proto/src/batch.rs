@@ -52,16 +52,23 @@ pub struct ElemFormat {
     pub buf_addr: bool,
     /// `UBLK_BATCH_F_HAS_ZONE_LBA`: a zone-append LBA (zoned devices).
     pub zone_lba: bool,
+    /// `UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK` (zero copy; changes no layout): when the
+    /// kernel cannot register a request's pages in the fetching ring it delivers the
+    /// request marked `UBLK_IO_F_NEED_REG_BUF` instead of failing it with EIO.
+    pub auto_buf_reg_fallback: bool,
 }
 
 impl ElemFormat {
     /// Just the 8-byte header (USER_COPY or zero copy: the kernel needs no address).
-    pub const HEADER: ElemFormat = ElemFormat { buf_addr: false, zone_lba: false };
+    pub const HEADER: ElemFormat =
+        ElemFormat { buf_addr: false, zone_lba: false, auto_buf_reg_fallback: false };
+    /// Zero copy (`UBLK_F_AUTO_BUF_REG`): the header, and a request whose pages the
+    /// kernel cannot register is delivered, not failed.
+    pub const ZERO_COPY: ElemFormat = ElemFormat { auto_buf_reg_fallback: true, ..Self::HEADER };
     /// Header and buffer address (kernel-copy mode): 16 bytes.
-    pub const WITH_BUF_ADDR: ElemFormat = ElemFormat { buf_addr: true, zone_lba: false };
+    pub const WITH_BUF_ADDR: ElemFormat = ElemFormat { buf_addr: true, ..Self::HEADER };
 
-    /// The format a command's `flags` describe. `UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK` is
-    /// allowed (it changes no layout); any other unknown bit is refused.
+    /// The format a command's `flags` describe; an unknown bit is refused.
     pub fn from_flags(flags: u16) -> Result<Self, BatchError> {
         let known = UBLK_BATCH_F_HAS_BUF_ADDR
             | UBLK_BATCH_F_HAS_ZONE_LBA
@@ -72,13 +79,15 @@ impl ElemFormat {
         Ok(ElemFormat {
             buf_addr: flags & UBLK_BATCH_F_HAS_BUF_ADDR != 0,
             zone_lba: flags & UBLK_BATCH_F_HAS_ZONE_LBA != 0,
+            auto_buf_reg_fallback: flags & UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK != 0,
         })
     }
 
-    /// The layout flags for the command header.
+    /// The flags for the command header.
     pub const fn flags(self) -> u16 {
         (if self.buf_addr { UBLK_BATCH_F_HAS_BUF_ADDR } else { 0 })
             | (if self.zone_lba { UBLK_BATCH_F_HAS_ZONE_LBA } else { 0 })
+            | (if self.auto_buf_reg_fallback { UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK } else { 0 })
     }
 
     /// Bytes per element: 8, 16 or 24.
@@ -99,8 +108,11 @@ impl ElemFormat {
 
 /// The largest element: header, buffer address and zone LBA.
 const MAX_ELEM_BYTES: usize = 24;
-const _: () =
-    assert!(ElemFormat { buf_addr: true, zone_lba: true }.elem_bytes() as usize == MAX_ELEM_BYTES);
+const _: () = assert!(
+    ElemFormat { buf_addr: true, zone_lba: true, auto_buf_reg_fallback: false }.elem_bytes()
+        as usize
+        == MAX_ELEM_BYTES
+);
 
 /// One element of a PREP or COMMIT command. Fields the format leaves out are not
 /// encoded (and decode as zero).
@@ -306,13 +318,21 @@ mod tests {
     fn elem_bytes_follow_flags() {
         assert_eq!(ElemFormat::HEADER.elem_bytes(), 8);
         assert_eq!(ElemFormat::WITH_BUF_ADDR.elem_bytes(), 16);
-        assert_eq!(ElemFormat { buf_addr: true, zone_lba: true }.elem_bytes(), 24);
-        assert_eq!(ElemFormat { buf_addr: false, zone_lba: true }.elem_bytes(), 16);
+        let zoned = ElemFormat { zone_lba: true, ..ElemFormat::HEADER };
+        assert_eq!(ElemFormat { buf_addr: true, ..zoned }.elem_bytes(), 24);
+        assert_eq!(zoned.elem_bytes(), 16);
+        // The fallback flag changes no layout, and round-trips through the header.
+        assert_eq!(ElemFormat::ZERO_COPY.elem_bytes(), 8);
+        assert_eq!(ElemFormat::ZERO_COPY.flags(), UBLK_BATCH_F_AUTO_BUF_REG_FALLBACK);
+        assert_eq!(
+            ElemFormat::from_flags(ElemFormat::ZERO_COPY.flags()),
+            Ok(ElemFormat::ZERO_COPY)
+        );
     }
 
     #[test]
     fn buf_addr_comes_before_zone_lba() {
-        let format = ElemFormat { buf_addr: true, zone_lba: true };
+        let format = ElemFormat { buf_addr: true, zone_lba: true, auto_buf_reg_fallback: false };
         let mut buf = ElemBuf::new(format, 1);
         buf.push(BatchElem {
             tag: 1,
@@ -407,8 +427,10 @@ mod tests {
     }
 
     fn any_format() -> impl Strategy<Value = ElemFormat> {
-        (any::<bool>(), any::<bool>())
-            .prop_map(|(buf_addr, zone_lba)| ElemFormat { buf_addr, zone_lba })
+        // The kernel refuses the fallback flag beside a buffer address.
+        (any::<bool>(), any::<bool>(), any::<bool>()).prop_map(|(buf_addr, zone_lba, fallback)| {
+            ElemFormat { buf_addr, zone_lba, auto_buf_reg_fallback: fallback && !buf_addr }
+        })
     }
 
     fn any_elem() -> impl Strategy<Value = BatchElem> {

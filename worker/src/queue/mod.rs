@@ -42,6 +42,16 @@ pub enum LoopError {
     Fetch { q_id: u16, source: batch::BatchError },
     #[error("io_uring wait failed in thread {thread}: {source}")]
     Wait { thread: usize, source: std::io::Error },
+    /// Zero copy: the kernel could not register a request's pages in this ring (its
+    /// slot taken, or no memory) and delivered it unregistered. This worker cannot
+    /// move its data, and failing it would be an I/O error: it exits instead, leaving
+    /// the request to the kernel, which re-issues it to the next worker, whose rings
+    /// are fresh.
+    #[error(
+        "the kernel could not register the pages of queue {q_id}'s request {tag} in this \
+         worker's ring (zero copy); ending so that a fresh worker serves it"
+    )]
+    PagesNotRegistered { q_id: u16, tag: u16 },
 }
 
 /// How a COMMIT went wrong.

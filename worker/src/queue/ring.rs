@@ -28,9 +28,16 @@ use crate::target::TARGET_FIXED_FD;
 pub const UBLKC_FIXED_FD: u32 = 1;
 
 /// The PREP/COMMIT element format: kernel-copy mode names each tag's buffer address;
-/// zero copy (`UBLK_F_AUTO_BUF_REG`) only the buffer index, in the header.
+/// zero copy (`UBLK_F_AUTO_BUF_REG`) only the buffer index, in the header, with the
+/// fallback flag. Without it, a request whose pages the kernel cannot register in the
+/// fetching ring is failed with EIO. That happens to a worker killed while its FETCH
+/// delivers: the delivery goes on into the dead worker's ring, whose buffer table the
+/// supervisor has already unregistered (`recovery.fast_release`); an application saw
+/// EIO across `ublkctl upgrade`. With the flag the request is delivered unregistered,
+/// so the dead worker owns it like any other, and the release re-issues it to the next
+/// worker. A live worker never sees it (see `LoopError::PagesNotRegistered`).
 pub fn elem_format(zero_copy: bool) -> ElemFormat {
-    if zero_copy { ElemFormat::HEADER } else { ElemFormat::WITH_BUF_ADDR }
+    if zero_copy { ElemFormat::ZERO_COPY } else { ElemFormat::WITH_BUF_ADDR }
 }
 
 /// A thread's ring made while the worker stands by: created disabled, with the

@@ -333,6 +333,9 @@ impl QueueThread {
             return Ok(());
         };
         let (buf, buf_index) = if dev.zero_copy {
+            if desc.op_flags & uapi::UBLK_IO_F_NEED_REG_BUF != 0 {
+                return Err(LoopError::PagesNotRegistered { q_id, tag });
+            }
             (std::ptr::null_mut(), Some(self.buf_index(q_id, tag)))
         } else {
             (dev.bufs.get(q_id, tag).unwrap_or(std::ptr::null_mut()), None)
