@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 
 use common::{
     FioJob, Ublkd, WriteThrottle, assert_fio_clean, block_dev, fio, fio_verify_args, hooked_worker,
-    run_ok, serial, sha256,
+    run_ok, serial, sha256, sparse_file,
 };
 
 const MIB: u64 = 1 << 20;
@@ -196,5 +196,31 @@ fn a_worker_waiting_for_a_slow_backend_is_not_killed_as_hung() {
     assert!(log.contains("the backend completed I/O again"), "{log}");
     // The loop device goes before its backing device (it holds it open).
     ublkd.del(id);
+    ublkd.stop();
+}
+
+/// The kernel could not register a request's pages in the worker's ring (zero copy):
+/// what happens when a FETCH still delivers into a killed worker's ring after ublkd's
+/// fast release dropped its buffer table. Made on purpose here: the worker drops its
+/// own table before its first turn. The request must be delivered (the fallback flag),
+/// not failed with EIO; the worker ends and the device recovers, with fio clean.
+/// Without the fallback flag (`worker/src/queue/ring.rs`) fio gets EIO at once.
+#[test]
+fn a_request_whose_pages_cannot_be_registered_is_reissued_not_failed() {
+    let _s = serial();
+    let ublkd = hostile("zc-buffers", "drop-zero-copy-buffers", 7, "");
+    let backing = PathBuf::from("/tmp/ublkd-zc-buffers.img");
+    sparse_file(&backing, 64 * MIB);
+    let victim = ublkd.add(&["-n", "7", "-t", "loop", "-f", backing.to_str().unwrap()]);
+    let fio_victim = verify_in_background(victim, 32 * MIB);
+    ublkd.wait_until("the victim's recovery", || {
+        ublkd.status_of(victim)["recoveries"].as_u64() == Some(1)
+    });
+    assert_fio_clean(&fio_victim.join().expect("fio on the victim"), 1);
+    let log = ublkd.log();
+    assert!(log.contains("attack drop-zero-copy-buffers: buffer table dropped: done"), "{log}");
+    assert!(log.contains("could not register the pages"), "{log}");
+    assert_eq!(ublkd.status_of(victim)["state"], "LIVE");
+    let _ = std::fs::remove_file(&backing);
     ublkd.stop();
 }

@@ -41,6 +41,14 @@ pub const SCRIBBLE_REGION: &str = "scribble-region";
 /// requests, holding them. The supervisor's hang watch must find it.
 pub const STALL_THREAD: &str = "stall-thread";
 
+/// Not an attack but the kernel's side of a race, made on purpose: queue thread 0
+/// unregisters its ring's buffer table before its first turn, as the supervisor's fast
+/// release does to a dead worker's ring that a FETCH may still be delivering into. The
+/// kernel then cannot register the next request's pages in that ring (zero copy). It
+/// must deliver the request marked NEED_REG_BUF (the fallback flag), never fail it
+/// with EIO; the worker must end and the device recover with no I/O error.
+pub const DROP_ZERO_COPY_BUFFERS: &str = "drop-zero-copy-buffers";
+
 /// Whether the attack applies to device `dev_id`: `UBLKD_WORKER_ATTACK_DEV` limits it
 /// to one device (a test with two devices attacks one and watches the other).
 pub fn targets(dev_id: u32) -> bool {

@@ -90,6 +90,30 @@ mod imp {
                 };
                 attack::outcome(attack::URING_REGISTER_PERSONALITY, rc);
             }
+            Some(attack::DROP_ZERO_COPY_BUFFERS)
+                if dev.zero_copy && attack::targets(dev.dev_id) =>
+            {
+                // SAFETY: io_uring_register with a null argument and no entries reads no
+                // memory; the ring fd is this thread's own.
+                let rc = unsafe {
+                    libc::syscall(
+                        libc::SYS_io_uring_register,
+                        ring_fd,
+                        ublkd_proto::uapi::IORING_UNREGISTER_BUFFERS,
+                        std::ptr::null::<libc::c_void>(),
+                        0,
+                    )
+                };
+                let what = if rc == 0 {
+                    "done".to_string()
+                } else {
+                    format!("refused ({})", std::io::Error::last_os_error())
+                };
+                attack::say(format!(
+                    "attack {}: buffer table dropped: {what}",
+                    attack::DROP_ZERO_COPY_BUFFERS
+                ));
+            }
             // The highest tags: blk-mq hands out the lowest first, so these are idle.
             Some(attack::COMMIT_UNOWNED) => start.unowned_tags = vec![dev.depth - 1],
             Some(attack::COMMIT_UNOWNED_BATCH) => {
