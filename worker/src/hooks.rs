@@ -30,6 +30,7 @@ mod imp {
     const PER_IO_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
     use crate::device::Device;
     use crate::queue::user_data::UserData;
+    use ublkd_proto::uapi;
 
     /// The attack to make once serving, and the supervisor's pid.
     static ATTACK: OnceLock<(&'static str, i32)> = OnceLock::new();
@@ -77,33 +78,13 @@ mod imp {
             // Give the enabled ring this thread's credentials as a personality: its
             // register restrictions must refuse.
             Some(attack::URING_REGISTER_PERSONALITY) => {
-                // SAFETY: io_uring_register with a null argument and no entries reads no
-                // memory; the ring fd is this thread's own.
-                let rc = unsafe {
-                    libc::syscall(
-                        libc::SYS_io_uring_register,
-                        ring_fd,
-                        ublkd_proto::uapi::IORING_REGISTER_PERSONALITY,
-                        std::ptr::null::<libc::c_void>(),
-                        0,
-                    )
-                };
+                let rc = register_without_argument(ring_fd, uapi::IORING_REGISTER_PERSONALITY);
                 attack::outcome(attack::URING_REGISTER_PERSONALITY, rc);
             }
             Some(attack::DROP_ZERO_COPY_BUFFERS)
                 if dev.zero_copy && attack::targets(dev.dev_id) =>
             {
-                // SAFETY: io_uring_register with a null argument and no entries reads no
-                // memory; the ring fd is this thread's own.
-                let rc = unsafe {
-                    libc::syscall(
-                        libc::SYS_io_uring_register,
-                        ring_fd,
-                        ublkd_proto::uapi::IORING_UNREGISTER_BUFFERS,
-                        std::ptr::null::<libc::c_void>(),
-                        0,
-                    )
-                };
+                let rc = register_without_argument(ring_fd, uapi::IORING_UNREGISTER_BUFFERS);
                 let what = if rc == 0 {
                     "done".to_string()
                 } else {
@@ -122,6 +103,22 @@ mod imp {
             _ => {}
         }
         start
+    }
+
+    /// `io_uring_register(ring_fd, opcode, NULL, 0)`: the register operations these
+    /// hooks make take no argument.
+    fn register_without_argument(ring_fd: RawFd, opcode: u32) -> libc::c_long {
+        // SAFETY: io_uring_register with a null argument and no entries reads no memory;
+        // the ring fd is the calling queue thread's own.
+        unsafe {
+            libc::syscall(
+                libc::SYS_io_uring_register,
+                ring_fd,
+                opcode,
+                std::ptr::null::<libc::c_void>(),
+                0,
+            )
+        }
     }
 
     /// After each turn of queue thread `thread`: `turn` counts its turns, `handled`
