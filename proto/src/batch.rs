@@ -59,7 +59,8 @@ pub struct ElemFormat {
 }
 
 impl ElemFormat {
-    /// Just the 8-byte header (USER_COPY or zero copy: the kernel needs no address).
+    /// Just the 8-byte header (USER_COPY: the kernel needs no address; zero copy uses
+    /// [`Self::ZERO_COPY`], the same layout with the fallback flag).
     pub const HEADER: ElemFormat =
         ElemFormat { buf_addr: false, zone_lba: false, auto_buf_reg_fallback: false };
     /// Zero copy (`UBLK_F_AUTO_BUF_REG`): the header, and a request whose pages the

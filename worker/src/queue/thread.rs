@@ -90,8 +90,9 @@ pub struct QueueThread {
 
 /// A failed request is logged (a backend that fails is what an operator must see, and
 /// fio's EIO names no cause), but a failing backend fails thousands: at most
-/// [`FailureLog::PER_WINDOW`] lines per [`FailureLog::WINDOW_NS`], then one line with
-/// how many more there were.
+/// [`FailureLog::PER_WINDOW`] lines per [`FailureLog::WINDOW_NS`]; how many more there
+/// were is said with the first failure after the window (a count left when failures
+/// stop is still in the shared region's error counter, which `status` shows).
 #[derive(Default)]
 struct FailureLog {
     window_start_ns: u64,
