@@ -61,8 +61,7 @@ pub enum TargetSpec {
         zero_copy: Option<bool>,
     },
     /// An export of an NBD server. Its size, block sizes and what it supports come from
-    /// the server when ublkd connects, so a spec holds only where it is. Part 1 of
-    /// issue 19: ublkd connects and negotiates, but serves no I/O from it yet.
+    /// the server when ublkd connects, so a spec holds only where it is.
     Nbd {
         /// Where the export is.
         uri: NbdUri,

@@ -20,6 +20,10 @@ pub enum WorkerExit {
     DataPath = 70,
     /// The supervisor went away.
     Orphaned = 71,
+    /// The target's connection broke (an NBD server closed it, or answered nonsense):
+    /// recover the device, which connects afresh; the kernel re-issues the requests
+    /// that were in flight.
+    BackendLost = 72,
     /// A test hook ended the worker on purpose (test builds only).
     TestHook = 97,
     /// The worker made a system call outside its seccomp policy and was stopped.
@@ -28,12 +32,13 @@ pub enum WorkerExit {
 
 impl WorkerExit {
     /// Every code, for lookups.
-    pub const ALL: [WorkerExit; 7] = [
+    pub const ALL: [WorkerExit; 8] = [
         Self::Clean,
         Self::Protocol,
         Self::Setup,
         Self::DataPath,
         Self::Orphaned,
+        Self::BackendLost,
         Self::TestHook,
         Self::Seccomp,
     ];
@@ -56,6 +61,7 @@ impl WorkerExit {
             Self::Setup => "device setup failed",
             Self::DataPath => "data path error: the kernel refused a COMMIT or sent a bad FETCH",
             Self::Orphaned => "lost its supervisor",
+            Self::BackendLost => "lost its connection to the NBD server",
             Self::TestHook => "ended by a test hook",
             Self::Seccomp => "made a system call outside its seccomp policy",
         }

@@ -18,6 +18,7 @@ pub mod ctrl;
 pub mod errno;
 pub mod exit;
 pub mod msg;
+pub mod nbd;
 pub mod shm;
 pub mod sqe;
 pub mod uapi;

@@ -51,7 +51,7 @@ pub enum MsgError {
 
 /// What the device's target is, as the worker needs to know it. The target's data
 /// (memory pages, backing file) arrives as an fd, never as a path.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TargetSetup {
     /// Completes every I/O at once, touching no data.
     Null,
@@ -63,14 +63,27 @@ pub enum TargetSetup {
     /// Fails every I/O with EIO, touching no backend: what a device serves once its
     /// restart budget is spent and `recovery.on_restart_limit` is `"fail-io"`.
     FailIo,
+    /// An NBD server's export. No fd at setup: the supervisor connects and negotiates
+    /// when the worker is activated (a standby's connection would sit idle, and some
+    /// servers take one client at a time), and sends the socket, in the transmission
+    /// phase with simple replies, with [`ToWorker::Activate`].
+    Nbd,
 }
 
 impl TargetSetup {
     /// How many fds follow the fixed ones for this target.
     pub const fn target_fds(&self) -> usize {
         match self {
-            TargetSetup::Null | TargetSetup::FailIo => 0,
+            TargetSetup::Null | TargetSetup::FailIo | TargetSetup::Nbd => 0,
             TargetSetup::Memory | TargetSetup::Loop => 1,
+        }
+    }
+
+    /// How many fds of the target's follow `/dev/ublkcN` in [`ToWorker::Activate`].
+    pub const fn activation_fds(&self) -> usize {
+        match self {
+            TargetSetup::Nbd => 1,
+            _ => 0,
         }
     }
 }
@@ -118,7 +131,8 @@ pub enum ToWorker {
     /// Get ready (fds: the shared region, the target's).
     Setup(WorkerSetup),
     /// Serve the device now: PREP every tag, arm FETCH, answer Ready. `generation` is
-    /// the shared region's generation for this incarnation. fds: `/dev/ublkcN`, then
+    /// the shared region's generation for this incarnation. fds: `/dev/ublkcN`, the
+    /// target's if it is given at activation ([`TargetSetup::activation_fds`]), then
     /// the ones the worker holds for as long as it serves, unused, so that they outlive
     /// the supervisor ([`MAX_HELD_FDS`] at most): the supervisor's own end of this
     /// control socket (without which the worker would see the socket end when the
@@ -396,7 +410,7 @@ pub enum TargetKind {
     Null,
     Memory,
     Loop,
-    /// An NBD server's export (issue 19: checked, not served yet).
+    /// An NBD server's export.
     Nbd,
 }
 

@@ -79,8 +79,8 @@ pub enum Target {
     Memory,
     /// A backing file or block device.
     Loop,
-    /// An NBD server's export (--uri). Not served yet: ublkd checks the export and
-    /// reports its size and flags, then refuses (issue 19).
+    /// An NBD server's export (--uri); its size, block sizes and flags are the
+    /// export's.
     Nbd,
 }
 

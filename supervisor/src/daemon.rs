@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use ublkd_config::{Config, DeviceSpec};
+use ublkd_config::{Config, DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 
 mod handlers;
@@ -261,13 +261,7 @@ impl Daemon {
         let mut adopted: Vec<DeviceSpec> =
             self.devices.values().map(|d| d.spec().clone()).collect();
         for spec in self.config.devices.clone() {
-            let same = |a: &DeviceSpec| {
-                let mut a = a.clone();
-                if spec.id.is_none() {
-                    a.id = None;
-                }
-                a == spec
-            };
+            let same = |made: &DeviceSpec| made_from(made, &spec);
             if let Some(at) = adopted.iter().position(same) {
                 let adopted_spec = adopted.remove(at);
                 if let Some(id) = adopted_spec.id {
@@ -540,6 +534,30 @@ impl Daemon {
 
 /// The user sandboxed workers run as: `daemon.worker_user`, else `ublkd-worker` (which
 /// the package creates), else `nobody` with a warning (a source build run by hand).
+/// Whether the device `made` (as ublkd created it, from its record) is the configured
+/// `config`: the same, but for what ublkd decides at creation where the config leaves
+/// it open: the id if none is given, a loop device's zero copy, an nbd device's size and
+/// block size (its export's).
+fn made_from(made: &DeviceSpec, config: &DeviceSpec) -> bool {
+    let mut made = made.clone();
+    if config.id.is_none() {
+        made.id = None;
+    }
+    match (&mut made.target, &config.target) {
+        (TargetSpec::Loop { zero_copy, .. }, TargetSpec::Loop { zero_copy: None, .. }) => {
+            *zero_copy = None;
+        }
+        (TargetSpec::Nbd { .. }, TargetSpec::Nbd { .. }) => {
+            made.size_bytes = config.size_bytes;
+            if made.settings.block_size >= config.settings.block_size {
+                made.settings.block_size = config.settings.block_size;
+            }
+        }
+        _ => {}
+    }
+    made == *config
+}
+
 fn worker_identity(configured: Option<&str>) -> Result<WorkerIdentity, DaemonError> {
     let lookup = |name: &str| {
         nix::unistd::User::from_name(name)
@@ -605,4 +623,40 @@ fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
 fn millis_until(at: Instant) -> i32 {
     let left = at.saturating_duration_since(Instant::now());
     left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(target: &str) -> DeviceSpec {
+        let text = format!("[[device]]\n{target}\n");
+        Config::parse(&text, "test").unwrap().devices.remove(0)
+    }
+
+    #[test]
+    fn a_made_device_is_its_configured_one_despite_what_creation_decided() {
+        let file = std::env::temp_dir().join(format!("ublkd-made-from-{}", std::process::id()));
+        std::fs::File::create(&file).unwrap().set_len(1 << 20).unwrap();
+        let config = spec(&format!("target = \"loop\"\nfile = \"{}\"", file.display()));
+        let _ = std::fs::remove_file(&file);
+        let mut made = config.clone();
+        made.id = Some(4);
+        if let TargetSpec::Loop { zero_copy, .. } = &mut made.target {
+            *zero_copy = Some(true);
+        }
+        assert!(made_from(&made, &config));
+
+        let config = spec("target = \"nbd\"\nuri = \"nbd+unix:///?socket=/run/n.sock\"");
+        let mut made = config.clone();
+        (made.id, made.size_bytes, made.settings.block_size) = (Some(2), 1 << 30, 4096);
+        assert!(made_from(&made, &config));
+        made.settings.queues += 1;
+        assert!(!made_from(&made, &config), "a changed queue count is another device");
+
+        let memory = spec("target = \"memory\"\nsize = \"1G\"");
+        let mut bigger = memory.clone();
+        bigger.size_bytes *= 2;
+        assert!(!made_from(&bigger, &memory), "a memory device's size is its own");
+    }
 }

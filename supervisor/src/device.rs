@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ublkd_config::DeviceSpec;
+use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
 use ublkd_proto::uapi::UblksrvCtrlDevInfo;
@@ -33,7 +33,7 @@ use crate::hang::HangWatch;
 use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
-use crate::target::{TargetError, decide_zero_copy, open_target};
+use crate::target::{NbdLink, TargetError, connect_export, decide_zero_copy, open_target};
 use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
 /// How long a worker may take to get set up, or to PREP every tag.
@@ -129,6 +129,9 @@ pub struct Device {
     target_fd: Option<OwnedFd>,
     /// Whether the loop file really is O_DIRECT (a filesystem may refuse it).
     direct: bool,
+    /// An nbd device's export: what its server said, and a connection for the next
+    /// worker if one was made ahead (at creation).
+    nbd: Option<NbdLink>,
     /// The active worker: present exactly in the states that have one
     /// ([`DeviceState::has_worker`]).
     worker: Option<Worker>,
@@ -157,8 +160,18 @@ pub struct Device {
 impl Device {
     /// Creates, hands over and starts a device described by `spec` (already validated).
     pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
-        crate::target::check_servable(spec)?;
-        let spec = &decide_zero_copy(spec, ctx.kernel_features)?;
+        let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
+        // An nbd device is what its export is: connected and negotiated before the
+        // kernel device is made, so a server that is not there costs nothing.
+        let nbd = connect_export(&spec)?;
+        if let Some(info) = nbd.as_ref().and_then(|l| l.info.as_ref()) {
+            spec.size_bytes = info.size;
+            if let Some(b) = info.block_sizes {
+                // The server's minimum is the least the kernel may send it.
+                spec.settings.block_size = spec.settings.block_size.max(b.min);
+            }
+        }
+        let spec = &spec;
         let info = UblksrvCtrlDevInfo {
             nr_hw_queues: spec.settings.queues,
             queue_depth: spec.settings.queue_depth,
@@ -184,7 +197,7 @@ impl Device {
             spec.settings.threads = spec.settings.threads.min(slots);
         }
         // From here on, a failure deletes the half-made device.
-        match Self::finish_create(ctx, id, &spec) {
+        match Self::finish_create(ctx, id, &spec, nbd) {
             Ok(dev) => Ok(dev),
             Err(e) => {
                 if let Err(del) = ctx.ctrl.del_dev(id) {
@@ -196,13 +209,20 @@ impl Device {
         }
     }
 
-    fn finish_create(ctx: &Context, id: u32, spec: &DeviceSpec) -> Result<Device, DeviceError> {
+    fn finish_create(
+        ctx: &Context,
+        id: u32,
+        spec: &DeviceSpec,
+        nbd: Option<NbdLink>,
+    ) -> Result<Device, DeviceError> {
         let state_err = |source| DeviceError::State { id, source };
         let mut spec = spec.clone();
         spec.id = Some(id);
         ctx.state.write_record(&DeviceRecord::new(id, &spec)).map_err(state_err)?;
-        ctx.ctrl.set_params(id, &params(&spec))?;
+        let export = nbd.as_ref().and_then(|l| l.info.as_ref());
+        ctx.ctrl.set_params(id, &params(&spec, export))?;
         let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
+        dev.nbd = nbd;
         let standby = dev.ensure_standby(ctx)?;
         let (worker, activation) = dev.activate(ctx, standby)?;
         ctx.ctrl.start_dev(id, std::process::id() as i32)?;
@@ -256,7 +276,10 @@ impl Device {
         // activation writes its successor over whatever the region holds.
         let generation = shm.generation();
         let (target_fd, direct) = open_target(&ctx.state, id, &spec)?;
+        // An adopted nbd device learns its export again at its next connection.
+        let nbd = matches!(spec.target, TargetSpec::Nbd { .. }).then(NbdLink::default);
         Ok(Device {
+            nbd,
             id,
             spec,
             state,

@@ -21,7 +21,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use ublkd_config::{DeviceSettings, DeviceSpec, TargetSpec};
+use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 
 use crate::worker::AttachClaim;
 use ublkd_proto::msg::{LayerSet, SandboxLayer};
@@ -95,6 +95,9 @@ pub struct DeviceRecord {
     pub sandbox: bool,
     #[serde(default)]
     pub sandbox_optional: Vec<SandboxLayer>,
+    /// An nbd device's export, as its URI.
+    #[serde(default)]
+    pub uri: Option<String>,
 }
 
 impl DeviceRecord {
@@ -118,6 +121,10 @@ impl DeviceRecord {
             threads: spec.settings.threads,
             sandbox: spec.settings.sandbox,
             sandbox_optional: spec.settings.sandbox_optional.layers(),
+            uri: match &spec.target {
+                TargetSpec::Nbd { uri } => Some(uri.to_string()),
+                _ => None,
+            },
         }
     }
 
@@ -127,6 +134,11 @@ impl DeviceRecord {
         let target = match (self.target.as_str(), &self.file) {
             ("null", None) => TargetSpec::Null,
             ("memory", None) => TargetSpec::Memory,
+            ("nbd", None) => {
+                let text = self.uri.as_deref().ok_or("an nbd device without its uri")?;
+                let uri = NbdUri::parse(text).map_err(|e| format!("its uri: {e}"))?;
+                TargetSpec::Nbd { uri }
+            }
             ("loop", Some(file)) => TargetSpec::Loop {
                 file: file.clone(),
                 direct: self.direct,
@@ -548,5 +560,20 @@ mod tests {
         let mut rec = DeviceRecord::new(1, &spec());
         rec.queue_depth = 0;
         assert!(rec.spec().is_err());
+        let mut rec = DeviceRecord::new(1, &spec());
+        rec.target = "nbd".into();
+        assert_eq!(rec.spec().unwrap_err(), "an nbd device without its uri");
+        rec.uri = Some("nbds://host/x".into());
+        assert!(rec.spec().unwrap_err().contains("asks for TLS"));
+    }
+
+    #[test]
+    fn an_nbd_record_keeps_its_export() {
+        let mut spec = spec();
+        let uri = NbdUri::parse("nbd+unix:///disk?socket=/run/nbd.sock").unwrap();
+        spec.target = TargetSpec::Nbd { uri: uri.clone() };
+        let rec = DeviceRecord::new(6, &spec);
+        assert_eq!(rec.uri.as_deref(), Some("nbd+unix:///disk?socket=/run/nbd.sock"));
+        assert!(matches!(rec.spec().unwrap().target, TargetSpec::Nbd { uri: u } if u == uri));
     }
 }

@@ -10,7 +10,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_config::{DeviceSpec, NbdUri, TargetSpec};
 use ublkd_proto::msg::DataPath;
 use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
 
@@ -34,28 +34,80 @@ pub enum TargetError {
     #[error("cannot use the nbd export {uri}: {source}")]
     Nbd { uri: String, source: Box<NbdError> },
     #[error(
-        "the nbd target's data path is not built yet (issue 19): {uri} works, it is {info}; \
-         no device was created"
+        "the nbd export {uri} is no longer what device {id} was made from: {what}; \
+         the device waits (its I/O held) until the server offers it again"
     )]
-    NbdNotServed { uri: String, info: Box<ExportInfo> },
+    NbdChanged { id: u32, uri: String, what: String },
 }
 
 /// How long ublkd gives an NBD server to accept the connection and finish the handshake.
-/// ublkd's loop waits meanwhile (creating a device is not concurrent with the rest).
+/// ublkd's loop waits meanwhile (creating or recovering a device is not concurrent
+/// with the rest).
 pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Whether ublkd can serve `spec` at all, checked before any kernel device is made.
-/// For an nbd target (issue 19, part 1) it connects and negotiates, so the operator
-/// learns whether the URI works, then refuses: there is no data path yet.
-pub fn check_servable(spec: &DeviceSpec) -> Result<(), TargetError> {
-    let TargetSpec::Nbd { uri } = &spec.target else { return Ok(()) };
+/// An nbd device's link to its export: what the server said when the device was made
+/// (or, for a device ublkd adopted, when it first reconnected), and a connection made
+/// but not yet handed to a worker.
+#[derive(Debug, Default)]
+pub struct NbdLink {
+    pub info: Option<ExportInfo>,
+    pub socket: Option<OwnedFd>,
+}
+
+/// For an nbd target, connects and negotiates, so that the device is made from what
+/// the export is (its size, block sizes, flags) and its first worker gets this
+/// connection. `None` for other targets.
+pub fn connect_export(spec: &DeviceSpec) -> Result<Option<NbdLink>, TargetError> {
+    let TargetSpec::Nbd { uri } = &spec.target else { return Ok(None) };
     match nbd::connect(uri, NBD_HANDSHAKE_TIMEOUT) {
-        Ok((socket, info)) => {
-            nbd::disconnect(socket);
-            Err(TargetError::NbdNotServed { uri: uri.to_string(), info: Box::new(info) })
-        }
+        Ok((socket, info)) => Ok(Some(NbdLink { info: Some(info), socket: Some(socket) })),
         Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
     }
+}
+
+/// How long one try to reconnect an nbd device in a recovery may take: ublkd's loop
+/// waits meanwhile, and tries again later (a server that is down refuses at once; one
+/// that drops packets would otherwise hold the loop for the whole handshake timeout).
+pub const NBD_RECONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A connection for the next worker of nbd device `id` (`uri`): the one made ahead,
+/// else a new one within `timeout`, checked to be the same export: its size, and every
+/// feature the device was made with (the kernel was told of them).
+pub fn nbd_socket(
+    id: u32,
+    uri: &NbdUri,
+    spec: &DeviceSpec,
+    link: &mut NbdLink,
+    timeout: Duration,
+) -> Result<OwnedFd, TargetError> {
+    if let Some(socket) = link.socket.take() {
+        return Ok(socket);
+    }
+    let (socket, info) = nbd::connect(uri, timeout)
+        .map_err(|source| TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) })?;
+    let changed = |what: String| TargetError::NbdChanged { id, uri: uri.to_string(), what };
+    if info.size != spec.size_bytes {
+        nbd::disconnect(socket);
+        return Err(changed(format!(
+            "its size is {} bytes, the device's {}",
+            info.size, spec.size_bytes
+        )));
+    }
+    let min_grew = info.block_sizes.is_some_and(|b| b.min > spec.settings.block_size);
+    let lost_features = link.info.as_ref().is_some_and(|was| {
+        (was.can_flush() && !info.can_flush())
+            || (was.can_fua() && !info.can_fua())
+            || (was.can_trim() && !info.can_trim())
+            || (was.can_write_zeroes() && !info.can_write_zeroes())
+            || (!was.read_only() && info.read_only())
+    });
+    if min_grew || lost_features {
+        let was = link.info.as_ref().map_or_else(|| "unknown".to_string(), |w| w.to_string());
+        nbd::disconnect(socket);
+        return Err(changed(format!("it was {was}; now it is {info}")));
+    }
+    link.info = Some(info);
+    Ok(socket)
 }
 
 /// The largest request, and so each tag's buffer in the worker.
@@ -119,21 +171,45 @@ pub fn decide_zero_copy(
     Ok(spec)
 }
 
-/// The kernel parameters for `spec`.
-pub fn params(spec: &DeviceSpec) -> UblkParams {
+/// The kernel parameters for `spec`; for an nbd device, `export` is what its server
+/// said, which decides its cache, FUA, discard, write-zeroes, read-only and request
+/// size limits.
+pub fn params(spec: &DeviceSpec, export: Option<&ExportInfo>) -> UblkParams {
     let bs_shift = spec.settings.block_size.trailing_zeros() as u8;
     let types = uapi::UBLK_PARAM_TYPE_BASIC | uapi::UBLK_PARAM_TYPE_DISCARD;
+    let mut max_sectors = MAX_IO_BUF_BYTES >> 9;
+    let (mut max_discard, mut max_write_zeroes) = (max_sectors, max_sectors);
     // A loop file has a write-back cache (the page cache, or the disk's own): FLUSH and
-    // FUA must reach the target. RAM and null have nothing to flush.
-    // An nbd export is taken to have a cache until its flags say otherwise (issue 19's
-    // data path will set these from the export's NBD_FLAG_SEND_FLUSH / SEND_FUA).
-    let attrs = match spec.target {
-        TargetSpec::Loop { .. } | TargetSpec::Nbd { .. } => {
-            uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA
+    // FUA must reach the target. RAM and null have nothing to flush. An nbd export has
+    // what its flags say, and no more: the kernel sends nothing the server refuses.
+    let attrs = match (&spec.target, export) {
+        (TargetSpec::Loop { .. }, _) => uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA,
+        (TargetSpec::Nbd { .. }, Some(info)) => {
+            let mut attrs = 0;
+            if info.can_flush() {
+                attrs |= uapi::UBLK_ATTR_VOLATILE_CACHE;
+                if info.can_fua() {
+                    attrs |= uapi::UBLK_ATTR_FUA;
+                }
+            }
+            if info.read_only() {
+                attrs |= uapi::UBLK_ATTR_READ_ONLY;
+            }
+            if info.rotational() {
+                attrs |= uapi::UBLK_ATTR_ROTATIONAL;
+            }
+            if let Some(b) = info.block_sizes {
+                max_sectors = max_sectors.min(b.max >> 9).max(8);
+            }
+            max_discard = if info.can_trim() { max_sectors } else { 0 };
+            max_write_zeroes = if info.can_write_zeroes() { max_sectors } else { 0 };
+            attrs
         }
-        TargetSpec::Null | TargetSpec::Memory => 0,
+        // Not reached: an nbd device is made after its handshake. Flushing is the
+        // safe assumption.
+        (TargetSpec::Nbd { .. }, None) => uapi::UBLK_ATTR_VOLATILE_CACHE,
+        (TargetSpec::Null | TargetSpec::Memory, _) => 0,
     };
-    let max_sectors = MAX_IO_BUF_BYTES >> 9;
     UblkParams {
         len: 0,
         types,
@@ -151,8 +227,8 @@ pub fn params(spec: &DeviceSpec) -> UblkParams {
         discard: UblkParamDiscard {
             discard_alignment: 0,
             discard_granularity: spec.settings.block_size,
-            max_discard_sectors: max_sectors,
-            max_write_zeroes_sectors: max_sectors,
+            max_discard_sectors: max_discard,
+            max_write_zeroes_sectors: max_write_zeroes,
             max_discard_segments: 1,
             reserved0: 0,
         },
@@ -177,11 +253,8 @@ pub fn open_target(
             Ok((Some(file.into()), false))
         }
         TargetSpec::Loop { file, direct, .. } => open_backing(id, file, *direct),
-        // `check_servable` refuses nbd devices before one is made.
-        TargetSpec::Nbd { uri } => Err(TargetError::Nbd {
-            uri: uri.to_string(),
-            source: Box::new(NbdError::DataPathMissing),
-        }),
+        // Its connection is made for each worker (`nbd_socket`).
+        TargetSpec::Nbd { .. } => Ok((None, false)),
     }
 }
 
@@ -294,7 +367,7 @@ mod tests {
 
     #[test]
     fn params_describe_size_block_size_and_request_limit() {
-        let p = params(&spec(TargetSpec::Memory, 512));
+        let p = params(&spec(TargetSpec::Memory, 512), None);
         assert_eq!(p.basic.dev_sectors, (1 << 30) >> 9);
         assert_eq!(p.basic.logical_bs_shift, 9);
         assert_eq!(p.basic.physical_bs_shift, 12);
@@ -305,10 +378,10 @@ mod tests {
 
     #[test]
     fn loop_devices_declare_a_volatile_cache_and_fua() {
-        let p = params(&spec(
-            TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy: None },
-            4096,
-        ));
+        let p = params(
+            &spec(TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy: None }, 4096),
+            None,
+        );
         assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA);
         assert_eq!(p.basic.logical_bs_shift, 12);
     }

@@ -34,7 +34,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::msg::{
     self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, SandboxStatus,
-    ToWorker, WorkerSetup,
+    TargetSetup, ToWorker, WorkerSetup,
 };
 
 use crate::worker_log::PipeEnd;
@@ -141,6 +141,9 @@ pub struct Worker {
     rings: Vec<OwnedFd>,
     /// When the relay is done with the worker's stderr (`None`: ublkd's stderr).
     stderr_end: Option<PipeEnd>,
+    /// The target it was set up for (`Null` until its setup is sent, and for a worker
+    /// taken over): which fds its activation carries.
+    target: TargetSetup,
 }
 
 impl Worker {
@@ -236,6 +239,7 @@ impl Worker {
             pidfd,
             rings: Vec::new(),
             stderr_end: None,
+            target: TargetSetup::Null,
         };
         if let (Some(relay), Some(read)) = (relay, stderr_read) {
             worker.stderr_copy = read.try_clone().ok();
@@ -279,6 +283,7 @@ impl Worker {
         setup: &WorkerSetup,
         fds: &[BorrowedFd<'_>],
     ) -> Result<(), WorkerError> {
+        self.target = setup.target;
         match msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds) {
             Ok(()) => Ok(()),
             // A worker that could not set its sandbox up said why before it ended.
@@ -339,19 +344,34 @@ impl Worker {
         poll(&mut pfd, PollTimeout::ZERO).is_ok_and(|n| n > 0)
     }
 
-    /// Hands the worker the device (`/dev/ublkcN`) and waits until it has PREPed every
-    /// tag and armed FETCH.
+    /// The target it was set up for.
+    pub fn target_setup(&self) -> TargetSetup {
+        self.target
+    }
+
+    /// Hands the worker the device (`/dev/ublkcN`) and its target's connection, if it
+    /// has one (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), and
+    /// waits until it has PREPed every tag and armed FETCH.
     pub fn activate(
         &mut self,
         generation: u64,
         ublkc: BorrowedFd<'_>,
+        target: Option<&OwnedFd>,
         timeout: Duration,
     ) -> Result<Activation, WorkerError> {
-        let mut fds = vec![ublkc, self.control.as_fd()];
+        let mut fds = vec![ublkc];
+        fds.extend(target.map(AsFd::as_fd));
+        if fds.len() != 1 + self.target.activation_fds() {
+            let what =
+                format!("activation with {} target fds for {:?}", fds.len() - 1, self.target);
+            return Err(WorkerError::Protocol { pid: self.pid, what });
+        }
+        let fixed = fds.len();
+        fds.push(self.control.as_fd());
         fds.extend(self.stderr_copy.as_ref().map(AsFd::as_fd));
         msg::send_packet(self.control(), &ToWorker::Activate { generation }, &fds)
             .map_err(WorkerError::Send)?;
-        let sent_held = fds.len() - 1;
+        let sent_held = fds.len() - fixed;
         // The worker has its own copy now.
         self.stderr_copy = None;
         match self.receive(timeout)? {

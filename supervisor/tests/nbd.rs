@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_supervisor::nbd::{self, ExportInfo, NbdError};
-use ublkd_supervisor::target::check_servable;
+use ublkd_supervisor::target::{connect_export, nbd_socket};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -150,7 +150,6 @@ fn nbdkit_memory_over_a_unix_socket_gives_its_size_and_flags() {
     assert!(!info.read_only());
     assert!(info.can_flush() && info.can_fua() && info.can_trim() && info.can_write_zeroes());
     assert!(info.can_multi_conn(), "nbdkit's memory plugin shares one RAM disk");
-    assert!(info.structured_replies);
 }
 
 #[test]
@@ -161,7 +160,7 @@ fn nbdkit_memory_over_tcp_on_localhost() {
     let _server = Server::nbdkit(&dir, &["-i", "127.0.0.1", "-p", &port_text, "memory", "64M"]);
     let info = connected(&NbdUri::parse(&format!("nbd://127.0.0.1:{port}/")).unwrap());
     assert_eq!(info.size, 64 << 20);
-    assert!(!info.read_only() && info.structured_replies);
+    assert!(!info.read_only());
 }
 
 #[test]
@@ -241,7 +240,7 @@ fn qemu_nbd_serves_a_qcow2_image_over_a_unix_socket() {
     let uri = NbdUri::parse(&format!("nbd+unix:///vm-disk?socket={socket_text}")).unwrap();
     let info = connected(&uri);
     assert_eq!(info.size, 256 << 20);
-    assert!(!info.read_only() && info.can_flush() && info.structured_replies);
+    assert!(!info.read_only() && info.can_flush());
     assert!(info.block_sizes.is_some(), "qemu-nbd advertises block sizes");
 }
 
@@ -330,25 +329,21 @@ fn nbd_spec(uri: NbdUri) -> DeviceSpec {
 
 /// What ublkd answers `ublkctl add -t nbd` (and logs for a configured nbd device)
 /// before it would make a kernel device: the export's details when the URI works, the
-/// handshake's error when it does not.
+/// A device is made from what its export is: `connect_export` negotiates before any
+/// kernel device exists and says why when it cannot.
 #[test]
-fn ublkd_checks_an_nbd_export_then_says_the_data_path_is_not_built() {
+fn ublkd_learns_an_export_before_making_its_device_and_names_a_server_that_is_not_there() {
     let dir = TempDir::new("servable");
     let (_server, uri) = nbdkit_unix(&dir, &["-r", "memory", "2G"], "");
-    let message = check_servable(&nbd_spec(uri.clone())).unwrap_err().to_string();
-    eprintln!("{message}");
-    assert!(
-        message.starts_with(&format!(
-            "the nbd target's data path is not built yet (issue 19): {uri} works, it is \
-             2G (2147483648 bytes), "
-        )),
-        "{message}"
-    );
-    assert!(message.contains("read-only") && message.ends_with("; no device was created"));
+    let link = connect_export(&nbd_spec(uri.clone())).unwrap().expect("an nbd link");
+    let info = link.info.expect("the export's details");
+    assert_eq!(info.size, 2 << 30);
+    assert!(info.read_only(), "{info}");
+    assert!(link.socket.is_some());
 
     let port = free_port();
     let nowhere = NbdUri::parse(&format!("nbd://127.0.0.1:{port}/disk")).unwrap();
-    let message = check_servable(&nbd_spec(nowhere)).unwrap_err().to_string();
+    let message = connect_export(&nbd_spec(nowhere)).unwrap_err().to_string();
     assert!(
         message.starts_with(&format!(
             "cannot use the nbd export nbd://127.0.0.1:{port}/disk: the connection to \
@@ -356,6 +351,40 @@ fn ublkd_checks_an_nbd_export_then_says_the_data_path_is_not_built() {
         )),
         "{message}"
     );
+}
+
+/// A worker's next connection must be to the export the device was made from: a
+/// server restarted with another size, or without a feature the kernel was told of,
+/// is refused with both descriptions, not served.
+#[test]
+fn a_reconnection_to_a_changed_export_is_refused() {
+    let dir = TempDir::new("changed");
+    let (server, uri) = nbdkit_unix(&dir, &["memory", "64M"], "");
+    let mut spec = nbd_spec(uri.clone());
+    let mut link = connect_export(&spec).unwrap().expect("an nbd link");
+    spec.size_bytes = link.info.as_ref().unwrap().size;
+    // The first worker's connection is the one made with the device.
+    let first = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap();
+    nbd::disconnect(first);
+    // The same export again: a new connection, accepted.
+    let again = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap();
+    nbd::disconnect(again);
+    // The server restarted on the same socket, as another export.
+    let restart = |server: Server, args: &[&str]| {
+        drop(server);
+        for stale in ["nbdkit.pid", "nbdkit.sock"] {
+            let _ = std::fs::remove_file(dir.join(stale));
+        }
+        nbdkit_unix(&dir, args, "").0
+    };
+    let smaller = restart(server, &["memory", "32M"]);
+    let message = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap_err().to_string();
+    assert!(message.contains("is no longer what device 1 was made from"), "{message}");
+    assert!(message.contains("its size is 33554432 bytes, the device's 67108864"), "{message}");
+
+    let _read_only = restart(smaller, &["-r", "memory", "64M"]);
+    let message = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap_err().to_string();
+    assert!(message.contains("read-write") && message.contains("read-only"), "{message}");
 }
 
 /// A server whose accept backlog is full (it never accepts): connect would wait for

@@ -62,8 +62,8 @@ enum Failure {
     NoSetup(MsgError),
     #[error("setup came with {got} fds, expected {want}")]
     SetupFds { got: usize, want: usize },
-    #[error("expected Activate with 1 to {} fds, got {msg:?} with {fds}", 1 + msg::MAX_HELD_FDS)]
-    NotActivate { msg: Box<ToWorker>, fds: usize },
+    #[error("expected Activate with {fixed} to {} fds, got {msg:?} with {fds}", fixed + msg::MAX_HELD_FDS)]
+    NotActivate { msg: Box<ToWorker>, fds: usize, fixed: usize },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
@@ -199,23 +199,27 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
         tracing::error!("cannot report standby: {e}");
         return WorkerExit::Orphaned;
     }
-    let (generation, ublkc, held) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
+    // `/dev/ublkcN`, the target's (an NBD socket), then the fds held for a successor.
+    let fixed = 1 + setup.target.activation_fds();
+    let (generation, ublkc, target_fds, held) = match msg::recv_packet::<ToWorker>(control.as_fd())
+    {
         Ok((ToWorker::Activate { generation }, mut fds))
-            if (1..=1 + msg::MAX_HELD_FDS).contains(&fds.len()) =>
+            if (fixed..=fixed + msg::MAX_HELD_FDS).contains(&fds.len()) =>
         {
-            let held = fds.split_off(1);
-            (generation, fds.pop().expect("one fd"), held)
+            let held = fds.split_off(fixed);
+            let target_fds = fds.split_off(1);
+            (generation, fds.pop().expect("one fd"), target_fds, held)
         }
         Ok((ToWorker::Shutdown, _)) => return WorkerExit::Clean,
         Ok((other, fds)) => {
-            let failure = Failure::NotActivate { msg: Box::new(other), fds: fds.len() };
+            let failure = Failure::NotActivate { msg: Box::new(other), fds: fds.len(), fixed };
             return fail(control.as_fd(), failure);
         }
         // The supervisor let a standby go (or died): nothing to do.
         Err(_) => return WorkerExit::Orphaned,
     };
     let activating = std::time::Instant::now();
-    let dev = match standby.activate(ublkc.as_fd(), generation) {
+    let dev = match standby.activate(ublkc.as_fd(), target_fds, generation) {
         Ok(dev) => Arc::new(dev),
         Err(e) => return fail(control.as_fd(), e.into()),
     };

@@ -77,8 +77,15 @@ impl Standby {
 
     /// Maps the device's descriptor arrays: from here on this process is the
     /// device's server (the kernel lets one address space map them per incarnation).
-    pub fn activate(self, ublkc: BorrowedFd<'_>, generation: u64) -> Result<Device, StandbyError> {
+    /// `target_fds` are the target's fds that come with the device (an NBD socket).
+    pub fn activate(
+        self,
+        ublkc: BorrowedFd<'_>,
+        target_fds: Vec<OwnedFd>,
+        generation: u64,
+    ) -> Result<Device, StandbyError> {
         let setup = &self.setup;
+        self.target.activate(target_fds)?;
         let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
         for q_id in 0..setup.nr_queues {
             descs.push(

@@ -7,7 +7,13 @@ use std::time::{Duration, Instant};
 use super::{
     Context, Device, DeviceError, RELEASE_SLOW, RELEASE_WAIT_INLINE, Recovery, WORKER_TIMEOUT,
 };
+use ublkd_config::TargetSpec;
+
 use crate::device_state::{DeviceState, Release, StateKind};
+use crate::target::{NBD_RECONNECT_TIMEOUT, nbd_socket};
+
+/// The longest an nbd device in a recovery waits between two tries to reach its server.
+const NBD_RETRY_MAX: Duration = Duration::from_secs(2);
 
 impl Device {
     /// Recovers the device: waits for the kernel to release the old worker's file
@@ -85,6 +91,9 @@ impl Device {
         inline: Duration,
     ) -> Result<Recovery, DeviceError> {
         let id = self.id;
+        if !self.nbd_connected() {
+            return Ok(Recovery::Waiting);
+        }
         let DeviceState::Releasing(r) = &mut self.state else { return Ok(Recovery::Waiting) };
         let inline_until = Instant::now() + inline;
         loop {
@@ -126,6 +135,49 @@ impl Device {
             self.enter(DeviceState::Recovering);
         }
         finished.map(Recovery::Done)
+    }
+
+    /// For an nbd device in a recovery: whether it has a connection for its next
+    /// worker, connecting if not. A server that is not there (restarting, say) is not
+    /// a failed recovery: the device's I/O stays held and the loop tries again, less and
+    /// less often (up to every [`NBD_RETRY_MAX`]), for as long as it takes; status says
+    /// why. Other devices always have what they need.
+    fn nbd_connected(&mut self) -> bool {
+        let (Some(link), TargetSpec::Nbd { uri }) = (&mut self.nbd, &self.spec.target) else {
+            return true;
+        };
+        let DeviceState::Releasing(r) = &mut self.state else { return true };
+        // A recovery that fails I/O needs no server.
+        if link.socket.is_some() || r.fail_io.is_some() {
+            return true;
+        }
+        match nbd_socket(self.id, uri, &self.spec, link, NBD_RECONNECT_TIMEOUT) {
+            Ok(socket) => {
+                link.socket = Some(socket);
+                if r.slow.take().is_some() {
+                    tracing::info!(
+                        dev_id = self.id,
+                        event = "nbd_reconnected",
+                        "reconnected to {uri}"
+                    );
+                }
+                true
+            }
+            Err(e) => {
+                let why = format!(
+                    "waiting for the NBD server ({e}); its I/O is held, and ublkd tries \
+                     again every {} s at most",
+                    NBD_RETRY_MAX.as_secs()
+                );
+                if r.slow.as_deref() != Some(why.as_str()) {
+                    tracing::warn!(dev_id = self.id, event = "nbd_unreachable", "{why}");
+                }
+                r.slow = Some(why);
+                r.delay = (r.delay * 2).clamp(Duration::from_millis(100), NBD_RETRY_MAX);
+                r.next_try = Instant::now() + r.delay;
+                false
+            }
+        }
     }
 
     /// The rest of a recovery once the kernel has released the old worker's file.

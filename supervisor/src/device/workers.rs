@@ -8,7 +8,10 @@ use ublkd_config::TargetSpec;
 use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
-use crate::target::{MAX_IO_BUF_BYTES, fast_release_supported, open_char_dev, zero_copy};
+use crate::target::{
+    MAX_IO_BUF_BYTES, NBD_HANDSHAKE_TIMEOUT, fast_release_supported, nbd_socket, open_char_dev,
+    zero_copy,
+};
 use crate::worker::{AttachClaim, Worker, WorkerSandbox};
 
 impl Device {
@@ -50,9 +53,7 @@ impl Device {
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
                 TargetSpec::Loop { .. } => TargetSetup::Loop,
-                // Not reached: `check_servable` refuses nbd devices until the worker
-                // has a data path (issue 19); failing I/O is the safe answer if one were.
-                TargetSpec::Nbd { .. } => TargetSetup::FailIo,
+                TargetSpec::Nbd { .. } => TargetSetup::Nbd,
             },
             zero_copy: zero_copy(&self.spec),
             fast_release: ctx.fast_release
@@ -195,10 +196,18 @@ impl Device {
         // next one finds the worker (which may serve on) and, as the claim names no held
         // fds, kills it and recovers the device rather than leave it an unknown server.
         self.claim_worker(ctx, &worker, generation);
+        // An nbd worker gets its connection with the device (a fail-io one none).
+        let socket = match (&self.spec.target, &mut self.nbd) {
+            (TargetSpec::Nbd { uri }, Some(link)) if worker.target_setup() == TargetSetup::Nbd => {
+                Some(nbd_socket(id, uri, &self.spec, link, NBD_HANDSHAKE_TIMEOUT)?)
+            }
+            _ => None,
+        };
         let ublkc = open_char_dev(id)?;
-        let ready = worker.activate(generation, ublkc.as_fd(), WORKER_TIMEOUT);
-        // Close our copy now: only the worker may hold /dev/ublkcN.
-        drop(ublkc);
+        let ready = worker.activate(generation, ublkc.as_fd(), socket.as_ref(), WORKER_TIMEOUT);
+        // Close our copies now: only the worker may hold /dev/ublkcN (and the server
+        // sees one client).
+        drop((ublkc, socket));
         let activation = match ready {
             Ok(a) => a,
             Err(source) => {

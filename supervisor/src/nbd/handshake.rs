@@ -1,7 +1,7 @@
 //! The client's side of the NBD fixed-newstyle handshake, over any byte stream: the
-//! greeting, the flags, `NBD_OPT_STRUCTURED_REPLY` where the server offers it, and
-//! `NBD_OPT_GO` with `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` asked for. It ends
-//! in the transmission phase with what the server said about the export.
+//! greeting, the flags, and `NBD_OPT_GO` with `NBD_INFO_EXPORT` and
+//! `NBD_INFO_BLOCK_SIZE` asked for. It ends in the transmission phase with what the
+//! server said about the export.
 //!
 //! The server is not trusted: every length it sends is checked against a bound before
 //! anything is read or allocated for it, and every reply is checked against what was
@@ -82,31 +82,12 @@ impl<S: Read + Write> Client<'_, S> {
             client_flags |= FLAG_C_NO_ZEROES;
         }
         self.send(&client_flags.to_be_bytes(), "sending the client flags")?;
-        let structured_replies = self.structured_replies()?;
+        // No NBD_OPT_STRUCTURED_REPLY: the data path reads simple replies only (a READ's
+        // data in one piece after its header), which every server sends unless asked.
         let (size, transmission_flags, block_sizes) = self.go(export)?;
-        let info = ExportInfo { size, transmission_flags, block_sizes, structured_replies };
+        let info = ExportInfo { size, transmission_flags, block_sizes };
         check_block_sizes(&info)?;
         Ok(info)
-    }
-
-    /// `NBD_OPT_STRUCTURED_REPLY`: whether the server agreed. A server that does not
-    /// know it (or will not) just means simple replies.
-    fn structured_replies(&mut self) -> Result<bool, NbdError> {
-        const STEP: &str = "negotiating structured replies";
-        self.send_option(OPT_STRUCTURED_REPLY, &[], STEP)?;
-        let reply = self.read_reply(OPT_STRUCTURED_REPLY, STEP)?;
-        match reply.kind {
-            REP_ACK => Ok(true),
-            REP_ERR_TLS_REQD => Err(NbdError::TlsRequired { message: message(&reply.data) }),
-            REP_ERR_SHUTDOWN => Err(NbdError::ShuttingDown { message: message(&reply.data) }),
-            kind if kind & REP_FLAG_ERROR != 0 => Ok(false),
-            kind => Err(NbdError::Protocol {
-                problem: format!(
-                    "it answered NBD_OPT_STRUCTURED_REPLY with {}, not an ACK or an error",
-                    reply_name(kind)
-                ),
-            }),
-        }
     }
 
     /// `NBD_OPT_GO` for `export`, asking for its size and flags and its block sizes

@@ -78,10 +78,9 @@ fn error(parts: &[Vec<u8>]) -> String {
 }
 
 #[test]
-fn a_correct_server_yields_size_flags_block_sizes_and_structured_replies() {
+fn a_correct_server_yields_size_flags_and_block_sizes() {
     let (result, sent) = run(&[
         greeting(BOTH),
-        reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
         // A name info the client did not ask for is ignored.
         reply(OPT_GO, REP_INFO, &[0, INFO_NAME as u8, b'x']),
         info_block_size(512, 4096, 1 << 25),
@@ -91,16 +90,13 @@ fn a_correct_server_yields_size_flags_block_sizes_and_structured_replies() {
     let info = result.unwrap();
     assert_eq!(info.size, 1 << 30);
     assert_eq!(info.block_sizes, Some(BlockSizes { min: 512, preferred: 4096, max: 1 << 25 }));
-    assert!(info.structured_replies && info.can_flush() && info.can_fua() && info.can_trim());
+    assert!(info.can_flush() && info.can_fua() && info.can_trim());
     assert!(!info.read_only() && !info.can_write_zeroes() && !info.can_multi_conn());
     // Client flags: fixed newstyle and no zeroes, as offered.
     assert_eq!(sent[..4], (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
-    // Then NBD_OPT_STRUCTURED_REPLY with no data, then NBD_OPT_GO for "disk" asking
-    // for two infos.
+    // Then NBD_OPT_GO for "disk" asking for two infos (no NBD_OPT_STRUCTURED_REPLY:
+    // the data path reads simple replies).
     let mut want = IHAVEOPT.to_be_bytes().to_vec();
-    want.extend_from_slice(&OPT_STRUCTURED_REPLY.to_be_bytes());
-    want.extend_from_slice(&0u32.to_be_bytes());
-    want.extend_from_slice(&IHAVEOPT.to_be_bytes());
     want.extend_from_slice(&OPT_GO.to_be_bytes());
     want.extend_from_slice(&14u32.to_be_bytes());
     want.extend_from_slice(&4u32.to_be_bytes());
@@ -110,26 +106,22 @@ fn a_correct_server_yields_size_flags_block_sizes_and_structured_replies() {
 }
 
 #[test]
-fn a_server_without_structured_replies_or_block_sizes_is_fine() {
+fn a_server_without_block_sizes_is_fine() {
     let (result, sent) = run(&[
         greeting(FLAG_FIXED_NEWSTYLE),
-        reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]),
         info_export(4096, FLAG_HAS_FLAGS | FLAG_READ_ONLY),
         reply(OPT_GO, REP_ACK, &[]),
     ]);
     let info = result.unwrap();
-    assert!(!info.structured_replies && info.read_only() && info.block_sizes.is_none());
+    assert!(info.read_only() && info.block_sizes.is_none());
     // No NO_ZEROES offered: the client must not set it.
     assert_eq!(sent[..4], FLAG_C_FIXED_NEWSTYLE.to_be_bytes());
 }
 
 #[test]
 fn an_unknown_export_is_named_with_the_servers_message_and_aborted() {
-    let (result, sent) = run(&[
-        greeting(BOTH),
-        reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]),
-        reply(OPT_GO, REP_ERR_UNKNOWN, b"no such export\nsorry"),
-    ]);
+    let (result, sent) =
+        run(&[greeting(BOTH), reply(OPT_GO, REP_ERR_UNKNOWN, b"no such export\nsorry")]);
     let message = result.unwrap_err().to_string();
     assert_eq!(message, "the server has no export named \"disk\": no such export?sorry");
     let abort = [IHAVEOPT.to_be_bytes().as_slice(), &OPT_ABORT.to_be_bytes(), &[0; 4]].concat();
@@ -140,7 +132,6 @@ fn an_unknown_export_is_named_with_the_servers_message_and_aborted() {
 fn each_misbehaviour_gets_its_own_message() {
     let garbage = b"HTTP/1.1 400 Bad Request\r\n\r\n".to_vec();
     let oldstyle = [NBDMAGIC.to_be_bytes(), CLISERV_MAGIC.to_be_bytes()].concat();
-    let sr_ack = reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]);
     let mut huge = reply(OPT_GO, REP_INFO, &[]);
     huge[16..20].copy_from_slice(&u32::MAX.to_be_bytes());
     let cases: Vec<(Vec<Vec<u8>>, &str)> = vec![
@@ -148,43 +139,30 @@ fn each_misbehaviour_gets_its_own_message() {
         (vec![oldstyle], "oldstyle servers are not supported"),
         (vec![NBDMAGIC.to_be_bytes().to_vec(), vec![7; 8]], "neither IHAVEOPT"),
         (vec![greeting(0)], "does not offer fixed newstyle"),
-        (vec![greeting(BOTH)], "closed the connection while negotiating structured replies"),
+        (vec![greeting(BOTH)], "closed the connection while asking for the export"),
         (vec![greeting(BOTH), vec![1; 20]], "not the reply magic"),
-        (vec![greeting(BOTH), reply(OPT_GO, REP_ACK, &[])], "replied to option 7 while"),
-        (vec![greeting(BOTH), reply(OPT_STRUCTURED_REPLY, REP_INFO, &[])], "not an ACK"),
+        // A reply to an option it was not asked (8: NBD_OPT_STRUCTURED_REPLY).
+        (vec![greeting(BOTH), reply(8, REP_ACK, &[])], "replied to option 8 while"),
         (
-            vec![greeting(BOTH), reply(OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD, b"")],
+            vec![greeting(BOTH), reply(OPT_GO, REP_ERR_TLS_REQD, b"")],
             "requires TLS, which is not supported yet",
         ),
-        (vec![greeting(BOTH), sr_ack.clone(), huge], "claims 4294967295 bytes"),
+        (vec![greeting(BOTH), huge], "claims 4294967295 bytes"),
+        (vec![greeting(BOTH), reply(OPT_GO, REP_ACK, &[])], "without sending NBD_INFO_EXPORT"),
         (
-            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ACK, &[])],
-            "without sending NBD_INFO_EXPORT",
-        ),
-        (
-            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_INFO, &[0, 0, 1])],
+            vec![greeting(BOTH), reply(OPT_GO, REP_INFO, &[0, 0, 1])],
             "NBD_INFO_EXPORT is 3 bytes long, the protocol says 12",
         ),
+        (vec![greeting(BOTH), reply(OPT_GO, REP_INFO, &[0])], "has no information type"),
+        (vec![greeting(BOTH), reply(OPT_GO, REP_ERR_UNSUP, &[])], "does not support NBD_OPT_GO"),
         (
-            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_INFO, &[0])],
-            "has no information type",
-        ),
-        (
-            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ERR_UNSUP, &[])],
-            "does not support NBD_OPT_GO",
-        ),
-        (
-            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ERR_POLICY, b"go away")],
+            vec![greeting(BOTH), reply(OPT_GO, REP_ERR_POLICY, b"go away")],
             "refused NBD_OPT_GO with NBD_REP_ERR_POLICY: go away",
         ),
-        (
-            vec![greeting(BOTH), sr_ack.clone(), reply(OPT_GO, REP_ERR_SHUTDOWN, &[])],
-            "the server is shutting down",
-        ),
+        (vec![greeting(BOTH), reply(OPT_GO, REP_ERR_SHUTDOWN, &[])], "the server is shutting down"),
         (
             vec![
                 greeting(BOTH),
-                sr_ack.clone(),
                 info_block_size(3, 4096, 1 << 20),
                 info_export(1 << 20, RW),
                 reply(OPT_GO, REP_ACK, &[]),
@@ -194,7 +172,6 @@ fn each_misbehaviour_gets_its_own_message() {
         (
             vec![
                 greeting(BOTH),
-                sr_ack.clone(),
                 info_block_size(512, 256, 1 << 20),
                 info_export(1 << 20, RW),
                 reply(OPT_GO, REP_ACK, &[]),
@@ -204,14 +181,13 @@ fn each_misbehaviour_gets_its_own_message() {
         (
             vec![
                 greeting(BOTH),
-                sr_ack.clone(),
                 info_block_size(512, 4096, 1000),
                 info_export(1 << 20, RW),
                 reply(OPT_GO, REP_ACK, &[]),
             ],
             "maximum block size 1000",
         ),
-        (vec![greeting(BOTH), sr_ack, info_export(4096, RW).repeat(40)], "more than 32 replies"),
+        (vec![greeting(BOTH), info_export(4096, RW).repeat(40)], "more than 32 replies"),
     ];
     for (parts, part) in cases {
         let message = error(&parts);

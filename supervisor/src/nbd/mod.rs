@@ -3,9 +3,9 @@
 //! (the `handshake` module), and checking that the export can be a kernel block device.
 //!
 //! The supervisor, not the worker, connects and negotiates: the worker's sandbox has
-//! no network and no filesystem, so it will be handed the connected socket, already in
-//! the transmission phase, with the [`ExportInfo`] that says how to use it. This part
-//! (issue 19, part 1) ends there: no request is sent yet.
+//! no network and no filesystem, so it is handed the connected socket, already in the
+//! transmission phase (simple replies), with its device; the kernel device is made
+//! from the [`ExportInfo`] (`crate::target::params`).
 //!
 //! Every step has a deadline ([`connect`]'s `timeout`, for the whole handshake); a
 //! server that stalls, talks garbage or sends a huge length gets a one-line
@@ -154,9 +154,6 @@ pub enum NbdError {
         /// The server's minimum block size.
         min: u32,
     },
-    /// The worker cannot serve an nbd export yet.
-    #[error("the nbd target's data path is not built yet (issue 19)")]
-    DataPathMissing,
 }
 
 fn suffix(message: &str) -> String {
@@ -201,8 +198,6 @@ pub struct ExportInfo {
     /// apply to the server (minimum 1, preferred 4096, maximum unlimited) and a client
     /// keeps to 512-byte alignment and 32 MiB requests.
     pub block_sizes: Option<BlockSizes>,
-    /// Whether the server agreed to structured replies (`NBD_OPT_STRUCTURED_REPLY`).
-    pub structured_replies: bool,
 }
 
 impl ExportInfo {
@@ -248,7 +243,7 @@ impl ExportInfo {
 
 impl fmt::Display for ExportInfo {
     /// `1 GiB (1073741824 bytes), block sizes 1/4096/4294967295 (min/preferred/max),
-    /// read-write, flush, fua, trim, write-zeroes, multi-conn, structured replies`.
+    /// read-write, flush, fua, trim, write-zeroes, multi-conn`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} ({} bytes), ", format_size(self.size), self.size)?;
         match self.block_sizes {
@@ -270,11 +265,7 @@ impl fmt::Display for ExportInfo {
                 write!(f, ", {name}")?;
             }
         }
-        f.write_str(if self.structured_replies {
-            ", structured replies"
-        } else {
-            ", simple replies only"
-        })
+        Ok(())
     }
 }
 
@@ -483,7 +474,6 @@ mod tests {
             size,
             transmission_flags: wire::FLAG_HAS_FLAGS,
             block_sizes: min.map(|min| BlockSizes { min, preferred: 4096, max: u32::MAX }),
-            structured_replies: false,
         }
     }
 
@@ -507,11 +497,10 @@ mod tests {
     fn export_info_reads_as_one_line_with_every_flag_it_has() {
         let mut info = export(1 << 30, Some(512));
         info.transmission_flags |= wire::FLAG_READ_ONLY | wire::FLAG_SEND_FLUSH;
-        info.structured_replies = true;
         assert_eq!(
             info.to_string(),
             "1G (1073741824 bytes), block sizes 512/4096/4294967295 (min/preferred/max), \
-             read-only, flush, structured replies"
+             read-only, flush"
         );
     }
 

@@ -51,8 +51,6 @@ pub const FLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 pub const OPT_ABORT: u32 = 2;
 /// Ask for an export and enter transmission, with errors and `NBD_REP_INFO` replies.
 pub const OPT_GO: u32 = 7;
-/// Ask for structured replies in the transmission phase.
-pub const OPT_STRUCTURED_REPLY: u32 = 8;
 
 // "Option reply types". Errors have bit 31 set.
 /// The option succeeded; for `NBD_OPT_GO`, transmission starts right after.
@@ -90,11 +88,8 @@ pub const INFO_DESCRIPTION: u16 = 2;
 /// Minimum, preferred and maximum block size (32 bits each); length 14 with the type.
 pub const INFO_BLOCK_SIZE: u16 = 3;
 
-// "Transmission" > "Request message" and "Request types".
-/// The magic of every request.
-pub const REQUEST_MAGIC: u32 = 0x2560_9513;
-/// `NBD_CMD_DISC`: the client's soft disconnect in the transmission phase.
-pub const CMD_DISC: u16 = 2;
+// "Transmission": what the workers speak, in proto (the supervisor only disconnects).
+pub use ublkd_proto::nbd::{CMD_DISC, REQUEST_MAGIC};
 
 // "Block size constraints".
 /// The largest minimum block size a server may advertise.

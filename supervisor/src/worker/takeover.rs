@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
-use ublkd_proto::msg::{self, FromWorker, SandboxReport, ToWorker};
+use ublkd_proto::msg::{self, FromWorker, SandboxReport, TargetSetup, ToWorker};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
 use super::rings::copy_rings;
@@ -57,6 +57,7 @@ impl Worker {
             pidfd,
             rings: Vec::new(),
             stderr_end: None,
+            target: TargetSetup::Null,
         };
         msg::send_packet(worker.control(), &ToWorker::Attach, &[]).map_err(WorkerError::Send)?;
         let deadline = Instant::now() + timeout;

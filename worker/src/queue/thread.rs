@@ -23,7 +23,7 @@ use super::{CommitRefusal, LoopError};
 use crate::bufring::BufRing;
 use crate::device::Device;
 use crate::hooks;
-use crate::target::{Bounds, IoReq, Step};
+use crate::target::{Bounds, IoReq, Reply, Step};
 
 /// How long a wait that counts COMMIT completions in sleeps at most (see
 /// `QueueThread::submit_and_wait_for_work`).
@@ -356,7 +356,7 @@ impl QueueThread {
             *at = self.turn_ns;
         }
         let bounds = Bounds { size_bytes: dev.size_bytes, buf_bytes: dev.bufs.buf_bytes() as u64 };
-        let req = match IoReq::from_desc(&desc, bounds, buf, buf_index) {
+        let mut req = match IoReq::from_desc(&desc, bounds, buf, buf_index) {
             Ok(req) => req,
             Err(bad) => {
                 let (op, offset, len_bytes) = (bad.op, bad.offset, bad.len_bytes);
@@ -370,6 +370,10 @@ impl QueueThread {
                 );
                 return self.complete(q_id, tag, op, bad.result());
             }
+        };
+        req.reply = Reply {
+            ring_fd: self.ring.as_raw_fd(),
+            user_data: UserData::Target { q_id, tag }.encode(),
         };
         let step = dev.target.start(&req);
         self.reqs[index] = Some((req, 0));
@@ -413,6 +417,8 @@ impl QueueThread {
                 let sqe = sqe.user_data(UserData::Target { q_id, tag }.encode());
                 self.push(&sqe)
             }
+            // Its completion comes as a target SQE's would (see `IoReq::reply`).
+            Step::Pending => Ok(()),
         }
     }
 

@@ -223,6 +223,16 @@ pub const URING_OPS: &[AllowedOp] = &[
     },
 ];
 
+/// The only SQE opcode of the `nbd` target's completion ring, made while standing by
+/// and restricted like the queue rings, sandboxed or not: its reply thread posts each
+/// request's result into the queue thread's ring that owns the request.
+pub const NBD_COMPLETION_RING_OPS: &[AllowedOp] = &[AllowedOp {
+    opcode: opcode::MsgRingData::CODE,
+    name: "MSG_RING",
+    why: "posting a reply's result into a queue thread's ring; MSG_RING's other command, \
+          passing a registered file, has nothing to pass: this ring registers none",
+}];
+
 /// One allowed `io_uring_register` operation on an enabled ring.
 #[derive(Debug, Clone, Copy)]
 #[allow(dead_code)]

@@ -2,12 +2,14 @@
 //!
 //! The interface is small on purpose: a target starts a request and either finishes it
 //! at once or asks the queue loop to submit one io_uring SQE for it, and is told that
-//! SQE's result. Adding a target (an NBD client, say) means adding a module here and a
-//! `TargetSetup` variant in proto; the queue loop does not change.
+//! SQE's result, or finishes it from a thread of its own (`nbd`), posting the result into
+//! the ring as that SQE's completion would be. Adding a target means adding a module
+//! here and a `TargetSetup` variant in proto; the queue loop does not change.
 
 mod fail;
 mod loopback;
 mod memory;
+mod nbd;
 mod null;
 mod request;
 
@@ -19,8 +21,9 @@ use ublkd_proto::msg::TargetSetup;
 pub use fail::FailTarget;
 pub use loopback::LoopTarget;
 pub use memory::MemoryTarget;
+pub use nbd::NbdTarget;
 pub use null::NullTarget;
-pub use request::{Bounds, IoReq};
+pub use request::{Bounds, IoReq, Reply};
 
 /// Index of the target's file in each ring's registered files (1 is `/dev/ublkcN`).
 pub const TARGET_FIXED_FD: u32 = 0;
@@ -32,6 +35,9 @@ pub enum Step {
     Done(i32),
     /// Submit this SQE (the loop sets its user data) and call `on_cqe` with its result.
     Submit(squeue::Entry),
+    /// The target finishes the request elsewhere and posts its completion into the
+    /// ring named by [`IoReq::reply`]; the loop calls `on_cqe` with it.
+    Pending,
 }
 
 /// A device's backend.
@@ -45,6 +51,16 @@ pub trait Target: Send + Sync {
 
     /// The file to register at [`TARGET_FIXED_FD`] in every ring, if any.
     fn fixed_file(&self) -> Option<BorrowedFd<'_>>;
+
+    /// The target's fds that come with the device at activation
+    /// (`TargetSetup::activation_fds`): none but for `nbd`, whose socket it is.
+    fn activate(&self, fds: Vec<OwnedFd>) -> Result<(), TargetError> {
+        if fds.is_empty() {
+            Ok(())
+        } else {
+            Err(TargetError::Fds { target: "this", want: 0, got: fds.len() })
+        }
+    }
 
     /// Whether this target fails requests by design (`fail-io`): its failures are not
     /// logged one by one.
@@ -79,6 +95,7 @@ pub fn build(
             TargetSetup::Memory => "memory",
             TargetSetup::Loop => "loop",
             TargetSetup::FailIo => "fail-io",
+            TargetSetup::Nbd => "nbd",
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
     }
@@ -87,5 +104,6 @@ pub fn build(
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
         TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
         TargetSetup::FailIo => Box::new(FailTarget),
+        TargetSetup::Nbd => Box::new(NbdTarget::new()?),
     })
 }

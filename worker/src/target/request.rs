@@ -25,6 +25,22 @@ pub struct IoReq {
     /// the ring's buffer table (address 0 is their start); READ_FIXED/WRITE_FIXED move
     /// the data.
     pub buf_index: Option<u16>,
+    /// Where a target that finishes the request from another thread posts its result
+    /// (see [`super::Step::Pending`]).
+    pub reply: Reply,
+}
+
+/// The completion a queue thread waits for to finish a pending request: `user_data`
+/// posted into the ring `ring_fd` (`IORING_OP_MSG_RING`), with the result as `res`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reply {
+    pub ring_fd: std::os::fd::RawFd,
+    pub user_data: u64,
+}
+
+impl Reply {
+    /// Set by the queue loop before the target sees the request.
+    pub const UNSET: Reply = Reply { ring_fd: -1, user_data: 0 };
 }
 
 /// What a request is checked against.
@@ -82,7 +98,15 @@ impl IoReq {
         if !valid {
             return Err(BadRequest { op, offset, len_bytes });
         }
-        Ok(IoReq { op, flags: desc.flags(), offset, len: len_bytes as u32, buf, buf_index })
+        Ok(IoReq {
+            op,
+            flags: desc.flags(),
+            offset,
+            len: len_bytes as u32,
+            buf,
+            buf_index,
+            reply: Reply::UNSET,
+        })
     }
 }
 
