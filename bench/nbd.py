@@ -206,7 +206,8 @@ def table(results):
     rs = [(c, r) for c, lst in summ["restart"].items() for r in lst]
     if rs:
         head = (f"{'restart':<14} {'fio exit':>8} {'errors':>8}  {'first error':<28} "
-                f"{'clat max ms':>11} {'no-I/O gap ms':>13} {'I/Os ok':>8}  {'device after':<14}")
+                f"{'clat max ms':>11} {'stall ms':>9} {'I/Os':>8} {'stuck':>5}  "
+                f"{'device after':<14}")
         lines.append(head)
         lines.append("-" * len(head))
         for c, r in rs:
@@ -217,13 +218,22 @@ def table(results):
             errs = r.get("fio_errors")
             lines.append(
                 f"{c:<14} {str(r.get('fio_rc', '-')):>8} {str(errs if errs is not None else '-'):>8}"
-                f"  {first:<28} {fms(r.get('clat_max_ms')):>11} {fms(r.get('gap_ms')):>13} "
-                f"{str(r.get('fio_ios', '-')):>8}  {r.get('device_after', '-'):<14}")
+                f"  {first:<28} {fms(r.get('clat_max_ms')):>11} {fms(r.get('stall_ms')):>9} "
+                f"{str(r.get('fio_ios', '-')):>8} {'yes' if r.get('hung') else 'no':>5}  "
+                f"{r.get('device_after', '-'):<14}")
+            if r.get("device_after_why"):
+                lines.append(f"{'':<14} device after: {r['device_after_why'][:200]}")
+            if r.get("hung"):
+                lines.append(f"{'':<14} fio's I/O was still stuck {prm['NBD_RESTART_HANG_S']} s "
+                             f"after its runtime; the detach released it "
+                             + (f"in {r['released_after_detach_s']} s (fio's numbers include "
+                                f"the failed and released I/O)"
+                                if r.get("released_after_detach_s") is not None else "not"))
             if r.get("error"):
                 lines.append(f"{'':<14} note: {r['error'][:300]}")
             for k in ("client_log", "kernel_log"):
                 if r.get(k):
-                    lines.append(f"{'':<14} {k.replace('_', ' ')}: {r[k][:300]}")
+                    lines.append(f"{'':<14} {k.replace('_', ' ')}: {r[k][:700]}")
         lines.append(
             f"fio randrw 4k qd{prm['NBD_RESTART_IODEPTH']} direct io_uring verify=crc32c "
             f"verify_backlog={prm['NBD_RESTART_VERIFY_BACKLOG']} continue_on_error=all, "
@@ -232,10 +242,15 @@ def table(results):
             f"{prm['NBD_RESTART_KILL_AFTER_S']} s into the I/O and started again "
             f"{prm['NBD_RESTART_DOWN_S']} s later on the same socket.")
         lines.append(
-            "errors = fio's total_err (failed I/Os and verify failures); clat max = the "
-            "longest completion latency of any read or write; no-I/O gap = the longest time "
-            "the device's completed-I/O counter did not move (failed I/Os count as "
-            "completed); device after = a 4k direct read and write after fio ended.")
+            "errors = fio's total_err (failed I/Os and verify failures); I/Os = fio's, "
+            "failed ones included; clat max = fio's longest completion latency of a read or "
+            "write that succeeded (fio does not time failed I/O); stall = the longest time "
+            "I/O was in flight on the device (/sys/block/DEV/inflight) and none completed "
+            "(/sys/block/DEV/stat; I/O the kernel fails before sending it does not show in "
+            "either), measured up to the probe if I/O was stuck; stuck = fio's I/O still not done "
+            f"{prm['NBD_RESTART_HANG_S']} s after its runtime (the device is then probed "
+            "and detached, which ends the stuck I/O); device after = a 4k direct read and "
+            "write after fio ended (or while stuck).")
         lines.append("")
     lines.append(f"kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} vCPU "
                  f"({m.get('accel', 'VM')}); ublkd {results['versions'].get('ublkd', '?')}; "
@@ -508,15 +523,28 @@ def make_client(name, plan, restart=False):
     return KernelNbd(name, 2 if name.endswith("-c2") else 1)
 
 
-def kernel_log_tail(since_lines, pattern=r"nbd|block|I/O error|ublk", n=4):
-    """The kernel's messages after the first `since_lines` lines matching `pattern`,
-    the last `n` joined (dmesg through busybox or util-linux)."""
+def kernel_log_tail(since_lines):
+    """The kernel's messages after its first `since_lines` lines, summarized: the nbd
+    and ublk drivers' distinct messages (timestamps, request addresses and long numbers
+    masked, each once with its count) and the number of "I/O error" lines. Returns
+    (summary, the log's line count now)."""
     try:
         out = subprocess.run(["dmesg"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True, timeout=10).stdout.splitlines()
     except Exception:
         return "", 0
-    return " | ".join(ln.strip() for ln in out[since_lines:] if re.search(pattern, ln))[-600:], len(out)
+    seen, ioerr = {}, 0
+    for ln in out[since_lines:]:
+        msg = re.sub(r"^\[\s*[\d.]+\]\s*", "", ln).strip()
+        if "I/O error" in msg:
+            ioerr += 1
+        elif re.search(r"\bnbd\d|ublk", msg):
+            key = re.sub(r"\b[0-9a-f]{8,16}\b|\d{5,}", "N", msg)
+            seen[key] = seen.get(key, 0) + 1
+    parts = [f"{k} (x{n})" if n > 1 else k for k, n in seen.items()]
+    if ioerr:
+        parts.append(f"{ioerr} 'I/O error' lines")
+    return " | ".join(parts)[:700], len(out)
 
 
 # ======================================================================================
@@ -584,11 +612,13 @@ def throughput(plan, meta):
                     ios = res["window_ios"]
                     kit_s = per.get(str(kit.pid), 0.0)
                     res["nbdkit_cpu_s"] = kit_s
-                    res["client_cpu_s"] = res["server_cpu_s"] - kit_s
+                    # (the kernel's client has no process: nothing but nbdkit was counted)
+                    res["client_cpu_s"] = (res["server_cpu_s"] - kit_s if cname == "ublkd"
+                                           else None)
                     if ios:
                         res["nbdkit_us_per_io"] = kit_s / ios * 1e6
                         res["client_us_per_io"] = (res["client_cpu_s"] / ios * 1e6
-                                                   if cname == "ublkd" else None)
+                                                   if res["client_cpu_s"] is not None else None)
                         res["rest_us_per_io"] = res["sys_cpu_us_per_io"] - (
                             res["server_cpu_s"] / ios * 1e6)
                     res.pop("cpu_us_per_io", None)  # nbdkit + client: split above
@@ -648,40 +678,64 @@ def restart_fio_cmd(dev, prm):
 
 
 class GapWatch(threading.Thread):
-    """Polls /sys/block/DEV/stat's reads+writes completed; keeps the longest time it
-    did not move (from its first move on)."""
+    """Polls /sys/block/DEV/stat (reads + writes completed) and /sys/block/DEV/inflight
+    every ~5 ms; keeps the longest stall: a stretch in which I/O was in flight and
+    none completed (ending at a completion, or at finish() if I/O is still stuck)."""
 
     def __init__(self, dev):
         super().__init__(daemon=True)
         self.dev, self.stop_ev = dev, threading.Event()
         self.longest = 0.0
-        self.started = None
+        self.since = None  # when the current stall began (the last completion), or None
+
+    def inflight(self):
+        with open(f"/sys/block/{self.dev}/inflight") as f:
+            return sum(int(x) for x in f.read().split())
 
     def run(self):
-        last_val, last_t = L.disk_ios(self.dev), None
+        last_val = L.disk_ios(self.dev)
+        last_t = time.monotonic()
         while not self.stop_ev.is_set():
-            v, now = L.disk_ios(self.dev), time.monotonic()
+            v, busy, now = L.disk_ios(self.dev), self.inflight(), time.monotonic()
             if v != last_val:
-                if last_t is not None:
-                    self.longest = max(self.longest, now - last_t)
-                else:
-                    self.started = now
+                if self.since is not None:
+                    self.longest = max(self.longest, now - self.since)
                 last_val, last_t = v, now
+                self.since = last_t if busy else None
+            elif busy and self.since is None:
+                self.since = last_t
+            elif not busy:
+                self.since = None
             time.sleep(0.005)
 
+    def finish(self, stuck):
+        """Stops polling; with `stuck` a stall still going on counts up to now.
+        Returns the longest stall in ms."""
+        self.stop_ev.set()
+        self.join()
+        if stuck and self.since is not None:
+            self.longest = max(self.longest, time.monotonic() - self.since)
+        return self.longest * 1e3
 
-def device_works(dev):
-    """A 4k direct read at 0 and the same 4k written back, each within 20 s."""
-    try:
-        sh(["dd", f"if=/dev/{dev}", f"of={FIO_OUT}.blk", "bs=4096", "count=1", "iflag=direct",
-            "status=none"], timeout=20)
-        sh(["dd", f"if={FIO_OUT}.blk", f"of=/dev/{dev}", "bs=4096", "count=1", "oflag=direct",
-            "conv=notrunc", "status=none"], timeout=20)
-        return "works", None
-    except subprocess.TimeoutExpired:
-        return "hangs", "a 4k direct I/O did not finish within 20 s"
-    except Exception as e:
-        return "fails", str(e)[:200]
+
+def device_works(dev, timeout=20):
+    """A 4k direct read at 0 and the same 4k written back: "works", "fails" (an error)
+    or "hangs" (not done within `timeout` s: dd is killed but not waited for, as a
+    process stuck on the device's I/O cannot exit), with the why."""
+    for cmd in (["dd", f"if=/dev/{dev}", f"of={FIO_OUT}.blk", "bs=4096", "count=1",
+                 "iflag=direct", "status=none"],
+                ["dd", f"if={FIO_OUT}.blk", f"of=/dev/{dev}", "bs=4096", "count=1",
+                 "oflag=direct", "conv=notrunc", "status=none"]):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return "hangs", f"a 4k direct {'read' if 'iflag=direct' in cmd else 'write'} " \
+                            f"did not finish within {timeout} s"
+        if p.returncode != 0:
+            return "fails", p.stderr.read().strip()[:200]
+    return "works", None
 
 
 def fio_restart_result(rc, path):
@@ -746,30 +800,47 @@ def restart_one(plan, cname, rnd):
         kit.start()
         rec["down_s"] = round(time.monotonic() - t_kill, 2)
         log(f"restart {cname}: nbdkit restarted (pid {kit.pid}) after {rec['down_s']} s")
+        # fio ends RUNTIME after its start unless I/O is stuck; NBD_RESTART_HANG_S later
+        # the device is probed and detached (which fails what is stuck), so that fio
+        # exits and reports its errors.
+        t_end = t_fio + prm["NBD_RESTART_RUNTIME_S"] + prm["NBD_RESTART_HANG_S"]
         try:
-            rc = fio.wait(timeout=max(1, prm["NBD_RESTART_FIO_TIMEOUT_S"]
-                                      - (time.monotonic() - t_fio)))
+            rc = fio.wait(timeout=max(1, t_end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            fio.kill()
+            rec["hung"] = True
+            rec["stall_ms"] = watch.finish(stuck=True)
+            rec["device_after"], why = device_works(dev, timeout=10)
+            rec["device_after_why"] = why
+            log(f"restart {cname}: fio's I/O still stuck {prm['NBD_RESTART_HANG_S']} s after "
+                f"its runtime; the device {rec['device_after']}; detaching it")
+            t_det = time.monotonic()
             try:
-                fio.wait(timeout=30)
+                cl.detach()
+            except Exception as e:
+                rec["detach_error"] = str(e)[:300]
+            try:
+                rc = fio.wait(timeout=60)
+                rec["released_after_detach_s"] = round(time.monotonic() - t_det, 2)
             except subprocess.TimeoutExpired:
-                pass  # stuck on I/O that never completes: left behind
-            rc = "killed"
-            rec["error"] = (f"fio still running {prm['NBD_RESTART_FIO_TIMEOUT_S']} s after "
-                            f"its start: killed (I/O hung)")
-        watch.stop_ev.set()
-        watch.join()
-        rec["gap_ms"] = watch.longest * 1e3
+                fio.kill()
+                try:
+                    rc = fio.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    rc = None  # stuck on I/O that never completes: left behind
+                rc = f"killed ({rc})"
+                rec["error"] = "fio did not exit within 60 s of the detach: killed"
+        if not rec.get("hung"):
+            rec["stall_ms"] = watch.finish(stuck=False)
         rec["fio_elapsed_s"] = round(time.monotonic() - t_fio, 1)
         res = fio_restart_result(rc, FIO_OUT + ".json")
         if res.pop("error", None) and not rec.get("error"):
             rec["error"] = "fio wrote no json: " + L.tail(FIO_OUT + ".err", 3)
         rec.update(res)
         rec["connections_after"] = unix_connections(sock)
-        rec["device_after"], why = device_works(dev)
-        if why:
-            rec["device_after_why"] = why
+        if not rec.get("hung"):
+            rec["device_after"], why = device_works(dev)
+            if why:
+                rec["device_after_why"] = why
         errtail = L.tail(FIO_OUT + ".err", 2)
         if errtail:
             rec["fio_stderr"] = errtail[:300]
@@ -806,11 +877,10 @@ def restart_one(plan, cname, rnd):
     os.unlink(prm["NBD_RESTART_FILE"])
     log(f"restart {cname}: fio exit {rec.get('fio_rc')}, {rec.get('fio_errors')} errors "
         f"(first: {rec.get('first_error', '-')}), clat max "
-        f"{fms(rec.get('clat_max_ms'))} ms, longest no-I/O gap {fms(rec.get('gap_ms'))} ms, "
+        f"{fms(rec.get('clat_max_ms'))} ms, longest stall {fms(rec.get('stall_ms'))} ms, "
         f"{rec.get('fio_ios')} I/Os; device after: {rec.get('device_after')}"
         + (f"; {rec['error']}" if rec.get("error") else ""))
     emit(REC, rec)
-
 
 
 # ======================================================================================

@@ -162,7 +162,7 @@ NBD_OVERHEAD_PER_RUN_S = 4.5                # for the estimate, as OVERHEAD_PER_
 # new nbdkit serves the same file on the same socket. fio runs with
 # --continue_on_error=all, so that it counts every failed I/O instead of stopping.
 NBD_RESTART_CLIENTS = ["kernel-nbd", "ublkd"]
-NBD_RESTART_ROUNDS = 1                      # per client
+NBD_RESTART_ROUNDS = 2                      # per client, alternating
 NBD_RESTART_RUNTIME_S = 15
 NBD_RESTART_KILL_AFTER_S = 5
 NBD_RESTART_DOWN_S = 3
@@ -170,7 +170,8 @@ NBD_RESTART_IODEPTH = 32
 NBD_RESTART_VERIFY_BACKLOG = 256
 NBD_RESTART_FILE = "/tmp/ublkd-bench-nbd.img"   # in the guest's tmpfs
 NBD_RESTART_FILE_MB = 256
-NBD_RESTART_FIO_TIMEOUT_S = 150             # fio still running this long after its start: killed
+NBD_RESTART_HANG_S = 30                     # fio's I/O still stuck this long after its runtime:
+                                            # the device is probed, then detached (fio then exits)
 NBD_VM_MEM_MB = 3072                        # the 1 GiB RAM export + the restart file + the rest
 NBD_QUICK = {"NBD_ROUNDS": 2, "NBD_RUNTIME_S": 2,
              "NBD_JOBS": ["randread-4k-qd1", "randread-4k-qd32"]}
