@@ -210,6 +210,11 @@ impl Checker<'_> {
         if let Some(fast) = raw.fast_release {
             recovery.fast_release = fast;
         }
+        if let Some(secs) = raw.nbd_server_wait_secs {
+            let secs = in_range("nbd_server_wait_secs", secs.0, 0, u32::MAX)
+                .map_err(|e| self.field(&table, e))?;
+            recovery.nbd_server_wait = (secs > 0).then(|| Duration::from_secs(secs.into()));
+        }
         Ok(recovery)
     }
 

@@ -588,6 +588,7 @@ mod tests {
             restart_window_secs = 1
             on_restart_limit = "fail-io"
             fast_release = false
+            nbd_server_wait_secs = 30
 
             [defaults]
             queues = 4
@@ -636,6 +637,7 @@ mod tests {
                 restart_window: Duration::from_secs(1),
                 on_restart_limit: OnRestartLimit::FailIo,
                 fast_release: false,
+                nbd_server_wait: Some(Duration::from_secs(30)),
             }
         );
         assert!(!config.recovery.automatic_recovery());

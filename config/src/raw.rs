@@ -42,6 +42,7 @@ pub(crate) struct RawRecovery {
     pub restart_window_secs: Option<Int>,
     pub on_restart_limit: Option<OnRestartLimit>,
     pub fast_release: Option<bool>,
+    pub nbd_server_wait_secs: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -28,6 +28,10 @@ pub struct RecoveryConfig {
     /// copying O_DIRECT loop devices (see `Device::fast_release_is_safe` in the
     /// supervisor).
     pub fast_release: bool,
+    /// How long an nbd device whose server cannot be reached holds its I/O before it
+    /// fails it with EIO (`recovery.nbd_server_wait_secs`; `None`, from 0, the default:
+    /// for ever, like a hard NFS mount).
+    pub nbd_server_wait: Option<Duration>,
 }
 
 impl Default for RecoveryConfig {
@@ -38,6 +42,7 @@ impl Default for RecoveryConfig {
             restart_window: Duration::from_secs(60),
             on_restart_limit: OnRestartLimit::Quiesce,
             fast_release: true,
+            nbd_server_wait: None,
         }
     }
 }

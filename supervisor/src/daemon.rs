@@ -168,8 +168,16 @@ impl Daemon {
                 .ok()
         });
         let fast_release = config.recovery.fast_release;
-        let ctx =
-            Context { ctrl, worker_binary, state, worker_identity, kernel_features, fast_release };
+        let nbd_server_wait = config.recovery.nbd_server_wait;
+        let ctx = Context {
+            ctrl,
+            worker_binary,
+            state,
+            worker_identity,
+            kernel_features,
+            fast_release,
+            nbd_server_wait,
+        };
         Ok(Daemon {
             config,
             config_path,

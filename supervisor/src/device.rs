@@ -87,6 +87,8 @@ pub struct Context {
     pub kernel_features: u64,
     /// `recovery.fast_release`, for the workers started from now on.
     pub fast_release: bool,
+    /// `recovery.nbd_server_wait_secs` (`None`: for ever).
+    pub nbd_server_wait: Option<Duration>,
 }
 
 /// Where a recovery stands when the call returns.

@@ -377,6 +377,31 @@ mod tests {
     }
 
     #[test]
+    fn an_nbd_device_offers_the_kernel_exactly_what_its_export_does() {
+        use crate::nbd::BlockSizes;
+        let uri = NbdUri::parse("nbd://127.0.0.1/x").unwrap();
+        let nbd = spec(TargetSpec::Nbd { uri }, 4096);
+        let export = |flags: u16, max: u32| ExportInfo {
+            size: 1 << 30,
+            transmission_flags: flags,
+            block_sizes: Some(BlockSizes { min: 512, preferred: 4096, max }),
+        };
+        // Flush, FUA, trim and write-zeroes, 64 KiB requests at most.
+        let p = params(&nbd, Some(&export(0b0110_1101, 65536)));
+        assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA);
+        assert_eq!(p.basic.max_sectors, 128);
+        assert_eq!((p.discard.max_discard_sectors, p.discard.max_write_zeroes_sectors), (128, 128));
+        // Read-only, rotational, nothing else: no cache, no discard, no write zeroes; a
+        // maximum above ublkd's own request size does not raise it.
+        let p = params(&nbd, Some(&export(0b0001_0011, u32::MAX)));
+        assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_READ_ONLY | uapi::UBLK_ATTR_ROTATIONAL);
+        assert_eq!(p.basic.max_sectors, MAX_IO_BUF_BYTES >> 9);
+        assert_eq!((p.discard.max_discard_sectors, p.discard.max_write_zeroes_sectors), (0, 0));
+        // FUA without flush means nothing to the kernel: no cache, no FUA.
+        assert_eq!(params(&nbd, Some(&export(0b0000_1001, 65536))).basic.attrs, 0);
+    }
+
+    #[test]
     fn loop_devices_declare_a_volatile_cache_and_fua() {
         let p = params(
             &spec(TargetSpec::Loop { file: "/x".into(), direct: true, zero_copy: None }, 4096),

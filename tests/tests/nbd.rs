@@ -46,7 +46,10 @@ impl Server {
         server
     }
 
-    /// nbdkit's file plugin serving `image` on 127.0.0.1:`port`.
+    /// nbdkit's file plugin serving `image` on 127.0.0.1:`port`, one thread per
+    /// connection: with several, nbdkit 1.32 (Debian 12's) can abort when a client dies
+    /// while it writes a reply (`raw_send_socket: Assertion 'sock >= 0' failed`, seen
+    /// here when a worker was killed), and these tests kill clients on purpose.
     fn nbdkit_tcp(port: u16, image: &Path) -> Server {
         let pid_file = PathBuf::from(format!("/tmp/ublkd-test-nbdkit-{port}.pid"));
         let port_text = port.to_string();
@@ -60,6 +63,7 @@ impl Server {
             "127.0.0.1",
             "-p",
             &port_text,
+            "--threads=1",
             "file",
             &file_arg,
         ];
@@ -336,4 +340,55 @@ fn ext4_on_a_qcow2_export_stays_clean_across_a_worker_kill() {
     ublkd.stop();
     drop(server);
     let _ = std::fs::remove_file(&qcow2);
+}
+
+/// With `recovery.nbd_server_wait_secs`, a server that stays away is waited for that
+/// long, then the device fails its I/O with EIO (status says why), and `ublkctl
+/// recover` serves it again once the server is back.
+#[test]
+fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
+    let _serial = serial();
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-wait.img");
+    image(&file, 16 * MIB);
+    let port = 10_810;
+    let nbdkit = Server::nbdkit_tcp(port, &file);
+    let ublkd = Ublkd::start_with("nbd-wait", "\n[recovery]\nnbd_server_wait_secs = 3\n", &[]);
+    let id = ublkd.add(&["-t", "nbd", "--uri", &nbdkit.uri]);
+    let node = block_dev(id);
+    write_at(&node, 0, &pattern(5, 65536));
+
+    drop(nbdkit);
+    let t = Instant::now();
+    let read = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&node)
+        .and_then(|mut f| f.read_exact(AlignedBuf::new(65536).as_mut()));
+    let waited = t.elapsed();
+    let e = read.expect_err("a read succeeded with the server gone past the wait limit");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(waited >= Duration::from_secs(3), "failed after {waited:?}, before the 3 s limit");
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["failing_io"], true, "{dev}");
+    let note = dev["note"].as_str().unwrap_or_default();
+    assert!(note.contains("its NBD server has been out of reach for"), "{dev}");
+    assert!(note.contains(&format!("ublkctl recover {id}")), "{dev}");
+    eprintln!("the read failed after {waited:?}: {note}");
+
+    let _nbdkit = Server::nbdkit_tcp(port, &file);
+    ublkd.ctl_ok(&["recover", &id.to_string()]);
+    let dev = ublkd.status_of(id);
+    assert_eq!((dev["state"].as_str(), dev["failing_io"].as_bool()), (Some("LIVE"), Some(false)));
+    assert!(read_at_direct(&node, 0, 65536) == pattern(5, 65536), "the data did not survive");
+    ublkd.stop();
+    let _ = std::fs::remove_file(&file);
+}
+
+/// `len` bytes at `offset` of the device, read past the page cache.
+fn read_at_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let mut f = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(dev).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    let mut buf = AlignedBuf::new(len);
+    f.read_exact(buf.as_mut()).unwrap();
+    buf.as_ref().to_vec()
 }

@@ -105,6 +105,9 @@ fn ublkd_package_under_systemd() {
     assert_eq!(live["SYSLOG_IDENTIFIER"], "ublkd", "{live}");
     assert_eq!(live["PRIORITY"], "6", "an info event is not at info priority: {live}");
 
+    step("2b. an nbd device under the unit: its server on a unix socket");
+    nbd_under_the_unit();
+
     step("3. reload: add a device, then reject a broken config");
     std::fs::write(CONFIG, config(&[(7, "64M"), (8, "32M")])).unwrap();
     systemctl(&["reload", "ublkd"]);
@@ -280,6 +283,47 @@ fn ublkd_package_under_systemd() {
     assert_eq!(pids_named("ublkd"), Vec::<u32>::new(), "a ublkd process is left after dpkg -r");
     assert!(!Path::new("/run/ublkd").exists(), "/run/ublkd is left after dpkg -r");
     step("done");
+}
+
+/// The packaged unit gives ublkd no network (`PrivateNetwork=yes`, AF_UNIX only), which
+/// still reaches an NBD server on a unix socket: an nbd device is added, written and
+/// read back through the server (the page cache dropped in between), then deleted.
+fn nbd_under_the_unit() {
+    let socket = Path::new("/run/ublkd-test-nbdkit.sock");
+    let pid_file = Path::new("/run/ublkd-test-nbdkit.pid");
+    let mut nbdkit = Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "-P"])
+        .arg(pid_file)
+        .arg("-U")
+        .arg(socket)
+        .args(["memory", "64M"])
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .expect("cannot run nbdkit: install it with tests/vm/install-host-deps.sh");
+    wait_for("nbdkit to listen", Duration::from_secs(30), || {
+        std::fs::read(pid_file).is_ok_and(|pid| pid.ends_with(b"\n"))
+    });
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    let id: u32 = run_ok(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", &uri]))
+        .trim()
+        .parse()
+        .expect("ublkctl add printed no id");
+    let node = PathBuf::from(format!("/dev/ublkb{id}"));
+    wait_for("the nbd device's node", Duration::from_secs(30), || node.exists());
+    let data = common::pattern(77, 3 << 20);
+    let mut dev = std::fs::OpenOptions::new().write(true).open(&node).unwrap();
+    std::io::Write::write_all(&mut dev, &data).unwrap();
+    dev.sync_all().unwrap();
+    drop(dev);
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let mut back = vec![0u8; data.len()];
+    let mut dev = std::fs::File::open(&node).unwrap();
+    std::io::Read::read_exact(&mut dev, &mut back).unwrap();
+    drop(dev);
+    assert!(back == data, "the nbd device under the unit read back other data");
+    run_ok(Command::new("ublkctl").args(["del", "-n", &id.to_string()]));
+    let _ = nbdkit.kill();
+    let _ = nbdkit.wait();
 }
 
 /// `dpkg -i` the newest package in target/debian and checks what it installed.

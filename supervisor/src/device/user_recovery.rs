@@ -91,7 +91,7 @@ impl Device {
         inline: Duration,
     ) -> Result<Recovery, DeviceError> {
         let id = self.id;
-        if !self.nbd_connected() {
+        if !self.nbd_connected(ctx.nbd_server_wait) {
             return Ok(Recovery::Waiting);
         }
         let DeviceState::Releasing(r) = &mut self.state else { return Ok(Recovery::Waiting) };
@@ -140,9 +140,11 @@ impl Device {
     /// For an nbd device in a recovery: whether it has a connection for its next
     /// worker, connecting if not. A server that is not there (restarting, say) is not
     /// a failed recovery: the device's I/O stays held and the loop tries again, less and
-    /// less often (up to every [`NBD_RETRY_MAX`]), for as long as it takes; status says
-    /// why. Other devices always have what they need.
-    fn nbd_connected(&mut self) -> bool {
+    /// less often (up to every [`NBD_RETRY_MAX`]), for as long as it takes, or until
+    /// `wait_limit` (`recovery.nbd_server_wait_secs`): then the recovery goes on with a
+    /// worker that fails every I/O, until `ublkctl recover`. Status says why. Other
+    /// devices always have what they need.
+    fn nbd_connected(&mut self, wait_limit: Option<Duration>) -> bool {
         let (Some(link), TargetSpec::Nbd { uri }) = (&mut self.nbd, &self.spec.target) else {
             return true;
         };
@@ -161,6 +163,18 @@ impl Device {
                         "reconnected to {uri}"
                     );
                 }
+                true
+            }
+            Err(e) if wait_limit.is_some_and(|limit| r.started.elapsed() >= limit) => {
+                let waited = r.started.elapsed().as_secs();
+                let cause = format!(
+                    "its NBD server has been out of reach for {waited} s ({e}); every I/O \
+                     fails with EIO (recovery.nbd_server_wait_secs): once the server is \
+                     back, run `ublkctl recover {}`",
+                    self.id
+                );
+                tracing::error!(dev_id = self.id, event = "nbd_gave_up", "{cause}");
+                r.fail_io = Some(cause);
                 true
             }
             Err(e) => {
