@@ -130,6 +130,8 @@ def summarize(results):
                         and r["client"] == c and r.get("error"))
             j[c] = {m: stats([r.get(m) for r in rs]) for m in METRICS}
             j[c]["failed_runs"] = fails
+            # runs during which the host's other work took more than 20% of a CPU
+            j[c]["busy_runs"] = sum(1 for r in rs if r.get("host_other_cpu_pct", 0) > 20)
         u, b = j.get("ublkd"), j.get(base)
         j["ratio"] = {}
         if u and b:
@@ -157,7 +159,7 @@ def table(results):
     if prm["NBD_ROUNDS"]:
         head = (f"{'job':<18} {'client':<14} {'IOPS median [min-max]':<24} {'p50 us':>7} "
                 f"{'p99 us':>7}  {'nbdkit us/IO':>12} {'ublkd us/IO':>11} "
-                f"{'guest us/IO':>11} {'n':>3}")
+                f"{'guest us/IO':>11} {'n':>3} {'busy':>4}")
         lines.append(head)
         lines.append("-" * len(head))
         for job in prm["NBD_JOBS"]:
@@ -180,7 +182,8 @@ def table(results):
                 cl = med("client_us_per_io") if c == "ublkd" else "(kernel)"
                 lines.append(f"{name:<18} {c:<14} {iops:<24} {med('p50_us'):>7} "
                              f"{med('p99_us'):>7}  {med('nbdkit_us_per_io'):>12} {cl:>11} "
-                             f"{med('sys_cpu_us_per_io'):>11} {io['n']:>3}{fails}")
+                             f"{med('sys_cpu_us_per_io'):>11} {io['n']:>3} "
+                             f"{s.get('busy_runs', 0):>4}{fails}")
             r = summ["jobs"][job]["ratio"]
             if r:
                 def x(k):
@@ -201,7 +204,10 @@ def table(results):
             "CPU per I/O the device completed, in a window inside each fio run: nbdkit = the "
             "server's utime+stime (all threads); ublkd = its supervisor, worker and standby "
             "(the kernel's client runs in the kernel: no process of its own, only in the "
-            "total); guest = all vCPUs' busy time (fio, kernel, nbdkit, client).")
+            "total); guest = all vCPUs' busy time (fio, kernel, nbdkit, client). busy = "
+            "the runs during which other work on the host took > 20% of a CPU (under TCG "
+            "that slows the vCPUs and inflates their CPU time: compare those runs with "
+            "care, see results.json's host_other_cpu_pct).")
         lines.append("")
     rs = [(c, r) for c, lst in summ["restart"].items() for r in lst]
     if rs:
