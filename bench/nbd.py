@@ -9,9 +9,9 @@ Run through `bench/run nbd` (see bench/README.md). Three halves, one file:
   report  re-print the table of an earlier results dir
 
 Throughput: one nbdkit serves a RAM export (`nbdkit memory SIZE` on a unix socket),
-filled with data once; each round attaches every client in turn (the order rotated
-per round, as bench.py does), runs the fio jobs on its device (bench.py's measure():
-fio's IOPS and latency, CPU from /proc in a window inside the run) and detaches it.
+filled with data once; each round attaches every client, runs each fio job on each
+client's device in turn (the order rotated per job and round; bench.py's measure():
+fio's IOPS and latency, CPU from /proc in a window inside the run) and detaches them.
 Restart: per client a fresh nbdkit serving a tmpfs file; fio randrw with crc32c
 verify; nbdkit is SIGKILLed during the run and started again on the same socket a few
 seconds later; fio's errors, its longest completion latency and whether the device
@@ -112,6 +112,7 @@ def host(args):
 # summary and table
 # ======================================================================================
 
+QUIET_PCT = 20  # a run is on a quiet host if other work took at most this % of a CPU
 METRICS = ["iops", "p50_us", "p99_us", "nbdkit_us_per_io", "client_us_per_io",
            "sys_cpu_us_per_io", "rest_us_per_io"]
 
@@ -131,7 +132,16 @@ def summarize(results):
             j[c] = {m: stats([r.get(m) for r in rs]) for m in METRICS}
             j[c]["failed_runs"] = fails
             # runs during which the host's other work took more than 20% of a CPU
-            j[c]["busy_runs"] = sum(1 for r in rs if r.get("host_other_cpu_pct", 0) > 20)
+            j[c]["busy_runs"] = sum(1 for r in rs if r.get("host_other_cpu_pct", 0) > QUIET_PCT)
+        # the same over the runs on a quiet host only (other work <= 20% of a CPU)
+        j["quiet"] = {}
+        for c in clients:
+            q = [r for r in recs if r.get("kind") == "run" and r["job"] == job
+                 and r["client"] == c and not r.get("error")
+                 and r.get("host_other_cpu_pct", 0) <= QUIET_PCT]
+            j["quiet"][c] = {m: stats([r.get(m) for r in q]) for m in ("iops", "nbdkit_us_per_io",
+                                                                    "client_us_per_io",
+                                                                    "sys_cpu_us_per_io")}
         u, b = j.get("ublkd"), j.get(base)
         j["ratio"] = {}
         if u and b:
@@ -192,11 +202,33 @@ def table(results):
                              f"{x('p50_us'):>7} {x('p99_us'):>7}  {x('nbdkit_us_per_io'):>12} "
                              f"{'':>11} {x('sys_cpu_us_per_io'):>11}")
             lines.append("")
+        qlines = []
+        for job in prm["NBD_JOBS"]:
+            qj = summ["jobs"][job].get("quiet", {})
+            cells = []
+            for c in prm["NBD_CLIENTS"]:
+                st = qj.get(c, {})
+                if st.get("iops"):
+                    g = st["sys_cpu_us_per_io"]
+                    cells.append(f"{c} {fmt_num(st['iops']['median'])} IOPS "
+                                 f"({fmt_num(g['median']) if g else '-'} guest us/IO, "
+                                 f"n={st['iops']['n']})")
+            u, b = qj.get("ublkd", {}).get("iops"), qj.get(base, {}).get("iops")
+            if u and b and b["median"]:
+                cells.append(f"ublkd/{base} x{u['median'] / b['median']:.2f}")
+            if cells:
+                qlines.append(f"  {job:<18} " + "; ".join(cells))
+        if qlines:
+            lines.append(f"the same on a quiet host only (runs during which other work took "
+                         f"<= {QUIET_PCT}% of a host CPU), medians:")
+            lines += qlines
+            lines.append("")
         conns = ", ".join(f"{c} {'/'.join(map(str, v)) or '?'}"
                           for c, v in summ["connections"].items())
         lines.append(f"connections to nbdkit per client (counted in /proc/net/unix): {conns}")
         lines.append(
-            f"{prm['NBD_ROUNDS']} rounds (order rotated per round), fio {prm['NBD_RUNTIME_S']} s "
+            f"{prm['NBD_ROUNDS']} rounds (every client attached for the round, taking turns "
+            f"per job, the order rotated per job and round), fio {prm['NBD_RUNTIME_S']} s "
             f"+ {prm['NBD_RAMP_S']} s ramp per run, direct=1 io_uring; nbdkit memory "
             f"{prm['NBD_EXPORT_SIZE']} (filled once) on a unix socket; ublkd -q "
             f"{prm['NBD_QUEUES']} -d {prm['NBD_QUEUE_DEPTH']}.")
@@ -580,9 +612,14 @@ def throughput(plan, meta):
     log(f"filled the export in {time.monotonic() - t:.1f} s")
     total = nrounds * len(clients) * len(jobs)
     count = 0
-    ublkd = None  # one ublkd for the whole phase, its device added and deleted per turn
+    ublkd = None  # one ublkd for the whole phase, its device added and deleted per round
     for rnd in range(nrounds):
-        for cname in L.rotated(clients, rnd):
+        # Every client is attached for the whole round and the clients take turns per
+        # job (A B C, then B C A for the next job...): each job's runs lie within a
+        # minute of each other, so a burst of other work on the host hits them alike.
+        order = L.rotated(clients, rnd)
+        attached = {}
+        for cname in order:
             if cname == "ublkd":
                 ublkd = ublkd or UblkdNbd(plan)
                 cl = ublkd
@@ -590,9 +627,10 @@ def throughput(plan, meta):
                 cl = make_client(cname, plan)
             base = {"round": rnd + 1, "client": cname}
             try:
+                before = unix_connections(sock)
                 dev = cl.attach(sock)
                 time.sleep(0.3)
-                conns = unix_connections(sock)
+                conns = unix_connections(sock) - before
                 with open(f"/sys/block/{dev}/queue/logical_block_size") as f:
                     lbs = int(f.read())
                 with open(f"/sys/block/{dev}/size") as f:
@@ -601,45 +639,27 @@ def throughput(plan, meta):
                            "logical_block_size": lbs, "size": dsize})
                 log(f"round {rnd + 1}/{nrounds} {cname}: /dev/{dev}, {conns} connection(s) "
                     f"to nbdkit, {dsize >> 20} MiB, logical block {lbs}")
+                attached[cname] = (cl, dev)
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {cname}: attach failed: {e}")
                 for job in jobs:
                     count += 1
                     emit(REC, {**base, "kind": "run", "job": job, "error": f"attach: {e}"})
-                continue
-            for job, spec in jobs.items():
+        for ji, (job, spec) in enumerate(jobs.items()):
+            for cname in L.rotated(order, ji):
+                if cname not in attached:
+                    continue
+                cl, dev = attached[cname]
                 count += 1
-                rec = {**base, "kind": "run", "job": job}
+                rec = {"round": rnd + 1, "client": cname, "kind": "run", "job": job}
                 log(f"round {rnd + 1}/{nrounds}  [{count}/{total}]  {cname:<13} {job}")
-                srv = _PidsOf(cl.pids() | {kit.pid})
                 try:
-                    res = B.measure(srv, None, dev, job, tuple(spec), mprm)
-                    per = res["per_pid_cpu_s"]
-                    ios = res["window_ios"]
-                    kit_s = per.get(str(kit.pid), 0.0)
-                    res["nbdkit_cpu_s"] = kit_s
-                    # (the kernel's client has no process: nothing but nbdkit was counted)
-                    res["client_cpu_s"] = (res["server_cpu_s"] - kit_s if cname == "ublkd"
-                                           else None)
-                    if ios:
-                        res["nbdkit_us_per_io"] = kit_s / ios * 1e6
-                        res["client_us_per_io"] = (res["client_cpu_s"] / ios * 1e6
-                                                   if res["client_cpu_s"] is not None else None)
-                        res["rest_us_per_io"] = res["sys_cpu_us_per_io"] - (
-                            res["server_cpu_s"] / ios * 1e6)
-                    res.pop("cpu_us_per_io", None)  # nbdkit + client: split above
-                    rec.update(res)
-                    log(f"    {fmt_num(res['iops'])} IOPS  p50 {fmt_num(res['p50_us'])} us  "
-                        f"p99 {fmt_num(res['p99_us'])} us  nbdkit "
-                        f"{fmt_num(res.get('nbdkit_us_per_io'))} us/IO  "
-                        + (f"ublkd {fmt_num(res.get('client_us_per_io'))} us/IO  "
-                           if cname == "ublkd" else "")
-                        + f"guest {fmt_num(res['sys_cpu_us_per_io'])} us/IO"
-                        + (f"  [{res['note']}]" if res.get("note") else ""))
+                    rec.update(measure_run(cl, cname, dev, job, spec, kit, mprm))
                 except Exception as e:
                     rec["error"] = str(e)
                     log(f"    FAILED: {e}")
                 emit(REC, rec)
+        for cname, (cl, _dev) in attached.items():
             try:
                 cl.detach()
             except Exception as e:
@@ -654,6 +674,28 @@ def throughput(plan, meta):
             log(f"ublkd logged {probs[0]} warnings/errors in the throughput phase; the "
                 f"last: {probs[1]}")
     kit.stop()
+
+
+def measure_run(cl, cname, dev, job, spec, kit, mprm):
+    """One fio run with bench.py's measure(), its server CPU split into nbdkit's and the
+    client's (ublkd's processes; the kernel's client has none)."""
+    res = B.measure(_PidsOf(cl.pids() | {kit.pid}), None, dev, job, tuple(spec), mprm)
+    ios = res["window_ios"]
+    kit_s = res["per_pid_cpu_s"].get(str(kit.pid), 0.0)
+    res["nbdkit_cpu_s"] = kit_s
+    res["client_cpu_s"] = res["server_cpu_s"] - kit_s if cname == "ublkd" else None
+    if ios:
+        res["nbdkit_us_per_io"] = kit_s / ios * 1e6
+        res["client_us_per_io"] = (res["client_cpu_s"] / ios * 1e6
+                                   if res["client_cpu_s"] is not None else None)
+        res["rest_us_per_io"] = res["sys_cpu_us_per_io"] - res["server_cpu_s"] / ios * 1e6
+    res.pop("cpu_us_per_io", None)  # nbdkit + client: split above
+    log(f"    {fmt_num(res['iops'])} IOPS  p50 {fmt_num(res['p50_us'])} us  "
+        f"p99 {fmt_num(res['p99_us'])} us  nbdkit {fmt_num(res.get('nbdkit_us_per_io'))} us/IO  "
+        + (f"ublkd {fmt_num(res.get('client_us_per_io'))} us/IO  " if cname == "ublkd" else "")
+        + f"guest {fmt_num(res['sys_cpu_us_per_io'])} us/IO"
+        + (f"  [{res['note']}]" if res.get("note") else ""))
+    return res
 
 
 class _PidsOf:
