@@ -370,16 +370,16 @@ def nbd_fill(path, size, chunk):
 
 def unix_connections(path):
     """Connections accepted on the listening unix socket `path` and still open: the
-    entries of /proc/net/unix with that path in the connected state (a client's own end
-    is unbound, so it does not show the path)."""
-    n = 0
+    inodes of the entries of /proc/net/unix with that path in the connected state (a
+    client's own end is unbound, so it does not show the path)."""
+    inodes = set()
     with open("/proc/net/unix") as f:
         next(f)
         for line in f:
             v = line.split()
             if len(v) >= 8 and v[7] == path and v[5] == "03":
-                n += 1
-    return n
+                inodes.add(v[6])
+    return inodes
 
 
 class Nbdkit:
@@ -630,7 +630,8 @@ def throughput(plan, meta):
                 before = unix_connections(sock)
                 dev = cl.attach(sock)
                 time.sleep(0.3)
-                conns = unix_connections(sock) - before
+                # (the new ones: a detached client's may still be closing)
+                conns = len(unix_connections(sock) - before)
                 with open(f"/sys/block/{dev}/queue/logical_block_size") as f:
                     lbs = int(f.read())
                 with open(f"/sys/block/{dev}/size") as f:
@@ -822,7 +823,7 @@ def restart_one(plan, cname, rnd):
         dev = cl.attach(sock)
         rec["dev"] = dev
         time.sleep(0.3)
-        rec["connections"] = unix_connections(sock)
+        rec["connections"] = len(unix_connections(sock))
         for p in (FIO_OUT + ".json", FIO_OUT + ".err"):
             if os.path.exists(p):
                 os.unlink(p)
@@ -884,7 +885,7 @@ def restart_one(plan, cname, rnd):
         if res.pop("error", None) and not rec.get("error"):
             rec["error"] = "fio wrote no json: " + L.tail(FIO_OUT + ".err", 3)
         rec.update(res)
-        rec["connections_after"] = unix_connections(sock)
+        rec["connections_after"] = len(unix_connections(sock))
         if not rec.get("hung"):
             rec["device_after"], why = device_works(dev)
             if why:
