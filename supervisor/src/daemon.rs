@@ -474,7 +474,9 @@ impl Daemon {
             let Some(death) = dev.worker_exited(woke) else { continue };
             tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{}", death.how);
             let rc = &self.config.recovery;
-            let event = recovery::after_death(dev, &self.ctx, rc, &death.reason(), &self.notifier);
+            let counts = !death.backend_lost;
+            let event =
+                recovery::after_death(dev, &self.ctx, rc, &death.reason(), counts, &self.notifier);
             self.last_event = Some(event);
         }
     }

@@ -108,6 +108,9 @@ pub struct WorkerDeath {
     pub how: String,
     /// Why the worker was killed, if it was found hung.
     pub hang: Option<String>,
+    /// It ended because its target's connection broke (an NBD server went away): the
+    /// server's doing, not a crash, so it does not count against the restart budget.
+    pub backend_lost: bool,
 }
 
 impl WorkerDeath {
@@ -518,6 +521,7 @@ impl Device {
     pub fn worker_exited(&mut self, seen: Instant) -> Option<WorkerDeath> {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
+        let backend_lost = w.lost_backend();
         let pid = w.pid();
         w.release_device();
         self.worker = None;
@@ -528,7 +532,7 @@ impl Device {
             _ => None,
         };
         self.enter(DeviceState::Recovering);
-        Some(WorkerDeath { how: format!("worker {pid} {how}"), hang })
+        Some(WorkerDeath { how: format!("worker {pid} {how}"), hang, backend_lost })
     }
 
     /// Forgets when the last worker's death was seen: the next recovery counts its

@@ -489,6 +489,15 @@ impl Worker {
         how
     }
 
+    /// Whether the worker ended because its target's connection broke (an NBD server
+    /// went away): not a crash of its own. Known once [`Self::exited`] said it ended.
+    pub fn lost_backend(&mut self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        let code = i32::from(ublkd_proto::exit::WorkerExit::BackendLost.code());
+        let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        status.is_some_and(|s| s.signal().is_none() && s.code() == Some(code))
+    }
+
     fn exit_status(&mut self) -> Option<String> {
         match &mut self.child {
             Some(child) => child.try_wait().ok().flatten().map(|s| ublkd_proto::exit::describe(&s)),

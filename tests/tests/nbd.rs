@@ -342,20 +342,32 @@ fn ext4_on_a_qcow2_export_stays_clean_across_a_worker_kill() {
     let _ = std::fs::remove_file(&qcow2);
 }
 
-/// With `recovery.nbd_server_wait_secs`, a server that stays away is waited for that
-/// long, then the device fails its I/O with EIO (status says why), and `ublkctl
-/// recover` serves it again once the server is back.
+/// Server restarts do not use up the restart budget (meant for crashing workers): with
+/// `restart_max = 1`, three in a row are three recoveries. With
+/// `recovery.nbd_server_wait_secs`, a server that stays away is waited for that long,
+/// then the device fails its I/O with EIO (status says why), and `ublkctl recover`
+/// serves it again once the server is back.
 #[test]
 fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     let _serial = serial();
     let file = PathBuf::from("/tmp/ublkd-test-nbd-wait.img");
     image(&file, 16 * MIB);
     let port = 10_810;
-    let nbdkit = Server::nbdkit_tcp(port, &file);
-    let ublkd = Ublkd::start_with("nbd-wait", "\n[recovery]\nnbd_server_wait_secs = 3\n", &[]);
+    let mut nbdkit = Server::nbdkit_tcp(port, &file);
+    let ublkd = Ublkd::start_with(
+        "nbd-wait",
+        "\n[recovery]\nnbd_server_wait_secs = 3\nrestart_max = 1\n",
+        &[],
+    );
     let id = ublkd.add(&["-t", "nbd", "--uri", &nbdkit.uri]);
     let node = block_dev(id);
     write_at(&node, 0, &pattern(5, 65536));
+    for restart in 1..=3 {
+        drop(nbdkit);
+        nbdkit = Server::nbdkit_tcp(port, &file);
+        wait_recovered(&ublkd, id, restart);
+        assert!(read_at_direct(&node, 0, 65536) == pattern(5, 65536));
+    }
 
     drop(nbdkit);
     let t = Instant::now();
