@@ -349,18 +349,18 @@ impl Worker {
         self.target
     }
 
-    /// Hands the worker the device (`/dev/ublkcN`) and its target's connection, if it
-    /// has one (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), and
+    /// Hands the worker the device (`/dev/ublkcN`) and its target's connections, if it
+    /// has any (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), and
     /// waits until it has PREPed every tag and armed FETCH.
     pub fn activate(
         &mut self,
         generation: u64,
         ublkc: BorrowedFd<'_>,
-        target: Option<&OwnedFd>,
+        target: &[OwnedFd],
         timeout: Duration,
     ) -> Result<Activation, WorkerError> {
         let mut fds = vec![ublkc];
-        fds.extend(target.map(AsFd::as_fd));
+        fds.extend(target.iter().map(AsFd::as_fd));
         if fds.len() != 1 + self.target.activation_fds() {
             let what =
                 format!("activation with {} target fds for {:?}", fds.len() - 1, self.target);

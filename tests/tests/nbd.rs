@@ -158,6 +158,20 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Established TCP connections to 127.0.0.1:`port` (`/proc/net/tcp`: the remote
+/// address's port, state 01).
+fn connections_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .filter(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            fields.get(2) == Some(&remote.as_str()) && fields.get(3) == Some(&"01")
+        })
+        .count()
+}
+
 /// A sparse raw image of `size` bytes at `path`.
 fn image(path: &Path, size: u64) {
     let file = std::fs::File::create(path).unwrap();
@@ -178,13 +192,18 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let nbdkit = Server::nbdkit_tcp(port, &file);
     let ublkd = Ublkd::start_with(
         "nbd-tcp",
-        &format!("\n[[device]]\nid = 3\ntarget = \"nbd\"\nuri = \"{}\"\n", nbdkit.uri),
+        &format!(
+            "\n[[device]]\nid = 3\ntarget = \"nbd\"\nuri = \"{}\"\nqueues = 2\nthreads = 2\n",
+            nbdkit.uri
+        ),
         &[],
     );
     let id = 3;
     let dev = ublkd.status_of(id);
     assert_eq!((dev["state"].as_str(), dev["target"].as_str()), (Some("LIVE"), Some("nbd")));
     assert_eq!(dev["size_bytes"].as_u64(), Some(96 * MIB), "{dev}");
+    // nbdkit's file plugin allows several connections (multi-conn): one per thread.
+    assert_eq!(connections_to(port), 2, "the worker's connections to nbdkit");
     let node = block_dev(id);
     wait_for_path(&node);
 
@@ -210,6 +229,7 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     assert_fio_clean(&jobs, 2);
     let dev = ublkd.status_of(id);
     assert_eq!(dev["recoveries"].as_u64(), Some(4), "{dev}");
+    assert_eq!(connections_to(port), 2, "the last worker's connections to nbdkit");
     assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
     let log = ublkd.log();
     assert!(log.contains("lost its connection to the NBD server"), "{log}");
