@@ -43,8 +43,9 @@ pub enum TargetError {
 }
 
 /// How long ublkd gives an NBD server to accept the connection and finish the handshake.
-/// Adding a device waits for it on ublkd's loop; a recovery's reconnection runs on a
-/// thread of its own ([`nbd_poll_connect`]).
+/// Both `ublkctl add` (the daemon's `PendingAdd`) and a recovery's reconnection
+/// ([`nbd_poll_connect`]) negotiate on a thread of their own; a configured device at
+/// start, before ublkd serves anything, on the loop.
 pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a connecting thread hands back.

@@ -424,3 +424,48 @@ fn read_at_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
     f.read_exact(buf.as_mut()).unwrap();
     buf.as_ref().to_vec()
 }
+
+/// A server that accepts and then says nothing holds up only its own `ublkctl add`:
+/// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` and
+/// adds another device; the add then fails after the handshake's 10 s, naming why.
+#[test]
+fn a_silent_server_holds_up_only_its_own_add() {
+    let _serial = serial();
+    let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent.sock");
+    let _ = std::fs::remove_file(&socket);
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    // Accepts, and keeps every connection open without a word.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            held.push(conn);
+        }
+    });
+    let ublkd = Ublkd::start("nbd-silent");
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    let t = Instant::now();
+    let add = Command::new(bin("ublkctl"))
+        .arg("--socket")
+        .arg(&ublkd.ctl.socket)
+        .args(["add", "-t", "nbd", "--uri", &uri])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let asked = Instant::now();
+    assert!(ublkd.status().is_empty());
+    let id = ublkd.add(&["-t", "null", "-s", "64M"]);
+    let meanwhile = asked.elapsed();
+    assert!(meanwhile < Duration::from_secs(5), "status and an add took {meanwhile:?}");
+    let out = add.wait_with_output().unwrap();
+    let took = t.elapsed();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the add of a silent server succeeded: {}", describe(&out));
+    assert!(said.contains("did not answer within 10 s"), "{}", describe(&out));
+    assert!(took >= Duration::from_secs(10), "the add failed after {took:?}");
+    eprintln!("while the silent server's add waited: status and a null add took {meanwhile:?}");
+    assert_eq!(ublkd.status().len(), 1, "the silent server's device exists");
+    ublkd.del(id);
+    ublkd.stop();
+}
