@@ -63,18 +63,23 @@ pub enum TargetSetup {
     /// Fails every I/O with EIO, touching no backend: what a device serves once its
     /// restart budget is spent and `recovery.on_restart_limit` is `"fail-io"`.
     FailIo,
-    /// An NBD server's export. No fd at setup: the supervisor connects and negotiates
-    /// when the worker is activated (a standby's connection would sit idle, and some
-    /// servers take one client at a time), and sends the socket, in the transmission
-    /// phase with simple replies, with [`ToWorker::Activate`].
-    Nbd,
+    /// An NBD server's export over `connections` connections (several only where the
+    /// export allows it: `NBD_FLAG_CAN_MULTI_CONN`; queue thread `i` uses connection
+    /// `i % connections`). No fd at setup: the supervisor connects and negotiates when
+    /// the worker is activated (a standby's connection would sit idle, and some servers
+    /// take one client at a time), and sends the sockets, in the transmission phase
+    /// with simple replies, with [`ToWorker::Activate`].
+    Nbd { connections: u8 },
 }
+
+/// The most connections an nbd worker is given.
+pub const MAX_NBD_CONNECTIONS: u8 = 8;
 
 impl TargetSetup {
     /// How many fds follow the fixed ones for this target.
     pub const fn target_fds(&self) -> usize {
         match self {
-            TargetSetup::Null | TargetSetup::FailIo | TargetSetup::Nbd => 0,
+            TargetSetup::Null | TargetSetup::FailIo | TargetSetup::Nbd { .. } => 0,
             TargetSetup::Memory | TargetSetup::Loop => 1,
         }
     }
@@ -82,7 +87,7 @@ impl TargetSetup {
     /// How many fds of the target's follow `/dev/ublkcN` in [`ToWorker::Activate`].
     pub const fn activation_fds(&self) -> usize {
         match self {
-            TargetSetup::Nbd => 1,
+            TargetSetup::Nbd { connections } => *connections as usize,
             _ => 0,
         }
     }

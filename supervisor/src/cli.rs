@@ -50,6 +50,11 @@ pub struct UblkdCli {
     /// More logging (-v: debug, -vv: trace); UBLKD_LOG or RUST_LOG override.
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
+
+    /// Run as the systemd generator: write into DIR the drop-in that opens the unit's
+    /// network to the NBD servers the config names over TCP, then exit.
+    #[arg(long, value_name = "DIR", hide = true)]
+    pub systemd_generator: Option<PathBuf>,
 }
 
 /// Control ublkd, the ublk block device server.

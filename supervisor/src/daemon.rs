@@ -21,12 +21,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use ublkd_config::{Config, DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
+use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse};
 
 mod handlers;
 mod reload;
@@ -34,12 +35,13 @@ mod reload;
 use handlers::describe_spec;
 pub use handlers::spec_from_request;
 
-use crate::control::ControlServer;
+use crate::control::{ControlServer, Token};
 use crate::device::{Context, Device, DeviceError};
 use crate::device_state::{StateKind, Summary};
 use crate::metrics::FileWriter;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
+use crate::target::{NbdLink, TargetError, connect_export};
 use crate::worker::WorkerIdentity;
 use crate::{exit, features, recovery};
 
@@ -137,7 +139,23 @@ pub struct Daemon {
     shutting_down: bool,
     /// Writes `daemon.metrics_file`, if set.
     metrics_file: Option<FileWriter>,
+    /// `ublkctl add`s of nbd devices whose exports are being negotiated.
+    pending_adds: Vec<PendingAdd>,
 }
+
+/// An `ublkctl add` of an nbd device whose export is connected and negotiated on a
+/// thread of its own (up to the handshake's 10 s): answered once that is done and the
+/// device made, so that a slow server never holds up the loop (other devices'
+/// recoveries, clients, the watchdog).
+#[derive(Debug)]
+struct PendingAdd {
+    token: Token,
+    spec: DeviceSpec,
+    connected: mpsc::Receiver<Result<Option<NbdLink>, TargetError>>,
+}
+
+/// How often the loop looks whether an nbd add's handshake is done.
+const PENDING_ADD_POLL: Duration = Duration::from_millis(20);
 
 impl Daemon {
     /// Checks the kernel, prepares the state dir and socket, installs signal handling.
@@ -190,6 +208,7 @@ impl Daemon {
             control,
             signals,
             metrics_file,
+            pending_adds: Vec::new(),
         })
     }
 
@@ -304,6 +323,65 @@ impl Daemon {
         crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
     }
 
+    /// `ublkctl add`: answered now, or, for an nbd device, once its export has been
+    /// negotiated on a thread of its own ([`PendingAdd`], `None` here).
+    fn begin_add(&mut self, token: Token, add: &AddRequest) -> Option<CtlResponse> {
+        let spec = match self.check_add(add) {
+            Ok(spec) => spec,
+            Err(e) => return Some(CtlResponse::Error { message: e }),
+        };
+        if !matches!(spec.target, TargetSpec::Nbd { .. }) {
+            return Some(match self.add(&spec) {
+                Ok(id) => CtlResponse::Added { id },
+                Err(e) => CtlResponse::Error { message: e.to_string() },
+            });
+        }
+        let (tx, connected) = mpsc::channel();
+        let for_thread = spec.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nbd-add".into())
+            .spawn(move || drop(tx.send(connect_export(&for_thread))));
+        if let Err(e) = spawned {
+            let message = format!("cannot start a thread to connect: {e}");
+            return Some(CtlResponse::Error { message });
+        }
+        self.pending_adds.push(PendingAdd { token, spec, connected });
+        None
+    }
+
+    /// Makes the devices of the nbd adds whose handshakes are done, and answers them.
+    fn finish_pending_adds(&mut self) {
+        let mut waiting = Vec::with_capacity(self.pending_adds.len());
+        for pending in std::mem::take(&mut self.pending_adds) {
+            let connected = match pending.connected.try_recv() {
+                Ok(connected) => connected,
+                Err(mpsc::TryRecvError::Empty) => {
+                    waiting.push(pending);
+                    continue;
+                }
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    let why = "the thread negotiating the export ended without an answer";
+                    let response = CtlResponse::Error { message: why.into() };
+                    self.control.respond(pending.token, &response, Instant::now());
+                    continue;
+                }
+            };
+            let made = connected
+                .map_err(DeviceError::from)
+                .and_then(|link| Device::create_connected(&self.ctx, &pending.spec, link));
+            let response = match made {
+                Ok(dev) => {
+                    let id = dev.id();
+                    self.devices.insert(id, dev);
+                    CtlResponse::Added { id }
+                }
+                Err(e) => CtlResponse::Error { message: e.to_string() },
+            };
+            self.control.respond(pending.token, &response, Instant::now());
+        }
+        self.pending_adds = waiting;
+    }
+
     fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
         let dev = Device::create(&self.ctx, spec)?;
         let id = dev.id();
@@ -368,7 +446,11 @@ impl Daemon {
             if let Some(writer) = &self.metrics_file {
                 wake_by = wake_by.min(writer.due());
             }
+            if !self.pending_adds.is_empty() {
+                wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
+            }
             let idle = self.devices.is_empty()
+                && self.pending_adds.is_empty()
                 && self.notifier.watchdog_interval().is_none()
                 && control_due.is_none()
                 && self.metrics_file.is_none();
@@ -404,8 +486,15 @@ impl Daemon {
             self.notifier.watchdog(Instant::now(), hung);
             let status = self.summary();
             self.notifier.status(&status);
+            self.finish_pending_adds();
             for (token, req) in self.control.service(&fds[control_fds], Instant::now()) {
-                let response = self.handle(req);
+                let response = match req {
+                    CtlRequest::Add(add) => match self.begin_add(token, &add) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    req => self.handle(req),
+                };
                 self.control.respond(token, &response, Instant::now());
             }
             if let Some(mut writer) = self.metrics_file.take() {
@@ -474,7 +563,9 @@ impl Daemon {
             let Some(death) = dev.worker_exited(woke) else { continue };
             tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{}", death.how);
             let rc = &self.config.recovery;
-            let event = recovery::after_death(dev, &self.ctx, rc, &death.reason(), &self.notifier);
+            let counts = !death.backend_lost;
+            let event =
+                recovery::after_death(dev, &self.ctx, rc, &death.reason(), counts, &self.notifier);
             self.last_event = Some(event);
         }
     }

@@ -108,6 +108,9 @@ pub struct WorkerDeath {
     pub how: String,
     /// Why the worker was killed, if it was found hung.
     pub hang: Option<String>,
+    /// It ended because its target's connection broke (an NBD server went away): the
+    /// server's doing, not a crash, so it does not count against the restart budget.
+    pub backend_lost: bool,
 }
 
 impl WorkerDeath {
@@ -161,11 +164,22 @@ pub struct Device {
 
 impl Device {
     /// Creates, hands over and starts a device described by `spec` (already validated).
+    /// An nbd device's export is connected and negotiated first, here.
     pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
+        let nbd = connect_export(spec)?;
+        Self::create_connected(ctx, spec, nbd)
+    }
+
+    /// [`Self::create`] with an nbd device's export already connected and negotiated
+    /// (`nbd`, from [`connect_export`], on a thread of its own).
+    pub fn create_connected(
+        ctx: &Context,
+        spec: &DeviceSpec,
+        nbd: Option<NbdLink>,
+    ) -> Result<Device, DeviceError> {
         let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
         // An nbd device is what its export is: connected and negotiated before the
         // kernel device is made, so a server that is not there costs nothing.
-        let nbd = connect_export(&spec)?;
         if let Some(info) = nbd.as_ref().and_then(|l| l.info.as_ref()) {
             spec.size_bytes = info.size;
             if let Some(b) = info.block_sizes {
@@ -518,6 +532,7 @@ impl Device {
     pub fn worker_exited(&mut self, seen: Instant) -> Option<WorkerDeath> {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
+        let backend_lost = w.lost_backend();
         let pid = w.pid();
         w.release_device();
         self.worker = None;
@@ -528,7 +543,7 @@ impl Device {
             _ => None,
         };
         self.enter(DeviceState::Recovering);
-        Some(WorkerDeath { how: format!("worker {pid} {how}"), hang })
+        Some(WorkerDeath { how: format!("worker {pid} {how}"), hang, backend_lost })
     }
 
     /// Forgets when the last worker's death was seen: the next recovery counts its

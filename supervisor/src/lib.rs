@@ -27,6 +27,7 @@ pub mod device;
 pub mod device_state;
 pub mod exit;
 pub mod features;
+pub mod generator;
 pub mod hang;
 pub mod inspect;
 pub mod logging;

@@ -157,17 +157,20 @@ pub fn kill_if_hung(dev: &mut Device, timeout: Duration) {
 }
 
 /// After the device's worker died: recovers it within its restart budget, else does
-/// what `on_restart_limit` says. Returns the event for the status line.
+/// what `on_restart_limit` says. A death that does not `count` (the worker's NBD server
+/// went away) takes nothing from the budget: a server restarted often is not a
+/// crashing worker. Returns the event for the status line.
 pub fn after_death(
     dev: &mut Device,
     ctx: &Context,
     rc: &RecoveryConfig,
     reason: &str,
+    counts: bool,
     notifier: &Notifier,
 ) -> String {
     let id = dev.id();
-    if !rc.automatic_recovery() || !dev.restart_budget_mut().take(rc.restart_max, rc.restart_window)
-    {
+    let within_budget = !counts || dev.restart_budget_mut().take(rc.restart_max, rc.restart_window);
+    if !rc.automatic_recovery() || !within_budget {
         restart_limit(dev, ctx, rc, reason);
         return format!("device {id} reached its restart limit");
     }

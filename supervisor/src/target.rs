@@ -8,6 +8,8 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSpec, NbdUri, TargetSpec};
@@ -41,17 +43,22 @@ pub enum TargetError {
 }
 
 /// How long ublkd gives an NBD server to accept the connection and finish the handshake.
-/// ublkd's loop waits meanwhile (creating or recovering a device is not concurrent
-/// with the rest).
+/// Both `ublkctl add` (the daemon's `PendingAdd`) and a recovery's reconnection
+/// ([`nbd_poll_connect`]) negotiate on a thread of their own; a configured device at
+/// start, before ublkd serves anything, on the loop.
 pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What a connecting thread hands back.
+type Connected = Result<(OwnedFd, ExportInfo), NbdError>;
+
 /// An nbd device's link to its export: what the server said when the device was made
-/// (or, for a device ublkd adopted, when it first reconnected), and a connection made
-/// but not yet handed to a worker.
+/// (or, for a device ublkd adopted, when it first reconnected), a connection made but
+/// not yet handed to a worker, and a connection being made.
 #[derive(Debug, Default)]
 pub struct NbdLink {
     pub info: Option<ExportInfo>,
     pub socket: Option<OwnedFd>,
+    connecting: Option<mpsc::Receiver<Connected>>,
 }
 
 /// For an nbd target, connects and negotiates, so that the device is made from what
@@ -60,19 +67,16 @@ pub struct NbdLink {
 pub fn connect_export(spec: &DeviceSpec) -> Result<Option<NbdLink>, TargetError> {
     let TargetSpec::Nbd { uri } = &spec.target else { return Ok(None) };
     match nbd::connect(uri, NBD_HANDSHAKE_TIMEOUT) {
-        Ok((socket, info)) => Ok(Some(NbdLink { info: Some(info), socket: Some(socket) })),
+        Ok((socket, info)) => {
+            Ok(Some(NbdLink { info: Some(info), socket: Some(socket), connecting: None }))
+        }
         Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
     }
 }
 
-/// How long one try to reconnect an nbd device in a recovery may take: ublkd's loop
-/// waits meanwhile, and tries again later (a server that is down refuses at once; one
-/// that drops packets would otherwise hold the loop for the whole handshake timeout).
-pub const NBD_RECONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// A connection for the next worker of nbd device `id` (`uri`): the one made ahead,
-/// else a new one within `timeout`, checked to be the same export: its size, and every
-/// feature the device was made with (the kernel was told of them).
+/// else a new one within `timeout`, checked to be the same export (see
+/// [`same_export`]).
 pub fn nbd_socket(
     id: u32,
     uri: &NbdUri,
@@ -83,8 +87,70 @@ pub fn nbd_socket(
     if let Some(socket) = link.socket.take() {
         return Ok(socket);
     }
-    let (socket, info) = nbd::connect(uri, timeout)
+    let connected = nbd::connect(uri, timeout)
         .map_err(|source| TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) })?;
+    same_export(id, uri, spec, link, connected)
+}
+
+/// Whether nbd device `id` has a connection for its next worker, connecting on a
+/// thread of its own if not, so that ublkd's loop never waits for a server: `Pending`
+/// while that thread connects (ask again soon), else whether it worked. A failed try
+/// is not retried here: the next call starts a new one.
+pub fn nbd_poll_connect(
+    id: u32,
+    uri: &NbdUri,
+    spec: &DeviceSpec,
+    link: &mut NbdLink,
+) -> Poll<Result<(), TargetError>> {
+    if link.socket.is_some() {
+        return Poll::Ready(Ok(()));
+    }
+    let Some(rx) = &link.connecting else {
+        let (tx, rx) = mpsc::channel();
+        let target = uri.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("nbd-connect-{id}"))
+            .spawn(move || drop(tx.send(nbd::connect(&target, NBD_HANDSHAKE_TIMEOUT))));
+        return match spawned {
+            Ok(_) => {
+                link.connecting = Some(rx);
+                Poll::Pending
+            }
+            Err(e) => Poll::Ready(Err(TargetError::Nbd {
+                uri: uri.to_string(),
+                source: Box::new(NbdError::Connect {
+                    addr: "a thread to connect".into(),
+                    source: e,
+                }),
+            })),
+        };
+    };
+    let connected = match rx.try_recv() {
+        Ok(connected) => connected,
+        Err(mpsc::TryRecvError::Empty) => return Poll::Pending,
+        Err(mpsc::TryRecvError::Disconnected) => Err(NbdError::Connect {
+            addr: uri.to_string(),
+            source: io::Error::other("the connecting thread ended without an answer"),
+        }),
+    };
+    link.connecting = None;
+    let connected = connected
+        .map_err(|source| TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) });
+    Poll::Ready(connected.and_then(|c| same_export(id, uri, spec, link, c)).map(|socket| {
+        link.socket = Some(socket);
+    }))
+}
+
+/// `connected`, if its export is the one nbd device `id` was made from: its size, a
+/// minimum block size the device's fits, and every feature the device was made with
+/// (the kernel was told of them). Else it is disconnected and the error says both.
+fn same_export(
+    id: u32,
+    uri: &NbdUri,
+    spec: &DeviceSpec,
+    link: &mut NbdLink,
+    (socket, info): (OwnedFd, ExportInfo),
+) -> Result<OwnedFd, TargetError> {
     let changed = |what: String| TargetError::NbdChanged { id, uri: uri.to_string(), what };
     if info.size != spec.size_bytes {
         nbd::disconnect(socket);

@@ -349,18 +349,18 @@ impl Worker {
         self.target
     }
 
-    /// Hands the worker the device (`/dev/ublkcN`) and its target's connection, if it
-    /// has one (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), and
+    /// Hands the worker the device (`/dev/ublkcN`) and its target's connections, if it
+    /// has any (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), and
     /// waits until it has PREPed every tag and armed FETCH.
     pub fn activate(
         &mut self,
         generation: u64,
         ublkc: BorrowedFd<'_>,
-        target: Option<&OwnedFd>,
+        target: &[OwnedFd],
         timeout: Duration,
     ) -> Result<Activation, WorkerError> {
         let mut fds = vec![ublkc];
-        fds.extend(target.map(AsFd::as_fd));
+        fds.extend(target.iter().map(AsFd::as_fd));
         if fds.len() != 1 + self.target.activation_fds() {
             let what =
                 format!("activation with {} target fds for {:?}", fds.len() - 1, self.target);
@@ -487,6 +487,15 @@ impl Worker {
             self.stderr_write = None;
         }
         how
+    }
+
+    /// Whether the worker ended because its target's connection broke (an NBD server
+    /// went away): not a crash of its own. Known once [`Self::exited`] said it ended.
+    pub fn lost_backend(&mut self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        let code = i32::from(ublkd_proto::exit::WorkerExit::BackendLost.code());
+        let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        status.is_some_and(|s| s.signal().is_none() && s.code() == Some(code))
     }
 
     fn exit_status(&mut self) -> Option<String> {

@@ -158,6 +158,20 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Established TCP connections to 127.0.0.1:`port` (`/proc/net/tcp`: the remote
+/// address's port, state 01).
+fn connections_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .filter(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            fields.get(2) == Some(&remote.as_str()) && fields.get(3) == Some(&"01")
+        })
+        .count()
+}
+
 /// A sparse raw image of `size` bytes at `path`.
 fn image(path: &Path, size: u64) {
     let file = std::fs::File::create(path).unwrap();
@@ -178,13 +192,18 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let nbdkit = Server::nbdkit_tcp(port, &file);
     let ublkd = Ublkd::start_with(
         "nbd-tcp",
-        &format!("\n[[device]]\nid = 3\ntarget = \"nbd\"\nuri = \"{}\"\n", nbdkit.uri),
+        &format!(
+            "\n[[device]]\nid = 3\ntarget = \"nbd\"\nuri = \"{}\"\nqueues = 2\nthreads = 2\n",
+            nbdkit.uri
+        ),
         &[],
     );
     let id = 3;
     let dev = ublkd.status_of(id);
     assert_eq!((dev["state"].as_str(), dev["target"].as_str()), (Some("LIVE"), Some("nbd")));
     assert_eq!(dev["size_bytes"].as_u64(), Some(96 * MIB), "{dev}");
+    // nbdkit's file plugin allows several connections (multi-conn): one per thread.
+    assert_eq!(connections_to(port), 2, "the worker's connections to nbdkit");
     let node = block_dev(id);
     wait_for_path(&node);
 
@@ -210,6 +229,7 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     assert_fio_clean(&jobs, 2);
     let dev = ublkd.status_of(id);
     assert_eq!(dev["recoveries"].as_u64(), Some(4), "{dev}");
+    assert_eq!(connections_to(port), 2, "the last worker's connections to nbdkit");
     assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
     let log = ublkd.log();
     assert!(log.contains("lost its connection to the NBD server"), "{log}");
@@ -342,20 +362,32 @@ fn ext4_on_a_qcow2_export_stays_clean_across_a_worker_kill() {
     let _ = std::fs::remove_file(&qcow2);
 }
 
-/// With `recovery.nbd_server_wait_secs`, a server that stays away is waited for that
-/// long, then the device fails its I/O with EIO (status says why), and `ublkctl
-/// recover` serves it again once the server is back.
+/// Server restarts do not use up the restart budget (meant for crashing workers): with
+/// `restart_max = 1`, three in a row are three recoveries. With
+/// `recovery.nbd_server_wait_secs`, a server that stays away is waited for that long,
+/// then the device fails its I/O with EIO (status says why), and `ublkctl recover`
+/// serves it again once the server is back.
 #[test]
 fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     let _serial = serial();
     let file = PathBuf::from("/tmp/ublkd-test-nbd-wait.img");
     image(&file, 16 * MIB);
     let port = 10_810;
-    let nbdkit = Server::nbdkit_tcp(port, &file);
-    let ublkd = Ublkd::start_with("nbd-wait", "\n[recovery]\nnbd_server_wait_secs = 3\n", &[]);
+    let mut nbdkit = Server::nbdkit_tcp(port, &file);
+    let ublkd = Ublkd::start_with(
+        "nbd-wait",
+        "\n[recovery]\nnbd_server_wait_secs = 3\nrestart_max = 1\n",
+        &[],
+    );
     let id = ublkd.add(&["-t", "nbd", "--uri", &nbdkit.uri]);
     let node = block_dev(id);
     write_at(&node, 0, &pattern(5, 65536));
+    for restart in 1..=3 {
+        drop(nbdkit);
+        nbdkit = Server::nbdkit_tcp(port, &file);
+        wait_recovered(&ublkd, id, restart);
+        assert!(read_at_direct(&node, 0, 65536) == pattern(5, 65536));
+    }
 
     drop(nbdkit);
     let t = Instant::now();
@@ -391,4 +423,49 @@ fn read_at_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
     let mut buf = AlignedBuf::new(len);
     f.read_exact(buf.as_mut()).unwrap();
     buf.as_ref().to_vec()
+}
+
+/// A server that accepts and then says nothing holds up only its own `ublkctl add`:
+/// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` and
+/// adds another device; the add then fails after the handshake's 10 s, naming why.
+#[test]
+fn a_silent_server_holds_up_only_its_own_add() {
+    let _serial = serial();
+    let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent.sock");
+    let _ = std::fs::remove_file(&socket);
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    // Accepts, and keeps every connection open without a word.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            held.push(conn);
+        }
+    });
+    let ublkd = Ublkd::start("nbd-silent");
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    let t = Instant::now();
+    let add = Command::new(bin("ublkctl"))
+        .arg("--socket")
+        .arg(&ublkd.ctl.socket)
+        .args(["add", "-t", "nbd", "--uri", &uri])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let asked = Instant::now();
+    assert!(ublkd.status().is_empty());
+    let id = ublkd.add(&["-t", "null", "-s", "64M"]);
+    let meanwhile = asked.elapsed();
+    assert!(meanwhile < Duration::from_secs(5), "status and an add took {meanwhile:?}");
+    let out = add.wait_with_output().unwrap();
+    let took = t.elapsed();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the add of a silent server succeeded: {}", describe(&out));
+    assert!(said.contains("did not answer within 10 s"), "{}", describe(&out));
+    assert!(took >= Duration::from_secs(10), "the add failed after {took:?}");
+    eprintln!("while the silent server's add waited: status and a null add took {meanwhile:?}");
+    assert_eq!(ublkd.status().len(), 1, "the silent server's device exists");
+    ublkd.del(id);
+    ublkd.stop();
 }

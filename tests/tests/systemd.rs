@@ -106,7 +106,37 @@ fn ublkd_package_under_systemd() {
     assert_eq!(live["PRIORITY"], "6", "an info event is not at info priority: {live}");
 
     step("2b. an nbd device under the unit: its server on a unix socket");
-    nbd_under_the_unit();
+    let uri = "nbd+unix:///?socket=/run/ublkd-test-nbdkit.sock";
+    let server = nbdkit(&["-U", "/run/ublkd-test-nbdkit.sock"]);
+    let id = nbd_add(uri);
+    nbd_round_trip(id);
+    run_ok(Command::new("ublkctl").args(["del", "-n", &id.to_string()]));
+    drop(server);
+
+    step("2c. an nbd device over TCP: closed until the config names it, then opened to it");
+    let server = nbdkit(&["-i", "127.0.0.1", "-p", "10811"]);
+    let uri = "nbd://127.0.0.1:10811";
+    let out = run(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", uri]));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("is not permitted"), "{}", describe(&out));
+    std::fs::write(
+        CONFIG,
+        config(&[(7, "64M")])
+            + &format!("\n[[device]]\nid = 9\ntarget = \"nbd\"\nuri = \"{uri}\"\n"),
+    )
+    .unwrap();
+    systemctl(&["daemon-reload"]);
+    let drop_in = "/run/systemd/generator/ublkd.service.d/50-nbd-network.conf";
+    let text = std::fs::read_to_string(drop_in).unwrap_or_else(|e| panic!("{drop_in}: {e}"));
+    assert!(text.contains("IPAddressAllow=127.0.0.1\n"), "{text}");
+    systemctl(&["restart", "ublkd"]);
+    assert_live(&[7, 9]);
+    nbd_round_trip(9);
+    std::fs::write(CONFIG, config(&[(7, "64M")])).unwrap();
+    run_ok(Command::new("ublkctl").args(["del", "-n", "9"]));
+    systemctl(&["daemon-reload"]);
+    assert!(!Path::new(drop_in).exists(), "the drop-in outlived the config's nbd:// device");
+    drop(server);
 
     step("3. reload: add a device, then reject a broken config");
     std::fs::write(CONFIG, config(&[(7, "64M"), (8, "32M")])).unwrap();
@@ -285,32 +315,51 @@ fn ublkd_package_under_systemd() {
     step("done");
 }
 
-/// The packaged unit gives ublkd no network (`PrivateNetwork=yes`, AF_UNIX only), which
-/// still reaches an NBD server on a unix socket: an nbd device is added, written and
-/// read back through the server (the page cache dropped in between), then deleted.
-fn nbd_under_the_unit() {
-    let socket = Path::new("/run/ublkd-test-nbdkit.sock");
+/// nbdkit serving 64 MiB of RAM, listening as `listen` says (`-U PATH` or `-i ADDR -p
+/// PORT`), once it listens; killed on drop.
+struct Nbdkit(std::process::Child);
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn nbdkit(listen: &[&str]) -> Nbdkit {
     let pid_file = Path::new("/run/ublkd-test-nbdkit.pid");
-    let mut nbdkit = Command::new("nbdkit")
-        .args(["-f", "--exit-with-parent", "-P"])
+    let _ = std::fs::remove_file(pid_file);
+    let child = Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "--threads=1", "-P"])
         .arg(pid_file)
-        .arg("-U")
-        .arg(socket)
+        .args(listen)
         .args(["memory", "64M"])
         .stdin(std::process::Stdio::null())
         .spawn()
         .expect("cannot run nbdkit: install it with tests/vm/install-host-deps.sh");
+    let server = Nbdkit(child);
     wait_for("nbdkit to listen", Duration::from_secs(30), || {
         std::fs::read(pid_file).is_ok_and(|pid| pid.ends_with(b"\n"))
     });
-    let uri = format!("nbd+unix:///?socket={}", socket.display());
-    let id: u32 = run_ok(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", &uri]))
+    server
+}
+
+/// `ublkctl add -t nbd --uri URI`: the new device's id, once its node is there.
+fn nbd_add(uri: &str) -> u32 {
+    let id: u32 = run_ok(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", uri]))
         .trim()
         .parse()
         .expect("ublkctl add printed no id");
     let node = PathBuf::from(format!("/dev/ublkb{id}"));
     wait_for("the nbd device's node", Duration::from_secs(30), || node.exists());
-    let data = common::pattern(77, 3 << 20);
+    id
+}
+
+/// Writes 3 MiB to nbd device `id` and reads them back through its server (the page
+/// cache dropped in between): the unit lets ublkd reach it.
+fn nbd_round_trip(id: u32) {
+    let node = PathBuf::from(format!("/dev/ublkb{id}"));
+    let data = common::pattern(77 + u64::from(id), 3 << 20);
     let mut dev = std::fs::OpenOptions::new().write(true).open(&node).unwrap();
     std::io::Write::write_all(&mut dev, &data).unwrap();
     dev.sync_all().unwrap();
@@ -319,11 +368,7 @@ fn nbd_under_the_unit() {
     let mut back = vec![0u8; data.len()];
     let mut dev = std::fs::File::open(&node).unwrap();
     std::io::Read::read_exact(&mut dev, &mut back).unwrap();
-    drop(dev);
-    assert!(back == data, "the nbd device under the unit read back other data");
-    run_ok(Command::new("ublkctl").args(["del", "-n", &id.to_string()]));
-    let _ = nbdkit.kill();
-    let _ = nbdkit.wait();
+    assert!(back == data, "nbd device {id} under the unit read back other data");
 }
 
 /// `dpkg -i` the newest package in target/debian and checks what it installed.

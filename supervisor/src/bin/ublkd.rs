@@ -11,6 +11,9 @@ use ublkd_supervisor::{error_chain, exit, features, logging, rlimit};
 
 fn main() -> ExitCode {
     let cli = UblkdCli::parse();
+    if let Some(dir) = &cli.systemd_generator {
+        return systemd_generator(cli.config.as_deref(), dir);
+    }
     let sink = logging::init("ublkd", cli.verbose);
 
     if cli.check_kernel {
@@ -60,6 +63,17 @@ fn main() -> ExitCode {
             code(e.exit_code())
         }
     }
+}
+
+/// `--systemd-generator DIR`: a generator must not fail the boot, nor log but to
+/// stderr (the kernel log, at boot): any problem is said there, and the exit is 0.
+fn systemd_generator(config: Option<&std::path::Path>, dir: &std::path::Path) -> ExitCode {
+    let config = config.unwrap_or(std::path::Path::new("/etc/ublkd/ublkd.toml"));
+    match ublkd_supervisor::generator::generate(config, dir) {
+        Ok(_) => {}
+        Err(e) => eprintln!("ublkd-generator: {e}"),
+    }
+    ExitCode::SUCCESS
 }
 
 fn check_kernel() -> ExitCode {

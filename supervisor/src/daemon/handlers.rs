@@ -82,22 +82,42 @@ impl Daemon {
     }
 
     fn handle_add(&mut self, add: &AddRequest) -> Result<u32, String> {
+        let spec = self.check_add(add)?;
+        self.add(&spec).map_err(|e| e.to_string())
+    }
+
+    /// The spec `add` asks for, if no device (or nbd add under way) has its id, its
+    /// loop file or its nbd export.
+    pub(super) fn check_add(&self, add: &AddRequest) -> Result<DeviceSpec, String> {
         let spec = spec_from_request(add, &self.config.defaults)?;
+        let pending = self.pending_adds.iter().map(|p| &p.spec);
+        let specs: Vec<&DeviceSpec> =
+            self.devices.values().map(Device::spec).chain(pending).collect();
         if let Some(id) = spec.id
-            && self.devices.contains_key(&id)
+            && specs.iter().any(|s| s.id == Some(id))
         {
             return Err(format!("device {id} already exists"));
         }
-        if let TargetSpec::Loop { file, .. } = &spec.target {
-            let in_use = self
-                .devices
-                .values()
-                .any(|d| matches!(&d.spec().target, TargetSpec::Loop { file: f, .. } if f == file));
-            if in_use {
-                return Err(format!("{} already backs another device", file.display()));
+        match &spec.target {
+            TargetSpec::Loop { file, .. } => {
+                let in_use = specs
+                    .iter()
+                    .any(|s| matches!(&s.target, TargetSpec::Loop { file: f, .. } if f == file));
+                if in_use {
+                    return Err(format!("{} already backs another device", file.display()));
+                }
             }
+            TargetSpec::Nbd { uri } => {
+                let in_use = specs
+                    .iter()
+                    .any(|s| matches!(&s.target, TargetSpec::Nbd { uri: u } if u == uri));
+                if in_use {
+                    return Err(format!("{uri} is already the export of another device"));
+                }
+            }
+            TargetSpec::Null | TargetSpec::Memory => {}
         }
-        self.add(&spec).map_err(|e| e.to_string())
+        Ok(spec)
     }
 
     fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {

@@ -2,6 +2,7 @@
 //! worker's `/dev/ublkcN` released (START_USER_RECOVERY answers EBUSY until then), the
 //! standby activated, END_USER_RECOVERY. The I/O is held meanwhile, not failed.
 
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::{
@@ -10,10 +11,12 @@ use super::{
 use ublkd_config::TargetSpec;
 
 use crate::device_state::{DeviceState, Release, StateKind};
-use crate::target::{NBD_RECONNECT_TIMEOUT, nbd_socket};
+use crate::target::nbd_poll_connect;
 
 /// The longest an nbd device in a recovery waits between two tries to reach its server.
 const NBD_RETRY_MAX: Duration = Duration::from_secs(2);
+/// How often the loop looks whether an nbd device's connecting thread is done.
+const NBD_CONNECT_POLL: Duration = Duration::from_millis(20);
 
 impl Device {
     /// Recovers the device: waits for the kernel to release the old worker's file
@@ -150,12 +153,11 @@ impl Device {
         };
         let DeviceState::Releasing(r) = &mut self.state else { return true };
         // A recovery that fails I/O needs no server.
-        if link.socket.is_some() || r.fail_io.is_some() {
+        if r.fail_io.is_some() {
             return true;
         }
-        match nbd_socket(self.id, uri, &self.spec, link, NBD_RECONNECT_TIMEOUT) {
-            Ok(socket) => {
-                link.socket = Some(socket);
+        match nbd_poll_connect(self.id, uri, &self.spec, link) {
+            Poll::Ready(Ok(())) => {
                 if r.slow.take().is_some() {
                     tracing::info!(
                         dev_id = self.id,
@@ -165,7 +167,11 @@ impl Device {
                 }
                 true
             }
-            Err(e) if wait_limit.is_some_and(|limit| r.started.elapsed() >= limit) => {
+            Poll::Pending => {
+                r.next_try = Instant::now() + NBD_CONNECT_POLL;
+                false
+            }
+            Poll::Ready(Err(e)) if wait_limit.is_some_and(|limit| r.started.elapsed() >= limit) => {
                 let waited = r.started.elapsed().as_secs();
                 let cause = format!(
                     "its NBD server has been out of reach for {waited} s ({e}); every I/O \
@@ -177,7 +183,7 @@ impl Device {
                 r.fail_io = Some(cause);
                 true
             }
-            Err(e) => {
+            Poll::Ready(Err(e)) => {
                 let why = format!(
                     "waiting for the NBD server ({e}); its I/O is held, and ublkd tries \
                      again every {} s at most",

@@ -5,9 +5,10 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use ublkd_config::TargetSpec;
-use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
+use ublkd_proto::msg::{Activation, DataPath, MAX_NBD_CONNECTIONS, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
+use crate::nbd::ExportInfo;
 use crate::target::{
     MAX_IO_BUF_BYTES, NBD_HANDSHAKE_TIMEOUT, fast_release_supported, nbd_socket, open_char_dev,
     zero_copy,
@@ -27,6 +28,24 @@ impl Device {
     fn fast_release_is_safe(&self) -> bool {
         !(matches!(self.spec.target, TargetSpec::Loop { .. }) && self.direct)
             || zero_copy(&self.spec)
+    }
+
+    /// How many connections an nbd device's worker gets: one per queue thread (the
+    /// per-I/O path has one per queue at most), up to [`MAX_NBD_CONNECTIONS`], where
+    /// the export said it allows several (`NBD_FLAG_CAN_MULTI_CONN`: a flush on one
+    /// then covers writes completed on all); else one, which every queue thread shares.
+    /// An adopted device whose export ublkd has not talked to yet gets one.
+    fn nbd_connections(&self, data_path: DataPath) -> u8 {
+        let info = self.nbd.as_ref().and_then(|l| l.info.as_ref());
+        if !info.is_some_and(ExportInfo::can_multi_conn) {
+            return 1;
+        }
+        let settings = &self.spec.settings;
+        let threads = match data_path {
+            DataPath::Batch => settings.threads,
+            DataPath::PerIo => settings.threads.min(settings.queues),
+        };
+        threads.clamp(1, u16::from(MAX_NBD_CONNECTIONS)) as u8
     }
 
     /// Starts a worker and sends it its setup (region and target to map, buffers and
@@ -53,7 +72,9 @@ impl Device {
                 TargetSpec::Null => TargetSetup::Null,
                 TargetSpec::Memory => TargetSetup::Memory,
                 TargetSpec::Loop { .. } => TargetSetup::Loop,
-                TargetSpec::Nbd { .. } => TargetSetup::Nbd,
+                TargetSpec::Nbd { .. } => {
+                    TargetSetup::Nbd { connections: self.nbd_connections(data_path) }
+                }
             },
             zero_copy: zero_copy(&self.spec),
             fast_release: ctx.fast_release
@@ -196,18 +217,21 @@ impl Device {
         // next one finds the worker (which may serve on) and, as the claim names no held
         // fds, kills it and recovers the device rather than leave it an unknown server.
         self.claim_worker(ctx, &worker, generation);
-        // An nbd worker gets its connection with the device (a fail-io one none).
-        let socket = match (&self.spec.target, &mut self.nbd) {
-            (TargetSpec::Nbd { uri }, Some(link)) if worker.target_setup() == TargetSetup::Nbd => {
-                Some(nbd_socket(id, uri, &self.spec, link, NBD_HANDSHAKE_TIMEOUT)?)
+        // An nbd worker gets its connections with the device (a fail-io one none): the
+        // one a recovery made ahead, and the rest now.
+        let mut sockets = Vec::new();
+        if let (TargetSpec::Nbd { uri }, Some(link), TargetSetup::Nbd { connections }) =
+            (&self.spec.target, &mut self.nbd, worker.target_setup())
+        {
+            for _ in 0..connections {
+                sockets.push(nbd_socket(id, uri, &self.spec, link, NBD_HANDSHAKE_TIMEOUT)?);
             }
-            _ => None,
-        };
+        }
         let ublkc = open_char_dev(id)?;
-        let ready = worker.activate(generation, ublkc.as_fd(), socket.as_ref(), WORKER_TIMEOUT);
+        let ready = worker.activate(generation, ublkc.as_fd(), &sockets, WORKER_TIMEOUT);
         // Close our copies now: only the worker may hold /dev/ublkcN (and the server
-        // sees one client).
-        drop((ublkc, socket));
+        // sees only the worker's connections).
+        drop((ublkc, sockets));
         let activation = match ready {
             Ok(a) => a,
             Err(source) => {

@@ -49,6 +49,15 @@ pub enum NbdError {
         /// The socket path.
         path: PathBuf,
     },
+    /// The kernel refused ublkd the connection itself: under the packaged systemd unit,
+    /// its network is closed but to the servers the config names.
+    #[error(
+        "connecting to {addr} is not permitted ({source}): under systemd, ublkd's unit \
+         reaches only the addresses of the nbd:// devices in /etc/ublkd/ublkd.toml (its \
+         generator allows them at `systemctl daemon-reload`, for ublkd's next start) and \
+         any IPAddressAllow= of your own drop-in"
+    )]
+    Forbidden { addr: String, source: io::Error },
     /// Connecting failed otherwise.
     #[error("cannot connect to {addr}: {source}")]
     Connect {
@@ -402,6 +411,11 @@ fn open(transport: &NbdTransport, deadline: Instant) -> Result<Stream, NbdError>
             Err(match source.kind() {
                 io::ErrorKind::ConnectionRefused => {
                     NbdError::ConnectionRefused { addr: addr.to_string() }
+                }
+                // IPAddressDeny= (a cgroup filter: EPERM) or RestrictAddressFamilies=
+                // (seccomp: EAFNOSUPPORT for the socket itself).
+                _ if matches!(source.raw_os_error(), Some(libc::EPERM | libc::EAFNOSUPPORT)) => {
+                    NbdError::Forbidden { addr: addr.to_string(), source }
                 }
                 _ => NbdError::Connect { addr: addr.to_string(), source },
             })

@@ -374,6 +374,7 @@ impl QueueThread {
         req.reply = Reply {
             ring_fd: self.ring.as_raw_fd(),
             user_data: UserData::Target { q_id, tag }.encode(),
+            thread: self.plan.index as u16,
         };
         let step = dev.target.start(&req);
         self.reqs[index] = Some((req, 0));

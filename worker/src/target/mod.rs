@@ -95,7 +95,7 @@ pub fn build(
             TargetSetup::Memory => "memory",
             TargetSetup::Loop => "loop",
             TargetSetup::FailIo => "fail-io",
-            TargetSetup::Nbd => "nbd",
+            TargetSetup::Nbd { .. } => "nbd",
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
     }
@@ -104,6 +104,6 @@ pub fn build(
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
         TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
         TargetSetup::FailIo => Box::new(FailTarget),
-        TargetSetup::Nbd => Box::new(NbdTarget::new()?),
+        TargetSetup::Nbd { connections } => Box::new(NbdTarget::new(connections)?),
     })
 }

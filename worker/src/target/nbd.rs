@@ -1,10 +1,12 @@
 //! `nbd`: an export of an NBD server, over the socket the supervisor connected and
 //! negotiated (simple replies only) and hands over with the device at activation.
 //!
-//! A queue thread sends its requests itself: the header, and a WRITE's data, in one
-//! `writev`, under a lock so that two threads' requests never interleave on the
-//! stream. The request then waits ([`Step::Pending`]). One reply thread reads the
-//! replies in whatever order the server sends them, reads a READ's data straight into
+//! A queue thread sends its requests itself, on its connection (one per queue thread,
+//! up to the count the supervisor gives, where the export allows several; else one
+//! for all): the header, and a WRITE's data, in one `writev`, under the connection's
+//! lock so that two threads' requests never interleave on the stream. The request
+//! then waits ([`Step::Pending`]). Each connection's reply thread reads its replies in
+//! whatever order the server sends them, reads a READ's data straight into
 //! the tag's buffer, and posts the result into the ring of the queue thread that owns
 //! the request (`IORING_OP_MSG_RING`): the completion that thread's loop would get
 //! from a target SQE, so the loop itself knows nothing of NBD.
@@ -22,6 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, mpsc};
 
 use io_uring::{IoUring, opcode, types};
 use ublkd_proto::exit::WorkerExit;
+use ublkd_proto::msg::MAX_NBD_CONNECTIONS;
 use ublkd_proto::nbd::{self, Request, SimpleReply};
 use ublkd_proto::uapi::{
     UBLK_IO_F_FUA, UBLK_IO_F_NOUNMAP, UBLK_IO_OP_DISCARD, UBLK_IO_OP_FLUSH, UBLK_IO_OP_READ,
@@ -47,8 +50,10 @@ struct Waiting {
     reply: Reply,
 }
 
+/// One connection to the server: its own socket, send lock, requests in flight and
+/// reply thread.
 #[derive(Debug, Default)]
-struct Shared {
+struct Connection {
     /// The socket's sending side, from activation on.
     socket: OnceLock<File>,
     /// Held for the whole of one request's `writev`s.
@@ -58,33 +63,9 @@ struct Shared {
     waiting: Mutex<HashMap<u64, Waiting>>,
 }
 
-#[derive(Debug)]
-pub struct NbdTarget {
-    shared: Arc<Shared>,
-    /// Gives the reply thread, started while standing by (a sandboxed worker cannot
-    /// start threads once it serves), its socket at activation.
-    start_replies: Mutex<Option<mpsc::Sender<File>>>,
-}
-
-impl NbdTarget {
-    /// Starts the reply thread, with the ring it posts completions through; both wait
-    /// for the socket ([`Target::activate`]).
-    pub fn new() -> Result<Self, TargetError> {
-        let ring = completion_ring()?;
-        let shared = Arc::new(Shared::default());
-        let (tx, rx) = mpsc::channel::<File>();
-        let for_replies = Arc::clone(&shared);
-        std::thread::Builder::new().name("ublk-nbd-replies".into()).spawn(move || {
-            // No socket: the standby was let go and the process is ending.
-            if let Ok(socket) = rx.recv() {
-                serve_replies(&for_replies, ring, socket);
-            }
-        })?;
-        Ok(NbdTarget { shared, start_replies: Mutex::new(Some(tx)) })
-    }
-
+impl Connection {
     fn send(&self, socket: &File, header: &[u8], data: &[u8]) -> io::Result<()> {
-        let _turn = lock(&self.shared.sending);
+        let _turn = lock(&self.sending);
         let mut all = [IoSlice::new(header), IoSlice::new(data)];
         // Without data, only the header: a list of empty parts would write 0 bytes.
         let mut parts = &mut all[..if data.is_empty() { 1 } else { 2 }];
@@ -98,6 +79,47 @@ impl NbdTarget {
             }
         }
         Ok(())
+    }
+}
+
+#[derive(Debug)]
+pub struct NbdTarget {
+    /// Queue thread `i` sends on connection `i % len` (several only for an export that
+    /// allows it: the supervisor decides).
+    connections: Vec<Arc<Connection>>,
+    /// Give the reply threads, started while standing by (a sandboxed worker cannot
+    /// start threads once it serves), their sockets at activation.
+    start_replies: Mutex<Vec<mpsc::Sender<File>>>,
+}
+
+impl NbdTarget {
+    /// Starts a reply thread per connection, with the ring it posts completions
+    /// through; they wait for their sockets ([`Target::activate`]).
+    pub fn new(connections: u8) -> Result<Self, TargetError> {
+        if connections == 0 || connections > MAX_NBD_CONNECTIONS {
+            return Err(TargetError::Fds {
+                target: "nbd",
+                want: usize::from(MAX_NBD_CONNECTIONS),
+                got: usize::from(connections),
+            });
+        }
+        let mut all = Vec::new();
+        let mut starts = Vec::new();
+        for i in 0..connections {
+            let ring = completion_ring()?;
+            let connection = Arc::new(Connection::default());
+            let (tx, rx) = mpsc::channel::<File>();
+            let for_replies = Arc::clone(&connection);
+            std::thread::Builder::new().name(format!("ublk-nbd-replies{i}")).spawn(move || {
+                // No socket: the standby was let go and the process is ending.
+                if let Ok(socket) = rx.recv() {
+                    serve_replies(&for_replies, ring, socket);
+                }
+            })?;
+            all.push(connection);
+            starts.push(tx);
+        }
+        Ok(NbdTarget { connections: all, start_replies: Mutex::new(starts) })
     }
 }
 
@@ -132,7 +154,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The reply thread: reads every reply and hands its result to the request's thread.
-fn serve_replies(shared: &Shared, mut ring: IoUring, socket: File) -> ! {
+fn serve_replies(shared: &Connection, mut ring: IoUring, socket: File) -> ! {
     let mut replies = BufReader::with_capacity(REPLY_BUFFER_BYTES, socket);
     let mut header = [0u8; nbd::SIMPLE_REPLY_BYTES];
     loop {
@@ -194,7 +216,8 @@ fn post(ring: &mut IoUring, reply: Reply, res: i32) {
 
 impl Target for NbdTarget {
     fn start(&self, req: &IoReq) -> Step {
-        let Some(socket) = self.shared.socket.get() else { return Step::Done(-libc::EIO) };
+        let connection = &self.connections[usize::from(req.reply.thread) % self.connections.len()];
+        let Some(socket) = connection.socket.get() else { return Step::Done(-libc::EIO) };
         let nounmap = req.flags & UBLK_IO_F_NOUNMAP != 0;
         let (kind, flags, length) = match req.op {
             UBLK_IO_OP_READ => (nbd::CMD_READ, 0, req.len),
@@ -220,7 +243,7 @@ impl Target for NbdTarget {
         let header = Request { flags, kind, cookie, offset, length }.encode();
         let waiting = Waiting { op: req.op, buf: req.buf as usize, len: req.len, reply: req.reply };
         // Recorded before it is sent: the reply may arrive before `send` returns.
-        lock(&self.shared.waiting).insert(cookie, waiting);
+        lock(&connection.waiting).insert(cookie, waiting);
         let data: &[u8] = if req.op == UBLK_IO_OP_WRITE {
             // SAFETY: a WRITE's data is in the tag's buffer, `req.len` bytes (checked by
             // `IoReq::from_desc`), which belongs to this request until it is committed.
@@ -228,7 +251,7 @@ impl Target for NbdTarget {
         } else {
             &[]
         };
-        if let Err(e) = self.send(socket, &header, data) {
+        if let Err(e) = connection.send(socket, &header, data) {
             lost("sending a request", &e);
         }
         Step::Pending
@@ -243,17 +266,21 @@ impl Target for NbdTarget {
         None
     }
 
-    fn activate(&self, mut fds: Vec<OwnedFd>) -> Result<(), TargetError> {
-        let (Some(fd), true) = (fds.pop(), fds.is_empty()) else {
-            return Err(TargetError::Fds { target: "nbd", want: 1, got: fds.len() + 1 });
-        };
-        let socket = File::from(fd);
-        let for_replies = socket.try_clone()?;
-        let tx = lock(&self.start_replies).take();
-        if self.shared.socket.set(socket).is_err()
-            || tx.is_none_or(|tx| tx.send(for_replies).is_err())
-        {
+    fn activate(&self, fds: Vec<OwnedFd>) -> Result<(), TargetError> {
+        if fds.len() != self.connections.len() {
+            let (want, got) = (self.connections.len(), fds.len());
+            return Err(TargetError::Fds { target: "nbd", want, got });
+        }
+        let starts = std::mem::take(&mut *lock(&self.start_replies));
+        if starts.len() != fds.len() {
             return Err(TargetError::Io(io::Error::other("the nbd target was activated twice")));
+        }
+        for ((fd, connection), start) in fds.into_iter().zip(&self.connections).zip(starts) {
+            let socket = File::from(fd);
+            let for_replies = socket.try_clone()?;
+            if connection.socket.set(socket).is_err() || start.send(for_replies).is_err() {
+                return Err(TargetError::Io(io::Error::other("an nbd reply thread is gone")));
+            }
         }
         Ok(())
     }
@@ -269,10 +296,16 @@ mod tests {
     /// An NBD target on one end of a socket pair, the test playing the server on the
     /// other, and a ring standing in for a queue thread's.
     fn target() -> (NbdTarget, UnixStream, IoUring) {
-        let (ours, server) = UnixStream::pair().unwrap();
-        let target = NbdTarget::new().unwrap();
-        target.activate(vec![OwnedFd::from(ours)]).unwrap();
-        (target, server, IoUring::new(8).unwrap())
+        let (target, mut servers, ring) = target_over(1);
+        (target, servers.remove(0), ring)
+    }
+
+    /// The same over `n` connections: the server's ends, in order.
+    fn target_over(n: u8) -> (NbdTarget, Vec<UnixStream>, IoUring) {
+        let (ours, servers): (Vec<_>, Vec<_>) = (0..n).map(|_| UnixStream::pair().unwrap()).unzip();
+        let target = NbdTarget::new(n).unwrap();
+        target.activate(ours.into_iter().map(OwnedFd::from).collect()).unwrap();
+        (target, servers, IoUring::new(8).unwrap())
     }
 
     fn req(op: u8, flags: u32, buf: &mut [u8], ring: &IoUring, user_data: u64) -> IoReq {
@@ -283,7 +316,7 @@ mod tests {
             len: buf.len() as u32,
             buf: buf.as_mut_ptr(),
             buf_index: None,
-            reply: Reply { ring_fd: ring.as_raw_fd(), user_data },
+            reply: Reply { ring_fd: ring.as_raw_fd(), user_data, thread: 0 },
         }
     }
 
@@ -366,5 +399,35 @@ mod tests {
             assert_eq!(posted(&mut ring), (u64::from(op), 0));
         }
         std::mem::forget(server);
+    }
+
+    #[test]
+    fn each_queue_thread_sends_on_its_own_connection() {
+        let (target, mut servers, mut ring) = target_over(2);
+        let mut bufs = [vec![0u8; 512], vec![0u8; 512], vec![0u8; 512]];
+        for (thread, buf) in bufs.iter_mut().enumerate() {
+            let mut r = req(UBLK_IO_OP_READ, 0, buf, &ring, 100 + thread as u64);
+            r.reply.thread = thread as u16;
+            assert!(matches!(target.start(&r), Step::Pending));
+        }
+        // Threads 0 and 2 on connection 0, thread 1 on connection 1.
+        let cookie =
+            |h: &[u8; nbd::REQUEST_BYTES]| u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let first = [request(&mut servers[0]), request(&mut servers[0])];
+        assert_eq!(first.map(|h| cookie(&h)), [100, 102]);
+        let second = request(&mut servers[1]);
+        assert_eq!(cookie(&second), 101);
+        reply(&mut servers[1], 0, &second[8..16], &[1u8; 512]);
+        assert_eq!(posted(&mut ring), (101, 512));
+        for h in &first {
+            reply(&mut servers[0], 0, &h[8..16], &[2u8; 512]);
+            assert_eq!(posted(&mut ring), (cookie(h), 512));
+        }
+        assert!(bufs[1].iter().all(|&b| b == 1) && bufs[2].iter().all(|&b| b == 2));
+        // Activation takes exactly one socket per connection, once.
+        let err = target.activate(Vec::new()).unwrap_err().to_string();
+        assert!(err.contains("needs 2 file descriptor(s), got 0"), "{err}");
+        assert!(NbdTarget::new(0).is_err() && NbdTarget::new(MAX_NBD_CONNECTIONS + 1).is_err());
+        std::mem::forget(servers);
     }
 }

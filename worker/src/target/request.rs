@@ -36,11 +36,13 @@ pub struct IoReq {
 pub struct Reply {
     pub ring_fd: std::os::fd::RawFd,
     pub user_data: u64,
+    /// The queue thread's number (its plan's index).
+    pub thread: u16,
 }
 
 impl Reply {
     /// Set by the queue loop before the target sees the request.
-    pub const UNSET: Reply = Reply { ring_fd: -1, user_data: 0 };
+    pub const UNSET: Reply = Reply { ring_fd: -1, user_data: 0, thread: 0 };
 }
 
 /// What a request is checked against.
