@@ -193,12 +193,12 @@ class HostRun:
     """One run on the host: its results dir, ublkd and the peers built, the plan, the
     VM and its records, the outputs."""
 
-    def __init__(self, args, cache, prefix=""):
-        """Creates bench/results/<prefix><date>/ (or under --out) and the peer cache,
-        and builds ublkd."""
+    def __init__(self, args, cache, prefix="", suffix=""):
+        """Creates bench/results/<prefix><date><suffix>/ (or under --out) and the peer
+        cache, and builds ublkd."""
         self.stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         parent = os.path.abspath(args.out or os.path.join(HERE, "results"))
-        self.outdir = os.path.join(parent, prefix + self.stamp)
+        self.outdir = os.path.join(parent, prefix + self.stamp + suffix)
         os.makedirs(self.outdir)
         self.cache = cache
         os.makedirs(cache, exist_ok=True)

@@ -128,3 +128,50 @@ SCALE_BYSTANDER_IOPS = 500      # the others' fio: 4k randread over all of them,
 SCALE_RECOVERY_TIMEOUT_S = 60   # a kill whose I/O does not resume within this fails
 SCALE_VM_MEM_MB = 6144          # 1000 devices: ~1.1 GiB of workers plus the kernel's queues
 SCALE_NOFILE = 65536            # ublkd's RLIMIT_NOFILE, as packaging/ublkd.service sets it
+
+# ---- the NBD benchmark (bench/nbd.py, `bench/run nbd`) ----
+# ublkd's nbd target beside the kernel's NBD client (nbd.ko + nbd-client), both on the
+# same nbdkit export over a unix socket, in one VM boot. Throughput: ONE nbdkit serving
+# a RAM export for the whole phase (filled with data once, so that reads never hit
+# holes and no run allocates), the clients attached in turn, each round's order
+# rotated. Restart: per client a fresh nbdkit (file plugin, a tmpfs file) SIGKILLed
+# during a verifying fio and started again on the same socket.
+# kernel-nbd: `nbd-client -unix SOCKET /dev/nbdN -N ''` (netlink, 1 connection);
+# kernel-nbd-c2: the same with -C 2 (only if the export advertises multi-conn).
+NBD_CLIENTS = ["kernel-nbd", "ublkd", "kernel-nbd-c2"]
+NBD_RATIO_BASELINE = "kernel-nbd"           # the table prints ublkd / this
+NBD_ROUNDS = 4                              # each round runs every client once, rotated
+NBD_RUNTIME_S = 4                           # fio --runtime per run (as RUNTIME_S)
+NBD_RAMP_S = 1                              # fio --ramp_time per run (as RAMP_S)
+NBD_EXPORT_SIZE = "1G"                      # nbdkit memory SIZE
+NBD_FILL_CHUNK_MB = 1                       # the export's fill: NBD writes of this size
+NBD_SOCKET = "/run/ublkd-bench-nbd.sock"    # in the guest
+NBD_QUEUES = 1                              # ublkd -q (the kernel's client: 1 queue per connection)
+NBD_QUEUE_DEPTH = 128                       # ublkd -d (the kernel's client's default is 128)
+NBD_NBDS_MAX = 32                           # insmod nbd.ko nbds_max=: each attach takes a fresh /dev/nbdN
+# name: (target, rw, block size, iodepth, numjobs) as in JOBS; "nbd": the whole device
+NBD_JOBS = {
+    "randread-4k-qd1":   ("nbd", "randread", "4k", 1, 1),
+    "randread-4k-qd32":  ("nbd", "randread", "4k", 32, 1),
+    "randwrite-4k-qd32": ("nbd", "randwrite", "4k", 32, 1),
+    "seqread-128k-qd8":  ("nbd", "read", "128k", 8, 1),
+}
+NBD_OVERHEAD_PER_RUN_S = 4.5                # for the estimate, as OVERHEAD_PER_RUN_S
+# The restart phase: fio randrw 4k with crc32c verify for NBD_RESTART_RUNTIME_S; after
+# NBD_RESTART_KILL_AFTER_S of I/O nbdkit is SIGKILLed, and NBD_RESTART_DOWN_S later a
+# new nbdkit serves the same file on the same socket. fio runs with
+# --continue_on_error=all, so that it counts every failed I/O instead of stopping.
+NBD_RESTART_CLIENTS = ["kernel-nbd", "ublkd"]
+NBD_RESTART_ROUNDS = 2                      # per client, alternating
+NBD_RESTART_RUNTIME_S = 15
+NBD_RESTART_KILL_AFTER_S = 5
+NBD_RESTART_DOWN_S = 3
+NBD_RESTART_IODEPTH = 32
+NBD_RESTART_VERIFY_BACKLOG = 256
+NBD_RESTART_FILE = "/tmp/ublkd-bench-nbd.img"   # in the guest's tmpfs
+NBD_RESTART_FILE_MB = 256
+NBD_RESTART_HANG_S = 30                     # fio's I/O still stuck this long after its runtime:
+                                            # the device is probed, then detached (fio then exits)
+NBD_VM_MEM_MB = 3072                        # the 1 GiB RAM export + the restart file + the rest
+NBD_QUICK = {"NBD_ROUNDS": 2, "NBD_RUNTIME_S": 2,
+             "NBD_JOBS": ["randread-4k-qd1", "randread-4k-qd32"]}

@@ -6,7 +6,7 @@
 //! ```text
 //! current                      ABI of the kernel `run` boots by default (written by `fetch`)
 //! current-6.12                 ABI of the kernel `run --kernel 6.12` boots
-//! kernel/<abi>/                vmlinuz, config, ublk_drv.ko, overlay.ko, manifest
+//! kernel/<abi>/                vmlinuz, config, ublk_drv.ko, overlay.ko, nbd.ko, manifest
 //! headers/<version>/usr/include/linux/ublk_cmd.h   sid's linux-libc-dev, unpacked
 //! initramfs/<abi>-<hash>.cpio  rebuilt when busybox, the module or /init change
 //! runs/<pid>-<n>/              one run: params, cmd.sh, sockets, console logs

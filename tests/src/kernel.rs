@@ -15,7 +15,9 @@
 //! picks the newest ABI (refusing a "newest" older than 7.0), and — unless that ABI is
 //! cached already — `apt-get download`s its packages and sid's `linux-libc-dev`, unpacks
 //! them with `dpkg-deb -x` and keeps only what the VM needs, decompressed: `vmlinuz`,
-//! `config`, `ublk_drv.ko` (no module dependencies) and `overlay.ko`, plus the unpacked
+//! `config`, `ublk_drv.ko` (no module dependencies), `overlay.ko` and `nbd.ko` (the
+//! kernel's NBD client, for the benchmark beside it: `bench/run nbd`; loaded by the
+//! guest command itself from `$UBLKD_VM_KERNEL_DIR`), plus the unpacked
 //! uapi headers. The kernel is refused if its config lacks `CONFIG_BLK_DEV_UBLK`. Both
 //! series share sid's `linux-libc-dev`: host programs are built once against the newest
 //! uapi header (uapi only grows) and run on either kernel, which tells what it supports
@@ -49,6 +51,9 @@ const HEADERS_PACKAGE: &str = "linux-libc-dev";
 /// The suite sid's packages are asked for by (`apt-get download PKG/sid`).
 const SID: &str = "sid";
 const MANIFEST: &str = "manifest";
+/// The layout of a cached kernel's directory, written into its manifest (`layout=N`).
+/// A cached kernel of an older layout (fewer modules kept) is fetched again. 2: `nbd.ko`.
+const MANIFEST_LAYOUT: u32 = 2;
 
 mod series;
 pub use series::{Series, UnknownSeries};
@@ -211,7 +216,12 @@ pub fn select_kernel(series: Series, search_output: &str) -> Result<Candidate, K
 
 /// How a kernel config has ublk: `Some('y')`, `Some('m')`, or `None`.
 pub fn config_ublk(config: &str) -> Option<char> {
-    config.lines().find_map(|line| match line.trim().strip_prefix("CONFIG_BLK_DEV_UBLK=")? {
+    config_tristate(config, "CONFIG_BLK_DEV_UBLK")
+}
+
+/// How a kernel config has the tristate `option`: `Some('y')`, `Some('m')`, or `None`.
+pub fn config_tristate(config: &str, option: &str) -> Option<char> {
+    config.lines().find_map(|line| match line.trim().strip_prefix(option)?.strip_prefix('=')? {
         "y" => Some('y'),
         "m" => Some('m'),
         _ => None,
@@ -282,7 +292,14 @@ impl Kernel {
         Some(self.dir.join("overlay.ko")).filter(|p| p.exists())
     }
 
-    /// The cached kernel `abi`, or `None` if it is not (completely) cached.
+    /// `nbd.ko`, if the kernel has its NBD client as a module (the manifest's `nbd=`
+    /// says `y` where it is built in, `n` where it is missing).
+    pub fn nbd_module(&self) -> Option<PathBuf> {
+        Some(self.dir.join("nbd.ko")).filter(|p| p.exists())
+    }
+
+    /// The cached kernel `abi`, or `None` if it is not (completely) cached, or cached
+    /// in an older layout ([`MANIFEST_LAYOUT`]).
     pub fn load(cache: &Cache, abi: &str) -> Result<Option<Self>, KernelError> {
         let dir = cache.kernels().join(abi);
         let manifest = dir.join(MANIFEST);
@@ -306,8 +323,10 @@ impl Kernel {
             include_dir: cache.headers().join(headers).join("usr/include"),
             dir,
         };
-        let complete =
-            kernel.vmlinuz().exists() && kernel.include_dir.join("linux/ublk_cmd.h").exists();
+        let layout = field("layout").and_then(|l| l.parse::<u32>().ok()).unwrap_or(1);
+        let complete = layout >= MANIFEST_LAYOUT
+            && kernel.vmlinuz().exists()
+            && kernel.include_dir.join("linux/ublk_cmd.h").exists();
         Ok(complete.then_some(kernel))
     }
 }
@@ -461,12 +480,21 @@ fn download_and_unpack(
     if let Some(ko) = find_module(&moddir, "overlay")? {
         decompress_module(&ko, &out.join("overlay.ko"))?;
     }
+    // The kernel's NBD client: optional (bench/run nbd says so where it is missing).
+    let nbd = config_tristate(&config_text, "CONFIG_BLK_DEV_NBD").unwrap_or('n');
+    if nbd == 'm'
+        && let Some(ko) = find_module(&moddir, "nbd")?
+    {
+        decompress_module(&ko, &out.join("nbd.ko"))?;
+    }
     let mut manifest = String::new();
+    let _ = writeln!(manifest, "layout={MANIFEST_LAYOUT}");
     let _ = writeln!(manifest, "abi={abi}");
     let _ = writeln!(manifest, "series={series}");
     let _ = writeln!(manifest, "version={version}");
     let _ = writeln!(manifest, "headers={}", headers.version);
     let _ = writeln!(manifest, "ublk={ublk}");
+    let _ = writeln!(manifest, "nbd={nbd}");
     write(&out.join(MANIFEST), manifest.as_bytes())?;
 
     let dir = cache.kernels().join(abi);
@@ -766,6 +794,8 @@ linux-image-6.13.2+deb12-cloud-amd64 - Linux 6.13 (made up: another release)
         assert_eq!(config_ublk("CONFIG_BLK_DEV_UBLK=y\n"), Some('y'));
         assert_eq!(config_ublk("# CONFIG_BLK_DEV_UBLK is not set\n"), None);
         assert_eq!(config_ublk("CONFIG_BLK_DEV_UBLK_LEGACY_OPCODES=y\n"), None);
+        assert_eq!(config_tristate("CONFIG_BLK_DEV_NBD=m\n", "CONFIG_BLK_DEV_NBD"), Some('m'));
+        assert_eq!(config_tristate("CONFIG_BLK_DEV_NBDX=m\n", "CONFIG_BLK_DEV_NBD"), None);
     }
 
     #[test]

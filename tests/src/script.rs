@@ -5,7 +5,8 @@
 //!   host path of the `ublkd-vm` binary that performs `guest-check`, and `CHECK_KERNEL`,
 //!   the kernel series booted, which decides what `guest-check` requires);
 //! - `cmd.sh`: run by the host's `/bin/sh` inside the guest: exports the forwarded
-//!   environment and `UBLKD_VM_GUEST=1`, enters the host's cwd and `exec`s the command.
+//!   environment, [`KERNEL_DIR_VAR`] (added by `vm::run`) and `UBLKD_VM_GUEST=1`, enters
+//!   the host's cwd and `exec`s the command.
 //!
 //! Only a few variables cross into the guest ([`FORWARDED_VARS`], and the
 //! [`FORWARDED_PREFIXES`] families; `TERM` only if the host's stdout is a terminal, see
@@ -25,6 +26,10 @@ pub const FORWARDED_VARS: &[&str] = &["PATH", "HOME", "TERM", "RUST_BACKTRACE", 
 pub const FORWARDED_PREFIXES: &[&str] = &["CARGO_", "RUST_", "UBLKD_"];
 /// Set in the guest so that tests can tell where they run.
 pub const GUEST_MARKER_VAR: &str = "UBLKD_VM_GUEST";
+/// Set in the guest to the booted kernel's cache directory (the guest sees it at the
+/// same path), where optional modules such as `nbd.ko` are: `insmod
+/// "$UBLKD_VM_KERNEL_DIR/nbd.ko"` (see [`crate::kernel::Kernel::nbd_module`]).
+pub const KERNEL_DIR_VAR: &str = "UBLKD_VM_KERNEL_DIR";
 
 /// The forwarded subset of `vars`, sorted by name. Names that are not shell
 /// identifiers are skipped (they cannot be exported from a script).

@@ -203,8 +203,9 @@ pub fn run(
     }
 
     let mut run_dir = RunDir::create(cache)?;
-    let cmd =
-        GuestCommand { argv: opts.argv.clone(), cwd: opts.cwd.clone(), env: opts.env.clone() };
+    let mut env = opts.env.clone();
+    script::set_var(&mut env, script::KERNEL_DIR_VAR, &kernel.dir.to_string_lossy());
+    let cmd = GuestCommand { argv: opts.argv.clone(), cwd: opts.cwd.clone(), env };
     run_dir.write("params", &script::params_script(&opts.check_bin, opts.series))?;
     run_dir.write("cmd.sh", &script::command_script(&cmd))?;
 

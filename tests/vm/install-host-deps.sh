@@ -13,8 +13,11 @@ fi
 # python3-prometheus-client: tests/tests/metrics.rs parses ublkctl's metrics with it.
 # nbdkit, qemu-utils: supervisor/tests/nbd.rs negotiates with real NBD servers (nbdkit,
 # qemu-nbd serving a qcow2 image made by qemu-img) on the host, no VM needed.
+# nbd-client: the kernel's NBD client beside ublkd's nbd target in `bench/run nbd`
+# (in the VM; nothing of it starts at boot: its nbd-client.service is masked and
+# /etc/nbdtab lists no device).
 need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client
-  nbdkit qemu-utils)
+  nbdkit qemu-utils nbd-client)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
