@@ -172,12 +172,6 @@ fn connections_to(port: u16) -> usize {
         .count()
 }
 
-/// A sparse raw image of `size` bytes at `path`.
-fn image(path: &Path, size: u64) {
-    let file = std::fs::File::create(path).unwrap();
-    file.set_len(size).unwrap();
-}
-
 /// A configured nbd device over TCP comes up LIVE with its export's size; fio writes
 /// and verifies it while its worker is SIGKILLed three times and then nbdkit itself is
 /// stopped for 3 s and started again: every kill and the server's absence cost a
@@ -187,7 +181,7 @@ fn image(path: &Path, size: u64) {
 fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let _serial = serial();
     let file = PathBuf::from("/tmp/ublkd-test-nbd-tcp.img");
-    image(&file, 96 * MIB);
+    sparse_file(&file, 96 * MIB);
     let port = 10_809;
     let nbdkit = Server::nbdkit_tcp(port, &file);
     let ublkd = Ublkd::start_with(
@@ -267,7 +261,7 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
 fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_restart() {
     let _serial = serial();
     let raw = PathBuf::from("/tmp/ublkd-test-nbd.img");
-    image(&raw, 64 * MIB);
+    sparse_file(&raw, 64 * MIB);
     let socket = PathBuf::from("/tmp/ublkd-test-qemu-nbd.sock");
     let server = Server::qemu_nbd(&socket, &raw, "raw");
     let mut ublkd = Ublkd::start("nbd-qemu");
@@ -371,7 +365,7 @@ fn ext4_on_a_qcow2_export_stays_clean_across_a_worker_kill() {
 fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     let _serial = serial();
     let file = PathBuf::from("/tmp/ublkd-test-nbd-wait.img");
-    image(&file, 16 * MIB);
+    sparse_file(&file, 16 * MIB);
     let port = 10_810;
     let mut nbdkit = Server::nbdkit_tcp(port, &file);
     let ublkd = Ublkd::start_with(
