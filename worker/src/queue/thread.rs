@@ -23,7 +23,7 @@ use super::{CommitRefusal, LoopError};
 use crate::bufring::BufRing;
 use crate::device::Device;
 use crate::hooks;
-use crate::target::{Bounds, IoReq, Reply, Step};
+use crate::target::{Bounds, IoReq, Reply, Step, TargetWork};
 
 /// How long a wait that counts COMMIT completions in sleeps at most (see
 /// `QueueThread::submit_and_wait_for_work`).
@@ -86,6 +86,8 @@ pub struct QueueThread {
     pub(super) cqes: Vec<(u64, i32, u32)>,
     /// Which failed requests this thread has said in the log (a few per window).
     failures_logged: FailureLog,
+    /// What the target's own completions led to (kept for its allocations).
+    target_work: TargetWork,
 }
 
 /// A failed request is logged (a backend that fails is what an operator must see, and
@@ -152,6 +154,7 @@ impl QueueThread {
             counted: CounterSnapshot::default(),
             cqes: Vec::with_capacity(entries as usize * 4),
             failures_logged: FailureLog::default(),
+            target_work: TargetWork::default(),
             dev,
         }
     }
@@ -176,6 +179,9 @@ impl QueueThread {
             // or for one-element COMMITs in `sent_unacked` and then `spare`: never freed
             // while the thread runs, so even a COMMIT the kernel read late would read
             // live memory (at worst a later batch's elements, which it would refuse).
+            // A target's own SQEs (`nbd`'s SENDMSG and RECV) reference its
+            // connections' buffers and tag buffers, which the target (owned by the
+            // device, which outlives this ring) keeps until their completions.
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -222,6 +228,10 @@ impl QueueThread {
                 self.arm_fetch(qi)?;
             }
         }
+        let mut work = std::mem::take(&mut self.target_work);
+        self.dev.target.arm(self.plan.index, &mut work);
+        self.carry_out(&mut work)?;
+        self.target_work = work;
         self.start_hooks()?;
         loop {
             self.record_latency();
@@ -306,6 +316,13 @@ impl QueueThread {
         match UserData::decode(ud) {
             Some(UserData::Fetch { index, .. }) => self.on_fetch(index as usize, res, flags),
             Some(UserData::Target { q_id, tag }) => self.on_target(q_id, tag, res),
+            Some(UserData::TargetOwn { key }) => {
+                let mut work = std::mem::take(&mut self.target_work);
+                self.dev.target.on_own_cqe(self.plan.index, key, res, &mut work);
+                let carried = self.carry_out(&mut work);
+                self.target_work = work;
+                carried
+            }
             Some(UserData::IoCmd { q_id, tag }) => self.on_io_cmd(q_id, tag, res),
             Some(UserData::Commit { slot, .. }) => self.on_commit(slot as usize, res),
             // Posted only on failure (IOSQE_CQE_SKIP_SUCCESS).
@@ -420,7 +437,21 @@ impl QueueThread {
             }
             // Its completion comes as a target SQE's would (see `IoReq::reply`).
             Step::Pending => Ok(()),
+            Step::PendingOwn(sqe) => self.push(&sqe),
         }
+    }
+
+    /// Submits the target's own SQEs and finishes the requests it says are done.
+    fn carry_out(&mut self, work: &mut TargetWork) -> Result<(), LoopError> {
+        for sqe in work.sqes.drain(..) {
+            self.push(&sqe)?;
+        }
+        for (ud, res) in work.done.drain(..) {
+            if let Some(UserData::Target { q_id, tag }) = UserData::decode(ud) {
+                self.on_target(q_id, tag, res)?;
+            }
+        }
+        Ok(())
     }
 
     fn on_target(&mut self, q_id: u16, tag: u16, res: i32) -> Result<(), LoopError> {

@@ -1,5 +1,5 @@
 //! The `user_data` of every SQE a queue thread submits: what the completion belongs
-//! to (a PREP, a FETCH, a COMMIT, a per-I/O command, a target I/O), packed into the 64 bits io_uring hands
+//! to (a PREP, a FETCH, a COMMIT, a per-I/O command, a target I/O, the target's own I/O), packed into the 64 bits io_uring hands
 //! back with it. Packed and unpacked only here.
 
 /// What a completion belongs to.
@@ -20,6 +20,9 @@ pub enum UserData {
     IoCmd { q_id: u16, tag: u16 },
     /// The target's SQE for request `tag` of queue `q_id`.
     Target { q_id: u16, tag: u16 },
+    /// An SQE the target made for itself rather than for one request (`nbd`: a
+    /// connection's SENDMSG or RECV), named by the target's own `key`.
+    TargetOwn { key: u32 },
     /// A test hook's SQE (see `crate::hooks`).
     Attack,
 }
@@ -32,6 +35,7 @@ const KIND_TARGET: u64 = 4;
 const KIND_ATTACK: u64 = 5;
 const KIND_COMMIT_ONE: u64 = 6;
 const KIND_IO_CMD: u64 = 7;
+const KIND_TARGET_OWN: u64 = 8;
 
 fn pack(kind: u64, q_id: u16, low: u32) -> u64 {
     (kind << 56) | (u64::from(q_id) << 32) | u64::from(low)
@@ -46,6 +50,7 @@ impl UserData {
             UserData::CommitOne { q_id, tag } => pack(KIND_COMMIT_ONE, q_id, u32::from(tag)),
             UserData::Target { q_id, tag } => pack(KIND_TARGET, q_id, u32::from(tag)),
             UserData::IoCmd { q_id, tag } => pack(KIND_IO_CMD, q_id, u32::from(tag)),
+            UserData::TargetOwn { key } => pack(KIND_TARGET_OWN, 0, key),
             UserData::Attack => pack(KIND_ATTACK, 0, 0),
         }
     }
@@ -61,6 +66,7 @@ impl UserData {
             KIND_COMMIT_ONE => UserData::CommitOne { q_id, tag: low as u16 },
             KIND_TARGET => UserData::Target { q_id, tag: low as u16 },
             KIND_IO_CMD => UserData::IoCmd { q_id, tag: low as u16 },
+            KIND_TARGET_OWN => UserData::TargetOwn { key: low },
             KIND_ATTACK => UserData::Attack,
             _ => return None,
         })
@@ -71,7 +77,7 @@ impl UserData {
 mod tests {
     use super::*;
 
-    fn all() -> [UserData; 7] {
+    fn all() -> [UserData; 8] {
         [
             UserData::Prep { q_id: 3 },
             UserData::Fetch { q_id: 513, index: 7 },
@@ -79,6 +85,7 @@ mod tests {
             UserData::CommitOne { q_id: u16::MAX, tag: u16::MAX },
             UserData::Target { q_id: 0, tag: 4095 },
             UserData::IoCmd { q_id: 1, tag: 4095 },
+            UserData::TargetOwn { key: u32::MAX },
             UserData::Attack,
         ]
     }
@@ -99,6 +106,7 @@ mod tests {
             UserData::CommitOne { q_id, tag: n }.encode(),
             UserData::Target { q_id, tag: n }.encode(),
             UserData::IoCmd { q_id, tag: n }.encode(),
+            UserData::TargetOwn { key: u32::from(n) }.encode(),
         ];
         for (i, a) in encoded.iter().enumerate() {
             assert!(encoded[i + 1..].iter().all(|b| a != b), "{encoded:x?}");
@@ -108,7 +116,7 @@ mod tests {
     #[test]
     fn values_never_submitted_decode_to_none() {
         assert_eq!(UserData::decode(0), None);
-        assert_eq!(UserData::decode(8 << 56), None);
+        assert_eq!(UserData::decode(9 << 56), None);
         assert_eq!(UserData::decode(u64::MAX), None);
     }
 }

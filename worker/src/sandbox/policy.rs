@@ -221,17 +221,25 @@ pub const URING_OPS: &[AllowedOp] = &[
         name: "FALLOCATE",
         why: "loop target DISCARD/WRITE_ZEROES (punch hole)",
     },
+    AllowedOp {
+        opcode: opcode::SendMsg::CODE,
+        name: "SENDMSG",
+        why: "nbd target: requests (and a WRITE's data) on the socket ublkd connected; \
+              the worker opens and connects no socket (no SOCKET or CONNECT here)",
+    },
+    AllowedOp {
+        opcode: opcode::Recv::CODE,
+        name: "RECV",
+        why: "nbd target: replies (and a READ's data) on the socket ublkd connected",
+    },
+    AllowedOp {
+        opcode: opcode::MsgRingData::CODE,
+        name: "MSG_RING",
+        why: "nbd target: a connection's reader posting a reply's result into the ring of \
+              the queue thread that sent the request; MSG_RING's other command, passing a \
+              registered file, would pass only files this worker already has",
+    },
 ];
-
-/// The only SQE opcode of the `nbd` target's completion ring, made while standing by
-/// and restricted like the queue rings, sandboxed or not: its reply thread posts each
-/// request's result into the queue thread's ring that owns the request.
-pub const NBD_COMPLETION_RING_OPS: &[AllowedOp] = &[AllowedOp {
-    opcode: opcode::MsgRingData::CODE,
-    name: "MSG_RING",
-    why: "posting a reply's result into a queue thread's ring; MSG_RING's other command, \
-          passing a registered file, has nothing to pass: this ring registers none",
-}];
 
 /// One allowed `io_uring_register` operation on an enabled ring.
 #[derive(Debug, Clone, Copy)]

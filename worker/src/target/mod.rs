@@ -2,9 +2,12 @@
 //!
 //! The interface is small on purpose: a target starts a request and either finishes it
 //! at once or asks the queue loop to submit one io_uring SQE for it, and is told that
-//! SQE's result, or finishes it from a thread of its own (`nbd`), posting the result into
-//! the ring as that SQE's completion would be. Adding a target means adding a module
-//! here and a `TargetSetup` variant in proto; the queue loop does not change.
+//! SQE's result. A target whose I/O is not one SQE per request (`nbd`: a stream
+//! shared by many requests) submits SQEs of its own through the same ring
+//! ([`Step::PendingOwn`], [`Target::arm`]), is told their results
+//! ([`Target::on_own_cqe`]), and hands back the requests they finished
+//! ([`TargetWork`]). Adding a target means adding a module here and a `TargetSetup`
+//! variant in proto; the queue loop does not change.
 
 mod fail;
 mod loopback;
@@ -35,9 +38,28 @@ pub enum Step {
     Done(i32),
     /// Submit this SQE (the loop sets its user data) and call `on_cqe` with its result.
     Submit(squeue::Entry),
-    /// The target finishes the request elsewhere and posts its completion into the
-    /// ring named by [`IoReq::reply`]; the loop calls `on_cqe` with it.
+    /// The target finishes the request later: through [`TargetWork::done`] on this
+    /// thread, or by posting its completion into the ring named by [`IoReq::reply`]
+    /// from another; the loop calls `on_cqe` with it.
     Pending,
+    /// As [`Step::Pending`], and submit this SQE of the target's own as it is (its user
+    /// data made by [`own_user_data`]).
+    PendingOwn(squeue::Entry),
+}
+
+/// What a target's own completion led to, for the queue loop to carry out: SQEs to
+/// submit (their user data made by [`own_user_data`]), and requests of this thread
+/// finished, as (their [`Reply::user_data`], result). Reused from turn to turn.
+#[derive(Debug, Default)]
+pub struct TargetWork {
+    pub sqes: Vec<squeue::Entry>,
+    pub done: Vec<(u64, i32)>,
+}
+
+/// The user data of an SQE the target makes for itself: its completion comes back to
+/// [`Target::on_own_cqe`] with `key`.
+pub fn own_user_data(key: u32) -> u64 {
+    crate::queue::user_data::UserData::TargetOwn { key }.encode()
 }
 
 /// A device's backend.
@@ -48,6 +70,14 @@ pub trait Target: Send + Sync {
     /// The SQE of `req` completed with `res`; `done` is the bytes finished before it
     /// (for resubmitting the rest of a short transfer), kept by the loop per tag.
     fn on_cqe(&self, req: &IoReq, res: i32, done: &mut u32) -> Step;
+
+    /// SQEs of the target's own that queue thread `thread` submits before its first
+    /// turn (`nbd`: the first RECV of the connection that thread reads).
+    fn arm(&self, _thread: usize, _work: &mut TargetWork) {}
+
+    /// An SQE of the target's own, submitted by queue thread `thread` with
+    /// [`own_user_data`]`(key)`, completed with `res`.
+    fn on_own_cqe(&self, _thread: usize, _key: u32, _res: i32, _work: &mut TargetWork) {}
 
     /// The file to register at [`TARGET_FIXED_FD`] in every ring, if any.
     fn fixed_file(&self) -> Option<BorrowedFd<'_>>;

@@ -1,15 +1,22 @@
-//! `nbd`: an export of an NBD server, over the socket the supervisor connected and
+//! `nbd`: an export of an NBD server, over the sockets the supervisor connected and
 //! negotiated (simple replies only) and hands over with the device at activation.
 //!
-//! A queue thread sends its requests itself, on its connection (one per queue thread,
-//! up to the count the supervisor gives, where the export allows several; else one
-//! for all): the header, and a WRITE's data, in one `writev`, under the connection's
-//! lock so that two threads' requests never interleave on the stream. The request
-//! then waits ([`Step::Pending`]). Each connection's reply thread reads its replies in
-//! whatever order the server sends them, reads a READ's data straight into
-//! the tag's buffer, and posts the result into the ring of the queue thread that owns
-//! the request (`IORING_OP_MSG_RING`): the completion that thread's loop would get
-//! from a target SQE, so the loop itself knows nothing of NBD.
+//! Everything goes through the queue threads' own rings; the worker makes no system
+//! call per request beyond them. Queue thread `i` sends on connection `i % n` (several
+//! only where the export allows it: the supervisor decides), and thread `c` reads
+//! connection `c`:
+//! - **Sending.** A request's header (and a WRITE's data, straight from the tag's
+//!   buffer) is queued on its connection. At most one SENDMSG is in flight per
+//!   connection, so that two requests never interleave on the stream; requests queued
+//!   meanwhile go together in the next one, when it completes, in whichever ring
+//!   submitted it.
+//! - **Receiving.** One RECV per connection is always armed, into the connection's
+//!   buffer; replies are parsed from it in whatever order the server sends them. A
+//!   READ's data is copied from there into the tag's buffer, and what has not arrived
+//!   yet is received straight into the tag's buffer.
+//! - **Finishing.** A request of the reading thread is handed back to its loop
+//!   ([`TargetWork::done`]); one of another thread (a connection shared by several) is
+//!   posted into that thread's ring with `IORING_OP_MSG_RING`, as its completion.
 //!
 //! A connection that breaks (the server closed it, or answered what no request asked)
 //! ends the worker with [`WorkerExit::BackendLost`]: the supervisor connects afresh for
@@ -17,12 +24,10 @@
 //! request fails for it.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{self, BufReader, IoSlice, Read, Write};
-use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, mpsc};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use io_uring::{IoUring, opcode, types};
+use io_uring::{opcode, squeue, types};
 use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::MAX_NBD_CONNECTIONS;
 use ublkd_proto::nbd::{self, Request, SimpleReply};
@@ -31,70 +36,165 @@ use ublkd_proto::uapi::{
     UBLK_IO_OP_WRITE, UBLK_IO_OP_WRITE_ZEROES,
 };
 
-use super::{IoReq, Reply, Step, Target, TargetError};
+use super::{IoReq, Reply, Step, Target, TargetError, TargetWork, own_user_data};
 
-/// The socket's receive buffer in user space: most replies are 16-byte headers, read
-/// a batch per system call.
-const REPLY_BUFFER_BYTES: usize = 64 << 10;
+/// Each connection's receive buffer: most replies are 16-byte headers, taken a ring
+/// completion's worth at a time.
+const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 
-/// What the reply thread needs to finish a request: where a READ's data goes and whom
-/// to tell.
+/// The most parts one SENDMSG carries (the kernel's `UIO_MAXIOV`): a request is one
+/// part (its header) or two (and a WRITE's data).
+const MAX_PARTS_PER_SEND: usize = 1024;
+
+/// What a connection's own SQE is, in the low bits of its key (the connection's number
+/// above them).
+const KEY_SEND: u32 = 1;
+const KEY_RECEIVE: u32 = 2;
+const KEY_POST: u32 = 3;
+
+fn key(connection: usize, what: u32) -> u32 {
+    ((connection as u32) << 8) | what
+}
+
+/// What the connection's reader needs to finish a request: where a READ's data goes
+/// and whom to tell.
 #[derive(Debug, Clone, Copy)]
 struct Waiting {
     op: u8,
     /// The tag's buffer (READ: `len` bytes are written there), as an address: the
-    /// buffer belongs to the request until its result is committed, which the reply
-    /// thread's post makes happen.
+    /// buffer belongs to the request until its result is committed, which finishing it
+    /// makes happen.
     buf: usize,
     len: u32,
     reply: Reply,
 }
 
-/// One connection to the server: its own socket, send lock, requests in flight and
-/// reply thread.
-#[derive(Debug, Default)]
-struct Connection {
-    /// The socket's sending side, from activation on.
-    socket: OnceLock<File>,
-    /// Held for the whole of one request's `writev`s.
-    sending: Mutex<()>,
-    /// Requests sent and not yet answered, by cookie (their `Reply::user_data`, unique
-    /// while a request is in flight).
-    waiting: Mutex<HashMap<u64, Waiting>>,
+/// A request waiting to be sent: its header and, for a WRITE, its data (the tag's
+/// buffer, as an address, `len` bytes).
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    header: [u8; nbd::REQUEST_BYTES],
+    data: usize,
+    len: u32,
 }
 
-impl Connection {
-    fn send(&self, socket: &File, header: &[u8], data: &[u8]) -> io::Result<()> {
-        let _turn = lock(&self.sending);
-        let mut all = [IoSlice::new(header), IoSlice::new(data)];
-        // Without data, only the header: a list of empty parts would write 0 bytes.
-        let mut parts = &mut all[..if data.is_empty() { 1 } else { 2 }];
-        let mut out = socket;
-        while !parts.is_empty() {
-            match out.write_vectored(parts) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => IoSlice::advance_slices(&mut parts, n),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+/// One SENDMSG and everything it points at, kept (boxed, so it does not move) until it
+/// completes: the headers, the parts (into `headers` and tag buffers), and the message.
+struct SendBatch {
+    headers: Vec<[u8; nbd::REQUEST_BYTES]>,
+    parts: Vec<libc::iovec>,
+    /// The first part not yet sent whole.
+    first: usize,
+    msg: libc::msghdr,
+}
+
+// SAFETY: the raw pointers are into the batch's own heap (`headers`, `parts`) and into
+// tag buffers (mapped for the process's life); a batch is touched only under its
+// connection's lock, by one thread at a time.
+unsafe impl Send for SendBatch {}
+
+impl std::fmt::Debug for SendBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendBatch")
+            .field("requests", &self.headers.len())
+            .field("parts", &self.parts.len())
+            .field("first", &self.first)
+            .finish()
+    }
+}
+
+impl SendBatch {
+    fn new() -> Box<SendBatch> {
+        // SAFETY: `msghdr` is plain data, for which all zeroes is a valid (empty) value.
+        let msg = unsafe { std::mem::zeroed::<libc::msghdr>() };
+        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0, msg })
+    }
+
+    /// Points the message at the parts not yet sent.
+    fn aim(&mut self) {
+        let rest = &mut self.parts[self.first..];
+        self.msg.msg_iov = rest.as_mut_ptr();
+        self.msg.msg_iovlen = rest.len() as _;
+    }
+
+    /// `sent` more bytes went out: whether any are left.
+    fn advance(&mut self, mut sent: usize) -> bool {
+        while sent > 0 && self.first < self.parts.len() {
+            let part = &mut self.parts[self.first];
+            if sent >= part.iov_len {
+                sent -= part.iov_len;
+                self.first += 1;
+            } else {
+                part.iov_base = part.iov_base.wrapping_byte_add(sent);
+                part.iov_len -= sent;
+                sent = 0;
             }
         }
-        Ok(())
+        self.first < self.parts.len()
     }
+}
+
+/// Where the reader is in the stream.
+#[derive(Debug, Clone, Copy)]
+enum Reading {
+    /// At a reply's header.
+    Header,
+    /// In a READ's data, `got` bytes of it in the tag's buffer, the rest to come
+    /// from the receive buffer.
+    Data { w: Waiting, got: u32 },
+    /// In a READ's data, the rest being received straight into the tag's buffer.
+    IntoTag { w: Waiting, got: u32 },
+}
+
+/// A connection's state, under its lock.
+#[derive(Debug)]
+struct ConnectionState {
+    /// Requests sent or queued and not yet answered, by cookie (their
+    /// `Reply::user_data`, unique while a request is in flight).
+    waiting: HashMap<u64, Waiting>,
+    queued: Vec<Queued>,
+    /// The SENDMSG in flight, if any.
+    sending: Option<Box<SendBatch>>,
+    /// The last batch sent, for its allocations.
+    spare: Option<Box<SendBatch>>,
+    /// The receive buffer: bytes `start..end` received and not yet parsed.
+    received: Box<[u8]>,
+    start: usize,
+    end: usize,
+    reading: Reading,
+}
+
+impl Default for ConnectionState {
+    fn default() -> Self {
+        ConnectionState {
+            waiting: HashMap::new(),
+            queued: Vec::new(),
+            sending: None,
+            spare: None,
+            received: vec![0u8; RECEIVE_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            reading: Reading::Header,
+        }
+    }
+}
+
+/// One connection to the server.
+#[derive(Debug, Default)]
+struct Connection {
+    /// From activation on.
+    socket: OnceLock<OwnedFd>,
+    state: Mutex<ConnectionState>,
 }
 
 #[derive(Debug)]
 pub struct NbdTarget {
-    /// Queue thread `i` sends on connection `i % len` (several only for an export that
-    /// allows it: the supervisor decides).
-    connections: Vec<Arc<Connection>>,
-    /// Give the reply threads, started while standing by (a sandboxed worker cannot
-    /// start threads once it serves), their sockets at activation.
-    start_replies: Mutex<Vec<mpsc::Sender<File>>>,
+    connections: Vec<Connection>,
 }
 
 impl NbdTarget {
-    /// Starts a reply thread per connection, with the ring it posts completions
-    /// through; they wait for their sockets ([`Target::activate`]).
+    /// A target over `connections` connections, whose sockets come at activation
+    /// ([`Target::activate`]).
     pub fn new(connections: u8) -> Result<Self, TargetError> {
         if connections == 0 || connections > MAX_NBD_CONNECTIONS {
             return Err(TargetError::Fds {
@@ -103,38 +203,8 @@ impl NbdTarget {
                 got: usize::from(connections),
             });
         }
-        let mut all = Vec::new();
-        let mut starts = Vec::new();
-        for i in 0..connections {
-            let ring = completion_ring()?;
-            let connection = Arc::new(Connection::default());
-            let (tx, rx) = mpsc::channel::<File>();
-            let for_replies = Arc::clone(&connection);
-            std::thread::Builder::new().name(format!("ublk-nbd-replies{i}")).spawn(move || {
-                // No socket: the standby was let go and the process is ending.
-                if let Ok(socket) = rx.recv() {
-                    serve_replies(&for_replies, ring, socket);
-                }
-            })?;
-            all.push(connection);
-            starts.push(tx);
-        }
-        Ok(NbdTarget { connections: all, start_replies: Mutex::new(starts) })
+        Ok(NbdTarget { connections: (0..connections).map(|_| Connection::default()).collect() })
     }
-}
-
-/// The small ring the reply thread posts completions through: it may run MSG_RING and
-/// nothing else, whether the worker is sandboxed or not.
-fn completion_ring() -> Result<IoUring, TargetError> {
-    use io_uring::register::Restriction;
-    let ring = IoUring::builder().setup_r_disabled().build(16)?;
-    let mut allowed: Vec<Restriction> = crate::sandbox::policy::NBD_COMPLETION_RING_OPS
-        .iter()
-        .map(|op| Restriction::sqe_op(op.opcode))
-        .collect();
-    ring.submitter().register_restrictions(&mut allowed)?;
-    ring.submitter().register_enable_rings()?;
-    Ok(ring)
 }
 
 /// The connection is gone or cannot be trusted: end the worker so that the supervisor
@@ -153,71 +223,217 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The reply thread: reads every reply and hands its result to the request's thread.
-fn serve_replies(shared: &Connection, mut ring: IoUring, socket: File) -> ! {
-    let mut replies = BufReader::with_capacity(REPLY_BUFFER_BYTES, socket);
-    let mut header = [0u8; nbd::SIMPLE_REPLY_BYTES];
-    loop {
-        if let Err(e) = replies.read_exact(&mut header) {
-            lost("waiting for a reply", &e);
+impl ConnectionState {
+    /// The next SENDMSG, if none is in flight and requests are queued: as many of them
+    /// as one message carries.
+    fn next_send(&mut self, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
+        if self.sending.is_some() || self.queued.is_empty() {
+            return None;
         }
-        let reply = SimpleReply::decode(&header).unwrap_or_else(|e| lost("reading a reply", &e));
-        let Some(w) = lock(&shared.waiting).remove(&reply.cookie) else {
-            let what =
-                format!("the server answered cookie {:#x}, which no request has", reply.cookie);
-            lost("reading a reply", &what);
-        };
-        if reply.error == libc::ESHUTDOWN as u32 {
-            // The server is going away: the request is re-issued on the next
-            // connection rather than failed.
-            lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
-        }
-        let res = if reply.error != 0 {
-            -reply.errno()
-        } else if w.op == UBLK_IO_OP_READ {
-            // SAFETY: `w.buf` is the request's tag buffer, at least `w.len` bytes (checked
-            // by `IoReq::from_desc`), mapped for the process's life; the request is in
-            // flight until this thread posts its result below, so nothing else touches
-            // the buffer meanwhile.
-            let data = unsafe { std::slice::from_raw_parts_mut(w.buf as *mut u8, w.len as usize) };
-            if let Err(e) = replies.read_exact(data) {
-                lost("reading a READ's data", &e);
+        let mut batch = self.spare.take().unwrap_or_else(SendBatch::new);
+        batch.headers.clear();
+        batch.parts.clear();
+        batch.first = 0;
+        let mut parts = 0;
+        let taken = self
+            .queued
+            .iter()
+            .take_while(|q| {
+                parts += 1 + usize::from(q.len > 0);
+                parts <= MAX_PARTS_PER_SEND
+            })
+            .count();
+        // The headers first, all of them: the parts point into this vector, which must
+        // not grow once they do.
+        batch.headers.extend(self.queued[..taken].iter().map(|q| q.header));
+        for (i, q) in self.queued.drain(..taken).enumerate() {
+            let header = &batch.headers[i];
+            let base = header.as_ptr().cast_mut().cast();
+            batch.parts.push(libc::iovec { iov_base: base, iov_len: header.len() });
+            if q.len > 0 {
+                let base = q.data as *mut libc::c_void;
+                batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
             }
-            w.len as i32
-        } else if w.op == UBLK_IO_OP_WRITE {
-            w.len as i32
-        } else {
-            0
+        }
+        batch.aim();
+        let sqe = send_sqe(socket, &batch.msg, connection);
+        self.sending = Some(batch);
+        Some(sqe)
+    }
+
+    /// The SENDMSG in flight sent `res` bytes: the rest of it, else the next one.
+    fn on_sent(&mut self, res: i32, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
+        if res <= 0 {
+            let cause = if res == 0 {
+                std::io::Error::from(std::io::ErrorKind::WriteZero)
+            } else {
+                std::io::Error::from_raw_os_error(-res)
+            };
+            lost("sending requests", &cause);
+        }
+        let Some(batch) = self.sending.as_mut() else {
+            lost("sending requests", &"a send completed that was never submitted");
         };
-        post(&mut ring, w.reply, res);
+        if batch.advance(res as usize) {
+            batch.aim();
+            return Some(send_sqe(socket, &batch.msg, connection));
+        }
+        self.spare = self.sending.take();
+        self.next_send(socket, connection)
+    }
+
+    /// The RECV that continues the stream: into the receive buffer (what is left of it
+    /// moved to its start), or, in a READ's data, straight into the tag's buffer.
+    fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
+        let fd = types::Fd(socket);
+        let sqe = if let Reading::IntoTag { w, got } = self.reading {
+            let at = (w.buf as *mut u8).wrapping_add(got as usize);
+            opcode::Recv::new(fd, at, w.len - got).flags(libc::MSG_WAITALL).build()
+        } else {
+            if self.start > 0 {
+                self.received.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            let room = &mut self.received[self.end..];
+            opcode::Recv::new(fd, room.as_mut_ptr(), room.len() as u32).build()
+        };
+        sqe.user_data(own_user_data(key(connection, KEY_RECEIVE)))
+    }
+
+    /// The RECV in flight received `res` bytes: finishes every request whose reply is
+    /// now whole, and arms the next RECV.
+    fn on_received(&mut self, res: i32, thread: usize, work: &mut TargetWork, socket: RawFd) {
+        let connection = thread;
+        if res <= 0 {
+            let cause: &dyn std::fmt::Display = if res == 0 {
+                &"the server closed the connection"
+            } else {
+                &std::io::Error::from_raw_os_error(-res)
+            };
+            lost("waiting for replies", cause);
+        }
+        match self.reading {
+            Reading::IntoTag { w, got } => {
+                let got = got + res as u32;
+                if got < w.len {
+                    self.reading = Reading::IntoTag { w, got };
+                } else {
+                    self.reading = Reading::Header;
+                    finish(&w, w.len as i32, thread, connection, work);
+                }
+            }
+            _ => self.end += res as usize,
+        }
+        self.parse(thread, work);
+        work.sqes.push(self.next_receive(socket, connection));
+    }
+
+    /// Takes every whole reply (and every byte of READ data) from the receive buffer.
+    fn parse(&mut self, thread: usize, work: &mut TargetWork) {
+        let connection = thread;
+        loop {
+            match self.reading {
+                Reading::IntoTag { .. } => return,
+                Reading::Header => {
+                    let Some(header) = self.received[self.start..self.end]
+                        .first_chunk::<{ nbd::SIMPLE_REPLY_BYTES }>()
+                    else {
+                        return;
+                    };
+                    let reply =
+                        SimpleReply::decode(header).unwrap_or_else(|e| lost("reading a reply", &e));
+                    self.start += nbd::SIMPLE_REPLY_BYTES;
+                    let Some(w) = self.waiting.remove(&reply.cookie) else {
+                        let what = format!(
+                            "the server answered cookie {:#x}, which no request has",
+                            reply.cookie
+                        );
+                        lost("reading a reply", &what);
+                    };
+                    if reply.error == libc::ESHUTDOWN as u32 {
+                        // The server is going away: the request is re-issued on the next
+                        // connection rather than failed.
+                        lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
+                    }
+                    if reply.error != 0 {
+                        finish(&w, -reply.errno(), thread, connection, work);
+                    } else if w.op == UBLK_IO_OP_READ && w.len > 0 {
+                        self.reading = Reading::Data { w, got: 0 };
+                    } else {
+                        let res = if matches!(w.op, UBLK_IO_OP_READ | UBLK_IO_OP_WRITE) {
+                            w.len as i32
+                        } else {
+                            0
+                        };
+                        finish(&w, res, thread, connection, work);
+                    }
+                }
+                Reading::Data { w, got } => {
+                    let have = &self.received[self.start..self.end];
+                    let n = have.len().min((w.len - got) as usize);
+                    // SAFETY: `w.buf` is the request's tag buffer, at least `w.len` bytes
+                    // (checked by `IoReq::from_desc`), mapped for the process's life;
+                    // the request is in flight until it is finished below, so nothing
+                    // else touches the buffer meanwhile, and `got + n <= w.len`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            have.as_ptr(),
+                            (w.buf as *mut u8).add(got as usize),
+                            n,
+                        );
+                    }
+                    self.start += n;
+                    let got = got + n as u32;
+                    if got == w.len {
+                        self.reading = Reading::Header;
+                        finish(&w, w.len as i32, thread, connection, work);
+                    } else {
+                        // The receive buffer is empty: the rest goes straight where it
+                        // belongs.
+                        self.reading = Reading::IntoTag { w, got };
+                        return;
+                    }
+                }
+            }
+        }
     }
 }
 
-/// Posts `res` as the completion `reply` names into its queue thread's ring.
-fn post(ring: &mut IoUring, reply: Reply, res: i32) {
-    let sqe =
-        opcode::MsgRingData::new(types::Fd(reply.ring_fd), res, reply.user_data, None).build();
-    // SAFETY: a MSG_RING SQE references no memory; the target ring's fd stays open while
-    // its queue thread runs, and it runs while this request is in flight.
-    if unsafe { ring.submission().push(&sqe) }.is_err() {
-        // The ring is emptied after every post, so it is never full.
-        lost("posting a completion", &"the completion ring is full");
+fn send_sqe(socket: RawFd, msg: &libc::msghdr, connection: usize) -> squeue::Entry {
+    // MSG_WAITALL: the kernel sends the whole message before it completes (a short
+    // send is still handled, by sending the rest). MSG_NOSIGNAL: a closed connection is
+    // an error to handle, not a signal.
+    opcode::SendMsg::new(types::Fd(socket), msg)
+        .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
+        .build()
+        .user_data(own_user_data(key(connection, KEY_SEND)))
+}
+
+/// Finishes request `w` with `res`: handed back to this thread's loop if it is this
+/// thread's, else posted into its own thread's ring.
+fn finish(w: &Waiting, res: i32, thread: usize, connection: usize, work: &mut TargetWork) {
+    if usize::from(w.reply.thread) == thread {
+        work.done.push((w.reply.user_data, res));
+        return;
     }
-    if let Err(e) = ring.submit_and_wait(1) {
-        lost("posting a completion", &e);
-    }
-    for cqe in ring.completion() {
-        if cqe.result() < 0 {
-            let e = io::Error::from_raw_os_error(-cqe.result());
-            lost("posting a completion to a queue thread", &e);
-        }
+    let sqe = opcode::MsgRingData::new(types::Fd(w.reply.ring_fd), res, w.reply.user_data, None)
+        .build()
+        .flags(squeue::Flags::SKIP_SUCCESS)
+        .user_data(own_user_data(key(connection, KEY_POST)));
+    work.sqes.push(sqe);
+}
+
+impl NbdTarget {
+    fn socket(&self, connection: usize) -> Option<RawFd> {
+        self.connections.get(connection)?.socket.get().map(AsRawFd::as_raw_fd)
     }
 }
 
 impl Target for NbdTarget {
     fn start(&self, req: &IoReq) -> Step {
-        let connection = &self.connections[usize::from(req.reply.thread) % self.connections.len()];
-        let Some(socket) = connection.socket.get() else { return Step::Done(-libc::EIO) };
+        let index = usize::from(req.reply.thread) % self.connections.len();
+        let Some(socket) = self.socket(index) else { return Step::Done(-libc::EIO) };
         let nounmap = req.flags & UBLK_IO_F_NOUNMAP != 0;
         let (kind, flags, length) = match req.op {
             UBLK_IO_OP_READ => (nbd::CMD_READ, 0, req.len),
@@ -242,24 +458,44 @@ impl Target for NbdTarget {
         let cookie = req.reply.user_data;
         let header = Request { flags, kind, cookie, offset, length }.encode();
         let waiting = Waiting { op: req.op, buf: req.buf as usize, len: req.len, reply: req.reply };
-        // Recorded before it is sent: the reply may arrive before `send` returns.
-        lock(&connection.waiting).insert(cookie, waiting);
-        let data: &[u8] = if req.op == UBLK_IO_OP_WRITE {
-            // SAFETY: a WRITE's data is in the tag's buffer, `req.len` bytes (checked by
-            // `IoReq::from_desc`), which belongs to this request until it is committed.
-            unsafe { std::slice::from_raw_parts(req.buf, req.len as usize) }
-        } else {
-            &[]
-        };
-        if let Err(e) = connection.send(socket, &header, data) {
-            lost("sending a request", &e);
+        let data_len = if req.op == UBLK_IO_OP_WRITE { req.len } else { 0 };
+        let mut state = lock(&self.connections[index].state);
+        state.waiting.insert(cookie, waiting);
+        state.queued.push(Queued { header, data: req.buf as usize, len: data_len });
+        match state.next_send(socket, index) {
+            Some(sqe) => Step::PendingOwn(sqe),
+            None => Step::Pending,
         }
-        Step::Pending
     }
 
     fn on_cqe(&self, _req: &IoReq, res: i32, _done: &mut u32) -> Step {
-        // The reply thread's post: the request's result.
+        // The request's result, from its connection's reader.
         Step::Done(res)
+    }
+
+    fn arm(&self, thread: usize, work: &mut TargetWork) {
+        if let Some(socket) = self.socket(thread) {
+            let sqe = lock(&self.connections[thread].state).next_receive(socket, thread);
+            work.sqes.push(sqe);
+        }
+    }
+
+    fn on_own_cqe(&self, thread: usize, key: u32, res: i32, work: &mut TargetWork) {
+        let connection = (key >> 8) as usize;
+        let Some(socket) = self.socket(connection) else {
+            lost("serving requests", &format!("a completion names connection {connection}"));
+        };
+        let mut state = lock(&self.connections[connection].state);
+        match key & 0xff {
+            KEY_SEND => work.sqes.extend(state.on_sent(res, socket, connection)),
+            KEY_RECEIVE if connection == thread => state.on_received(res, thread, work, socket),
+            // Posted only on failure (IOSQE_CQE_SKIP_SUCCESS).
+            KEY_POST => {
+                let cause = std::io::Error::from_raw_os_error(res.saturating_neg());
+                lost("posting a reply's result to another queue thread", &cause);
+            }
+            _ => lost("serving requests", &format!("a completion with the unknown key {key:#x}")),
+        }
     }
 
     fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
@@ -271,15 +507,11 @@ impl Target for NbdTarget {
             let (want, got) = (self.connections.len(), fds.len());
             return Err(TargetError::Fds { target: "nbd", want, got });
         }
-        let starts = std::mem::take(&mut *lock(&self.start_replies));
-        if starts.len() != fds.len() {
-            return Err(TargetError::Io(io::Error::other("the nbd target was activated twice")));
-        }
-        for ((fd, connection), start) in fds.into_iter().zip(&self.connections).zip(starts) {
-            let socket = File::from(fd);
-            let for_replies = socket.try_clone()?;
-            if connection.socket.set(socket).is_err() || start.send(for_replies).is_err() {
-                return Err(TargetError::Io(io::Error::other("an nbd reply thread is gone")));
+        for (fd, connection) in fds.into_iter().zip(&self.connections) {
+            if connection.socket.set(fd).is_err() {
+                return Err(TargetError::Io(std::io::Error::other(
+                    "the nbd target was activated twice",
+                )));
             }
         }
         Ok(())
@@ -288,36 +520,124 @@ impl Target for NbdTarget {
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Read, Write};
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;
 
-    use super::*;
+    use io_uring::IoUring;
 
-    /// An NBD target on one end of a socket pair, the test playing the server on the
-    /// other, and a ring standing in for a queue thread's.
-    fn target() -> (NbdTarget, UnixStream, IoUring) {
-        let (target, mut servers, ring) = target_over(1);
-        (target, servers.remove(0), ring)
+    use super::*;
+    use crate::queue::user_data::UserData;
+
+    /// Stands in for a queue thread's loop: its ring, submitting what the target asks
+    /// and handing it its own completions.
+    struct Loop {
+        ring: IoUring,
+        thread: usize,
+        work: TargetWork,
     }
 
-    /// The same over `n` connections: the server's ends, in order.
-    fn target_over(n: u8) -> (NbdTarget, Vec<UnixStream>, IoUring) {
+    impl Loop {
+        fn new(thread: usize) -> Loop {
+            Loop { ring: IoUring::new(64).unwrap(), thread, work: TargetWork::default() }
+        }
+
+        fn req(&self, op: u8, flags: u32, buf: &mut [u8], user_data: u64) -> IoReq {
+            IoReq {
+                op,
+                flags,
+                offset: 8192,
+                len: buf.len() as u32,
+                buf: buf.as_mut_ptr(),
+                buf_index: None,
+                reply: Reply {
+                    ring_fd: self.ring.as_raw_fd(),
+                    user_data,
+                    thread: self.thread as u16,
+                },
+            }
+        }
+
+        fn push(&mut self, sqe: &squeue::Entry) {
+            // SAFETY: the target's SQEs point into its connections and the tests' buffers,
+            // which outlive the test's rings.
+            unsafe { self.ring.submission().push(sqe) }.unwrap();
+        }
+
+        fn start(&mut self, target: &NbdTarget, req: &IoReq) {
+            match target.start(req) {
+                Step::Pending => {}
+                Step::PendingOwn(sqe) => self.push(&sqe),
+                other => panic!("start: {other:?}"),
+            }
+        }
+
+        fn arm(&mut self, target: &NbdTarget) {
+            target.arm(self.thread, &mut self.work);
+            for sqe in std::mem::take(&mut self.work.sqes) {
+                self.push(&sqe);
+            }
+        }
+
+        /// One turn: submits, waits up to `ms` for a completion, handles every one.
+        /// The requests finished, as (user_data, res), and whether anything completed.
+        fn turn(&mut self, target: &NbdTarget, ms: u32) -> (Vec<(u64, i32)>, bool) {
+            let timeout = types::Timespec::new().nsec(ms * 1_000_000);
+            let args = types::SubmitArgs::new().timespec(&timeout);
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {}
+                Err(e) => panic!("{e}"),
+            }
+            let cqes: Vec<_> =
+                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            let mut finished = Vec::new();
+            for &(ud, res) in &cqes {
+                if let Some(UserData::TargetOwn { key }) = UserData::decode(ud) {
+                    target.on_own_cqe(self.thread, key, res, &mut self.work);
+                    for sqe in std::mem::take(&mut self.work.sqes) {
+                        self.push(&sqe);
+                    }
+                    finished.append(&mut self.work.done);
+                } else {
+                    // Posted by another thread's reader.
+                    finished.push((ud, res));
+                }
+            }
+            (finished, !cqes.is_empty())
+        }
+
+        /// Turns until nothing more completes: the requests finished meanwhile.
+        fn settle(&mut self, target: &NbdTarget) -> Vec<(u64, i32)> {
+            let mut all = Vec::new();
+            loop {
+                let (mut finished, any) = self.turn(target, 100);
+                all.append(&mut finished);
+                if !any {
+                    return all;
+                }
+            }
+        }
+
+        /// Turns until `n` requests finished.
+        fn finished(&mut self, target: &NbdTarget, n: usize) -> Vec<(u64, i32)> {
+            let mut all = Vec::new();
+            for _ in 0..100 {
+                all.append(&mut self.turn(target, 100).0);
+                if all.len() >= n {
+                    return all;
+                }
+            }
+            panic!("only {} of {n} requests finished: {all:?}", all.len());
+        }
+    }
+
+    /// A target over `n` connections, the test playing the server on their other ends.
+    fn target_over(n: u8) -> (NbdTarget, Vec<UnixStream>) {
         let (ours, servers): (Vec<_>, Vec<_>) = (0..n).map(|_| UnixStream::pair().unwrap()).unzip();
         let target = NbdTarget::new(n).unwrap();
         target.activate(ours.into_iter().map(OwnedFd::from).collect()).unwrap();
-        (target, servers, IoUring::new(8).unwrap())
-    }
-
-    fn req(op: u8, flags: u32, buf: &mut [u8], ring: &IoUring, user_data: u64) -> IoReq {
-        IoReq {
-            op,
-            flags,
-            offset: 8192,
-            len: buf.len() as u32,
-            buf: buf.as_mut_ptr(),
-            buf_index: None,
-            reply: Reply { ring_fd: ring.as_raw_fd(), user_data, thread: 0 },
-        }
+        (target, servers)
     }
 
     fn request(server: &mut UnixStream) -> [u8; nbd::REQUEST_BYTES] {
@@ -326,30 +646,31 @@ mod tests {
         header
     }
 
-    fn reply(server: &mut UnixStream, error: u32, cookie: &[u8], data: &[u8]) {
+    fn cookie(h: &[u8; nbd::REQUEST_BYTES]) -> u64 {
+        u64::from_be_bytes(h[8..16].try_into().unwrap())
+    }
+
+    fn reply_bytes(error: u32, cookie: &[u8], data: &[u8]) -> Vec<u8> {
         let mut b = nbd::SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
         b.extend_from_slice(&error.to_be_bytes());
         b.extend_from_slice(cookie);
         b.extend_from_slice(data);
-        server.write_all(&b).unwrap();
-    }
-
-    /// The completion the reply thread posted: (user_data, res).
-    fn posted(ring: &mut IoUring) -> (u64, i32) {
-        ring.submit_and_wait(1).unwrap();
-        let cqe = ring.completion().next().expect("a completion");
-        (cqe.user_data(), cqe.result())
+        b
     }
 
     #[test]
     fn replies_in_any_order_reach_their_requests_with_their_data() {
-        let (target, mut server, mut ring) = target();
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
         let mut read_buf = vec![0u8; 4096];
         let mut write_buf = vec![7u8; 1024];
-        let read = req(UBLK_IO_OP_READ, 0, &mut read_buf, &ring, 11);
-        let write = req(UBLK_IO_OP_WRITE, UBLK_IO_F_FUA, &mut write_buf, &ring, 22);
-        assert!(matches!(target.start(&read), Step::Pending));
-        assert!(matches!(target.start(&write), Step::Pending));
+        let read = lp.req(UBLK_IO_OP_READ, 0, &mut read_buf, 11);
+        let write = lp.req(UBLK_IO_OP_WRITE, UBLK_IO_F_FUA, &mut write_buf, 22);
+        lp.start(&target, &read);
+        lp.start(&target, &write);
+        assert!(lp.settle(&target).is_empty());
 
         let r = request(&mut server);
         assert_eq!(r[..4], nbd::REQUEST_MAGIC.to_be_bytes());
@@ -363,19 +684,58 @@ mod tests {
         server.read_exact(&mut data).unwrap();
         assert!(data.iter().all(|&b| b == 7), "the WRITE's data follows its header");
 
-        // The write is answered first, with an error; then the read, with its data.
-        reply(&mut server, libc::ENOSPC as u32, &w[8..16], &[]);
-        assert_eq!(posted(&mut ring), (22, -libc::ENOSPC));
-        reply(&mut server, 0, &r[8..16], &[9u8; 4096]);
-        assert_eq!(posted(&mut ring), (11, 4096));
+        // The write is answered first, with an error; then the read, with its data, in
+        // two pieces with a pause between: the header and part of the data, the rest.
+        server.write_all(&reply_bytes(libc::ENOSPC as u32, &w[8..16], &[])).unwrap();
+        assert_eq!(lp.finished(&target, 1), [(22, -libc::ENOSPC)]);
+        let whole = reply_bytes(0, &r[8..16], &[9u8; 4096]);
+        server.write_all(&whole[..1000]).unwrap();
+        assert!(lp.settle(&target).is_empty(), "a READ finishes only with all its data");
+        server.write_all(&whole[1000..]).unwrap();
+        assert_eq!(lp.finished(&target, 1), [(11, 4096)]);
         assert!(read_buf.iter().all(|&b| b == 9), "the READ's data is in its buffer");
         // A closed connection ends the process (as it must in a worker): keep it open.
         std::mem::forget(server);
     }
 
     #[test]
+    fn a_read_larger_than_the_receive_buffer_lands_whole_in_its_buffer() {
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
+        let len = RECEIVE_BUFFER_BYTES * 3 + 123;
+        let mut bufs = [vec![0u8; len], vec![0u8; 512]];
+        let big = lp.req(UBLK_IO_OP_READ, 0, &mut bufs[0], 1);
+        let small = lp.req(UBLK_IO_OP_READ, 0, &mut bufs[1], 2);
+        lp.start(&target, &big);
+        lp.start(&target, &small);
+        lp.settle(&target);
+        let (b, s) = (request(&mut server), request(&mut server));
+        let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        // Both replies in one stream, written by another thread as the ring takes it.
+        let mut stream = reply_bytes(0, &b[8..16], &pattern);
+        stream.extend(reply_bytes(0, &s[8..16], &[5u8; 512]));
+        let writer = std::thread::spawn(move || {
+            for piece in stream.chunks(50_000) {
+                server.write_all(piece).unwrap();
+            }
+            server
+        });
+        let mut done = lp.finished(&target, 2);
+        done.sort();
+        assert_eq!(done, [(1, len as i32), (2, 512)]);
+        assert!(bufs[0] == pattern, "the large READ's data is whole and in order");
+        assert!(bufs[1].iter().all(|&b| b == 5), "the reply after it is read from the stream");
+        std::mem::forget(writer.join().unwrap());
+    }
+
+    #[test]
     fn flush_discard_and_write_zeroes_carry_no_data_and_complete_with_zero() {
-        let (target, mut server, mut ring) = target();
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
         let mut none = vec![0u8; 65536];
         for (op, flags, kind, cmd_flags) in [
             (UBLK_IO_OP_FLUSH, 0, nbd::CMD_FLUSH, 0),
@@ -387,43 +747,90 @@ mod tests {
                 nbd::CMD_FLAG_NO_HOLE,
             ),
         ] {
-            let r = req(op, flags, &mut none, &ring, u64::from(op));
-            assert!(matches!(target.start(&r), Step::Pending));
+            let r = lp.req(op, flags, &mut none, u64::from(op));
+            lp.start(&target, &r);
+            lp.settle(&target);
             let h = request(&mut server);
             assert_eq!(h[4..6], cmd_flags.to_be_bytes());
             assert_eq!(h[6..8], kind.to_be_bytes());
             if op == UBLK_IO_OP_FLUSH {
                 assert_eq!(h[16..28], [0u8; 12], "a FLUSH has offset and length 0");
             }
-            reply(&mut server, 0, &h[8..16], &[]);
-            assert_eq!(posted(&mut ring), (u64::from(op), 0));
+            server.write_all(&reply_bytes(0, &h[8..16], &[])).unwrap();
+            assert_eq!(lp.finished(&target, 1), [(u64::from(op), 0)]);
         }
         std::mem::forget(server);
     }
 
     #[test]
-    fn each_queue_thread_sends_on_its_own_connection() {
-        let (target, mut servers, mut ring) = target_over(2);
+    fn requests_queued_behind_a_send_all_go_out_whole_and_in_order() {
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
+        // More requests than one SENDMSG carries, each WRITE with its own data: the
+        // server reads them only later, so sends fill the socket and wait.
+        let n = 700;
+        let mut bufs: Vec<Vec<u8>> = (0..n).map(|i| vec![(i % 256) as u8; 4096]).collect();
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            let r = lp.req(UBLK_IO_OP_WRITE, 0, buf, 1000 + i as u64);
+            lp.start(&target, &r);
+        }
+        let reader = std::thread::spawn(move || {
+            let mut cookies = Vec::new();
+            for i in 0..n {
+                let h = request(&mut server);
+                let mut data = vec![0u8; 4096];
+                server.read_exact(&mut data).unwrap();
+                assert!(data.iter().all(|&b| b == (i % 256) as u8), "request {i}'s data");
+                cookies.push(h[8..16].to_vec());
+            }
+            for c in &cookies {
+                server.write_all(&reply_bytes(0, c, &[])).unwrap();
+            }
+            (server, cookies)
+        });
+        let mut done = lp.finished(&target, n);
+        let (server, cookies) = reader.join().unwrap();
+        let sent: Vec<u64> =
+            cookies.iter().map(|c| u64::from_be_bytes(c[..].try_into().unwrap())).collect();
+        assert_eq!(sent, (1000..1000 + n as u64).collect::<Vec<_>>(), "sent in the order started");
+        done.sort();
+        assert_eq!(done, (0..n).map(|i| (1000 + i as u64, 4096)).collect::<Vec<_>>());
+        std::mem::forget(server);
+    }
+
+    #[test]
+    fn a_shared_connections_replies_reach_each_threads_ring() {
+        // Three queue threads on two connections: threads 0 and 2 share connection 0,
+        // which thread 0 reads; thread 2's results are posted into thread 2's ring.
+        let (target, mut servers) = target_over(2);
+        let mut loops = [Loop::new(0), Loop::new(1), Loop::new(2)];
+        for lp in &mut loops {
+            lp.arm(&target);
+        }
         let mut bufs = [vec![0u8; 512], vec![0u8; 512], vec![0u8; 512]];
         for (thread, buf) in bufs.iter_mut().enumerate() {
-            let mut r = req(UBLK_IO_OP_READ, 0, buf, &ring, 100 + thread as u64);
-            r.reply.thread = thread as u16;
-            assert!(matches!(target.start(&r), Step::Pending));
+            let r = loops[thread].req(UBLK_IO_OP_READ, 0, buf, 100 + thread as u64);
+            loops[thread].start(&target, &r);
+            loops[thread].settle(&target);
         }
-        // Threads 0 and 2 on connection 0, thread 1 on connection 1.
-        let cookie =
-            |h: &[u8; nbd::REQUEST_BYTES]| u64::from_be_bytes(h[8..16].try_into().unwrap());
         let first = [request(&mut servers[0]), request(&mut servers[0])];
         assert_eq!(first.map(|h| cookie(&h)), [100, 102]);
         let second = request(&mut servers[1]);
         assert_eq!(cookie(&second), 101);
-        reply(&mut servers[1], 0, &second[8..16], &[1u8; 512]);
-        assert_eq!(posted(&mut ring), (101, 512));
-        for h in &first {
-            reply(&mut servers[0], 0, &h[8..16], &[2u8; 512]);
-            assert_eq!(posted(&mut ring), (cookie(h), 512));
+        servers[1].write_all(&reply_bytes(0, &second[8..16], &[1u8; 512])).unwrap();
+        assert_eq!(loops[1].finished(&target, 1), [(101, 512)]);
+        for (h, byte) in first.iter().zip([2u8, 3]) {
+            servers[0].write_all(&reply_bytes(0, &h[8..16], &[byte; 512])).unwrap();
         }
-        assert!(bufs[1].iter().all(|&b| b == 1) && bufs[2].iter().all(|&b| b == 2));
+        // Thread 0 reads both; its own request is handed back, thread 2's posted.
+        assert_eq!(loops[0].finished(&target, 1), [(100, 512)]);
+        // The post is submitted with thread 0's next turn.
+        assert!(loops[0].settle(&target).is_empty());
+        assert_eq!(loops[2].finished(&target, 1), [(102, 512)]);
+        assert!(bufs[1].iter().all(|&b| b == 1), "connection 1's READ");
+        assert!(bufs[0].iter().all(|&b| b == 2) && bufs[2].iter().all(|&b| b == 3));
         // Activation takes exactly one socket per connection, once.
         let err = target.activate(Vec::new()).unwrap_err().to_string();
         assert!(err.contains("needs 2 file descriptor(s), got 0"), "{err}");
