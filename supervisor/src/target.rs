@@ -69,6 +69,7 @@ pub fn connect_export(spec: &DeviceSpec) -> Result<Option<NbdLink>, TargetError>
     let TargetSpec::Nbd { uri } = &spec.target else { return Ok(None) };
     match nbd::connect(uri, NBD_HANDSHAKE_TIMEOUT) {
         Ok((socket, info)) => {
+            tracing::info!(uri = %uri, event = "nbd_export", "NBD export: {info}");
             Ok(Some(NbdLink { info: Some(info), socket: Some(socket), connecting: None }))
         }
         Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
@@ -452,6 +453,7 @@ mod tests {
             size: 1 << 30,
             transmission_flags: flags,
             block_sizes: Some(BlockSizes { min: 512, preferred: 4096, max }),
+            structured_replies: true,
         };
         // Flush, FUA, trim and write-zeroes, 64 KiB requests at most.
         let p = params(&nbd, Some(&export(0b0110_1101, 65536)));

@@ -150,6 +150,7 @@ fn nbdkit_memory_over_a_unix_socket_gives_its_size_and_flags() {
     assert!(!info.read_only());
     assert!(info.can_flush() && info.can_fua() && info.can_trim() && info.can_write_zeroes());
     assert!(info.can_multi_conn(), "nbdkit's memory plugin shares one RAM disk");
+    assert!(info.structured_replies, "nbdkit takes NBD_OPT_STRUCTURED_REPLY");
 }
 
 #[test]
@@ -241,6 +242,7 @@ fn qemu_nbd_serves_a_qcow2_image_over_a_unix_socket() {
     let info = connected(&uri);
     assert_eq!(info.size, 256 << 20);
     assert!(!info.read_only() && info.can_flush());
+    assert!(info.structured_replies, "qemu-nbd takes NBD_OPT_STRUCTURED_REPLY");
     assert!(info.block_sizes.is_some(), "qemu-nbd advertises block sizes");
 }
 

@@ -228,6 +228,8 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let log = ublkd.log();
     assert!(log.contains("lost its connection to the NBD server"), "{log}");
     assert!(log.contains("waiting for the NBD server"), "{log}");
+    // nbdkit answers in chunks (NBD_OPT_STRUCTURED_REPLY), which the worker reads.
+    assert!(log.contains("structured replies"), "{log}");
     eprintln!(
         "3 worker kills and a 3 s server outage under fio; last stall {} ms",
         dev["last_recovery_ms"]
@@ -296,11 +298,21 @@ fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_rest
     });
     assert_eq!(ublkd.worker_pid(id), serving, "the restarted ublkd did not take the worker over");
     write_at(&node, chunks[3].0, &chunks[3].1);
+    // Read back past the page cache, across the end of chunk 0 into the file's hole:
+    // qemu-nbd answers such a read with a data chunk and a hole chunk (structured
+    // replies), which must land as the data and as zeroes.
+    let across = read_at_direct(&node, MIB - 256 * 1024, 512 * 1024);
+    assert!(
+        across[..256 * 1024] == chunks[0].1[MIB as usize - 256 * 1024..],
+        "data before the hole"
+    );
+    assert!(across[256 * 1024..].iter().all(|&b| b == 0), "the hole does not read as zeroes");
 
     let dev = ublkd.status_of(id);
     assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
     let log = ublkd.log();
     assert!(log.contains("lost its connection to the NBD server"), "{log}");
+    assert!(log.contains("structured replies"), "qemu-nbd offers them: {log}");
     // Everything reached qemu-nbd's file (--cache=none, and the device is gone).
     ublkd.del(id);
     drop(server);

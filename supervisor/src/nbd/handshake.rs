@@ -1,6 +1,6 @@
 //! The client's side of the NBD fixed-newstyle handshake, over any byte stream: the
-//! greeting, the flags, and `NBD_OPT_GO` with `NBD_INFO_EXPORT` and
-//! `NBD_INFO_BLOCK_SIZE` asked for. It ends in the transmission phase with what the
+//! greeting, the flags, `NBD_OPT_STRUCTURED_REPLY` (taken where offered), and
+//! `NBD_OPT_GO` with `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` asked for. It ends in the transmission phase with what the
 //! server said about the export.
 //!
 //! The server is not trusted: every length it sends is checked against a bound before
@@ -82,12 +82,29 @@ impl<S: Read + Write> Client<'_, S> {
             client_flags |= FLAG_C_NO_ZEROES;
         }
         self.send(&client_flags.to_be_bytes(), "sending the client flags")?;
-        // No NBD_OPT_STRUCTURED_REPLY: the data path reads simple replies only (a READ's
-        // data in one piece after its header), which every server sends unless asked.
+        let structured_replies = self.structured_replies()?;
         let (size, transmission_flags, block_sizes) = self.go(export)?;
-        let info = ExportInfo { size, transmission_flags, block_sizes };
+        let info = ExportInfo { size, transmission_flags, block_sizes, structured_replies };
         check_block_sizes(&info)?;
         Ok(info)
+    }
+
+    /// `NBD_OPT_STRUCTURED_REPLY`: whether the server will answer in chunks (READ data
+    /// and holes at their offsets, errors with messages; the worker reads both kinds).
+    /// A server that declines is served with simple replies.
+    fn structured_replies(&mut self) -> Result<bool, NbdError> {
+        const STEP: &str = "asking for structured replies (NBD_OPT_STRUCTURED_REPLY)";
+        self.send_option(OPT_STRUCTURED_REPLY, &[], STEP)?;
+        let reply = self.read_reply(OPT_STRUCTURED_REPLY, STEP)?;
+        match reply.kind {
+            REP_ACK => Ok(true),
+            // Unsupported, refused by policy, or TLS first: the answer to the option
+            // is no; NBD_OPT_GO then says whatever else the server has to say.
+            kind if kind & REP_FLAG_ERROR != 0 => Ok(false),
+            kind => Err(NbdError::Protocol {
+                problem: format!("it answered NBD_OPT_STRUCTURED_REPLY with {}", reply_name(kind)),
+            }),
+        }
     }
 
     /// `NBD_OPT_GO` for `export`, asking for its size and flags and its block sizes

@@ -61,6 +61,11 @@ fn info_block_size(min: u32, preferred: u32, max: u32) -> Vec<u8> {
     reply(OPT_GO, REP_INFO, &data)
 }
 
+/// The server takes structured replies.
+fn sr_ack() -> Vec<u8> {
+    reply(OPT_STRUCTURED_REPLY, REP_ACK, &[])
+}
+
 const BOTH: u16 = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
 const RW: u16 = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA;
 
@@ -81,6 +86,7 @@ fn error(parts: &[Vec<u8>]) -> String {
 fn a_correct_server_yields_size_flags_and_block_sizes() {
     let (result, sent) = run(&[
         greeting(BOTH),
+        sr_ack(),
         // A name info the client did not ask for is ignored.
         reply(OPT_GO, REP_INFO, &[0, INFO_NAME as u8, b'x']),
         info_block_size(512, 4096, 1 << 25),
@@ -92,28 +98,34 @@ fn a_correct_server_yields_size_flags_and_block_sizes() {
     assert_eq!(info.block_sizes, Some(BlockSizes { min: 512, preferred: 4096, max: 1 << 25 }));
     assert!(info.can_flush() && info.can_fua() && info.can_trim());
     assert!(!info.read_only() && !info.can_write_zeroes() && !info.can_multi_conn());
+    assert!(info.structured_replies);
     // Client flags: fixed newstyle and no zeroes, as offered.
     assert_eq!(sent[..4], (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
-    // Then NBD_OPT_GO for "disk" asking for two infos (no NBD_OPT_STRUCTURED_REPLY:
-    // the data path reads simple replies).
+    // Then NBD_OPT_STRUCTURED_REPLY, without data.
+    let structured =
+        [IHAVEOPT.to_be_bytes().to_vec(), OPT_STRUCTURED_REPLY.to_be_bytes().to_vec(), vec![0; 4]];
+    assert_eq!(sent[4..20], structured.concat());
+    // Then NBD_OPT_GO for "disk" asking for two infos.
     let mut want = IHAVEOPT.to_be_bytes().to_vec();
     want.extend_from_slice(&OPT_GO.to_be_bytes());
     want.extend_from_slice(&14u32.to_be_bytes());
     want.extend_from_slice(&4u32.to_be_bytes());
     want.extend_from_slice(b"disk");
     want.extend_from_slice(&[0, 2, 0, 0, 0, 3]);
-    assert_eq!(sent[4..], want);
+    assert_eq!(sent[20..], want);
 }
 
 #[test]
 fn a_server_without_block_sizes_is_fine() {
     let (result, sent) = run(&[
         greeting(FLAG_FIXED_NEWSTYLE),
+        // Structured replies declined: simple replies it is.
+        reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]),
         info_export(4096, FLAG_HAS_FLAGS | FLAG_READ_ONLY),
         reply(OPT_GO, REP_ACK, &[]),
     ]);
     let info = result.unwrap();
-    assert!(info.read_only() && info.block_sizes.is_none());
+    assert!(info.read_only() && info.block_sizes.is_none() && !info.structured_replies);
     // No NO_ZEROES offered: the client must not set it.
     assert_eq!(sent[..4], FLAG_C_FIXED_NEWSTYLE.to_be_bytes());
 }
@@ -121,7 +133,7 @@ fn a_server_without_block_sizes_is_fine() {
 #[test]
 fn an_unknown_export_is_named_with_the_servers_message_and_aborted() {
     let (result, sent) =
-        run(&[greeting(BOTH), reply(OPT_GO, REP_ERR_UNKNOWN, b"no such export\nsorry")]);
+        run(&[greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_UNKNOWN, b"no such export\nsorry")]);
     let message = result.unwrap_err().to_string();
     assert_eq!(message, "the server has no export named \"disk\": no such export?sorry");
     let abort = [IHAVEOPT.to_be_bytes().as_slice(), &OPT_ABORT.to_be_bytes(), &[0; 4]].concat();
@@ -139,30 +151,45 @@ fn each_misbehaviour_gets_its_own_message() {
         (vec![oldstyle], "oldstyle servers are not supported"),
         (vec![NBDMAGIC.to_be_bytes().to_vec(), vec![7; 8]], "neither IHAVEOPT"),
         (vec![greeting(0)], "does not offer fixed newstyle"),
-        (vec![greeting(BOTH)], "closed the connection while asking for the export"),
+        (vec![greeting(BOTH)], "closed the connection while asking for structured replies"),
+        (vec![greeting(BOTH), sr_ack()], "closed the connection while asking for the export"),
         (vec![greeting(BOTH), vec![1; 20]], "not the reply magic"),
-        // A reply to an option it was not asked (8: NBD_OPT_STRUCTURED_REPLY).
-        (vec![greeting(BOTH), reply(8, REP_ACK, &[])], "replied to option 8 while"),
+        // A reply to an option it was not asked (7: NBD_OPT_GO, before it was asked).
+        (vec![greeting(BOTH), reply(OPT_GO, REP_ACK, &[])], "replied to option 7 while"),
         (
-            vec![greeting(BOTH), reply(OPT_GO, REP_ERR_TLS_REQD, b"")],
+            vec![greeting(BOTH), reply(OPT_STRUCTURED_REPLY, REP_INFO, &[0, 0])],
+            "answered NBD_OPT_STRUCTURED_REPLY with NBD_REP_INFO",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_TLS_REQD, b"")],
             "requires TLS, which is not supported yet",
         ),
-        (vec![greeting(BOTH), huge], "claims 4294967295 bytes"),
-        (vec![greeting(BOTH), reply(OPT_GO, REP_ACK, &[])], "without sending NBD_INFO_EXPORT"),
+        (vec![greeting(BOTH), sr_ack(), huge], "claims 4294967295 bytes"),
         (
-            vec![greeting(BOTH), reply(OPT_GO, REP_INFO, &[0, 0, 1])],
+            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ACK, &[])],
+            "without sending NBD_INFO_EXPORT",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_INFO, &[0, 0, 1])],
             "NBD_INFO_EXPORT is 3 bytes long, the protocol says 12",
         ),
-        (vec![greeting(BOTH), reply(OPT_GO, REP_INFO, &[0])], "has no information type"),
-        (vec![greeting(BOTH), reply(OPT_GO, REP_ERR_UNSUP, &[])], "does not support NBD_OPT_GO"),
+        (vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_INFO, &[0])], "has no information type"),
         (
-            vec![greeting(BOTH), reply(OPT_GO, REP_ERR_POLICY, b"go away")],
+            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_UNSUP, &[])],
+            "does not support NBD_OPT_GO",
+        ),
+        (
+            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_POLICY, b"go away")],
             "refused NBD_OPT_GO with NBD_REP_ERR_POLICY: go away",
         ),
-        (vec![greeting(BOTH), reply(OPT_GO, REP_ERR_SHUTDOWN, &[])], "the server is shutting down"),
+        (
+            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_SHUTDOWN, &[])],
+            "the server is shutting down",
+        ),
         (
             vec![
                 greeting(BOTH),
+                sr_ack(),
                 info_block_size(3, 4096, 1 << 20),
                 info_export(1 << 20, RW),
                 reply(OPT_GO, REP_ACK, &[]),
@@ -172,6 +199,7 @@ fn each_misbehaviour_gets_its_own_message() {
         (
             vec![
                 greeting(BOTH),
+                sr_ack(),
                 info_block_size(512, 256, 1 << 20),
                 info_export(1 << 20, RW),
                 reply(OPT_GO, REP_ACK, &[]),
@@ -181,13 +209,14 @@ fn each_misbehaviour_gets_its_own_message() {
         (
             vec![
                 greeting(BOTH),
+                sr_ack(),
                 info_block_size(512, 4096, 1000),
                 info_export(1 << 20, RW),
                 reply(OPT_GO, REP_ACK, &[]),
             ],
             "maximum block size 1000",
         ),
-        (vec![greeting(BOTH), info_export(4096, RW).repeat(40)], "more than 32 replies"),
+        (vec![greeting(BOTH), sr_ack(), info_export(4096, RW).repeat(40)], "more than 32 replies"),
     ];
     for (parts, part) in cases {
         let message = error(&parts);

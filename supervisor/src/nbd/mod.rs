@@ -207,6 +207,9 @@ pub struct ExportInfo {
     /// apply to the server (minimum 1, preferred 4096, maximum unlimited) and a client
     /// keeps to 512-byte alignment and 32 MiB requests.
     pub block_sizes: Option<BlockSizes>,
+    /// The server answers with structured replies (`NBD_OPT_STRUCTURED_REPLY`): a
+    /// property of the connection, not of the export.
+    pub structured_replies: bool,
 }
 
 impl ExportInfo {
@@ -269,6 +272,7 @@ impl fmt::Display for ExportInfo {
             (self.can_write_zeroes(), "write-zeroes"),
             (self.can_multi_conn(), "multi-conn"),
             (self.rotational(), "rotational"),
+            (self.structured_replies, "structured replies"),
         ] {
             if on {
                 write!(f, ", {name}")?;
@@ -488,6 +492,7 @@ mod tests {
             size,
             transmission_flags: wire::FLAG_HAS_FLAGS,
             block_sizes: min.map(|min| BlockSizes { min, preferred: 4096, max: u32::MAX }),
+            structured_replies: false,
         }
     }
 

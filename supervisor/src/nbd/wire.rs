@@ -51,6 +51,8 @@ pub const FLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 pub const OPT_ABORT: u32 = 2;
 /// Ask for an export and enter transmission, with errors and `NBD_REP_INFO` replies.
 pub const OPT_GO: u32 = 7;
+/// Ask the server to answer with structured replies (chunks; holes not sent).
+pub const OPT_STRUCTURED_REPLY: u32 = 8;
 
 // "Option reply types". Errors have bit 31 set.
 /// The option succeeded; for `NBD_OPT_GO`, transmission starts right after.

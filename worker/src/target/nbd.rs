@@ -30,7 +30,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use io_uring::{opcode, squeue, types};
 use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::MAX_NBD_CONNECTIONS;
-use ublkd_proto::nbd::{self, Request, SimpleReply};
+use ublkd_proto::nbd::{self, Chunk, ChunkHeader, ReplyKind, Request, SimpleReply};
 use ublkd_proto::uapi::{
     UBLK_IO_F_FUA, UBLK_IO_F_NOUNMAP, UBLK_IO_OP_DISCARD, UBLK_IO_OP_FLUSH, UBLK_IO_OP_READ,
     UBLK_IO_OP_WRITE, UBLK_IO_OP_WRITE_ZEROES,
@@ -56,17 +56,50 @@ fn key(connection: usize, what: u32) -> u32 {
     ((connection as u32) << 8) | what
 }
 
-/// What the connection's reader needs to finish a request: where a READ's data goes
-/// and whom to tell.
+/// What the connection's reader needs to finish a request: where a READ's data goes,
+/// whom to tell, and what its reply said so far (a structured reply comes in chunks).
 #[derive(Debug, Clone, Copy)]
 struct Waiting {
     op: u8,
+    /// The request's offset on the device: a chunk's data lands at its own offset
+    /// minus this in the buffer.
+    offset: u64,
     /// The tag's buffer (READ: `len` bytes are written there), as an address: the
     /// buffer belongs to the request until its result is committed, which finishing it
     /// makes happen.
     buf: usize,
     len: u32,
     reply: Reply,
+    /// READ: bytes of it the reply's data and holes have covered.
+    covered: u32,
+    /// The first error the reply carried, as `-errno` (0: none).
+    error: i32,
+}
+
+impl Waiting {
+    /// The request's result once its reply is whole.
+    fn result(&self) -> i32 {
+        if self.error != 0 {
+            self.error
+        } else if self.op == UBLK_IO_OP_READ {
+            // A structured reply must cover the whole READ; one that does not left
+            // bytes of the buffer unwritten.
+            if self.covered == self.len { self.len as i32 } else { -libc::EIO }
+        } else if self.op == UBLK_IO_OP_WRITE {
+            self.len as i32
+        } else {
+            0
+        }
+    }
+
+    /// Where `len` bytes at device offset `offset` go in the buffer, if they are inside
+    /// this READ.
+    fn place(&self, offset: u64, len: u32) -> Option<usize> {
+        let start = offset.checked_sub(self.offset)?;
+        let end = start.checked_add(u64::from(len))?;
+        (self.op == UBLK_IO_OP_READ && end <= u64::from(self.len))
+            .then(|| self.buf + start as usize)
+    }
 }
 
 /// A request waiting to be sent: its header and, for a WRITE, its data (the tag's
@@ -139,11 +172,10 @@ impl SendBatch {
 enum Reading {
     /// At a reply's header.
     Header,
-    /// In a READ's data, `got` bytes of it in the tag's buffer, the rest to come
-    /// from the receive buffer.
-    Data { w: Waiting, got: u32 },
-    /// In a READ's data, the rest being received straight into the tag's buffer.
-    IntoTag { w: Waiting, got: u32 },
+    /// In a READ's data: `left` bytes go to `dest` (in the tag's buffer), from the
+    /// receive buffer or, once that is empty (`direct`), received straight there. Then
+    /// request `cookie` is finished if this was its reply's last part.
+    Data { cookie: u64, dest: usize, left: u32, direct: bool, last: bool },
 }
 
 /// A connection's state, under its lock.
@@ -286,9 +318,8 @@ impl ConnectionState {
     /// moved to its start), or, in a READ's data, straight into the tag's buffer.
     fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
         let fd = types::Fd(socket);
-        let sqe = if let Reading::IntoTag { w, got } = self.reading {
-            let at = (w.buf as *mut u8).wrapping_add(got as usize);
-            opcode::Recv::new(fd, at, w.len - got).flags(libc::MSG_WAITALL).build()
+        let sqe = if let Reading::Data { dest, left, direct: true, .. } = self.reading {
+            opcode::Recv::new(fd, dest as *mut u8, left).flags(libc::MSG_WAITALL).build()
         } else {
             if self.start > 0 {
                 self.received.copy_within(self.start..self.end, 0);
@@ -314,13 +345,15 @@ impl ConnectionState {
             lost("waiting for replies", cause);
         }
         match self.reading {
-            Reading::IntoTag { w, got } => {
-                let got = got + res as u32;
-                if got < w.len {
-                    self.reading = Reading::IntoTag { w, got };
+            Reading::Data { cookie, dest, left, direct: true, last } => {
+                let (dest, left) = (dest + res as usize, left.saturating_sub(res as u32));
+                if left > 0 {
+                    self.reading = Reading::Data { cookie, dest, left, direct: true, last };
                 } else {
                     self.reading = Reading::Header;
-                    finish(&w, w.len as i32, thread, connection, work);
+                    if last {
+                        self.finish_request(cookie, thread, work);
+                    }
                 }
             }
             _ => self.end += res as usize,
@@ -329,73 +362,147 @@ impl ConnectionState {
         work.sqes.push(self.next_receive(socket, connection));
     }
 
+    /// Finishes request `cookie`, whose reply is whole.
+    fn finish_request(&mut self, cookie: u64, thread: usize, work: &mut TargetWork) {
+        if let Some(w) = self.waiting.remove(&cookie) {
+            finish(&w, w.result(), thread, thread, work);
+        }
+    }
+
+    /// The request `cookie` names, which the server cannot answer unless it asked.
+    fn waiting_for(&mut self, cookie: u64) -> &mut Waiting {
+        match self.waiting.get_mut(&cookie) {
+            Some(w) => w,
+            None => {
+                let what = format!("the server answered cookie {cookie:#x}, which no request has");
+                lost("reading a reply", &what)
+            }
+        }
+    }
+
     /// Takes every whole reply (and every byte of READ data) from the receive buffer.
     fn parse(&mut self, thread: usize, work: &mut TargetWork) {
-        let connection = thread;
         loop {
             match self.reading {
-                Reading::IntoTag { .. } => return,
-                Reading::Header => {
-                    let Some(header) = self.received[self.start..self.end]
-                        .first_chunk::<{ nbd::SIMPLE_REPLY_BYTES }>()
-                    else {
-                        return;
-                    };
-                    let reply =
-                        SimpleReply::decode(header).unwrap_or_else(|e| lost("reading a reply", &e));
-                    self.start += nbd::SIMPLE_REPLY_BYTES;
-                    let Some(w) = self.waiting.remove(&reply.cookie) else {
-                        let what = format!(
-                            "the server answered cookie {:#x}, which no request has",
-                            reply.cookie
-                        );
-                        lost("reading a reply", &what);
-                    };
-                    if reply.error == libc::ESHUTDOWN as u32 {
-                        // The server is going away: the request is re-issued on the next
-                        // connection rather than failed.
-                        lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
-                    }
-                    if reply.error != 0 {
-                        finish(&w, -reply.errno(), thread, connection, work);
-                    } else if w.op == UBLK_IO_OP_READ && w.len > 0 {
-                        self.reading = Reading::Data { w, got: 0 };
-                    } else {
-                        let res = if matches!(w.op, UBLK_IO_OP_READ | UBLK_IO_OP_WRITE) {
-                            w.len as i32
-                        } else {
-                            0
-                        };
-                        finish(&w, res, thread, connection, work);
-                    }
-                }
-                Reading::Data { w, got } => {
+                Reading::Data { direct: true, .. } => return,
+                Reading::Data { cookie, dest, left, direct: false, last } => {
                     let have = &self.received[self.start..self.end];
-                    let n = have.len().min((w.len - got) as usize);
-                    // SAFETY: `w.buf` is the request's tag buffer, at least `w.len` bytes
-                    // (checked by `IoReq::from_desc`), mapped for the process's life;
-                    // the request is in flight until it is finished below, so nothing
-                    // else touches the buffer meanwhile, and `got + n <= w.len`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            have.as_ptr(),
-                            (w.buf as *mut u8).add(got as usize),
-                            n,
-                        );
-                    }
+                    let n = have.len().min(left as usize);
+                    // SAFETY: `dest..dest + left` is inside the request's tag buffer
+                    // (`Waiting::place`, whose `len` `IoReq::from_desc` checked against
+                    // the buffer), mapped for the process's life; the request is in
+                    // flight until it is finished, so nothing else touches the buffer
+                    // meanwhile, and `n <= left`.
+                    unsafe { std::ptr::copy_nonoverlapping(have.as_ptr(), dest as *mut u8, n) };
                     self.start += n;
-                    let got = got + n as u32;
-                    if got == w.len {
-                        self.reading = Reading::Header;
-                        finish(&w, w.len as i32, thread, connection, work);
-                    } else {
+                    let (dest, left) = (dest + n, left - n as u32);
+                    if left > 0 {
                         // The receive buffer is empty: the rest goes straight where it
                         // belongs.
-                        self.reading = Reading::IntoTag { w, got };
+                        self.reading = Reading::Data { cookie, dest, left, direct: true, last };
                         return;
+                    }
+                    self.reading = Reading::Header;
+                    if last {
+                        self.finish_request(cookie, thread, work);
+                    }
+                }
+                Reading::Header => {
+                    let have = &self.received[self.start..self.end];
+                    let Some(&magic) = have.first_chunk::<4>() else { return };
+                    let kind =
+                        ReplyKind::of_magic(magic).unwrap_or_else(|e| lost("reading a reply", &e));
+                    match kind {
+                        ReplyKind::Simple => {
+                            let Some(header) = have.first_chunk::<{ nbd::SIMPLE_REPLY_BYTES }>()
+                            else {
+                                return;
+                            };
+                            let reply = SimpleReply::decode(header)
+                                .unwrap_or_else(|e| lost("reading a reply", &e));
+                            self.start += nbd::SIMPLE_REPLY_BYTES;
+                            self.on_simple_reply(reply, thread, work);
+                        }
+                        ReplyKind::Chunk => {
+                            let Some(header) = have.first_chunk::<{ nbd::CHUNK_HEADER_BYTES }>()
+                            else {
+                                return;
+                            };
+                            let header = ChunkHeader::decode(header)
+                                .unwrap_or_else(|e| lost("reading a reply", &e));
+                            let meta = header.meta_bytes().min(nbd::MAX_CHUNK_META_BYTES + 1);
+                            let whole = nbd::CHUNK_HEADER_BYTES + meta as usize;
+                            let Some(chunk) = have.get(nbd::CHUNK_HEADER_BYTES..whole) else {
+                                // Not all here yet (a bounded amount: it fits the buffer).
+                                return;
+                            };
+                            let chunk =
+                                header.chunk(chunk).unwrap_or_else(|e| lost("reading a reply", &e));
+                            self.start += whole;
+                            self.on_chunk(&header, chunk, thread, work);
+                        }
                     }
                 }
             }
+        }
+    }
+
+    fn on_simple_reply(&mut self, reply: SimpleReply, thread: usize, work: &mut TargetWork) {
+        if reply.error == libc::ESHUTDOWN as u32 {
+            // The server is going away: the request is re-issued on the next
+            // connection rather than failed.
+            lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
+        }
+        let w = self.waiting_for(reply.cookie);
+        if reply.error != 0 {
+            w.error = -reply.errno();
+        } else if w.op == UBLK_IO_OP_READ {
+            w.covered = w.len;
+            if w.len > 0 {
+                let (dest, left) = (w.buf, w.len);
+                let cookie = reply.cookie;
+                self.reading = Reading::Data { cookie, dest, left, direct: false, last: true };
+                return;
+            }
+        }
+        self.finish_request(reply.cookie, thread, work);
+    }
+
+    fn on_chunk(&mut self, h: &ChunkHeader, chunk: Chunk, thread: usize, work: &mut TargetWork) {
+        let w = self.waiting_for(h.cookie);
+        match chunk {
+            Chunk::None => {}
+            Chunk::Data { offset, len } => {
+                let Some(dest) = w.place(offset, len) else {
+                    let what = format!("{len} bytes of data at {offset}, outside its request");
+                    lost("reading a reply", &what);
+                };
+                w.covered = w.covered.saturating_add(len);
+                let (cookie, last) = (h.cookie, h.done());
+                self.reading = Reading::Data { cookie, dest, left: len, direct: false, last };
+                return;
+            }
+            Chunk::Hole { offset, len } => {
+                let Some(dest) = w.place(offset, len) else {
+                    let what = format!("a hole of {len} bytes at {offset}, outside its request");
+                    lost("reading a reply", &what);
+                };
+                // SAFETY: `dest..dest + len` is inside the request's tag buffer (see
+                // `Waiting::place`), which belongs to the request until it is finished.
+                unsafe { std::ptr::write_bytes(dest as *mut u8, 0, len as usize) };
+                w.covered = w.covered.saturating_add(len);
+            }
+            Chunk::Error { error } => {
+                if error == libc::ESHUTDOWN as u32 {
+                    lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
+                }
+                if w.error == 0 {
+                    w.error = -nbd::errno(error);
+                }
+            }
+        }
+        if h.done() {
+            self.finish_request(h.cookie, thread, work);
         }
     }
 }
@@ -457,7 +564,15 @@ impl Target for NbdTarget {
         let offset = if req.op == UBLK_IO_OP_FLUSH { 0 } else { req.offset };
         let cookie = req.reply.user_data;
         let header = Request { flags, kind, cookie, offset, length }.encode();
-        let waiting = Waiting { op: req.op, buf: req.buf as usize, len: req.len, reply: req.reply };
+        let waiting = Waiting {
+            op: req.op,
+            offset: req.offset,
+            buf: req.buf as usize,
+            len: req.len,
+            reply: req.reply,
+            covered: 0,
+            error: 0,
+        };
         let data_len = if req.op == UBLK_IO_OP_WRITE { req.len } else { 0 };
         let mut state = lock(&self.connections[index].state);
         state.waiting.insert(cookie, waiting);
@@ -695,6 +810,93 @@ mod tests {
         assert_eq!(lp.finished(&target, 1), [(11, 4096)]);
         assert!(read_buf.iter().all(|&b| b == 9), "the READ's data is in its buffer");
         // A closed connection ends the process (as it must in a worker): keep it open.
+        std::mem::forget(server);
+    }
+
+    fn chunk_bytes(flags: u16, kind: u16, cookie: &[u8], payload: &[u8]) -> Vec<u8> {
+        let mut b = nbd::STRUCTURED_REPLY_MAGIC.to_be_bytes().to_vec();
+        b.extend_from_slice(&flags.to_be_bytes());
+        b.extend_from_slice(&kind.to_be_bytes());
+        b.extend_from_slice(cookie);
+        b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        b.extend_from_slice(payload);
+        b
+    }
+
+    fn at(offset: u64, rest: &[u8]) -> Vec<u8> {
+        let mut b = offset.to_be_bytes().to_vec();
+        b.extend_from_slice(rest);
+        b
+    }
+
+    #[test]
+    fn structured_replies_place_data_and_holes_in_any_order_and_carry_errors() {
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
+        let mut bufs = [vec![0xeeu8; 8192], vec![0u8; 4096], vec![0u8; 512]];
+        let [a, b, c] = &mut bufs;
+        let reads = [
+            lp.req(UBLK_IO_OP_READ, 0, a, 1),
+            lp.req(UBLK_IO_OP_READ, 0, b, 2),
+            lp.req(UBLK_IO_OP_WRITE, 0, c, 3),
+        ];
+        for r in &reads {
+            lp.start(&target, r);
+        }
+        lp.settle(&target);
+        let h: Vec<_> = (0..3).map(|_| request(&mut server)).collect();
+        let mut data = vec![0u8; 512];
+        server.read_exact(&mut data).unwrap();
+        // Read 1 (8 KiB at 8192): its second half as data, then its first half as a
+        // hole, then a NONE chunk marked done, read 2's chunks interleaved; read 2
+        // fails with an error chunk; the write gets a simple reply.
+        let (c1, c2, c3) = (&h[0][8..16], &h[1][8..16], &h[2][8..16]);
+        let mut stream = chunk_bytes(0, nbd::REPLY_TYPE_OFFSET_DATA, c1, &at(12288, &[7u8; 4096]));
+        stream.extend(chunk_bytes(0, nbd::REPLY_TYPE_OFFSET_DATA, c2, &at(8192, &[1u8; 100])));
+        stream.extend(chunk_bytes(
+            0,
+            nbd::REPLY_TYPE_OFFSET_HOLE,
+            c1,
+            &at(8192, &4096u32.to_be_bytes()),
+        ));
+        let mut error = (libc::ENOSPC as u32).to_be_bytes().to_vec();
+        error.extend_from_slice(&2u16.to_be_bytes());
+        error.extend_from_slice(b"no");
+        stream.extend(chunk_bytes(nbd::REPLY_FLAG_DONE, nbd::REPLY_TYPE_ERROR, c2, &error));
+        stream.extend(reply_bytes(0, c3, &[]));
+        stream.extend(chunk_bytes(nbd::REPLY_FLAG_DONE, nbd::REPLY_TYPE_NONE, c1, &[]));
+        // A byte at a time for the first 300: every header and payload split.
+        for byte in &stream[..300] {
+            server.write_all(std::slice::from_ref(byte)).unwrap();
+            lp.turn(&target, 0);
+        }
+        server.write_all(&stream[300..]).unwrap();
+        let mut done = lp.finished(&target, 3);
+        done.sort();
+        assert_eq!(done, [(1, 8192), (2, -libc::ENOSPC), (3, 512)]);
+        assert!(bufs[0][..4096].iter().all(|&b| b == 0), "the hole reads as zeroes");
+        assert!(bufs[0][4096..].iter().all(|&b| b == 7), "the data chunk is at its offset");
+        std::mem::forget(server);
+    }
+
+    #[test]
+    fn a_structured_read_not_covered_whole_fails_rather_than_return_stale_bytes() {
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
+        let mut buf = vec![0u8; 4096];
+        let r = lp.req(UBLK_IO_OP_READ, 0, &mut buf, 5);
+        lp.start(&target, &r);
+        lp.settle(&target);
+        let h = request(&mut server);
+        let mut stream =
+            chunk_bytes(0, nbd::REPLY_TYPE_OFFSET_DATA, &h[8..16], &at(8192, &[3u8; 1024]));
+        stream.extend(chunk_bytes(nbd::REPLY_FLAG_DONE, nbd::REPLY_TYPE_NONE, &h[8..16], &[]));
+        server.write_all(&stream).unwrap();
+        assert_eq!(lp.finished(&target, 1), [(5, -libc::EIO)]);
         std::mem::forget(server);
     }
 
