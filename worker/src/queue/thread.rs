@@ -238,6 +238,11 @@ impl QueueThread {
             if self.path == DataPath::Batch {
                 self.flush_commits()?;
             }
+            let mut work = std::mem::take(&mut self.target_work);
+            self.dev.target.before_wait(self.plan.index, &mut work);
+            let carried = self.carry_out(&mut work);
+            self.target_work = work;
+            carried?;
             let open = self.queues.iter().any(|q| !q.closed);
             if !open
                 && self.inflight == 0
@@ -437,7 +442,6 @@ impl QueueThread {
             }
             // Its completion comes as a target SQE's would (see `IoReq::reply`).
             Step::Pending => Ok(()),
-            Step::PendingOwn(sqe) => self.push(&sqe),
         }
     }
 

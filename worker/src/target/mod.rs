@@ -4,7 +4,7 @@
 //! at once or asks the queue loop to submit one io_uring SQE for it, and is told that
 //! SQE's result. A target whose I/O is not one SQE per request (`nbd`: a stream
 //! shared by many requests) submits SQEs of its own through the same ring
-//! ([`Step::PendingOwn`], [`Target::arm`]), is told their results
+//! ([`Target::arm`], [`Target::before_wait`]), is told their results
 //! ([`Target::on_own_cqe`]), and hands back the requests they finished
 //! ([`TargetWork`]). Adding a target means adding a module here and a `TargetSetup`
 //! variant in proto; the queue loop does not change.
@@ -42,9 +42,6 @@ pub enum Step {
     /// thread, or by posting its completion into the ring named by [`IoReq::reply`]
     /// from another; the loop calls `on_cqe` with it.
     Pending,
-    /// As [`Step::Pending`], and submit this SQE of the target's own as it is (its user
-    /// data made by [`own_user_data`]).
-    PendingOwn(squeue::Entry),
 }
 
 /// What a target's own completion led to, for the queue loop to carry out: SQEs to
@@ -74,6 +71,11 @@ pub trait Target: Send + Sync {
     /// SQEs of the target's own that queue thread `thread` submits before its first
     /// turn (`nbd`: the first RECV of the connection that thread reads).
     fn arm(&self, _thread: usize, _work: &mut TargetWork) {}
+
+    /// Queue thread `thread` is about to submit what its turn queued and wait: the
+    /// target's own SQEs that should go with it (`nbd`: the turn's requests, sent
+    /// together). Called every turn, so it must be cheap when there is nothing to do.
+    fn before_wait(&self, _thread: usize, _work: &mut TargetWork) {}
 
     /// An SQE of the target's own, submitted by queue thread `thread` with
     /// [`own_user_data`]`(key)`, completed with `res`.

@@ -6,10 +6,10 @@
 //! only where the export allows it: the supervisor decides), and thread `c` reads
 //! connection `c`:
 //! - **Sending.** A request's header (and a WRITE's data, straight from the tag's
-//!   buffer) is queued on its connection. At most one SENDMSG is in flight per
-//!   connection, so that two requests never interleave on the stream; requests queued
-//!   meanwhile go together in the next one, when it completes, in whichever ring
-//!   submitted it.
+//!   buffer) is queued on its connection, and the turn's requests go in one SENDMSG
+//!   before the thread waits. At most one SENDMSG is in flight per connection, so that
+//!   two requests never interleave on the stream; requests queued meanwhile go together
+//!   in the next one, when it completes, in whichever ring submitted it.
 //! - **Receiving.** One RECV per connection is always armed, into the connection's
 //!   buffer; replies are parsed from it in whatever order the server sends them. A
 //!   READ's data is copied from there into the tag's buffer, and what has not arrived
@@ -540,7 +540,9 @@ impl NbdTarget {
 impl Target for NbdTarget {
     fn start(&self, req: &IoReq) -> Step {
         let index = usize::from(req.reply.thread) % self.connections.len();
-        let Some(socket) = self.socket(index) else { return Step::Done(-libc::EIO) };
+        if self.socket(index).is_none() {
+            return Step::Done(-libc::EIO);
+        }
         let nounmap = req.flags & UBLK_IO_F_NOUNMAP != 0;
         let (kind, flags, length) = match req.op {
             UBLK_IO_OP_READ => (nbd::CMD_READ, 0, req.len),
@@ -576,10 +578,15 @@ impl Target for NbdTarget {
         let data_len = if req.op == UBLK_IO_OP_WRITE { req.len } else { 0 };
         let mut state = lock(&self.connections[index].state);
         state.waiting.insert(cookie, waiting);
+        // Sent with the rest of the turn's requests, before the thread waits.
         state.queued.push(Queued { header, data: req.buf as usize, len: data_len });
-        match state.next_send(socket, index) {
-            Some(sqe) => Step::PendingOwn(sqe),
-            None => Step::Pending,
+        Step::Pending
+    }
+
+    fn before_wait(&self, thread: usize, work: &mut TargetWork) {
+        let index = thread % self.connections.len();
+        if let Some(socket) = self.socket(index) {
+            work.sqes.extend(lock(&self.connections[index].state).next_send(socket, index));
         }
     }
 
@@ -682,7 +689,6 @@ mod tests {
         fn start(&mut self, target: &NbdTarget, req: &IoReq) {
             match target.start(req) {
                 Step::Pending => {}
-                Step::PendingOwn(sqe) => self.push(&sqe),
                 other => panic!("start: {other:?}"),
             }
         }
@@ -697,6 +703,10 @@ mod tests {
         /// One turn: submits, waits up to `ms` for a completion, handles every one.
         /// The requests finished, as (user_data, res), and whether anything completed.
         fn turn(&mut self, target: &NbdTarget, ms: u32) -> (Vec<(u64, i32)>, bool) {
+            target.before_wait(self.thread, &mut self.work);
+            for sqe in std::mem::take(&mut self.work.sqes) {
+                self.push(&sqe);
+            }
             let timeout = types::Timespec::new().nsec(ms * 1_000_000);
             let args = types::SubmitArgs::new().timespec(&timeout);
             match self.ring.submitter().submit_with_args(1, &args) {
@@ -737,7 +747,8 @@ mod tests {
         /// Turns until `n` requests finished.
         fn finished(&mut self, target: &NbdTarget, n: usize) -> Vec<(u64, i32)> {
             let mut all = Vec::new();
-            for _ in 0..100 {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while std::time::Instant::now() < deadline {
                 all.append(&mut self.turn(target, 100).0);
                 if all.len() >= n {
                     return all;
