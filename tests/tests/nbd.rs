@@ -19,6 +19,13 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 
+/// Where a test's nbdkit listens.
+#[derive(Debug, Clone, Copy)]
+enum Listen {
+    Tcp(u16),
+    Unix(&'static str),
+}
+
 /// An NBD server process, killed on drop.
 struct Server {
     child: Child,
@@ -46,28 +53,39 @@ impl Server {
         server
     }
 
-    /// nbdkit's file plugin serving `image` on 127.0.0.1:`port`, one thread per
+    /// nbdkit's file plugin serving `image` where `listen` says, one thread per
     /// connection: with several, nbdkit 1.32 (Debian 12's) can abort when a client dies
     /// while it writes a reply (`raw_send_socket: Assertion 'sock >= 0' failed`, seen
-    /// here when a worker was killed), and these tests kill clients on purpose.
-    fn nbdkit_tcp(port: u16, image: &Path) -> Server {
-        let pid_file = PathBuf::from(format!("/tmp/ublkd-test-nbdkit-{port}.pid"));
-        let port_text = port.to_string();
-        let file_arg = format!("file={}", image.display());
-        let args = [
-            "-f",
-            "--exit-with-parent",
-            "-P",
-            pid_file.to_str().unwrap(),
-            "-i",
-            "127.0.0.1",
-            "-p",
-            &port_text,
-            "--threads=1",
-            "file",
-            &file_arg,
-        ];
-        Server::start("nbdkit", &args, &pid_file, format!("nbd://127.0.0.1:{port}"))
+    /// here when a worker was killed), and these tests kill clients on purpose. With
+    /// `multi_conn` false, the multi-conn filter hides the plugin's NBD_FLAG_CAN_MULTI_CONN,
+    /// so ublkd gives the worker one connection for all its queue threads.
+    fn nbdkit(listen: Listen, image: &Path, multi_conn: bool) -> Server {
+        let (pid_file, mut args, uri) = match listen {
+            Listen::Tcp(port) => (
+                PathBuf::from(format!("/tmp/ublkd-test-nbdkit-{port}.pid")),
+                vec!["-i".to_string(), "127.0.0.1".into(), "-p".into(), port.to_string()],
+                format!("nbd://127.0.0.1:{port}"),
+            ),
+            Listen::Unix(socket) => {
+                let _ = std::fs::remove_file(socket);
+                (
+                    PathBuf::from(format!("{socket}.pid")),
+                    vec!["-U".to_string(), socket.to_string()],
+                    format!("nbd+unix:///?socket={socket}"),
+                )
+            }
+        };
+        args.extend(["-f", "--exit-with-parent", "--threads=1"].map(String::from));
+        args.extend(["-P".to_string(), pid_file.display().to_string()]);
+        if !multi_conn {
+            args.push("--filter=multi-conn".into());
+        }
+        args.extend(["file".to_string(), format!("file={}", image.display())]);
+        if !multi_conn {
+            args.push("multi-conn-mode=disable".into());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Server::start("nbdkit", &args, &pid_file, uri)
     }
 
     /// qemu-nbd serving `image` (`format`) on the unix socket `socket`, one client at a
@@ -172,20 +190,21 @@ fn connections_to(port: u16) -> usize {
         .count()
 }
 
-/// A configured nbd device over TCP comes up LIVE with its export's size; fio writes
-/// and verifies it while its worker is SIGKILLed three times and then nbdkit itself is
+/// A configured nbd device comes up LIVE with its export's size; fio writes and
+/// verifies it while its worker is SIGKILLed three times and then nbdkit itself is
 /// stopped for 3 s and started again: every kill and the server's absence cost a
 /// recovery with the I/O held, fio sees no error and no corrupt block, and the device
-/// reads back identical to the server's file.
-#[test]
-fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
-    let _serial = serial();
-    let file = PathBuf::from("/tmp/ublkd-test-nbd-tcp.img");
+/// reads back identical to the server's file. Over TCP with a connection per queue
+/// thread (multi-conn), and over a unix socket with one connection both queue threads
+/// share (the export without multi-conn): the second connection's reader posts the
+/// other thread's results into its ring.
+fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-fio.img");
     sparse_file(&file, 96 * MIB);
-    let port = 10_809;
-    let nbdkit = Server::nbdkit_tcp(port, &file);
+    let multi_conn = matches!(listen, Listen::Tcp(_));
+    let nbdkit = Server::nbdkit(listen, &file, multi_conn);
     let ublkd = Ublkd::start_with(
-        "nbd-tcp",
+        "nbd-fio",
         &format!(
             "\n[[device]]\nid = 3\ntarget = \"nbd\"\nuri = \"{}\"\nqueues = 2\nthreads = 2\n",
             nbdkit.uri
@@ -196,12 +215,19 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let dev = ublkd.status_of(id);
     assert_eq!((dev["state"].as_str(), dev["target"].as_str()), (Some("LIVE"), Some("nbd")));
     assert_eq!(dev["size_bytes"].as_u64(), Some(96 * MIB), "{dev}");
+    let connections = || match listen {
+        Listen::Tcp(port) => connections_to(port),
+        // Not counted (unix sockets have no peer address to count by); the export's
+        // description in the log says whether it allows several.
+        Listen::Unix(_) => 0,
+    };
+    let want_connections = if multi_conn { 2 } else { 0 };
     // nbdkit's file plugin allows several connections (multi-conn): one per thread.
-    assert_eq!(connections_to(port), 2, "the worker's connections to nbdkit");
+    assert_eq!(connections(), want_connections, "the worker's connections to nbdkit");
     let node = block_dev(id);
     wait_for_path(&node);
 
-    let mut args = fio_verify_args("nbd-tcp", &node, "randwrite", 2, 32 * MIB);
+    let mut args = fio_verify_args("nbd-fio", &node, "randwrite", 2, 32 * MIB);
     // Time-based, so fio is still writing when the server goes away, reading back and
     // checking its writes as it goes (every 256).
     args.extend(["--time_based", "--runtime=25", "--verify_backlog=256"].map(String::from));
@@ -217,27 +243,50 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let dev = ublkd.status_of(id);
     assert_ne!(dev["state"], "LIVE", "LIVE without its server: {dev}");
     eprintln!("while the server is away: {} ({})", dev["state"], dev["note"]);
-    let nbdkit = Server::nbdkit_tcp(port, &file);
+    let nbdkit = Server::nbdkit(listen, &file, multi_conn);
     wait_recovered(&ublkd, id, 4);
     let jobs = fio.wait().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     assert_fio_clean(&jobs, 2);
     let dev = ublkd.status_of(id);
     assert_eq!(dev["recoveries"].as_u64(), Some(4), "{dev}");
-    assert_eq!(connections_to(port), 2, "the last worker's connections to nbdkit");
+    assert_eq!(connections(), want_connections, "the last worker's connections to nbdkit");
     assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
     let log = ublkd.log();
     assert!(log.contains("lost its connection to the NBD server"), "{log}");
     assert!(log.contains("waiting for the NBD server"), "{log}");
+    let export = log.lines().find(|l| l.contains("NBD export:")).unwrap_or_else(|| panic!("{log}"));
     // nbdkit answers in chunks (NBD_OPT_STRUCTURED_REPLY), which the worker reads.
-    assert!(log.contains("structured replies"), "{log}");
+    assert!(export.contains("structured replies"), "{export}");
+    assert_eq!(export.contains("multi-conn"), multi_conn, "{export}");
     eprintln!(
-        "3 worker kills and a 3 s server outage under fio; last stall {} ms",
+        "3 worker kills and a 3 s server outage under fio ({listen:?}); last stall {} ms",
         dev["last_recovery_ms"]
     );
     assert_eq!(sha256(&node), sha256(&file), "the device does not read back as the server's file");
     drop(nbdkit);
+    ublkd.stop();
+    let _ = std::fs::remove_file(&file);
+}
 
-    // A server that is not there is named, and no kernel device is made for it.
+#[test]
+fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
+    let _serial = serial();
+    fio_verify_survives_three_worker_kills_and_a_server_restart(Listen::Tcp(10_809));
+}
+
+#[test]
+fn fio_verify_over_a_unix_socket_shared_by_two_threads_survives_kills_and_a_server_restart() {
+    let _serial = serial();
+    fio_verify_survives_three_worker_kills_and_a_server_restart(Listen::Unix(
+        "/tmp/ublkd-test-nbdkit.sock",
+    ));
+}
+
+/// A server that is not there is named, and no kernel device is made for it.
+#[test]
+fn a_missing_server_is_named_and_makes_no_device() {
+    let _serial = serial();
+    let ublkd = Ublkd::start("nbd-missing");
     let before = kernel_devices();
     let missing = "nbd+unix:///?socket=/tmp/ublkd-test-nbd-missing.sock";
     let out = ublkd.ctl(&["add", "-t", "nbd", "--uri", missing]);
@@ -250,7 +299,6 @@ fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     );
     assert_eq!(kernel_devices(), before, "a kernel device was made");
     ublkd.stop();
-    let _ = std::fs::remove_file(&file);
 }
 
 /// qemu-nbd, one client at a time, on a raw file: what is written through the device
@@ -379,7 +427,7 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     let file = PathBuf::from("/tmp/ublkd-test-nbd-wait.img");
     sparse_file(&file, 16 * MIB);
     let port = 10_810;
-    let mut nbdkit = Server::nbdkit_tcp(port, &file);
+    let mut nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
     let ublkd = Ublkd::start_with(
         "nbd-wait",
         "\n[recovery]\nnbd_server_wait_secs = 3\nrestart_max = 1\n",
@@ -390,7 +438,7 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     write_at(&node, 0, &pattern(5, 65536));
     for restart in 1..=3 {
         drop(nbdkit);
-        nbdkit = Server::nbdkit_tcp(port, &file);
+        nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
         wait_recovered(&ublkd, id, restart);
         assert!(read_at_direct(&node, 0, 65536) == pattern(5, 65536));
     }
@@ -413,7 +461,7 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     assert!(note.contains(&format!("ublkctl recover {id}")), "{dev}");
     eprintln!("the read failed after {waited:?}: {note}");
 
-    let _nbdkit = Server::nbdkit_tcp(port, &file);
+    let _nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
     ublkd.ctl_ok(&["recover", &id.to_string()]);
     let dev = ublkd.status_of(id);
     assert_eq!((dev["state"].as_str(), dev["failing_io"].as_bool()), (Some("LIVE"), Some(false)));
