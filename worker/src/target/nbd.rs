@@ -42,6 +42,11 @@ use super::{IoReq, Reply, Step, Target, TargetError, TargetWork, own_user_data};
 /// completion's worth at a time.
 const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 
+/// The least of a READ's data, still to come when the receive buffer runs dry, that is
+/// received straight into the tag's buffer: less comes with the next replies through
+/// the receive buffer, in one RECV rather than two.
+const DIRECT_RECEIVE_MIN_BYTES: u32 = 16 << 10;
+
 /// The most parts one SENDMSG carries (the kernel's `UIO_MAXIOV`): a request is one
 /// part (its header) or two (and a WRITE's data).
 const MAX_PARTS_PER_SEND: usize = 1024;
@@ -178,12 +183,39 @@ enum Reading {
     Data { cookie: u64, dest: usize, left: u32, direct: bool, last: bool },
 }
 
+/// Hashes a cookie with one multiplication: cookies are the loop's user data for a
+/// tag, distinct by construction and not chosen by anyone outside the worker, so
+/// SipHash's protection against chosen keys buys nothing here and costs twice per
+/// request. (A reply's cookie is the server's, but it is only looked up.)
+#[derive(Debug, Default, Clone, Copy)]
+struct CookieHasher(u64);
+
+impl std::hash::Hasher for CookieHasher {
+    fn finish(&self) -> u64 {
+        // The tag in the low bits, the queue in bits 32..48 (see `UserData`): folded
+        // together, then spread to the high bits too (the table uses both ends).
+        (self.0 ^ (self.0 >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Cookies = HashMap<u64, Waiting, std::hash::BuildHasherDefault<CookieHasher>>;
+
 /// A connection's state, under its lock.
 #[derive(Debug)]
 struct ConnectionState {
     /// Requests sent or queued and not yet answered, by cookie (their
     /// `Reply::user_data`, unique while a request is in flight).
-    waiting: HashMap<u64, Waiting>,
+    waiting: Cookies,
     queued: Vec<Queued>,
     /// The SENDMSG in flight, if any.
     sending: Option<Box<SendBatch>>,
@@ -199,7 +231,7 @@ struct ConnectionState {
 impl Default for ConnectionState {
     fn default() -> Self {
         ConnectionState {
-            waiting: HashMap::new(),
+            waiting: Cookies::default(),
             queued: Vec::new(),
             sending: None,
             spare: None,
@@ -397,9 +429,10 @@ impl ConnectionState {
                     self.start += n;
                     let (dest, left) = (dest + n, left - n as u32);
                     if left > 0 {
-                        // The receive buffer is empty: the rest goes straight where it
-                        // belongs.
-                        self.reading = Reading::Data { cookie, dest, left, direct: true, last };
+                        // The receive buffer is empty: a large rest goes straight where
+                        // it belongs.
+                        let direct = left >= DIRECT_RECEIVE_MIN_BYTES;
+                        self.reading = Reading::Data { cookie, dest, left, direct, last };
                         return;
                     }
                     self.reading = Reading::Header;
