@@ -60,7 +60,14 @@ pub struct NbdLink {
     pub info: Option<ExportInfo>,
     pub socket: Option<OwnedFd>,
     connecting: Option<mpsc::Receiver<Connected>>,
+    /// Copies of the connections the serving worker was given: once it is dead they
+    /// are drained ([`nbd::drain`]) before its successor connects.
+    pub served: Vec<OwnedFd>,
 }
+
+/// How long a recovery waits for the server to finish with a dead worker's connections
+/// before it connects anyway.
+pub const NBD_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// For an nbd target, connects and negotiates, so that the device is made from what
 /// the export is (its size, block sizes, flags) and its first worker gets this
@@ -70,7 +77,7 @@ pub fn connect_export(spec: &DeviceSpec) -> Result<Option<NbdLink>, TargetError>
     match nbd::connect(uri, NBD_HANDSHAKE_TIMEOUT) {
         Ok((socket, info)) => {
             tracing::info!(uri = %uri, event = "nbd_export", "NBD export: {info}");
-            Ok(Some(NbdLink { info: Some(info), socket: Some(socket), connecting: None }))
+            Ok(Some(NbdLink { info: Some(info), socket: Some(socket), ..NbdLink::default() }))
         }
         Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
     }
@@ -110,9 +117,14 @@ pub fn nbd_poll_connect(
     let Some(rx) = &link.connecting else {
         let (tx, rx) = mpsc::channel();
         let target = uri.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("nbd-connect-{id}"))
-            .spawn(move || drop(tx.send(nbd::connect(&target, NBD_HANDSHAKE_TIMEOUT))));
+        let dead = std::mem::take(&mut link.served);
+        let spawned =
+            std::thread::Builder::new().name(format!("nbd-connect-{id}")).spawn(move || {
+                if !dead.is_empty() {
+                    drain_dead_workers(id, dead);
+                }
+                drop(tx.send(nbd::connect(&target, NBD_HANDSHAKE_TIMEOUT)));
+            });
         return match spawned {
             Ok(_) => {
                 link.connecting = Some(rx);
@@ -176,6 +188,32 @@ fn same_export(
     }
     link.info = Some(info);
     Ok(socket)
+}
+
+/// Drains a dead worker's connections (see [`nbd::drain`]) and says how it went: a
+/// write it sent must not reach the export after its successor's.
+fn drain_dead_workers(id: u32, sockets: Vec<OwnedFd>) {
+    let (n, started) = (sockets.len(), Instant::now());
+    let closed = nbd::drain(sockets, started + NBD_DRAIN_TIMEOUT);
+    let ms = started.elapsed().as_millis() as u64;
+    if closed == n {
+        tracing::info!(
+            dev_id = id,
+            event = "nbd_drained",
+            drain_ms = ms,
+            "the server finished with the dead worker's {n} connection(s) in {ms} ms"
+        );
+    } else {
+        tracing::warn!(
+            dev_id = id,
+            event = "nbd_drain_timeout",
+            "the server did not close {} of the dead worker's {n} connection(s) within {} s; \
+             connecting anyway (a request the dead worker sent could still reach the export \
+             late)",
+            n - closed,
+            NBD_DRAIN_TIMEOUT.as_secs()
+        );
+    }
 }
 
 /// The largest request, and so each tag's buffer in the worker.

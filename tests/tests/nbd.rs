@@ -254,6 +254,8 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     let log = ublkd.log();
     assert!(log.contains("lost its connection to the NBD server"), "{log}");
     assert!(log.contains("waiting for the NBD server"), "{log}");
+    // Each dead worker's connections were ended and drained before its successor's.
+    assert!(log.contains("the server finished with the dead worker's"), "{log}");
     let export = log.lines().find(|l| l.contains("NBD export:")).unwrap_or_else(|| panic!("{log}"));
     // nbdkit answers in chunks (NBD_OPT_STRUCTURED_REPLY), which the worker reads.
     assert!(export.contains("structured replies"), "{export}");

@@ -229,9 +229,12 @@ impl Device {
         }
         let ublkc = open_char_dev(id)?;
         let ready = worker.activate(generation, ublkc.as_fd(), &sockets, WORKER_TIMEOUT);
-        // Close our copies now: only the worker may hold /dev/ublkcN (and the server
-        // sees only the worker's connections).
-        drop((ublkc, sockets));
+        // Close our copy now: only the worker may hold /dev/ublkcN. The connections are
+        // kept, to be drained once this worker is dead (a previous worker's go now).
+        drop(ublkc);
+        if let Some(link) = &mut self.nbd {
+            link.served = sockets;
+        }
         let activation = match ready {
             Ok(a) => a,
             Err(source) => {

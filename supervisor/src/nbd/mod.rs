@@ -18,7 +18,7 @@ pub mod wire;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -309,6 +309,50 @@ pub fn disconnect(socket: OwnedFd) {
     let _ = file.write_all(&disconnect_request());
 }
 
+/// Ends connections a dead worker used, so that nothing it sent can still reach the
+/// export once its successor serves: the sending side is shut (no bytes added: the dead
+/// worker may have left half a request in the stream, which the server then drops as
+/// truncated), and what the server still answers is read and thrown away until it
+/// closes its side. That orders the dead worker's writes before its successor's for a
+/// server that closes only once it has finished the requests it read (not checked for
+/// nbdkit or qemu-nbd: see the README). A server that has not closed by `deadline` is
+/// left to it. Returns how many connections the server closed in time.
+pub fn drain(sockets: Vec<OwnedFd>, deadline: Instant) -> usize {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::sys::socket::{Shutdown, shutdown};
+    let mut closed = 0;
+    for socket in sockets {
+        let fd = socket.as_raw_fd();
+        // Already shut, or not connected any more (the server went first): reading
+        // tells which.
+        let _ = shutdown(fd, Shutdown::Write);
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let ms = PollTimeout::try_from(left.as_millis().min(10_000) as i32)
+                .unwrap_or(PollTimeout::MAX);
+            let mut fds = [PollFd::new(socket.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, ms) {
+                Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+            match nix::unistd::read(&socket, &mut buf) {
+                Ok(0) | Err(_) => {
+                    // End of stream, or the connection reset: the server is done with it.
+                    closed += 1;
+                    break;
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+    closed
+}
+
 /// `NBD_CMD_DISC`: magic, flags 0, type, handle 0, offset 0, length 0.
 fn disconnect_request() -> [u8; 28] {
     let mut request = [0u8; 28];
@@ -529,5 +573,34 @@ mod tests {
         assert_eq!(request[..4], [0x25, 0x60, 0x95, 0x13]);
         assert_eq!(request[4..8], [0, 0, 0, 2]);
         assert!(request[8..].iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn a_drain_shuts_the_sending_side_and_waits_for_the_server_to_close() {
+        // A server that reads to the end of what was sent, answers, and closes.
+        let (ours, mut server) = UnixStream::pair().unwrap();
+        (&ours).write_all(b"half a request").unwrap();
+        let served = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            server.read_to_end(&mut got).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            server.write_all(&[7; 100]).unwrap();
+            got
+        });
+        let started = Instant::now();
+        assert_eq!(drain(vec![OwnedFd::from(ours)], started + Duration::from_secs(5)), 1);
+        assert!(started.elapsed() >= Duration::from_millis(200), "did not wait for the close");
+        assert_eq!(served.join().unwrap(), b"half a request", "no byte was added to the stream");
+
+        // A server that keeps the connection open is waited for until the deadline only.
+        let (ours, server) = UnixStream::pair().unwrap();
+        let started = Instant::now();
+        assert_eq!(drain(vec![OwnedFd::from(ours)], started + Duration::from_millis(300)), 0);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
+            "{waited:?}"
+        );
+        drop(server);
     }
 }
