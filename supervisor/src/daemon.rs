@@ -36,7 +36,7 @@ use handlers::describe_spec;
 pub use handlers::spec_from_request;
 
 use crate::control::{ControlServer, Token};
-use crate::device::{Context, Device, DeviceError};
+use crate::device::{Context, Creation, Device, DeviceError, Progress};
 use crate::device_state::{StateKind, Summary};
 use crate::metrics::FileWriter;
 use crate::state::StateDir;
@@ -139,19 +139,30 @@ pub struct Daemon {
     shutting_down: bool,
     /// Writes `daemon.metrics_file`, if set.
     metrics_file: Option<FileWriter>,
-    /// `ublkctl add`s of nbd devices whose exports are being negotiated.
+    /// `ublkctl add`s under way: exports being negotiated, workers starting.
     pending_adds: Vec<PendingAdd>,
 }
 
-/// An `ublkctl add` of an nbd device whose export is connected and negotiated on a
-/// thread of its own (up to the handshake's 10 s): answered once that is done and the
-/// device made, so that a slow server never holds up the loop (other devices'
-/// recoveries, clients, the watchdog).
+/// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
+/// that no add holds up the loop (other devices' recoveries, clients, other adds, the
+/// watchdog): an nbd device's export is first connected and negotiated on a thread of
+/// its own (up to the handshake's 10 s), then every device's first worker starts while
+/// the loop watches its control socket ([`Creation`]: 0.1-1 s under emulation). Adds
+/// issued together overlap.
 #[derive(Debug)]
 struct PendingAdd {
     token: Token,
+    /// As asked (for [`Daemon::check_add`]'s conflicts).
     spec: DeviceSpec,
-    connected: mpsc::Receiver<Result<Option<NbdLink>, TargetError>>,
+    stage: AddStage,
+}
+
+#[derive(Debug)]
+enum AddStage {
+    /// The nbd export is being negotiated on a thread.
+    Connecting(mpsc::Receiver<Result<Option<NbdLink>, TargetError>>),
+    /// The device is made; its first worker is starting.
+    Starting(Box<Creation>),
 }
 
 /// How often the loop looks whether an nbd add's handshake is done.
@@ -285,6 +296,7 @@ impl Daemon {
     /// the same id if the config gives one) is not created again.
     pub fn create_configured(&mut self) -> usize {
         let mut failed = 0;
+        let mut missing = Vec::new();
         let mut adopted: Vec<DeviceSpec> =
             self.devices.values().map(|d| d.spec().clone()).collect();
         for spec in self.config.devices.clone() {
@@ -296,13 +308,15 @@ impl Daemon {
                 }
                 continue;
             }
-            self.notifier.extend_timeout(Duration::from_secs(60));
-            match self.add(&spec) {
+            missing.push(spec);
+        }
+        for (spec, made) in missing.iter().zip(self.create_all(&missing, true)) {
+            match made {
                 Ok(id) => self.configured.push((spec.clone(), id)),
                 Err(e) => {
-                    tracing::error!("configured device {}: {e}", describe_spec(&spec));
+                    tracing::error!("configured device {}: {e}", describe_spec(spec));
                     self.last_event =
-                        Some(format!("configured device {} failed: {e}", describe_spec(&spec)));
+                        Some(format!("configured device {} failed: {e}", describe_spec(spec)));
                     failed += 1;
                 }
             }
@@ -331,10 +345,14 @@ impl Daemon {
             Err(e) => return Some(CtlResponse::Error { message: e }),
         };
         if !matches!(spec.target, TargetSpec::Nbd { .. }) {
-            return Some(match self.add(&spec) {
-                Ok(id) => CtlResponse::Added { id },
-                Err(e) => CtlResponse::Error { message: e.to_string() },
-            });
+            return match Device::begin_create(&self.ctx, &spec, None) {
+                Ok(creation) => {
+                    let stage = AddStage::Starting(Box::new(creation));
+                    self.pending_adds.push(PendingAdd { token, spec, stage });
+                    None
+                }
+                Err(e) => Some(CtlResponse::Error { message: e.to_string() }),
+            };
         }
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
@@ -345,48 +363,108 @@ impl Daemon {
             let message = format!("cannot start a thread to connect: {e}");
             return Some(CtlResponse::Error { message });
         }
-        self.pending_adds.push(PendingAdd { token, spec, connected });
+        let stage = AddStage::Connecting(connected);
+        self.pending_adds.push(PendingAdd { token, spec, stage });
         None
     }
 
-    /// Makes the devices of the nbd adds whose handshakes are done, and answers them.
+    /// Moves every add under way on: makes the devices of the nbd adds whose
+    /// handshakes are done, hands each new device whose worker has answered to it, and
+    /// answers the adds that are done.
     fn finish_pending_adds(&mut self) {
         let mut waiting = Vec::with_capacity(self.pending_adds.len());
-        for pending in std::mem::take(&mut self.pending_adds) {
-            let connected = match pending.connected.try_recv() {
-                Ok(connected) => connected,
-                Err(mpsc::TryRecvError::Empty) => {
+        for mut pending in std::mem::take(&mut self.pending_adds) {
+            if let AddStage::Connecting(connected) = &pending.stage {
+                let begun = match connected.try_recv() {
+                    Ok(connected) => connected
+                        .map_err(DeviceError::from)
+                        .and_then(|link| Device::begin_create(&self.ctx, &pending.spec, link)),
+                    Err(mpsc::TryRecvError::Empty) => {
+                        waiting.push(pending);
+                        continue;
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        let why = "the thread negotiating the export ended without an answer";
+                        let response = CtlResponse::Error { message: why.into() };
+                        self.control.respond(pending.token, &response, Instant::now());
+                        continue;
+                    }
+                };
+                match begun {
+                    Ok(creation) => pending.stage = AddStage::Starting(Box::new(creation)),
+                    Err(e) => {
+                        let response = CtlResponse::Error { message: e.to_string() };
+                        self.control.respond(pending.token, &response, Instant::now());
+                        continue;
+                    }
+                }
+            }
+            let AddStage::Starting(creation) = pending.stage else { continue };
+            let response = match creation.progress(&self.ctx, Instant::now()) {
+                Progress::Pending(creation) => {
+                    pending.stage = AddStage::Starting(Box::new(creation));
                     waiting.push(pending);
                     continue;
                 }
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    let why = "the thread negotiating the export ended without an answer";
-                    let response = CtlResponse::Error { message: why.into() };
-                    self.control.respond(pending.token, &response, Instant::now());
-                    continue;
-                }
-            };
-            let made = connected
-                .map_err(DeviceError::from)
-                .and_then(|link| Device::create_connected(&self.ctx, &pending.spec, link));
-            let response = match made {
-                Ok(dev) => {
+                Progress::Done(Ok(dev)) => {
                     let id = dev.id();
                     self.devices.insert(id, dev);
                     CtlResponse::Added { id }
                 }
-                Err(e) => CtlResponse::Error { message: e.to_string() },
+                Progress::Done(Err(e)) => CtlResponse::Error { message: e.to_string() },
             };
             self.control.respond(pending.token, &response, Instant::now());
         }
         self.pending_adds = waiting;
     }
 
-    fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
-        let dev = Device::create(&self.ctx, spec)?;
-        let id = dev.id();
-        self.devices.insert(id, dev);
-        Ok(id)
+    /// Creates the devices of `specs` (configured ones, at start or in a reload),
+    /// [`CREATING_AT_ONCE`] at a time so that their workers' start-ups overlap, and
+    /// waits until each is LIVE or has failed: the outcome of each, in order. An nbd
+    /// device's export is negotiated here first. `starting`: ublkd is starting, and
+    /// tells systemd that it needs time for each device.
+    fn create_all(
+        &mut self,
+        specs: &[DeviceSpec],
+        starting: bool,
+    ) -> Vec<Result<u32, DeviceError>> {
+        let mut outcomes: Vec<(usize, Result<u32, DeviceError>)> = Vec::with_capacity(specs.len());
+        let mut creating: Vec<(usize, Creation)> = Vec::new();
+        let mut next = specs.iter().enumerate();
+        loop {
+            while creating.len() < CREATING_AT_ONCE {
+                let Some((at, spec)) = next.next() else { break };
+                if starting {
+                    self.notifier.extend_timeout(Duration::from_secs(60));
+                }
+                let begun = connect_export(spec)
+                    .map_err(DeviceError::from)
+                    .and_then(|link| Device::begin_create(&self.ctx, spec, link));
+                match begun {
+                    Ok(creation) => creating.push((at, creation)),
+                    Err(e) => outcomes.push((at, Err(e))),
+                }
+            }
+            if creating.is_empty() {
+                break;
+            }
+            wait_for_workers(creating.iter().map(|(_, c)| c));
+            for (at, creation) in std::mem::take(&mut creating) {
+                match creation.progress(&self.ctx, Instant::now()) {
+                    Progress::Pending(creation) => creating.push((at, creation)),
+                    Progress::Done(made) => outcomes.push((
+                        at,
+                        made.map(|dev| {
+                            let id = dev.id();
+                            self.devices.insert(id, dev);
+                            id
+                        }),
+                    )),
+                }
+            }
+        }
+        outcomes.sort_unstable_by_key(|(at, _)| *at);
+        outcomes.into_iter().map(|(_, made)| made).collect()
     }
 
     /// Serves until SIGTERM or SIGINT, then exits leaving every device in the kernel
@@ -439,15 +517,28 @@ impl Daemon {
                 }
             }
             let worker_fds = control_fds.end..fds.len();
+            // A new device's starting worker answers (or hangs up) on its control
+            // socket; an nbd add's handshake has no fd to poll.
+            for pending in &self.pending_adds {
+                match &pending.stage {
+                    AddStage::Starting(creation) => {
+                        wake_by = wake_by.min(creation.deadline());
+                        if let Some(fd) = creation.control() {
+                            let fd = fd.as_raw_fd();
+                            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                        }
+                    }
+                    AddStage::Connecting(_) => {
+                        wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
+                    }
+                }
+            }
             let control_due = self.control.next_deadline();
             if let Some(due) = control_due {
                 wake_by = wake_by.min(due);
             }
             if let Some(writer) = &self.metrics_file {
                 wake_by = wake_by.min(writer.due());
-            }
-            if !self.pending_adds.is_empty() {
-                wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
             }
             let idle = self.devices.is_empty()
                 && self.pending_adds.is_empty()
@@ -508,6 +599,14 @@ impl Daemon {
             }
         }
         self.notifier.stopping();
+        // Adds under way are given up (their devices deleted, their workers ended),
+        // not left half-made: their clients were not told of a device.
+        for pending in std::mem::take(&mut self.pending_adds) {
+            if let AddStage::Starting(creation) = pending.stage {
+                tracing::info!(dev_id = creation.id(), "stopping: giving up an add under way");
+                creation.abandon(&self.ctx);
+            }
+        }
         let mut serving_on = 0;
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
@@ -691,6 +790,26 @@ const DEATHS_PER_TURN: Duration = Duration::from_secs(1);
 /// CPU from the devices serving: after every worker died at once (an OOM kill), the
 /// recoveries, not hundreds of spares starting beside them, must have it.
 const STANDBYS_STARTING_AT_ONCE: usize = 8;
+
+/// How many configured devices [`Daemon::create_all`] creates at once: for the same
+/// reason, as many as standbys may start at once.
+const CREATING_AT_ONCE: usize = STANDBYS_STARTING_AT_ONCE;
+
+/// Waits until one of `creating`'s workers has something to say, or the first of their
+/// deadlines.
+fn wait_for_workers<'a>(creating: impl Iterator<Item = &'a Creation>) {
+    let mut fds = Vec::new();
+    let mut wake_by = Instant::now() + Duration::from_secs(1);
+    for creation in creating {
+        wake_by = wake_by.min(creation.deadline());
+        if let Some(fd) = creation.control() {
+            fds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+    }
+    // SAFETY: `fds` is a valid array of pollfds for the duration of the call. Its
+    // outcome is not needed: each creation then looks at its own worker.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, millis_until(wake_by)) };
+}
 
 fn make_dir(path: &Path, mode: u32) -> Result<(), DaemonError> {
     std::fs::DirBuilder::new()
