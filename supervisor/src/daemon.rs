@@ -2,8 +2,10 @@
 //!
 //! One thread does everything, in one `poll` loop over the control socket and its
 //! connections (served without blocking: [`crate::control`]), a self-pipe that signal
-//! handlers write to, and a pidfd per worker (readable the moment it dies).
-//! Devices change only on that thread, so the device table needs no lock. While any
+//! handlers write to, a pidfd per worker (readable the moment it dies), and the control
+//! socket of each worker still starting. An `ublkctl add` is answered once its device is
+//! LIVE, without holding the loop meanwhile (`PendingAdd`): adds sent together
+//! overlap their workers' start-ups. Devices change only on that thread, so the device table needs no lock. While any
 //! device is served the loop also wakes a few times per hung-worker timeout to compare
 //! heartbeats.
 //!
@@ -337,8 +339,9 @@ impl Daemon {
         crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
     }
 
-    /// `ublkctl add`: answered now, or, for an nbd device, once its export has been
-    /// negotiated on a thread of its own ([`PendingAdd`], `None` here).
+    /// `ublkctl add`: answered now if it is refused, else once its device is LIVE or
+    /// has failed ([`PendingAdd`], `None` here): an nbd device's export negotiated on a
+    /// thread of its own, then every device's worker started while the loop goes on.
     fn begin_add(&mut self, token: Token, add: &AddRequest) -> Option<CtlResponse> {
         let spec = match self.check_add(add) {
             Ok(spec) => spec,

@@ -8,7 +8,9 @@
 //! Because the supervisor is the opener, the kernel records the supervisor's pid as the
 //! device's server, and START_DEV / END_USER_RECOVERY carry that pid.
 //!
-//! This module creates, adopts and deletes devices and keeps their state
+//! This module creates (in two steps, so that a worker's start never holds up the
+//! loop: [`Device::begin_create`], then [`Creation::progress`] once the worker
+//! answers), adopts and deletes devices and keeps their state
 //! ([`crate::device_state`]); `workers` starts and activates their workers,
 //! `user_recovery` replaces a worker through the kernel's user recovery, and
 //! [`crate::target`] sets up what the workers are given. When to recover is
