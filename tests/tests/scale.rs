@@ -393,3 +393,49 @@ fn adds_overlap_their_workers_start_ups() {
     ublkd.stop();
     let _ = std::fs::remove_file(&wrapper);
 }
+
+/// How many configured devices [`configured_devices_are_created_side_by_side_at_start`]
+/// gives ublkd.
+const CONFIGURED: u32 = 6;
+
+#[test]
+fn configured_devices_are_created_side_by_side_at_start() {
+    let _serial = serial();
+    let wrapper = PathBuf::from("/tmp/ublkd-test-slow-worker-configured");
+    slow_worker(&wrapper);
+    let mut extra = format!("worker_binary = \"{}\"\n", wrapper.display());
+    let ids: Vec<u32> = (10..10 + CONFIGURED).collect();
+    for id in &ids {
+        extra.push_str(&format!(
+            "\n[[device]]\nid = {id}\ntarget = \"null\"\nsize = \"1M\"\nqueues = 1\n\
+             queue_depth = 4\n"
+        ));
+    }
+    // ublkd answers once every configured device is LIVE (or failed).
+    let started = Instant::now();
+    let ublkd = Ublkd::start_with("slow-configured", &extra, &[]);
+    let took = started.elapsed();
+    let status = ublkd.status();
+    let mut live: Vec<u32> = status
+        .iter()
+        .filter(|d| d["state"] == "LIVE")
+        .map(|d| d["id"].as_u64().unwrap() as u32)
+        .collect();
+    live.sort_unstable();
+    assert_eq!(live, ids, "the configured devices LIVE:\n{}", ublkd.log());
+    println!(
+        "{CONFIGURED} configured devices, each worker starting in {SLOW_START:?} or more: \
+         ublkd answered after {:.2} s (one after another: {:.0} s or more)",
+        took.as_secs_f64(),
+        (SLOW_START * CONFIGURED).as_secs_f64()
+    );
+    assert!(
+        took < SLOW_START * CONFIGURED * 3 / 4,
+        "{CONFIGURED} configured devices took {took:?}: not created side by side"
+    );
+    ublkd.wait_until("every device has a standby", || {
+        ublkd.status().iter().all(|d| d["standby_pid"].is_u64())
+    });
+    ublkd.stop();
+    let _ = std::fs::remove_file(&wrapper);
+}
