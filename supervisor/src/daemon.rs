@@ -603,12 +603,14 @@ impl Daemon {
         }
         self.notifier.stopping();
         // Adds under way are given up (their devices deleted, their workers ended),
-        // not left half-made: their clients were not told of a device.
+        // not left half-made, and their clients told so.
         for pending in std::mem::take(&mut self.pending_adds) {
             if let AddStage::Starting(creation) = pending.stage {
                 tracing::info!(dev_id = creation.id(), "stopping: giving up an add under way");
                 creation.abandon(&self.ctx);
             }
+            let message = "ublkd stopped before the device was made".to_string();
+            self.control.respond(pending.token, &CtlResponse::Error { message }, Instant::now());
         }
         let mut serving_on = 0;
         if !self.devices.is_empty() {

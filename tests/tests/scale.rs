@@ -15,7 +15,8 @@
 //! [`SLOW_START`] each to start, [`CONCURRENT_ADDS`] adds issued together finish in
 //! about one start-up rather than one after another, `status` answers meanwhile, and an
 //! add whose worker never stands by fails after the worker timeout, leaving nothing
-//! behind, while the others succeed.
+//! behind, while the others succeed; one under way when ublkd stops is given up.
+//! Configured devices are created side by side too.
 
 mod common;
 
@@ -390,7 +391,16 @@ fn adds_overlap_their_workers_start_ups() {
     ublkd.wait_until("every device has a standby", || {
         ublkd.status().iter().all(|d| d["standby_pid"].is_u64())
     });
+    // An add under way when ublkd stops is given up: its device deleted, its worker
+    // ended, its client told.
+    let last = add(&[&small[..], &["-n", &SILENT_ID.to_string()]].concat());
+    ublkd.wait_until("the last add begun", || kernel_devices().contains(&SILENT_ID));
     ublkd.stop();
+    let out = last.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an add under way at shutdown succeeded: {}", describe(&out));
+    assert!(said.contains("ublkd stopped before the device was made"), "{}", describe(&out));
+    assert!(pids_running("sleep 3600").is_empty(), "the last add's worker is left running");
     let _ = std::fs::remove_file(&wrapper);
 }
 
