@@ -256,8 +256,8 @@ impl Creation {
 impl Device {
     /// Starts creating a device described by `spec` (already validated), with an nbd
     /// device's export already connected and negotiated (`nbd`, from
-    /// [`crate::target::connect_export`]): makes it in the kernel and starts its first worker, without
-    /// waiting for the worker (see [`Creation`]).
+    /// [`crate::target::connect_export`]): makes it in the kernel and starts its first
+    /// worker, without waiting for the worker (see [`Creation`]).
     pub fn begin_create(
         ctx: &Context,
         spec: &DeviceSpec,
