@@ -3,11 +3,12 @@
 //! One thread does everything, in one `poll` loop over the control socket and its
 //! connections (served without blocking: [`crate::control`]), a self-pipe that signal
 //! handlers write to, a pidfd per worker (readable the moment it dies), and the control
-//! socket of each worker still starting. An `ublkctl add` is answered once its device is
-//! LIVE, without holding the loop meanwhile (`PendingAdd`): adds sent together
-//! overlap their workers' start-ups. Devices change only on that thread, so the device table needs no lock. While any
-//! device is served the loop also wakes a few times per hung-worker timeout to compare
-//! heartbeats.
+//! socket of each worker still starting. An `ublkctl add` is answered once its device
+//! is LIVE, without holding the loop meanwhile (`PendingAdd`): adds sent together
+//! overlap their workers' start-ups, and a recovery whose standby is still starting
+//! waits for it on later turns. Devices change only on that thread, so the device table
+//! needs no lock. While any device is served the loop also wakes a few times per
+//! hung-worker timeout to compare heartbeats.
 //!
 //! A worker's death starts a recovery at once, within the device's restart budget;
 //! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
@@ -270,7 +271,8 @@ impl Daemon {
             }
         }
         // Every adopted device's standby is starting: recover each device whose worker
-        // was not taken over onto its own.
+        // was not taken over onto its own. The recoveries wait for their standbys side
+        // by side (see below).
         for (&id, dev) in &mut self.devices {
             if dev.state().kind() == StateKind::Live {
                 continue;
@@ -289,6 +291,12 @@ impl Daemon {
                     ));
                 }
             }
+        }
+        // READY (which follows) still means every adopted device is served, failed, or
+        // waiting for the kernel's release (which only the loop waits for).
+        while self.devices.values().any(Device::awaiting_standby) {
+            std::thread::sleep(Duration::from_millis(10));
+            self.continue_recoveries();
         }
         adopted
     }

@@ -16,7 +16,8 @@
 //! about one start-up rather than one after another, `status` answers meanwhile, and an
 //! add whose worker never stands by fails after the worker timeout, leaving nothing
 //! behind, while the others succeed; one under way when ublkd stops is given up.
-//! Configured devices are created side by side too.
+//! Configured devices are created side by side too, and a recovery whose standby is
+//! still starting waits for it without holding up `status` or an add.
 
 mod common;
 
@@ -443,6 +444,50 @@ fn configured_devices_are_created_side_by_side_at_start() {
         took < SLOW_START * CONFIGURED * 3 / 4,
         "{CONFIGURED} configured devices took {took:?}: not created side by side"
     );
+    ublkd.wait_until("every device has a standby", || {
+        ublkd.status().iter().all(|d| d["standby_pid"].is_u64())
+    });
+    ublkd.stop();
+    let _ = std::fs::remove_file(&wrapper);
+}
+
+#[test]
+fn a_recovery_waiting_for_its_new_worker_holds_up_nothing_else() {
+    let _serial = serial();
+    let wrapper = PathBuf::from("/tmp/ublkd-test-slow-worker-recovery");
+    slow_worker(&wrapper);
+    let extra = format!("worker_binary = \"{}\"\n", wrapper.display());
+    let ublkd = Ublkd::start_with("slow-recovery", &extra, &[]);
+    let small = ["-t", "null", "-s", "1M", "-q", "1", "-d", "4"];
+    let id = ublkd.add(&small);
+    // Its standby has just begun its start (SLOW_START): the recovery must wait for it.
+    let killed = ublkd.worker_pid(id);
+    assert!(common::signal(killed, libc::SIGKILL));
+    std::thread::sleep(Duration::from_millis(300));
+    let asked = Instant::now();
+    let status = answer(ask(&ublkd.ctl.socket, CtlRequest::Status { id: None }));
+    let status_took = asked.elapsed();
+    assert!(matches!(status, CtlResponse::Status(_)), "status answered {status:?}");
+    let other = ublkd.add(&small);
+    let add_took = asked.elapsed();
+    ublkd.wait_until("the device recovered", || {
+        let d = ublkd.status_of(id);
+        d["state"] == "LIVE" && d["recoveries"] == 1
+    });
+    let recovered = ublkd.log().lines().find(|l| l.contains("device recovered")).map(String::from);
+    println!(
+        "a recovery waiting for its new worker ({SLOW_START:?} to start): `status` meanwhile \
+         answered in {} ms, an add in {:.2} s; {}",
+        status_took.as_millis(),
+        add_took.as_secs_f64(),
+        recovered.unwrap_or_default()
+    );
+    assert!(
+        status_took < SLOW_START / 4,
+        "`status` took {status_took:?} while a recovery waited for its worker"
+    );
+    assert_ne!(ublkd.worker_pid(id), killed);
+    assert_eq!(ublkd.status_of(other)["state"], "LIVE");
     ublkd.wait_until("every device has a standby", || {
         ublkd.status().iter().all(|d| d["standby_pid"].is_u64())
     });

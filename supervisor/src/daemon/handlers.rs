@@ -153,6 +153,10 @@ impl Daemon {
             Ok(Recovery::Done(stall)) => {
                 Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
             }
+            Ok(Recovery::Waiting) if dev.awaiting_standby() => Ok(format!(
+                "device {id}: recovering, waiting for its new worker to start; `ublkctl status \
+                 {id}` shows when it is LIVE"
+            )),
             Ok(Recovery::Waiting) => Ok(format!(
                 "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
                  (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"

@@ -183,6 +183,11 @@ impl Device {
         if !self.starting.as_ref().is_some_and(Worker::has_answered) {
             return;
         }
+        // A recovery waiting for this standby takes it itself, and fails if it failed
+        // (rather than start one worker after another that fail).
+        if self.awaiting_standby() {
+            return;
+        }
         let worker = self.starting.take().expect("checked above");
         match self.await_standby(worker, Duration::from_millis(100)) {
             Ok(worker) => {
