@@ -101,9 +101,12 @@ impl ControlServer {
         }
     }
 
-    /// The earliest deadline of an open connection: the loop must wake by then.
+    /// The earliest deadline of an open connection: the loop must wake by then. A
+    /// connection whose request is being handled (an add under way) has none until it
+    /// is answered: its passed deadline would have the loop wake at once, every turn,
+    /// for as long as the add takes.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.conns.iter().map(|c| c.deadline).min()
+        self.conns.iter().filter(|c| !matches!(c.phase, Phase::Handling)).map(|c| c.deadline).min()
     }
 
     /// After a poll on [`Self::pollfds`] (`fds`, exactly as they were added): reads and
@@ -420,6 +423,28 @@ mod tests {
         turn(&mut server, t0 + REQUEST_DEADLINE);
         assert_eq!(server.conns.len(), 0, "kept past its deadline");
         drop(silent);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_request_being_handled_sets_no_deadline_for_the_loop() {
+        let (mut server, dir) = server("handling");
+        let mut client = UnixStream::connect(dir.join("sock")).unwrap();
+        let t0 = Instant::now();
+        assert!(turn(&mut server, t0).is_empty(), "accepted, nothing sent yet");
+        assert!(server.next_deadline().is_some(), "a request not yet sent has its deadline");
+        client.write_all(&frame(&CtlRequest::Status { id: None })).unwrap();
+        let requests = turn(&mut server, t0);
+        assert_eq!(requests.len(), 1);
+        // Answered later (an add waiting for its worker): until then the loop must not
+        // be woken by a deadline that passes meanwhile.
+        assert_eq!(server.next_deadline(), None, "a handled request's deadline wakes the loop");
+        assert!(turn(&mut server, t0 + REQUEST_DEADLINE * 3).is_empty());
+        assert_eq!(server.conns.len(), 1, "a handled request was dropped at its deadline");
+        let later = t0 + REQUEST_DEADLINE * 3;
+        server.respond(requests[0].0, &CtlResponse::Added { id: 3 }, later);
+        let answer = msg::read_response(&mut client).unwrap();
+        assert!(matches!(answer, CtlResponse::Added { id: 3 }), "{answer:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -2,10 +2,13 @@
 //!
 //! One thread does everything, in one `poll` loop over the control socket and its
 //! connections (served without blocking: [`crate::control`]), a self-pipe that signal
-//! handlers write to, and a pidfd per worker (readable the moment it dies).
-//! Devices change only on that thread, so the device table needs no lock. While any
-//! device is served the loop also wakes a few times per hung-worker timeout to compare
-//! heartbeats.
+//! handlers write to, a pidfd per worker (readable the moment it dies), and the control
+//! socket of each worker still starting. An `ublkctl add` is answered once its device
+//! is LIVE, without holding the loop meanwhile (`PendingAdd`): adds sent together
+//! overlap their workers' start-ups, and a recovery whose standby is still starting
+//! waits for it on later turns. Devices change only on that thread, so the device table
+//! needs no lock. While any device is served the loop also wakes a few times per
+//! hung-worker timeout to compare heartbeats.
 //!
 //! A worker's death starts a recovery at once, within the device's restart budget;
 //! past the budget the device stays QUIESCED (I/O waits, nothing fails) and `ublkctl
@@ -36,7 +39,7 @@ use handlers::describe_spec;
 pub use handlers::spec_from_request;
 
 use crate::control::{ControlServer, Token};
-use crate::device::{Context, Device, DeviceError};
+use crate::device::{Context, Creation, Device, DeviceError, Progress};
 use crate::device_state::{StateKind, Summary};
 use crate::metrics::FileWriter;
 use crate::state::StateDir;
@@ -139,19 +142,30 @@ pub struct Daemon {
     shutting_down: bool,
     /// Writes `daemon.metrics_file`, if set.
     metrics_file: Option<FileWriter>,
-    /// `ublkctl add`s of nbd devices whose exports are being negotiated.
+    /// `ublkctl add`s under way: exports being negotiated, workers starting.
     pending_adds: Vec<PendingAdd>,
 }
 
-/// An `ublkctl add` of an nbd device whose export is connected and negotiated on a
-/// thread of its own (up to the handshake's 10 s): answered once that is done and the
-/// device made, so that a slow server never holds up the loop (other devices'
-/// recoveries, clients, the watchdog).
+/// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
+/// that no add holds up the loop (other devices' recoveries, clients, other adds, the
+/// watchdog): an nbd device's export is first connected and negotiated on a thread of
+/// its own (up to the handshake's 10 s), then every device's first worker starts while
+/// the loop watches its control socket ([`Creation`]: 0.1-1 s under emulation). Adds
+/// issued together overlap.
 #[derive(Debug)]
 struct PendingAdd {
     token: Token,
+    /// As asked (for [`Daemon::check_add`]'s conflicts).
     spec: DeviceSpec,
-    connected: mpsc::Receiver<Result<Option<NbdLink>, TargetError>>,
+    stage: AddStage,
+}
+
+#[derive(Debug)]
+enum AddStage {
+    /// The nbd export is being negotiated on a thread.
+    Connecting(mpsc::Receiver<Result<Option<NbdLink>, TargetError>>),
+    /// The device is made; its first worker is starting.
+    Starting(Box<Creation>),
 }
 
 /// How often the loop looks whether an nbd add's handshake is done.
@@ -257,7 +271,8 @@ impl Daemon {
             }
         }
         // Every adopted device's standby is starting: recover each device whose worker
-        // was not taken over onto its own.
+        // was not taken over onto its own. The recoveries wait for their standbys side
+        // by side (see below).
         for (&id, dev) in &mut self.devices {
             if dev.state().kind() == StateKind::Live {
                 continue;
@@ -277,6 +292,12 @@ impl Daemon {
                 }
             }
         }
+        // READY (which follows) still means every adopted device is served, failed, or
+        // waiting for the kernel's release (which only the loop waits for).
+        while self.devices.values().any(Device::awaiting_standby) {
+            std::thread::sleep(Duration::from_millis(10));
+            self.continue_recoveries();
+        }
         adopted
     }
 
@@ -285,6 +306,7 @@ impl Daemon {
     /// the same id if the config gives one) is not created again.
     pub fn create_configured(&mut self) -> usize {
         let mut failed = 0;
+        let mut missing = Vec::new();
         let mut adopted: Vec<DeviceSpec> =
             self.devices.values().map(|d| d.spec().clone()).collect();
         for spec in self.config.devices.clone() {
@@ -296,13 +318,15 @@ impl Daemon {
                 }
                 continue;
             }
-            self.notifier.extend_timeout(Duration::from_secs(60));
-            match self.add(&spec) {
+            missing.push(spec);
+        }
+        for (spec, made) in missing.iter().zip(self.create_all(&missing, true)) {
+            match made {
                 Ok(id) => self.configured.push((spec.clone(), id)),
                 Err(e) => {
-                    tracing::error!("configured device {}: {e}", describe_spec(&spec));
+                    tracing::error!("configured device {}: {e}", describe_spec(spec));
                     self.last_event =
-                        Some(format!("configured device {} failed: {e}", describe_spec(&spec)));
+                        Some(format!("configured device {} failed: {e}", describe_spec(spec)));
                     failed += 1;
                 }
             }
@@ -323,18 +347,23 @@ impl Daemon {
         crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
     }
 
-    /// `ublkctl add`: answered now, or, for an nbd device, once its export has been
-    /// negotiated on a thread of its own ([`PendingAdd`], `None` here).
+    /// `ublkctl add`: answered now if it is refused, else once its device is LIVE or
+    /// has failed ([`PendingAdd`], `None` here): an nbd device's export negotiated on a
+    /// thread of its own, then every device's worker started while the loop goes on.
     fn begin_add(&mut self, token: Token, add: &AddRequest) -> Option<CtlResponse> {
         let spec = match self.check_add(add) {
             Ok(spec) => spec,
             Err(e) => return Some(CtlResponse::Error { message: e }),
         };
         if !matches!(spec.target, TargetSpec::Nbd { .. }) {
-            return Some(match self.add(&spec) {
-                Ok(id) => CtlResponse::Added { id },
-                Err(e) => CtlResponse::Error { message: e.to_string() },
-            });
+            return match Device::begin_create(&self.ctx, &spec, None) {
+                Ok(creation) => {
+                    let stage = AddStage::Starting(Box::new(creation));
+                    self.pending_adds.push(PendingAdd { token, spec, stage });
+                    None
+                }
+                Err(e) => Some(CtlResponse::Error { message: e.to_string() }),
+            };
         }
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
@@ -345,48 +374,108 @@ impl Daemon {
             let message = format!("cannot start a thread to connect: {e}");
             return Some(CtlResponse::Error { message });
         }
-        self.pending_adds.push(PendingAdd { token, spec, connected });
+        let stage = AddStage::Connecting(connected);
+        self.pending_adds.push(PendingAdd { token, spec, stage });
         None
     }
 
-    /// Makes the devices of the nbd adds whose handshakes are done, and answers them.
+    /// Moves every add under way on: makes the devices of the nbd adds whose
+    /// handshakes are done, hands each new device whose worker has answered to it, and
+    /// answers the adds that are done.
     fn finish_pending_adds(&mut self) {
         let mut waiting = Vec::with_capacity(self.pending_adds.len());
-        for pending in std::mem::take(&mut self.pending_adds) {
-            let connected = match pending.connected.try_recv() {
-                Ok(connected) => connected,
-                Err(mpsc::TryRecvError::Empty) => {
+        for mut pending in std::mem::take(&mut self.pending_adds) {
+            if let AddStage::Connecting(connected) = &pending.stage {
+                let begun = match connected.try_recv() {
+                    Ok(connected) => connected
+                        .map_err(DeviceError::from)
+                        .and_then(|link| Device::begin_create(&self.ctx, &pending.spec, link)),
+                    Err(mpsc::TryRecvError::Empty) => {
+                        waiting.push(pending);
+                        continue;
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        let why = "the thread negotiating the export ended without an answer";
+                        let response = CtlResponse::Error { message: why.into() };
+                        self.control.respond(pending.token, &response, Instant::now());
+                        continue;
+                    }
+                };
+                match begun {
+                    Ok(creation) => pending.stage = AddStage::Starting(Box::new(creation)),
+                    Err(e) => {
+                        let response = CtlResponse::Error { message: e.to_string() };
+                        self.control.respond(pending.token, &response, Instant::now());
+                        continue;
+                    }
+                }
+            }
+            let AddStage::Starting(creation) = pending.stage else { continue };
+            let response = match creation.progress(&self.ctx, Instant::now()) {
+                Progress::Pending(creation) => {
+                    pending.stage = AddStage::Starting(Box::new(creation));
                     waiting.push(pending);
                     continue;
                 }
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    let why = "the thread negotiating the export ended without an answer";
-                    let response = CtlResponse::Error { message: why.into() };
-                    self.control.respond(pending.token, &response, Instant::now());
-                    continue;
-                }
-            };
-            let made = connected
-                .map_err(DeviceError::from)
-                .and_then(|link| Device::create_connected(&self.ctx, &pending.spec, link));
-            let response = match made {
-                Ok(dev) => {
+                Progress::Done(Ok(dev)) => {
                     let id = dev.id();
                     self.devices.insert(id, dev);
                     CtlResponse::Added { id }
                 }
-                Err(e) => CtlResponse::Error { message: e.to_string() },
+                Progress::Done(Err(e)) => CtlResponse::Error { message: e.to_string() },
             };
             self.control.respond(pending.token, &response, Instant::now());
         }
         self.pending_adds = waiting;
     }
 
-    fn add(&mut self, spec: &DeviceSpec) -> Result<u32, DeviceError> {
-        let dev = Device::create(&self.ctx, spec)?;
-        let id = dev.id();
-        self.devices.insert(id, dev);
-        Ok(id)
+    /// Creates the devices of `specs` (configured ones, at start or in a reload),
+    /// [`CREATING_AT_ONCE`] at a time so that their workers' start-ups overlap, and
+    /// waits until each is LIVE or has failed: the outcome of each, in order. An nbd
+    /// device's export is negotiated here first. `starting`: ublkd is starting, and
+    /// tells systemd that it needs time for each device.
+    fn create_all(
+        &mut self,
+        specs: &[DeviceSpec],
+        starting: bool,
+    ) -> Vec<Result<u32, DeviceError>> {
+        let mut outcomes: Vec<(usize, Result<u32, DeviceError>)> = Vec::with_capacity(specs.len());
+        let mut creating: Vec<(usize, Creation)> = Vec::new();
+        let mut next = specs.iter().enumerate();
+        loop {
+            while creating.len() < CREATING_AT_ONCE {
+                let Some((at, spec)) = next.next() else { break };
+                if starting {
+                    self.notifier.extend_timeout(Duration::from_secs(60));
+                }
+                let begun = connect_export(spec)
+                    .map_err(DeviceError::from)
+                    .and_then(|link| Device::begin_create(&self.ctx, spec, link));
+                match begun {
+                    Ok(creation) => creating.push((at, creation)),
+                    Err(e) => outcomes.push((at, Err(e))),
+                }
+            }
+            if creating.is_empty() {
+                break;
+            }
+            wait_for_workers(creating.iter().map(|(_, c)| c));
+            for (at, creation) in std::mem::take(&mut creating) {
+                match creation.progress(&self.ctx, Instant::now()) {
+                    Progress::Pending(creation) => creating.push((at, creation)),
+                    Progress::Done(made) => outcomes.push((
+                        at,
+                        made.map(|dev| {
+                            let id = dev.id();
+                            self.devices.insert(id, dev);
+                            id
+                        }),
+                    )),
+                }
+            }
+        }
+        outcomes.sort_unstable_by_key(|(at, _)| *at);
+        outcomes.into_iter().map(|(_, made)| made).collect()
     }
 
     /// Serves until SIGTERM or SIGINT, then exits leaving every device in the kernel
@@ -439,15 +528,28 @@ impl Daemon {
                 }
             }
             let worker_fds = control_fds.end..fds.len();
+            // A new device's starting worker answers (or hangs up) on its control
+            // socket; an nbd add's handshake has no fd to poll.
+            for pending in &self.pending_adds {
+                match &pending.stage {
+                    AddStage::Starting(creation) => {
+                        wake_by = wake_by.min(creation.deadline());
+                        if let Some(fd) = creation.control() {
+                            let fd = fd.as_raw_fd();
+                            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                        }
+                    }
+                    AddStage::Connecting(_) => {
+                        wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
+                    }
+                }
+            }
             let control_due = self.control.next_deadline();
             if let Some(due) = control_due {
                 wake_by = wake_by.min(due);
             }
             if let Some(writer) = &self.metrics_file {
                 wake_by = wake_by.min(writer.due());
-            }
-            if !self.pending_adds.is_empty() {
-                wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
             }
             let idle = self.devices.is_empty()
                 && self.pending_adds.is_empty()
@@ -508,6 +610,16 @@ impl Daemon {
             }
         }
         self.notifier.stopping();
+        // Adds under way are given up (their devices deleted, their workers ended),
+        // not left half-made, and their clients told so.
+        for pending in std::mem::take(&mut self.pending_adds) {
+            if let AddStage::Starting(creation) = pending.stage {
+                tracing::info!(dev_id = creation.id(), "stopping: giving up an add under way");
+                creation.abandon(&self.ctx);
+            }
+            let message = "ublkd stopped before the device was made".to_string();
+            self.control.respond(pending.token, &CtlResponse::Error { message }, Instant::now());
+        }
         let mut serving_on = 0;
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
@@ -691,6 +803,26 @@ const DEATHS_PER_TURN: Duration = Duration::from_secs(1);
 /// CPU from the devices serving: after every worker died at once (an OOM kill), the
 /// recoveries, not hundreds of spares starting beside them, must have it.
 const STANDBYS_STARTING_AT_ONCE: usize = 8;
+
+/// How many configured devices [`Daemon::create_all`] creates at once: for the same
+/// reason, as many as standbys may start at once.
+const CREATING_AT_ONCE: usize = STANDBYS_STARTING_AT_ONCE;
+
+/// Waits until one of `creating`'s workers has something to say, or the first of their
+/// deadlines.
+fn wait_for_workers<'a>(creating: impl Iterator<Item = &'a Creation>) {
+    let mut fds = Vec::new();
+    let mut wake_by = Instant::now() + Duration::from_secs(1);
+    for creation in creating {
+        wake_by = wake_by.min(creation.deadline());
+        if let Some(fd) = creation.control() {
+            fds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+    }
+    // SAFETY: `fds` is a valid array of pollfds for the duration of the call. Its
+    // outcome is not needed: each creation then looks at its own worker.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, millis_until(wake_by)) };
+}
 
 fn make_dir(path: &Path, mode: u32) -> Result<(), DaemonError> {
     std::fs::DirBuilder::new()

@@ -8,7 +8,9 @@
 //! Because the supervisor is the opener, the kernel records the supervisor's pid as the
 //! device's server, and START_DEV / END_USER_RECOVERY carry that pid.
 //!
-//! This module creates, adopts and deletes devices and keeps their state
+//! This module creates (in two steps, so that a worker's start never holds up the
+//! loop: [`Device::begin_create`], then [`Creation::progress`] once the worker
+//! answers), adopts and deletes devices and keeps their state
 //! ([`crate::device_state`]); `workers` starts and activates their workers,
 //! `user_recovery` replaces a worker through the kernel's user recovery, and
 //! [`crate::target`] sets up what the workers are given. When to recover is
@@ -33,7 +35,7 @@ use crate::hang::HangWatch;
 use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
 use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
-use crate::target::{NbdLink, TargetError, connect_export, decide_zero_copy, open_target};
+use crate::target::{NbdLink, TargetError, decide_zero_copy, open_target};
 use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
 /// How long a worker may take to get set up, or to PREP every tag.
@@ -162,21 +164,105 @@ pub struct Device {
     death_seen: Option<Instant>,
 }
 
-impl Device {
-    /// Creates, hands over and starts a device described by `spec` (already validated).
-    /// An nbd device's export is connected and negotiated first, here.
-    pub fn create(ctx: &Context, spec: &DeviceSpec) -> Result<Device, DeviceError> {
-        let nbd = connect_export(spec)?;
-        Self::create_connected(ctx, spec, nbd)
+/// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
+/// written, its first worker started and sent its setup. Starting a worker (exec,
+/// sandbox, rings) takes 0.1-1 s under emulation: the loop watches the worker's control
+/// socket ([`Self::control`]) and moves the creation on ([`Self::progress`]) once it
+/// answers, so that it serves everything else meanwhile and creations overlap. Every
+/// creation ends in [`Progress::Done`] or [`Self::abandon`]: dropped otherwise, it would
+/// leave its kernel device (and its worker) behind.
+#[derive(Debug)]
+pub struct Creation {
+    dev: Device,
+    /// When the worker must have stood by ([`WORKER_TIMEOUT`] after its start).
+    deadline: Instant,
+}
+
+/// Where a [`Creation`] stands after [`Creation::progress`].
+#[derive(Debug)]
+pub enum Progress {
+    /// Its worker has not answered yet.
+    Pending(Creation),
+    /// LIVE, or failed and cleaned up (no kernel device, no worker, no record left).
+    Done(Result<Device, DeviceError>),
+}
+
+impl Creation {
+    /// The kernel's id of the device being created.
+    pub fn id(&self) -> u32 {
+        self.dev.id
     }
 
-    /// [`Self::create`] with an nbd device's export already connected and negotiated
-    /// (`nbd`, from [`connect_export`], on a thread of its own).
-    pub fn create_connected(
+    /// The starting worker's control socket: readable once it stands by, fails or
+    /// ends.
+    pub fn control(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.dev.starting.as_ref().map(Worker::control)
+    }
+
+    /// When the creation fails if its worker has not answered by then.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Goes on once the worker has answered (or the deadline passed at `now`): hands
+    /// the device to it (activation: the worker maps it and PREPs every tag, a few
+    /// milliseconds) and starts the device. A failure cleans up after itself.
+    pub fn progress(mut self, ctx: &Context, now: Instant) -> Progress {
+        let answered = self.dev.starting.as_ref().is_some_and(Worker::has_answered);
+        if !answered && now < self.deadline && self.dev.starting.is_some() {
+            return Progress::Pending(self);
+        }
+        let id = self.dev.id;
+        let live = match self.dev.starting.take() {
+            Some(worker) if answered => self.dev.await_standby(worker, Duration::from_millis(100)),
+            Some(worker) => {
+                let source =
+                    WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() };
+                Err(self.dev.standby_failed(worker, source))
+            }
+            None => self.dev.ensure_standby(ctx),
+        }
+        .and_then(|standby| self.dev.go_live(ctx, standby));
+        match live {
+            Ok(()) => Progress::Done(Ok(self.dev)),
+            Err(e) => {
+                tracing::debug!(dev_id = id, "create failed: {e}; deleting the device");
+                self.abandon(ctx);
+                Progress::Done(Err(e))
+            }
+        }
+    }
+
+    /// Gives the creation up (it failed, or ublkd is stopping before it finished):
+    /// kills its workers and deletes the device and its record.
+    pub fn abandon(self, ctx: &Context) {
+        let mut dev = self.dev;
+        let id = dev.id;
+        for mut worker in
+            [dev.worker.take(), dev.standby.take(), dev.starting.take()].into_iter().flatten()
+        {
+            worker.kill();
+            let pid = worker.pid();
+            let how = worker.reap(Duration::ZERO);
+            tracing::debug!(dev_id = id, worker_pid = pid, "worker of a create given up: {how}");
+        }
+        if let Err(del) = ctx.ctrl.del_dev(id) {
+            tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
+        }
+        ctx.state.remove(id);
+    }
+}
+
+impl Device {
+    /// Starts creating a device described by `spec` (already validated), with an nbd
+    /// device's export already connected and negotiated (`nbd`, from
+    /// [`crate::target::connect_export`]): makes it in the kernel and starts its first
+    /// worker, without waiting for the worker (see [`Creation`]).
+    pub fn begin_create(
         ctx: &Context,
         spec: &DeviceSpec,
         nbd: Option<NbdLink>,
-    ) -> Result<Device, DeviceError> {
+    ) -> Result<Creation, DeviceError> {
         let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
         // An nbd device is what its export is: connected and negotiated before the
         // kernel device is made, so a server that is not there costs nothing.
@@ -213,8 +299,8 @@ impl Device {
             spec.settings.threads = spec.settings.threads.min(slots);
         }
         // From here on, a failure deletes the half-made device.
-        match Self::finish_create(ctx, id, &spec, nbd) {
-            Ok(dev) => Ok(dev),
+        match Self::prepare(ctx, id, &spec, nbd) {
+            Ok(dev) => Ok(Creation { dev, deadline: Instant::now() + WORKER_TIMEOUT }),
             Err(e) => {
                 if let Err(del) = ctx.ctrl.del_dev(id) {
                     tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
@@ -225,7 +311,9 @@ impl Device {
         }
     }
 
-    fn finish_create(
+    /// A device just added to the kernel: its record, its parameters, its state, and
+    /// its first worker started (`starting`).
+    fn prepare(
         ctx: &Context,
         id: u32,
         spec: &DeviceSpec,
@@ -239,22 +327,33 @@ impl Device {
         ctx.ctrl.set_params(id, &params(&spec, export))?;
         let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
         dev.nbd = nbd;
-        let standby = dev.ensure_standby(ctx)?;
-        let (worker, activation) = dev.activate(ctx, standby)?;
-        ctx.ctrl.start_dev(id, std::process::id() as i32)?;
+        dev.starting = Some(dev.spawn_worker(ctx, false)?);
+        Ok(dev)
+    }
+
+    /// Hands a new device to its first worker (standing by) and starts it.
+    fn go_live(&mut self, ctx: &Context, standby: Worker) -> Result<(), DeviceError> {
+        let id = self.id;
+        let (mut worker, activation) = self.activate(ctx, standby)?;
+        let started = ctx.ctrl.start_dev(id, std::process::id() as i32).map_err(DeviceError::from);
+        if let Err(e) = started.and_then(|()| Ok(self.transition(DeviceState::Live)?)) {
+            // Not left running beside the device it was given, which is deleted next.
+            worker.kill();
+            worker.reap(Duration::ZERO);
+            return Err(e);
+        }
         tracing::info!(
             dev_id = id,
             worker_pid = worker.pid(),
             map_us = activation.map_us,
             prep_us = activation.prep_us,
-            backend = dev.spec.target.name(),
+            backend = self.spec.target.name(),
             event = "live",
             "device LIVE"
         );
-        dev.transition(DeviceState::Live)?;
-        dev.worker = Some(worker);
-        dev.refill_standby(ctx);
-        Ok(dev)
+        self.worker = Some(worker);
+        self.refill_standby(ctx);
+        Ok(())
     }
 
     /// The device's state from its record: region, target data. A device `Starting`

@@ -51,6 +51,11 @@ pub struct Release {
     pub delay: Duration,
     /// Set once the release has taken long: what status says about it.
     pub slow: Option<String>,
+    /// Since when the recovery waits for its standby worker to stand by (it was still
+    /// starting, or there was none): the loop goes on meanwhile.
+    pub standby_wait: Option<Instant>,
+    /// How long it waited for its standby (part of the stall, logged apart).
+    pub standby_waited: Duration,
 }
 
 /// The states without their data, for the transition table and its errors.
@@ -204,6 +209,8 @@ mod tests {
             next_try: now,
             delay: Duration::ZERO,
             slow: None,
+            standby_wait: None,
+            standby_waited: Duration::ZERO,
         }
     }
 

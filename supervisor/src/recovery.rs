@@ -217,14 +217,14 @@ fn restart_limit(dev: &mut Device, ctx: &Context, rc: &RecoveryConfig, reason: &
     tracing::error!(dev_id = id, event = "restart_limit", "{note}");
 }
 
-/// Goes on with the device's recovery if it waits for the kernel's release and is due;
-/// returns the event for the status line if it did.
+/// Goes on with the device's recovery if it waits for the kernel's release or its new
+/// worker and is due; returns the event for the status line if it did.
 pub fn continue_if_due(dev: &mut Device, ctx: &Context, now: Instant) -> Option<String> {
     if dev.release_due().is_none_or(|t| t > now) {
         return None;
     }
     let outcome = dev.continue_recovery(ctx, Duration::ZERO);
-    Some(outcome_event(dev, outcome, "the recovery waiting for the release"))
+    Some(outcome_event(dev, outcome, "the recovery waiting for the release or its worker"))
 }
 
 /// What a recovery's outcome means for the device: a failed one leaves it waiting for
@@ -237,6 +237,9 @@ pub fn outcome_event(
     let id = dev.id();
     match outcome {
         Ok(Recovery::Done(stall)) => format!("device {id} recovered in {} ms", stall.as_millis()),
+        Ok(Recovery::Waiting) if dev.awaiting_standby() => {
+            format!("device {id} waits for its new worker to start")
+        }
         Ok(Recovery::Waiting) => format!("device {id} waits for the kernel to release it"),
         Err(e) => {
             tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");

@@ -580,6 +580,55 @@ pub fn reap_lingering() {
 mod tests {
     use super::*;
 
+    /// Starts `script` (a shell script) as a worker, unsandboxed. The script's file
+    /// stays: the shell reads it by its path once started.
+    fn spawn_script(tag: &str, script: &str) -> Worker {
+        let path = std::env::temp_dir().join(format!("ublkd-worker-{tag}-{}", std::process::id()));
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        // Another test thread forking while the file was open for writing makes exec
+        // fail with ETXTBSY until that child has exec'd in turn.
+        let mut tries = 0;
+        loop {
+            match Worker::spawn(&path, 1, None) {
+                Err(WorkerError::Spawn { source, .. })
+                    if source.raw_os_error() == Some(libc::ETXTBSY) && tries < 50 =>
+                {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                spawned => break spawned.unwrap(),
+            }
+        }
+    }
+
+    #[test]
+    fn a_starting_worker_that_ends_has_answered_and_a_silent_one_times_out() {
+        // What the loop relies on to move a new device on without blocking: the control
+        // socket of a worker that ends becomes readable (and reading says it died), and
+        // one of a worker that says nothing does not.
+        let mut silent = spawn_script("silent", "#!/bin/sh\nexec sleep 30\n");
+        let mut ending = spawn_script("ending", "#!/bin/sh\nexit 3\n");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ending.has_answered() {
+            assert!(Instant::now() < deadline, "a worker that ended has not answered");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let died = ending.standby_answer(Duration::from_millis(100));
+        assert!(matches!(died, Err(WorkerError::Died { .. })), "{died:?}");
+        assert!(!silent.has_answered(), "a silent worker has answered");
+        let silence = silent.standby_answer(Duration::from_millis(100));
+        assert!(matches!(silence, Err(WorkerError::Timeout { .. })), "{silence:?}");
+        silent.kill();
+        silent.reap(Duration::ZERO);
+        assert!(silent.exited().is_some(), "the silent worker was not ended");
+        for tag in ["silent", "ending"] {
+            let path = format!("ublkd-worker-{tag}-{}", std::process::id());
+            let _ = std::fs::remove_file(std::env::temp_dir().join(path));
+        }
+    }
+
     #[test]
     fn a_worker_let_go_before_it_exited_is_reaped_once_it_has() {
         let child = Command::new("/bin/sh").args(["-c", "sleep 0.2"]).spawn().unwrap();

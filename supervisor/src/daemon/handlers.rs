@@ -83,7 +83,12 @@ impl Daemon {
 
     fn handle_add(&mut self, add: &AddRequest) -> Result<u32, String> {
         let spec = self.check_add(add)?;
-        self.add(&spec).map_err(|e| e.to_string())
+        // The loop answers adds itself without waiting (`Daemon::begin_add`): this one
+        // waits, for a caller that wants the answer now.
+        match self.create_all(std::slice::from_ref(&spec), false).pop() {
+            Some(made) => made.map_err(|e| e.to_string()),
+            None => Err("the device was not created".to_string()),
+        }
     }
 
     /// The spec `add` asks for, if no device (or nbd add under way) has its id, its
@@ -148,6 +153,10 @@ impl Daemon {
             Ok(Recovery::Done(stall)) => {
                 Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
             }
+            Ok(Recovery::Waiting) if dev.awaiting_standby() => Ok(format!(
+                "device {id}: recovering, waiting for its new worker to start; `ublkctl status \
+                 {id}` shows when it is LIVE"
+            )),
             Ok(Recovery::Waiting) => Ok(format!(
                 "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
                  (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"

@@ -66,13 +66,18 @@ impl Daemon {
                 Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
             }
         }
-        // New devices.
-        for spec in &new.devices {
-            if old_specs.contains(spec) || spec.id.is_some_and(|id| self.devices.contains_key(&id))
-            {
-                continue;
-            }
-            match self.add(spec) {
+        // New devices, created side by side.
+        let fresh: Vec<DeviceSpec> = new
+            .devices
+            .iter()
+            .filter(|spec| {
+                !old_specs.contains(spec)
+                    && !spec.id.is_some_and(|id| self.devices.contains_key(&id))
+            })
+            .cloned()
+            .collect();
+        for (spec, made) in fresh.iter().zip(self.create_all(&fresh, false)) {
+            match made {
                 Ok(id) => {
                     self.configured.push((spec.clone(), id));
                     added += 1;

@@ -1,4 +1,5 @@
-//! A device's user recovery, the kernel's way of replacing its worker: the old
+//! A device's user recovery, the kernel's way of replacing its worker: a standby
+//! standing by (one still starting is waited for by the loop, not here), the old
 //! worker's `/dev/ublkcN` released (START_USER_RECOVERY answers EBUSY until then), the
 //! standby activated, END_USER_RECOVERY. The I/O is held meanwhile, not failed.
 
@@ -17,6 +18,9 @@ use crate::target::nbd_poll_connect;
 const NBD_RETRY_MAX: Duration = Duration::from_secs(2);
 /// How often the loop looks whether an nbd device's connecting thread is done.
 const NBD_CONNECT_POLL: Duration = Duration::from_millis(20);
+/// How often the loop looks whether a recovery's standby stands by (its socket also
+/// wakes the loop, but the recovery goes on only once due).
+const STANDBY_POLL: Duration = Duration::from_millis(10);
 
 impl Device {
     /// Recovers the device: waits for the kernel to release the old worker's file
@@ -61,6 +65,8 @@ impl Device {
             next_try: started,
             delay: Duration::from_micros(200),
             slow: None,
+            standby_wait: None,
+            standby_waited: Duration::ZERO,
         }))?;
         if let Some(mut old) = self.worker.take() {
             // A live worker (an operator's recover) must go first. Already killed:
@@ -80,7 +86,8 @@ impl Device {
         }
     }
 
-    /// Goes on with a recovery that waits for the kernel to release the dead worker's
+    /// Goes on with a recovery that waits for its standby to stand by
+    /// ([`Self::standby_ready`]) or for the kernel to release the dead worker's
     /// `/dev/ublkcN` (START_USER_RECOVERY answers EBUSY until then): tries again,
     /// waiting here at most `inline` (short: the release usually takes tens of
     /// milliseconds, and a recovery's stall should not wait for the loop's next turn),
@@ -96,6 +103,14 @@ impl Device {
         let id = self.id;
         if !self.nbd_connected(ctx.nbd_server_wait) {
             return Ok(Recovery::Waiting);
+        }
+        match self.standby_ready(ctx) {
+            Ok(true) => {}
+            Ok(false) => return Ok(Recovery::Waiting),
+            Err(e) => {
+                self.enter(DeviceState::Recovering);
+                return Err(e);
+            }
         }
         let DeviceState::Releasing(r) = &mut self.state else { return Ok(Recovery::Waiting) };
         let inline_until = Instant::now() + inline;
@@ -131,13 +146,62 @@ impl Device {
                 }
             }
         }
-        let (reason, fail_io, seen, started) =
-            (r.reason.clone(), r.fail_io.clone(), r.seen, r.started);
-        let finished = self.finish_recovery(ctx, &reason, fail_io, seen, started);
+        let (reason, fail_io, seen, started, standby_waited) =
+            (r.reason.clone(), r.fail_io.clone(), r.seen, r.started, r.standby_waited);
+        let finished = self.finish_recovery(ctx, &reason, fail_io, seen, started, standby_waited);
         if finished.is_err() {
             self.enter(DeviceState::Recovering);
         }
         finished.map(Recovery::Done)
+    }
+
+    /// For a recovery: whether the worker it hands the device to stands by, starting
+    /// one if there is none. One still starting is not waited for here (0.1-1 s under
+    /// emulation, for each of many devices after a mass death): the loop polls its
+    /// socket and comes back every [`STANDBY_POLL`], so that other devices, clients and
+    /// the watchdog are served meanwhile; the device's I/O stays held. A standby that
+    /// fails, or does not stand by within [`WORKER_TIMEOUT`], fails the recovery, as a
+    /// wait for it did. A recovery that fails I/O starts its own worker later, waiting
+    /// for it (rare: only past the restart budget).
+    fn standby_ready(&mut self, ctx: &Context) -> Result<bool, DeviceError> {
+        let DeviceState::Releasing(r) = &mut self.state else { return Ok(true) };
+        if r.fail_io.is_some() || self.standby.is_some() {
+            return Ok(true);
+        }
+        let since = *r.standby_wait.get_or_insert_with(Instant::now);
+        if self.starting.is_none() {
+            self.starting = Some(self.spawn_worker(ctx, false)?);
+        }
+        let answered = self.starting.as_ref().is_some_and(crate::worker::Worker::has_answered);
+        let timed_out = since.elapsed() >= WORKER_TIMEOUT;
+        if answered || timed_out {
+            let worker = self.starting.take().expect("started above");
+            let standby = if answered {
+                self.await_standby(worker, Duration::from_millis(100))?
+            } else {
+                let source = crate::worker::WorkerError::Timeout {
+                    pid: worker.pid(),
+                    secs: WORKER_TIMEOUT.as_secs(),
+                };
+                return Err(self.standby_failed(worker, source));
+            };
+            self.standby = Some(standby);
+            if let DeviceState::Releasing(r) = &mut self.state {
+                r.standby_wait = None;
+                r.standby_waited = since.elapsed();
+            }
+            return Ok(true);
+        }
+        if let DeviceState::Releasing(r) = &mut self.state {
+            r.next_try = Instant::now() + STANDBY_POLL;
+        }
+        Ok(false)
+    }
+
+    /// Whether the device's recovery waits for its standby worker to start (see
+    /// [`Self::standby_ready`]).
+    pub fn awaiting_standby(&self) -> bool {
+        matches!(&self.state, DeviceState::Releasing(r) if r.standby_wait.is_some())
     }
 
     /// For an nbd device in a recovery: whether it has a connection for its next
@@ -208,6 +272,7 @@ impl Device {
         fail_io: Option<String>,
         seen: Instant,
         started: Instant,
+        standby_waited: Duration,
     ) -> Result<Duration, DeviceError> {
         let id = self.id;
         let released = started.elapsed();
@@ -236,12 +301,14 @@ impl Device {
             dev_id = id,
             worker_pid = worker.pid(),
             stall_ms = stall.as_millis() as u64,
-            // Where the stall went: from the death seen to the recovery starting, the
-            // kernel releasing the old file, the standby mapping (map) and PREPing
+            // Where the stall went: from the death seen to the recovery starting, its
+            // standby still starting (standby), the kernel releasing the old file
+            // (release: after the standby stood by), the standby mapping (map) and PREPing
             // (prep) as it says and the supervisor's round trip to it (activate), the
             // kernel going LIVE.
             detect_us = detect.as_micros() as u64,
-            release_us = released.as_micros() as u64,
+            standby_us = standby_waited.as_micros() as u64,
+            release_us = released.saturating_sub(standby_waited).as_micros() as u64,
             activate_us = (activated - released).as_micros() as u64,
             map_us = activation.map_us,
             prep_us = activation.prep_us,

@@ -13,7 +13,7 @@ use crate::target::{
     MAX_IO_BUF_BYTES, NBD_HANDSHAKE_TIMEOUT, fast_release_supported, nbd_socket, open_char_dev,
     zero_copy,
 };
-use crate::worker::{AttachClaim, Worker, WorkerSandbox};
+use crate::worker::{AttachClaim, Worker, WorkerError, WorkerSandbox};
 
 impl Device {
     /// Whether a dead worker's device may be released at once (`recovery.fast_release`,
@@ -107,13 +107,7 @@ impl Device {
     ) -> Result<Worker, DeviceError> {
         let id = self.id;
         if let Err(source) = worker.standby_answer(timeout) {
-            let how = worker.reap(Duration::from_millis(100));
-            tracing::error!(
-                dev_id = id,
-                worker_pid = worker.pid(),
-                "standby worker failed ({how}): {source}"
-            );
-            return Err(DeviceError::Worker { id, source });
+            return Err(self.standby_failed(worker, source));
         }
         let missing = worker.sandbox.as_ref().map(|s| &s.missing[..]).unwrap_or_default();
         if !missing.is_empty() {
@@ -127,6 +121,18 @@ impl Device {
             );
         }
         Ok(worker)
+    }
+
+    /// Ends a worker that failed to stand by (`source`: how), and says so.
+    pub(super) fn standby_failed(&self, mut worker: Worker, source: WorkerError) -> DeviceError {
+        let id = self.id;
+        let how = worker.reap(Duration::from_millis(100));
+        tracing::error!(
+            dev_id = id,
+            worker_pid = worker.pid(),
+            "standby worker failed ({how}): {source}"
+        );
+        DeviceError::Worker { id, source }
     }
 
     /// A standby now, waiting for it if need be: the one standing by, else the one on
@@ -175,6 +181,11 @@ impl Device {
     /// retried later).
     pub fn standby_progress(&mut self) {
         if !self.starting.as_ref().is_some_and(Worker::has_answered) {
+            return;
+        }
+        // A recovery waiting for this standby takes it itself, and fails if it failed
+        // (rather than start one worker after another that fail).
+        if self.awaiting_standby() {
             return;
         }
         let worker = self.starting.take().expect("checked above");
