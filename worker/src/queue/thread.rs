@@ -228,21 +228,14 @@ impl QueueThread {
                 self.arm_fetch(qi)?;
             }
         }
-        let mut work = std::mem::take(&mut self.target_work);
-        self.dev.target.arm(self.plan.index, &mut work);
-        self.carry_out(&mut work)?;
-        self.target_work = work;
+        self.with_target(|target, thread, work| target.arm(thread, work))?;
         self.start_hooks()?;
         loop {
             self.record_latency();
             if self.path == DataPath::Batch {
                 self.flush_commits()?;
             }
-            let mut work = std::mem::take(&mut self.target_work);
-            self.dev.target.before_wait(self.plan.index, &mut work);
-            let carried = self.carry_out(&mut work);
-            self.target_work = work;
-            carried?;
+            self.with_target(|target, thread, work| target.before_wait(thread, work))?;
             let open = self.queues.iter().any(|q| !q.closed);
             if !open
                 && self.inflight == 0
@@ -322,11 +315,7 @@ impl QueueThread {
             Some(UserData::Fetch { index, .. }) => self.on_fetch(index as usize, res, flags),
             Some(UserData::Target { q_id, tag }) => self.on_target(q_id, tag, res),
             Some(UserData::TargetOwn { key }) => {
-                let mut work = std::mem::take(&mut self.target_work);
-                self.dev.target.on_own_cqe(self.plan.index, key, res, &mut work);
-                let carried = self.carry_out(&mut work);
-                self.target_work = work;
-                carried
+                self.with_target(|target, thread, work| target.on_own_cqe(thread, key, res, work))
             }
             Some(UserData::IoCmd { q_id, tag }) => self.on_io_cmd(q_id, tag, res),
             Some(UserData::Commit { slot, .. }) => self.on_commit(slot as usize, res),
@@ -443,6 +432,19 @@ impl QueueThread {
             // Its completion comes as a target SQE's would (see `IoReq::reply`).
             Step::Pending => Ok(()),
         }
+    }
+
+    /// Asks the target `ask` (with this thread's number and the reused
+    /// [`TargetWork`]), then carries out what it answered.
+    fn with_target(
+        &mut self,
+        ask: impl FnOnce(&dyn crate::target::Target, usize, &mut TargetWork),
+    ) -> Result<(), LoopError> {
+        let mut work = std::mem::take(&mut self.target_work);
+        ask(&*self.dev.target, self.plan.index, &mut work);
+        let carried = self.carry_out(&mut work);
+        self.target_work = work;
+        carried
     }
 
     /// Submits the target's own SQEs and finishes the requests it says are done.

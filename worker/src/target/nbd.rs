@@ -47,9 +47,9 @@ const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 /// the receive buffer, in one RECV rather than two.
 const DIRECT_RECEIVE_MIN_BYTES: u32 = 16 << 10;
 
-/// The most parts one SENDMSG carries (the kernel's `UIO_MAXIOV`): a request is one
-/// part (its header) or two (and a WRITE's data).
-const MAX_PARTS_PER_SEND: usize = 1024;
+/// The most parts one SENDMSG carries (the kernel's limit): a request is one part (its
+/// header) or two (and a WRITE's data).
+const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
 
 /// What a connection's own SQE is, in the low bits of its key (the connection's number
 /// above them).
