@@ -190,6 +190,21 @@ fn connections_to(port: u16) -> usize {
         .count()
 }
 
+/// The connections nbdkit accepted on the unix socket `path`: the server's ends carry
+/// the socket's path in /proc/net/unix, connected (state 03); a client's end is
+/// unbound and shows none.
+fn unix_connections_to(path: &str) -> usize {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            fields.get(7) == Some(&path) && fields.get(5) == Some(&"03")
+        })
+        .count()
+}
+
 /// A configured nbd device comes up LIVE with its export's size; fio writes and
 /// verifies it while its worker is SIGKILLed three times and then nbdkit itself is
 /// stopped for 3 s and started again: every kill and the server's absence cost a
@@ -217,12 +232,10 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     assert_eq!(dev["size_bytes"].as_u64(), Some(96 * MIB), "{dev}");
     let connections = || match listen {
         Listen::Tcp(port) => connections_to(port),
-        // Not counted (unix sockets have no peer address to count by); the export's
-        // description in the log says whether it allows several.
-        Listen::Unix(_) => 0,
+        Listen::Unix(path) => unix_connections_to(path),
     };
-    let want_connections = if multi_conn { 2 } else { 0 };
-    // nbdkit's file plugin allows several connections (multi-conn): one per thread.
+    // With multi-conn one connection per queue thread, else one both threads share.
+    let want_connections = if multi_conn { 2 } else { 1 };
     assert_eq!(connections(), want_connections, "the worker's connections to nbdkit");
     let node = block_dev(id);
     wait_for_path(&node);
