@@ -68,7 +68,8 @@ pub enum TargetSetup {
     /// `i % connections`). No fd at setup: the supervisor connects and negotiates when
     /// the worker is activated (a standby's connection would sit idle, and some servers
     /// take one client at a time), and sends the sockets, in the transmission phase
-    /// with simple replies, with [`ToWorker::Activate`].
+    /// with structured or simple replies (the worker reads both), with
+    /// [`ToWorker::Activate`].
     Nbd { connections: u8 },
 }
 

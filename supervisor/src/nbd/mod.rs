@@ -4,8 +4,8 @@
 //!
 //! The supervisor, not the worker, connects and negotiates: the worker's sandbox has
 //! no network and no filesystem, so it is handed the connected socket, already in the
-//! transmission phase (simple replies), with its device; the kernel device is made
-//! from the [`ExportInfo`] (`crate::target::params`).
+//! transmission phase (structured replies where the server took them), with its
+//! device; the kernel device is made from the [`ExportInfo`] (`crate::target::params`).
 //!
 //! Every step has a deadline ([`connect`]'s `timeout`, for the whole handshake); a
 //! server that stalls, talks garbage or sends a huge length gets a one-line

@@ -1,5 +1,6 @@
 //! `nbd`: an export of an NBD server, over the sockets the supervisor connected and
-//! negotiated (simple replies only) and hands over with the device at activation.
+//! negotiated (structured replies where the server took them, else simple ones) and
+//! hands over with the device at activation.
 //!
 //! Everything goes through the queue threads' own rings; the worker makes no system
 //! call per request beyond them. Queue thread `i` sends on connection `i % n` (several
