@@ -49,8 +49,8 @@ pub use device::{
 };
 pub use error::{ConfigError, Location};
 pub use nbd_uri::{
-    MAX_EXPORT_NAME_BYTES, MAX_UNIX_SOCKET_PATH_BYTES, NBD_DEFAULT_PORT, NbdTransport, NbdUri,
-    NbdUriError,
+    MAX_EXPORT_NAME_BYTES, MAX_UNIX_SOCKET_PATH_BYTES, NBD_DEFAULT_PORT, NbdTls, NbdTransport,
+    NbdUri, NbdUriError,
 };
 pub use recovery::{MAX_HUNG_TIMEOUT_SECS, OnRestartLimit, RecoveryConfig};
 pub use size::{SizeError, format_size, parse_size};
@@ -343,7 +343,7 @@ mod tests {
             ),
             (
                 "[[device]]\ntarget = \"nbd\"\nuri = \"nbds://h/x\"\n".into(),
-                "device[0].uri: \"nbds://h/x\" asks for TLS, which is not supported yet",
+                "device[0].uri: \"nbds://h/x\": an nbds:// URI needs tls-certificates=DIR",
             ),
             (
                 "[[device]]\ntarget = \"nbd\"\nuri = \"nbd+unix:///x\"\n".into(),

@@ -2,14 +2,18 @@
 //!
 //! The syntax is the NBD project's URI standard
 //! (<https://github.com/NetworkBlockDevice/nbd/blob/master/doc/uri.md>), the subset
-//! ublkd can serve today: `nbd://HOST[:PORT][/EXPORT]` over TCP (port 10809 when left
-//! out) and `nbd+unix:///[EXPORT]?socket=PATH` over a unix socket. `nbds://` and
-//! `nbds+unix://` are recognised and refused (ublkd has no TLS yet), as is anything the
-//! standard allows but ublkd would silently ignore (a user name, TLS parameters, an
-//! unknown query parameter): the standard asks a client to diagnose what it does not
-//! understand rather than connect to something else than the operator meant.
+//! ublkd can serve: `nbd://HOST[:PORT][/EXPORT]` over TCP (port 10809 when left out),
+//! `nbd+unix:///[EXPORT]?socket=PATH` over a unix socket, and
+//! `nbds://HOST[:PORT][/EXPORT]?tls-certificates=DIR[&tls-hostname=NAME]` over TCP with
+//! TLS (X.509 certificates: `DIR/ca-cert.pem`, and `DIR/client-cert.pem` with
+//! `DIR/client-key.pem` for a client certificate, the layout nbdkit, qemu-nbd and libnbd
+//! use). `nbds+unix://` is refused (ublkd hands TLS to the kernel, whose TLS runs on TCP
+//! only), as are TLS-PSK and anything the standard allows but ublkd would silently ignore
+//! (a user name, an unknown query parameter): the standard asks a client to diagnose what
+//! it does not understand rather than connect to something else than the operator meant.
 //!
-//! Parsing only: nothing here resolves a host name or touches the socket path.
+//! Parsing only: nothing here resolves a host name, touches the socket path or reads a
+//! certificate.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -31,6 +35,8 @@ pub struct NbdUri {
     pub transport: NbdTransport,
     /// The export's name, percent-decoded; empty for the server's default export.
     pub export: String,
+    /// TLS, for an `nbds://` URI.
+    pub tls: Option<NbdTls>,
     /// The URI as written, for messages.
     text: String,
 }
@@ -52,34 +58,55 @@ pub enum NbdTransport {
     },
 }
 
+/// How an `nbds://` URI's server is authenticated, and ublkd to it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct NbdTls {
+    /// The directory of PEM files (`tls-certificates=`): `ca-cert.pem`, the authorities
+    /// the server's certificate must chain to; `client-cert.pem` and `client-key.pem`,
+    /// ublkd's own certificate and key, if the server asks for one. Absolute.
+    pub certificates: PathBuf,
+    /// The name the server's certificate must carry (`tls-hostname=`), when it is not
+    /// the URI's host.
+    pub hostname: Option<String>,
+}
+
+impl NbdTls {
+    /// The CA file: `ca-cert.pem` in [`Self::certificates`].
+    pub fn ca_file(&self) -> PathBuf {
+        self.certificates.join("ca-cert.pem")
+    }
+
+    /// The client certificate file: `client-cert.pem` in [`Self::certificates`].
+    pub fn client_cert_file(&self) -> PathBuf {
+        self.certificates.join("client-cert.pem")
+    }
+
+    /// The client key file: `client-key.pem` in [`Self::certificates`].
+    pub fn client_key_file(&self) -> PathBuf {
+        self.certificates.join("client-key.pem")
+    }
+}
+
 /// Why a string is not an NBD URI ublkd can use. Every message quotes the URI.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NbdUriError {
     /// No `scheme://`.
     #[error(
-        "{uri:?} is not an NBD URI; expected nbd://HOST[:PORT][/EXPORT] or \
-         nbd+unix:///[EXPORT]?socket=PATH"
+        "{uri:?} is not an NBD URI; expected nbd://HOST[:PORT][/EXPORT], \
+         nbd+unix:///[EXPORT]?socket=PATH or \
+         nbds://HOST[:PORT][/EXPORT]?tls-certificates=DIR"
     )]
     NotAUri {
         /// The text.
         uri: String,
     },
     /// A scheme other than the NBD ones.
-    #[error("{uri:?} has scheme {scheme:?}; an NBD URI starts with nbd:// or nbd+unix://")]
+    #[error("{uri:?} has scheme {scheme:?}; an NBD URI starts with nbd://, nbd+unix:// or nbds://")]
     UnknownScheme {
         /// The text.
         uri: String,
         /// The scheme as written.
         scheme: String,
-    },
-    /// `nbds://`, `nbds+unix://` or a `tls-*` parameter.
-    #[error(
-        "{uri:?} asks for TLS, which is not supported yet; use nbd:// or nbd+unix:// \
-         over a trusted network or a local socket"
-    )]
-    TlsNotSupported {
-        /// The text.
-        uri: String,
     },
     /// A URI ublkd cannot serve, and why.
     #[error("{uri:?}: {problem}")]
@@ -122,10 +149,18 @@ impl NbdUri {
             return Err(NbdUriError::NotAUri { uri: text.to_owned() });
         };
         // RFC 3986: schemes are case-insensitive.
-        let unix = match scheme.to_ascii_lowercase().as_str() {
-            "nbd" => false,
-            "nbd+unix" => true,
-            "nbds" | "nbds+unix" => return Err(NbdUriError::TlsNotSupported { uri: text.into() }),
+        let (unix, tls) = match scheme.to_ascii_lowercase().as_str() {
+            "nbd" => (false, false),
+            "nbd+unix" => (true, false),
+            "nbds" => (false, true),
+            "nbds+unix" => {
+                return Err(invalid(
+                    "TLS over a unix socket is not supported: ublkd hands the TLS session to \
+                     the kernel, whose TLS runs on TCP only; a local socket needs none, so \
+                     use nbd+unix://"
+                        .into(),
+                ));
+            }
             _ => {
                 return Err(NbdUriError::UnknownScheme {
                     uri: text.to_owned(),
@@ -159,21 +194,73 @@ impl NbdUri {
             )));
         }
         let params = parse_query(query).map_err(invalid)?;
-        for (key, _) in &params {
-            if key.starts_with("tls-") {
-                return Err(NbdUriError::TlsNotSupported { uri: text.to_owned() });
-            }
-            if key != "socket" || !unix {
-                let hint = if key == "socket" {
-                    "; a unix socket needs the nbd+unix:// scheme".to_owned()
-                } else if unix {
-                    "; an nbd+unix URI takes only socket=PATH".to_owned()
-                } else {
-                    "; an nbd:// URI takes none".to_owned()
-                };
-                return Err(invalid(format!("unknown query parameter {key:?}{hint}")));
+        let mut certificates = None;
+        let mut hostname = None;
+        for (key, value) in &params {
+            match key.as_str() {
+                "socket" if unix => {}
+                "tls-certificates" if tls => {
+                    if certificates.replace(value).is_some() {
+                        return Err(invalid("tls-certificates= is given more than once".into()));
+                    }
+                }
+                "tls-hostname" if tls => {
+                    let name = String::from_utf8(value.clone())
+                        .ok()
+                        .filter(|n| !n.is_empty() && n.bytes().all(is_host_byte))
+                        .ok_or_else(|| {
+                            invalid("tls-hostname= is not a host name or address".into())
+                        })?;
+                    if hostname.replace(name).is_some() {
+                        return Err(invalid("tls-hostname= is given more than once".into()));
+                    }
+                }
+                "tls-psk-file" | "tls-username" if tls => {
+                    return Err(invalid(format!(
+                        "{key}=: TLS with a pre-shared key is not supported (ublkd's TLS \
+                         library has no TLS-PSK); use certificates, tls-certificates=DIR"
+                    )));
+                }
+                "tls-verify-peer" if tls => {
+                    return Err(invalid(
+                        "tls-verify-peer=: ublkd always verifies the server's certificate; \
+                         remove it"
+                            .into(),
+                    ));
+                }
+                _ if key.starts_with("tls-") && !tls => {
+                    return Err(invalid(format!(
+                        "{key}= is a TLS parameter, which needs the nbds:// scheme"
+                    )));
+                }
+                _ => {
+                    let hint = if key == "socket" {
+                        "; a unix socket needs the nbd+unix:// scheme".to_owned()
+                    } else if unix {
+                        "; an nbd+unix URI takes only socket=PATH".to_owned()
+                    } else if tls {
+                        "; an nbds:// URI takes tls-certificates=DIR and tls-hostname=NAME"
+                            .to_owned()
+                    } else {
+                        "; an nbd:// URI takes none".to_owned()
+                    };
+                    return Err(invalid(format!("unknown query parameter {key:?}{hint}")));
+                }
             }
         }
+        let tls = if tls {
+            let Some(dir) = certificates else {
+                return Err(invalid(
+                    "an nbds:// URI needs tls-certificates=DIR, a directory with ca-cert.pem \
+                     (the authority that signed the server's certificate) and, for a client \
+                     certificate, client-cert.pem and client-key.pem"
+                        .into(),
+                ));
+            };
+            Some(NbdTls { certificates: certificates_dir(dir).map_err(invalid)?, hostname })
+        } else {
+            None
+        };
         let transport = if unix {
             if !authority.is_empty() {
                 return Err(invalid(format!(
@@ -195,7 +282,7 @@ impl NbdUri {
             let (host, port) = host_and_port(authority).map_err(invalid)?;
             NbdTransport::Tcp { host, port }
         };
-        Ok(NbdUri { transport, export, text: text.to_owned() })
+        Ok(NbdUri { transport, export, tls, text: text.to_owned() })
     }
 }
 
@@ -239,11 +326,33 @@ fn unix_socket_path(raw: &[u8]) -> Result<NbdTransport, String> {
     Ok(NbdTransport::Unix { socket })
 }
 
+/// A `tls-certificates=` value as an absolute directory path.
+fn certificates_dir(raw: &[u8]) -> Result<PathBuf, String> {
+    use std::os::unix::ffi::OsStrExt;
+    if raw.is_empty() || raw.contains(&0) {
+        return Err("tls-certificates= is empty or contains a NUL byte".into());
+    }
+    let dir = PathBuf::from(std::ffi::OsStr::from_bytes(raw));
+    if !dir.is_absolute() {
+        return Err(format!(
+            "the certificates directory {} is not absolute; ublkd runs from / as a \
+             service, so give the full path, such as /etc/ublkd/pki",
+            dir.display()
+        ));
+    }
+    Ok(dir)
+}
+
+/// A byte of a host name or address (IPv6 ones hold `:`).
+fn is_host_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b':'
+}
+
 /// The authority of an `nbd://` URI: `HOST`, `HOST:PORT`, `[V6]` or `[V6]:PORT`.
 fn host_and_port(authority: &str) -> Result<(String, u16), String> {
     if authority.contains('@') {
-        return Err("a user name (user@) is only for TLS authentication, which is not \
-                    supported yet; remove it"
+        return Err("a user name (user@) is only for TLS-PSK authentication, which is not \
+                    supported; remove it"
             .into());
     }
     let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
@@ -351,16 +460,25 @@ mod tests {
     }
 
     #[test]
-    fn tls_schemes_and_parameters_are_refused_as_not_supported_yet() {
-        for text in [
-            "nbds://example.com/disk",
-            "NBDS+UNIX:///disk?socket=/run/x.sock",
-            "nbd://example.com/disk?tls-type=x509",
-        ] {
-            let error = NbdUri::parse(text).unwrap_err();
-            assert_eq!(error, NbdUriError::TlsNotSupported { uri: text.into() });
-            assert!(error.to_string().contains("TLS, which is not supported yet"), "{error}");
-        }
+    fn nbds_uris_carry_their_certificates_directory_and_hostname() {
+        let uri =
+            NbdUri::parse("nbds://10.0.0.1:10900/disk?tls-certificates=/etc/ublkd/pki").unwrap();
+        assert_eq!(uri.transport, tcp("10.0.0.1", 10900));
+        assert_eq!(uri.export, "disk");
+        let tls = uri.tls.unwrap();
+        assert_eq!(tls.certificates, PathBuf::from("/etc/ublkd/pki"));
+        assert_eq!(tls.hostname, None);
+        assert_eq!(tls.ca_file(), PathBuf::from("/etc/ublkd/pki/ca-cert.pem"));
+        assert_eq!(tls.client_cert_file(), PathBuf::from("/etc/ublkd/pki/client-cert.pem"));
+        assert_eq!(tls.client_key_file(), PathBuf::from("/etc/ublkd/pki/client-key.pem"));
+
+        let uri = NbdUri::parse("NBDS://[::1]/?tls-hostname=nbd.example&tls-certificates=/a%20b")
+            .unwrap();
+        assert_eq!(uri.transport, tcp("::1", 10809));
+        let tls = uri.tls.unwrap();
+        assert_eq!(tls.certificates, PathBuf::from("/a b"));
+        assert_eq!(tls.hostname.as_deref(), Some("nbd.example"));
+        assert!(NbdUri::parse("nbd://h/x").unwrap().tls.is_none());
     }
 
     /// Each bad URI and a part of its message that says what is wrong.
@@ -398,6 +516,18 @@ mod tests {
             ("nbd+unix:///x?socket=%00abs", "abstract unix sockets"),
             ("nbd+unix:///x?socket=/s&x-debug=1", "takes only socket=PATH"),
             (&long_socket, "108 bytes long"),
+            ("nbds://h/x", "needs tls-certificates=DIR"),
+            ("nbds://h/x?tls-certificates=pki", "is not absolute"),
+            ("nbds://h/x?tls-certificates=", "is empty"),
+            ("nbds://h/x?tls-certificates=/a&tls-certificates=/b", "more than once"),
+            ("nbds://h/x?tls-certificates=/a&tls-hostname=a_b", "tls-hostname= is not a host"),
+            ("nbds://h/x?tls-psk-file=/k", "pre-shared key is not supported"),
+            ("nbds://h/x?tls-certificates=/a&tls-verify-peer=false", "always verifies"),
+            ("nbds://h/x?tls-certificates=/a&socket=/s", "needs the nbd+unix:// scheme"),
+            ("nbds://h/x?tls-certificates=/a&tls-type=x", "an nbds:// URI takes"),
+            ("nbds+unix:///x?socket=/s", "TLS over a unix socket is not supported"),
+            ("nbd://h/x?tls-certificates=/a", "needs the nbds:// scheme"),
+            ("nbd+unix:///x?socket=/s&tls-hostname=h", "needs the nbds:// scheme"),
         ];
         for (text, part) in cases {
             match NbdUri::parse(text) {

@@ -132,7 +132,10 @@ fn connected(uri: &NbdUri) -> ExportInfo {
 fn refused(uri: &NbdUri, timeout: Duration) -> NbdError {
     match nbd::connect(uri, timeout) {
         Ok((_, info)) => panic!("{uri}: expected an error, connected to {info:?}"),
-        Err(e) => e,
+        Err(e) => {
+            eprintln!("{uri}: {e}");
+            e
+        }
     }
 }
 
@@ -421,4 +424,150 @@ fn a_server_that_never_accepts_times_out_connecting() {
     let error = refused(&uri, Duration::from_millis(300));
     assert!(matches!(error, NbdError::Timeout { step: "connecting", .. }), "{error}");
     assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+}
+
+/// Throwaway certificates made by tests/vm/make-tls-certs.sh (`server/`, `client/`,
+/// `other/`).
+fn tls_certificates(dir: &TempDir) -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/vm/make-tls-certs.sh");
+    let out = dir.join("pki");
+    let status = Command::new("sh").arg(&script).arg(&out).status().expect("run openssl's script");
+    assert!(status.success(), "{} failed: {status}", script.display());
+    out
+}
+
+/// nbdkit serving 64 MiB over TCP on 127.0.0.1 with TLS required, and `extra` options.
+fn nbdkit_tls(dir: &TempDir, pki: &Path, extra: &[&str]) -> (Server, u16) {
+    let port = free_port();
+    let port_text = port.to_string();
+    let certs = format!("--tls-certificates={}", pki.join("server").display());
+    let mut args = vec!["-i", "127.0.0.1", "-p", &port_text, "--tls=require", &certs];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["memory", "64M"]);
+    (Server::nbdkit(dir, &args), port)
+}
+
+/// The kernel's TLS (tls.ko) is loaded: only then can a TLS connection be handed on.
+/// This host's kernel may have none; the VM tests serve a device over TLS for real.
+fn kernel_tls() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp")
+        .is_ok_and(|ulps| ulps.split_whitespace().any(|u| u == "tls"))
+}
+
+/// Connects over TLS; what is asserted is that the export was negotiated inside TLS:
+/// the connection is handed to the kernel's TLS, or, on a host without it, only that
+/// last step fails, naming `modprobe tls`.
+fn connected_over_tls(uri: &NbdUri) {
+    match nbd::connect(uri, TIMEOUT) {
+        Ok((socket, info)) => {
+            assert!(kernel_tls(), "handed to a kernel TLS that is not listed as loaded");
+            assert_eq!(info.size, 64 << 20);
+            nbd::disconnect(socket);
+        }
+        Err(error) => {
+            let text = error.to_string();
+            eprintln!("{uri}: {text}");
+            assert!(
+                !kernel_tls()
+                    && matches!(error, NbdError::KernelTls { .. })
+                    && text.contains("TCP_ULP")
+                    && text.contains("modprobe tls"),
+                "{uri}: {text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_tls_export_is_negotiated_inside_tls_with_or_without_a_client_certificate() {
+    let dir = TempDir::new("tls");
+    let pki = tls_certificates(&dir);
+    let client = pki.join("client");
+    let (_server, port) = nbdkit_tls(&dir, &pki, &[]);
+    let uri = |query: &str| {
+        NbdUri::parse(&format!("nbds://127.0.0.1:{port}/?tls-certificates={query}")).unwrap()
+    };
+    connected_over_tls(&uri(client.to_str().unwrap()));
+    // The server's certificate names localhost too.
+    connected_over_tls(&uri(&format!("{}&tls-hostname=localhost", client.display())));
+
+    // The plain scheme meets the server's refusal, which says what to write instead.
+    let plain = NbdUri::parse(&format!("nbd://127.0.0.1:{port}/")).unwrap();
+    let error = refused(&plain, TIMEOUT);
+    assert!(matches!(error, NbdError::TlsRequired { .. }), "{error}");
+    assert!(error.to_string().contains("use an nbds:// URI"), "{error}");
+
+    // A server that asks for a client certificate gets ublkd's.
+    let dir2 = TempDir::new("tls-verify");
+    let (_strict, port) = nbdkit_tls(&dir2, &pki, &["--tls-verify-peer"]);
+    let strict =
+        NbdUri::parse(&format!("nbds://127.0.0.1:{port}/?tls-certificates={}", client.display()))
+            .unwrap();
+    connected_over_tls(&strict);
+}
+
+#[test]
+fn tls_with_the_wrong_authority_or_name_or_files_is_refused_with_what_to_check() {
+    let dir = TempDir::new("tls-bad");
+    let pki = tls_certificates(&dir);
+    let (_server, port) = nbdkit_tls(&dir, &pki, &[]);
+    let with = |query: String| {
+        NbdUri::parse(&format!("nbds://127.0.0.1:{port}/?tls-certificates={query}")).unwrap()
+    };
+
+    // An authority that did not sign the server's certificate.
+    let error = refused(&with(pki.join("other").display().to_string()), TIMEOUT);
+    let text = error.to_string();
+    assert!(matches!(error, NbdError::Tls { .. }), "{text}");
+    assert!(text.contains("running the TLS handshake") && text.contains("UnknownIssuer"), "{text}");
+    assert!(text.contains("ca-cert.pem"), "no hint in {text}");
+
+    // The right authority, but a name the certificate does not carry.
+    let error = refused(
+        &with(format!("{}&tls-hostname=nbd.example", pki.join("client").display())),
+        TIMEOUT,
+    );
+    assert!(matches!(error, NbdError::Tls { .. }), "{error}");
+
+    // A directory without ca-cert.pem, and a client certificate without its key.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let error = refused(&with(empty.display().to_string()), TIMEOUT);
+    assert!(error.to_string().contains("ca-cert.pem cannot be read"), "{error}");
+    let half = dir.join("half");
+    std::fs::create_dir_all(&half).unwrap();
+    for file in ["ca-cert.pem", "client-cert.pem"] {
+        std::fs::copy(pki.join("client").join(file), half.join(file)).unwrap();
+    }
+    let error = refused(&with(half.display().to_string()), TIMEOUT);
+    assert!(error.to_string().contains("client-key.pem is missing"), "{error}");
+
+    // A server that asks for a client certificate, from a client that has none.
+    let dir2 = TempDir::new("tls-verify-bad");
+    let (_strict, port) = nbdkit_tls(&dir2, &pki, &["--tls-verify-peer"]);
+    let no_cert = dir.join("no-cert");
+    std::fs::create_dir_all(&no_cert).unwrap();
+    std::fs::copy(pki.join("client/ca-cert.pem"), no_cert.join("ca-cert.pem")).unwrap();
+    let uri =
+        NbdUri::parse(&format!("nbds://127.0.0.1:{port}/?tls-certificates={}", no_cert.display()))
+            .unwrap();
+    let error = refused(&uri, TIMEOUT);
+    assert!(error.to_string().contains("it may want a client certificate"), "{error}");
+}
+
+#[test]
+fn tls_asked_of_a_server_without_it_is_named() {
+    let dir = TempDir::new("no-tls");
+    let pki = tls_certificates(&dir);
+    let port = free_port();
+    let port_text = port.to_string();
+    let _server = Server::nbdkit(&dir, &["-i", "127.0.0.1", "-p", &port_text, "memory", "1M"]);
+    let uri = NbdUri::parse(&format!(
+        "nbds://127.0.0.1:{port}/?tls-certificates={}",
+        pki.join("client").display()
+    ))
+    .unwrap();
+    let error = refused(&uri, TIMEOUT);
+    assert!(matches!(error, NbdError::NoTls { .. }), "{error}");
+    assert!(error.to_string().starts_with("the server does not offer TLS"), "{error}");
 }

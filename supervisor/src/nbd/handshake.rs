@@ -1,7 +1,9 @@
 //! The client's side of the NBD fixed-newstyle handshake, over any byte stream: the
-//! greeting, the flags, `NBD_OPT_STRUCTURED_REPLY` (taken where offered), and
-//! `NBD_OPT_GO` with `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` asked for. It ends in the transmission phase with what the
-//! server said about the export.
+//! greeting and the flags ([`greet`]), `NBD_OPT_STARTTLS` for a TLS export
+//! ([`start_tls`]; the caller runs TLS and goes on inside it), then
+//! `NBD_OPT_STRUCTURED_REPLY` (taken where offered) and `NBD_OPT_GO` with
+//! `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` asked for ([`choose_export`]). It ends in
+//! the transmission phase with what the server said about the export.
 //!
 //! The server is not trusted: every length it sends is checked against a bound before
 //! anything is read or allocated for it, and every reply is checked against what was
@@ -23,15 +25,44 @@ const MAX_REPLY_BYTES: u32 = MAX_STRING_BYTES as u32 + 16;
 /// than this is looping.
 const MAX_REPLIES: usize = 32;
 
-/// Negotiates `export` over `stream`, which has just connected. On success the stream
-/// is in the transmission phase. `limit` is only for messages (the stream enforces it).
+/// Negotiates `export` over `stream`, which has just connected, without TLS: [`greet`]
+/// then [`choose_export`].
+#[cfg(test)]
 pub(super) fn negotiate<S: Read + Write>(
     stream: &mut S,
     export: &str,
     limit: Duration,
 ) -> Result<ExportInfo, NbdError> {
+    greet(stream, limit)?;
+    choose_export(stream, export, limit)
+}
+
+/// Reads the server's greeting and sends the client's flags, on a stream that has just
+/// connected.
+pub(super) fn greet<S: Read + Write>(stream: &mut S, limit: Duration) -> Result<(), NbdError> {
+    Client { stream, limit }.greet()
+}
+
+/// `NBD_OPT_STARTTLS`: on success the server starts its TLS handshake, which the caller
+/// runs before any further option.
+pub(super) fn start_tls<S: Read + Write>(stream: &mut S, limit: Duration) -> Result<(), NbdError> {
     let mut client = Client { stream, limit };
-    match client.negotiate(export) {
+    client.start_tls().inspect_err(|error| {
+        if error.server_refused() {
+            client.abort();
+        }
+    })
+}
+
+/// Asks for structured replies and for `export`. On success the stream is in the
+/// transmission phase.
+pub(super) fn choose_export<S: Read + Write>(
+    stream: &mut S,
+    export: &str,
+    limit: Duration,
+) -> Result<ExportInfo, NbdError> {
+    let mut client = Client { stream, limit };
+    match client.choose_export(export) {
         Ok(info) => Ok(info),
         Err(error) => {
             // The protocol asks a client that gives up during option haggling for a
@@ -56,7 +87,7 @@ struct Reply {
 }
 
 impl<S: Read + Write> Client<'_, S> {
-    fn negotiate(&mut self, export: &str) -> Result<ExportInfo, NbdError> {
+    fn greet(&mut self) -> Result<(), NbdError> {
         const GREETING: &str = "reading the server's greeting";
         if self.read_u64(GREETING)? != NBDMAGIC {
             return Err(NbdError::NotNbd);
@@ -81,7 +112,29 @@ impl<S: Read + Write> Client<'_, S> {
         if server_flags & FLAG_NO_ZEROES != 0 {
             client_flags |= FLAG_C_NO_ZEROES;
         }
-        self.send(&client_flags.to_be_bytes(), "sending the client flags")?;
+        self.send(&client_flags.to_be_bytes(), "sending the client flags")
+    }
+
+    fn start_tls(&mut self) -> Result<(), NbdError> {
+        const STEP: &str = "asking for TLS (NBD_OPT_STARTTLS)";
+        self.send_option(OPT_STARTTLS, &[], STEP)?;
+        let reply = self.read_reply(OPT_STARTTLS, STEP)?;
+        match reply.kind {
+            REP_ACK if reply.data.is_empty() => Ok(()),
+            kind if kind & REP_FLAG_ERROR != 0 => {
+                Err(NbdError::NoTls { reply: reply_name(kind), message: message(&reply.data) })
+            }
+            kind => Err(NbdError::Protocol {
+                problem: format!(
+                    "it answered NBD_OPT_STARTTLS with {} and {} bytes",
+                    reply_name(kind),
+                    reply.data.len()
+                ),
+            }),
+        }
+    }
+
+    fn choose_export(&mut self, export: &str) -> Result<ExportInfo, NbdError> {
         let structured_replies = self.structured_replies()?;
         let (size, transmission_flags, block_sizes) = self.go(export)?;
         let info = ExportInfo { size, transmission_flags, block_sizes, structured_replies };
@@ -346,6 +399,9 @@ fn check_block_sizes(info: &ExportInfo) -> Result<(), NbdError> {
 impl NbdError {
     /// An I/O error at `step`, as the operator should read it.
     pub(super) fn from_io(error: io::Error, step: &'static str, limit: Duration) -> NbdError {
+        if let Some(tls) = super::tls::tls_error(&error) {
+            return NbdError::Tls { step, error: tls.clone(), hint: super::tls::hint(tls) };
+        }
         match error.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
                 NbdError::Timeout { step, secs: limit.as_secs_f64() }

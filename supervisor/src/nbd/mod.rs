@@ -13,6 +13,7 @@
 //! resolved by the C library, whose own timeout applies to that step.
 
 mod handshake;
+mod tls;
 pub mod wire;
 
 use std::fmt;
@@ -113,10 +114,59 @@ pub enum NbdError {
         message: String,
     },
     /// `NBD_REP_ERR_TLS_REQD`.
-    #[error("the server requires TLS, which is not supported yet{}", suffix(message))]
+    #[error(
+        "the server requires TLS{}; use an nbds:// URI with tls-certificates=DIR",
+        suffix(message)
+    )]
     TlsRequired {
         /// The server's message, if any.
         message: String,
+    },
+    /// An error reply to `NBD_OPT_STARTTLS`.
+    #[error(
+        "the server does not offer TLS (it answered NBD_OPT_STARTTLS with {reply}{}); \
+         use nbd:// if the export is meant to be reached without it",
+        suffix(message)
+    )]
+    NoTls {
+        /// The reply type's name.
+        reply: String,
+        /// The server's message, if any.
+        message: String,
+    },
+    /// A certificate or key file is missing or unusable.
+    #[error("{} {problem}", path.display())]
+    TlsFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// The TLS session could not be set up.
+    #[error("cannot set up TLS: {problem}")]
+    TlsSetup {
+        /// Why.
+        problem: String,
+    },
+    /// TLS failed during the handshake or the options inside it.
+    #[error("TLS failed while {step}: {error}{hint}")]
+    Tls {
+        /// What ublkd was doing.
+        step: &'static str,
+        /// The TLS library's error.
+        error: rustls::Error,
+        /// What to check, if anything obvious.
+        hint: &'static str,
+    },
+    /// The kernel refused the TLS session.
+    #[error("{step} failed: {source}; {hint}")]
+    KernelTls {
+        /// What ublkd asked the kernel.
+        step: &'static str,
+        /// Why it refused.
+        source: io::Error,
+        /// What to check.
+        hint: &'static str,
     },
     /// `NBD_REP_ERR_SHUTDOWN`.
     #[error("the server is shutting down{}", suffix(message))]
@@ -177,6 +227,7 @@ impl NbdError {
             self,
             Self::UnknownExport { .. }
                 | Self::TlsRequired { .. }
+                | Self::NoTls { .. }
                 | Self::ShuttingDown { .. }
                 | Self::GoUnsupported
                 | Self::Refused { .. }
@@ -289,11 +340,38 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo),
     let deadline = Instant::now() + timeout;
     let stream = open(&uri.transport, deadline)?;
     let mut timed = Timed { stream: &stream, deadline };
-    let info = handshake::negotiate(&mut timed, &uri.export, timeout)?;
-    if let Err(error) = fits_kernel(&info) {
-        let _ = timed.write_all(&disconnect_request());
-        return Err(error);
-    }
+    handshake::greet(&mut timed, timeout)?;
+    let info = match &uri.tls {
+        None => {
+            let info = handshake::choose_export(&mut timed, &uri.export, timeout)?;
+            if let Err(error) = fits_kernel(&info) {
+                let _ = timed.write_all(&disconnect_request());
+                return Err(error);
+            }
+            info
+        }
+        Some(settings) => {
+            let NbdTransport::Tcp { host, .. } = &uri.transport else {
+                // NbdUri refuses nbds+unix: the kernel's TLS is TCP's alone.
+                return Err(NbdError::TlsSetup { problem: "TLS needs a TCP connection".into() });
+            };
+            let mut session = tls::client(settings, host)?;
+            handshake::start_tls(&mut timed, timeout)?;
+            tls::handshake(&mut session, &mut timed, timeout)?;
+            let mut private = rustls::Stream::new(&mut session, &mut timed);
+            let info = handshake::choose_export(&mut private, &uri.export, timeout)?;
+            // The kernel's TLS is turned on before the keys leave rustls, so that a
+            // kernel without it still gets the server a proper goodbye.
+            if let Err(error) = fits_kernel(&info).and_then(|()| tls::kernel_tls(stream.as_fd())) {
+                let _ = private.write_all(&disconnect_request());
+                private.conn.send_close_notify();
+                let _ = private.flush();
+                return Err(error);
+            }
+            tls::to_kernel(session, stream.as_fd())?;
+            info
+        }
+    };
     stream
         .clear_timeouts()
         .map_err(|e| NbdError::from_io(e, "finishing the handshake", timeout))?;
@@ -399,6 +477,15 @@ impl Stream {
 
     fn clear_timeouts(&self) -> io::Result<()> {
         self.set_timeouts(None)
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Self::Tcp(s) => s.as_fd(),
+            Self::Unix(s) => s.as_fd(),
+        }
     }
 }
 

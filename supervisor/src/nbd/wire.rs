@@ -49,6 +49,8 @@ pub const FLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 // "Option types".
 /// Abort the negotiation (the client's soft disconnect during option haggling).
 pub const OPT_ABORT: u32 = 2;
+/// Upgrade the connection to TLS; options continue inside it.
+pub const OPT_STARTTLS: u32 = 5;
 /// Ask for an export and enter transmission, with errors and `NBD_REP_INFO` replies.
 pub const OPT_GO: u32 = 7;
 /// Ask the server to answer with structured replies (chunks; holes not sent).
