@@ -11,6 +11,10 @@
 //! it: each runs in its own empty network namespace (see the worker's sandbox). A host
 //! given by name cannot be allowed here (a generator must not resolve names): the
 //! drop-in says so in a comment, and README.md says how to allow it by hand.
+//!
+//! An `nbds://` device also needs the kernel's TLS, which ublkd under the unit cannot
+//! have the kernel load on demand (loading a TCP upper layer takes CAP_NET_ADMIN, which
+//! the unit does not give): the drop-in has systemd load it first (`modprobe@tls`).
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -25,9 +29,11 @@ pub const DROP_IN: &str = "ublkd.service.d/50-nbd-network.conf";
 pub fn network_drop_in(config: &Config) -> Option<String> {
     let mut allowed: Vec<IpAddr> = Vec::new();
     let mut names: Vec<String> = Vec::new();
+    let mut tls = false;
     for device in &config.devices {
         let TargetSpec::Nbd { uri } = &device.target else { continue };
         let NbdTransport::Tcp { host, .. } = &uri.transport else { continue };
+        tls |= uri.tls.is_some();
         match host.parse::<IpAddr>() {
             Ok(ip) if !allowed.contains(&ip) => allowed.push(ip),
             Ok(_) => {}
@@ -41,8 +47,15 @@ pub fn network_drop_in(config: &Config) -> Option<String> {
     let mut text = String::from(
         "# Written by ublkd's systemd generator from /etc/ublkd/ublkd.toml: the NBD servers\n\
          # its nbd:// devices name. Rewritten at every `systemctl daemon-reload`; takes\n\
-         # effect at ublkd's next start.\n[Service]\n",
+         # effect at ublkd's next start.\n",
     );
+    if tls {
+        text.push_str(
+            "[Unit]\n# nbds:// devices: the kernel's TLS carries their sessions.\n\
+             Wants=modprobe@tls.service\nAfter=modprobe@tls.service\n",
+        );
+    }
+    text.push_str("[Service]\n");
     for name in &names {
         let _ = writeln!(
             text,
@@ -113,6 +126,13 @@ mod tests {
             text.lines().filter_map(|l| l.strip_prefix("IPAddressAllow=")).collect();
         assert_eq!(allowed, ["10.1.2.3", "fd00::5"]);
         assert!(text.contains("# storage.example: a host name"), "{text}");
+        assert!(!text.contains("modprobe@tls"), "{text}");
+
+        let text = network_drop_in(&config(&["nbds://10.1.2.3/a?tls-certificates=/etc/ublkd/pki"]))
+            .unwrap();
+        assert!(text.contains("[Unit]\n"), "{text}");
+        assert!(text.contains("\nWants=modprobe@tls.service\nAfter=modprobe@tls.service\n"));
+        assert!(text.contains("\n[Service]\n") && text.contains("IPAddressAllow=10.1.2.3"));
     }
 
     #[test]

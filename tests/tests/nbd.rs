@@ -24,6 +24,29 @@ const MIB: u64 = 1 << 20;
 enum Listen {
     Tcp(u16),
     Unix(&'static str),
+    /// TCP with TLS required, with the certificates of [`tls_certificates`].
+    Tls(u16),
+}
+
+/// Where [`tls_certificates`] puts them.
+const PKI: &str = "/tmp/ublkd-test-pki";
+
+/// Makes throwaway certificates in [`PKI`] (tests/vm/make-tls-certs.sh): `server/` for
+/// nbdkit, `client/` for ublkd.
+fn tls_certificates() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/make-tls-certs.sh");
+    let _ = std::fs::remove_dir_all(PKI);
+    let status = Command::new("sh").arg(&script).arg(PKI).status().expect("run sh");
+    assert!(status.success(), "{} failed: {status}", script.display());
+}
+
+/// A counter of /proc/net/tls_stat, the kernel's TLS sockets.
+fn tls_stat(name: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/net/tls_stat")
+        .unwrap_or_else(|e| panic!("/proc/net/tls_stat: {e}: the kernel's TLS is not loaded"));
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/net/tls_stat:\n{text}"))
 }
 
 /// An NBD server process, killed on drop.
@@ -74,6 +97,18 @@ impl Server {
                     format!("nbd+unix:///?socket={socket}"),
                 )
             }
+            Listen::Tls(port) => (
+                PathBuf::from(format!("/tmp/ublkd-test-nbdkit-{port}.pid")),
+                vec![
+                    "-i".to_string(),
+                    "127.0.0.1".into(),
+                    "-p".into(),
+                    port.to_string(),
+                    "--tls=require".into(),
+                    format!("--tls-certificates={PKI}/server"),
+                ],
+                format!("nbds://127.0.0.1:{port}/?tls-certificates={PKI}/client"),
+            ),
         };
         args.extend(["-f", "--exit-with-parent", "--threads=1"].map(String::from));
         args.extend(["-P".to_string(), pid_file.display().to_string()]);
@@ -216,7 +251,11 @@ fn unix_connections_to(path: &str) -> usize {
 fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     let file = PathBuf::from("/tmp/ublkd-test-nbd-fio.img");
     sparse_file(&file, 96 * MIB);
-    let multi_conn = matches!(listen, Listen::Tcp(_));
+    let multi_conn = !matches!(listen, Listen::Unix(_));
+    let tls = matches!(listen, Listen::Tls(_));
+    if tls {
+        tls_certificates();
+    }
     let nbdkit = Server::nbdkit(listen, &file, multi_conn);
     let ublkd = Ublkd::start_with(
         "nbd-fio",
@@ -231,7 +270,7 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     assert_eq!((dev["state"].as_str(), dev["target"].as_str()), (Some("LIVE"), Some("nbd")));
     assert_eq!(dev["size_bytes"].as_u64(), Some(96 * MIB), "{dev}");
     let connections = || match listen {
-        Listen::Tcp(port) => connections_to(port),
+        Listen::Tcp(port) | Listen::Tls(port) => connections_to(port),
         Listen::Unix(path) => unix_connections_to(path),
     };
     // With multi-conn one connection per queue thread, else one both threads share.
@@ -273,6 +312,17 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     // nbdkit answers in chunks (NBD_OPT_STRUCTURED_REPLY), which the worker reads.
     assert!(export.contains("structured replies"), "{export}");
     assert_eq!(export.contains("multi-conn"), multi_conn, "{export}");
+    assert_eq!(export.contains("TLS 1.2 in the kernel"), tls, "{export}");
+    if tls {
+        // The worker's sockets are the kernel's TLS sockets (nbdkit's TLS is GnuTLS's,
+        // in user space): what crossed the wire was encrypted, and what fio verified
+        // came back through the kernel's decryption.
+        for counter in ["TlsCurrTxSw", "TlsCurrRxSw"] {
+            assert_eq!(tls_stat(counter), want_connections as u64, "{counter}");
+        }
+        assert_eq!(tls_stat("TlsDecryptError"), 0, "TlsDecryptError");
+        eprintln!("kernel TLS: {} sessions opened", tls_stat("TlsTxSw"));
+    }
     eprintln!(
         "3 worker kills and a 3 s server outage under fio ({listen:?}); last stall {} ms",
         dev["last_recovery_ms"]
@@ -287,6 +337,12 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
 fn fio_verify_over_tcp_survives_three_worker_kills_and_a_server_restart() {
     let _serial = serial();
     fio_verify_survives_three_worker_kills_and_a_server_restart(Listen::Tcp(10_809));
+}
+
+#[test]
+fn fio_verify_over_tls_survives_three_worker_kills_and_a_server_restart() {
+    let _serial = serial();
+    fio_verify_survives_three_worker_kills_and_a_server_restart(Listen::Tls(10_811));
 }
 
 #[test]

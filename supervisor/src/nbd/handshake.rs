@@ -137,7 +137,8 @@ impl<S: Read + Write> Client<'_, S> {
     fn choose_export(&mut self, export: &str) -> Result<ExportInfo, NbdError> {
         let structured_replies = self.structured_replies()?;
         let (size, transmission_flags, block_sizes) = self.go(export)?;
-        let info = ExportInfo { size, transmission_flags, block_sizes, structured_replies };
+        let info =
+            ExportInfo { size, transmission_flags, block_sizes, structured_replies, tls: false };
         check_block_sizes(&info)?;
         Ok(info)
     }

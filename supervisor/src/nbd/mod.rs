@@ -261,6 +261,8 @@ pub struct ExportInfo {
     /// The server answers with structured replies (`NBD_OPT_STRUCTURED_REPLY`): a
     /// property of the connection, not of the export.
     pub structured_replies: bool,
+    /// The connection is TLS (`nbds://`), carried by the kernel's TLS once negotiated.
+    pub tls: bool,
 }
 
 impl ExportInfo {
@@ -324,6 +326,7 @@ impl fmt::Display for ExportInfo {
             (self.can_multi_conn(), "multi-conn"),
             (self.rotational(), "rotational"),
             (self.structured_replies, "structured replies"),
+            (self.tls, "TLS 1.2 in the kernel"),
         ] {
             if on {
                 write!(f, ", {name}")?;
@@ -359,7 +362,10 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo),
             handshake::start_tls(&mut timed, timeout)?;
             tls::handshake(&mut session, &mut timed, timeout)?;
             let mut private = rustls::Stream::new(&mut session, &mut timed);
-            let info = handshake::choose_export(&mut private, &uri.export, timeout)?;
+            let info = ExportInfo {
+                tls: true,
+                ..handshake::choose_export(&mut private, &uri.export, timeout)?
+            };
             // The kernel's TLS is turned on before the keys leave rustls, so that a
             // kernel without it still gets the server a proper goodbye.
             if let Err(error) = fits_kernel(&info).and_then(|()| tls::kernel_tls(stream.as_fd())) {
@@ -624,6 +630,7 @@ mod tests {
             transmission_flags: wire::FLAG_HAS_FLAGS,
             block_sizes: min.map(|min| BlockSizes { min, preferred: 4096, max: u32::MAX }),
             structured_replies: false,
+            tls: false,
         }
     }
 
