@@ -101,8 +101,9 @@ pub enum UblkctlCommand {
         #[arg(short, long)]
         file: Option<PathBuf>,
         /// The export's NBD URI (nbd): nbd://HOST:PORT/EXPORT (port 10809 and the
-        /// default export when left out) or nbd+unix:///EXPORT?socket=PATH. TLS
-        /// (nbds://) is not supported yet.
+        /// default export when left out), nbd+unix:///EXPORT?socket=PATH, or with TLS
+        /// nbds://HOST:PORT/EXPORT?tls-certificates=DIR (DIR: ca-cert.pem, and
+        /// client-cert.pem + client-key.pem for a client certificate).
         #[arg(long, value_name = "URI")]
         uri: Option<String>,
         /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's

@@ -564,7 +564,7 @@ mod tests {
         rec.target = "nbd".into();
         assert_eq!(rec.spec().unwrap_err(), "an nbd device without its uri");
         rec.uri = Some("nbds://host/x".into());
-        assert!(rec.spec().unwrap_err().contains("asks for TLS"));
+        assert!(rec.spec().unwrap_err().contains("needs tls-certificates=DIR"));
     }
 
     #[test]

@@ -162,7 +162,7 @@ fn each_misbehaviour_gets_its_own_message() {
         ),
         (
             vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_TLS_REQD, b"")],
-            "requires TLS, which is not supported yet",
+            "requires TLS; use an nbds:// URI",
         ),
         (vec![greeting(BOTH), sr_ack(), huge], "claims 4294967295 bytes"),
         (
