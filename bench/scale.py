@@ -96,6 +96,9 @@ def table(results):
             fmt(r["del_ms_per_dev"])))
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(widths[i]) for i, c in enumerate(row)) for row in rows]
+    for r in results["records"]:
+        for hung in r.get("fio_hung", []):
+            lines.append(f"{r['n']} devices: {hung}")
     meta = results.get("meta", {})
     lines += ["", f"null devices ({results['params']['SCALE_SIZE']}, -q 1 -d 128), added one "
               f"`ublkctl add` after another; kernel {meta.get('kernel', '?')}, "
@@ -207,7 +210,9 @@ def one_count(n, plan):
         rec["metrics_ms"] = timed_ms(lambda: u.ctl("metrics"), reps)
         log(f"{n} devices: {rec['pss_kib_per_dev']:.0f} KiB each, status of all "
             f"{rec['status_all_ms']:.0f} ms; starting fio and the kills")
-        rec["stalls_ms"] = kills(u, n, prm)
+        rec["stalls_ms"], hung = kills(u, n, prm)
+        if hung:
+            rec["fio_hung"] = hung
         if rec["stalls_ms"]:
             rec["stall_ms_median"] = statistics.median(rec["stalls_ms"])
             rec["stall_ms_max"] = max(rec["stalls_ms"])
@@ -235,7 +240,7 @@ def kills(u, n, prm):
     """SIGKILLs device 0's worker SCALE_KILLS times while fio reads from device 0 and,
     at a bounded rate, from every other device; the stalls in ms."""
     if prm["SCALE_KILLS"] == 0:
-        return []
+        return [], []
     # One stop file per fio (fio deletes the file it triggered on); the others' devices
     # in groups of at most FILES_PER_FIO (a longer --filename list makes fio fail).
     groups = [list(range(i, min(i + FILES_PER_FIO, n))) for i in range(1, n, FILES_PER_FIO)]
@@ -281,15 +286,44 @@ def kills(u, n, prm):
         log(f"{n} devices: stopping fio")
         for stop in stops:
             open(stop, "w").close()
-        for f in fios:
-            fio_stop(f)
-    return stalls
+        hung = [h for h in (fio_stop(f) for f in fios) if h]
+    return stalls, hung
+
+
+def stuck_io():
+    """The ublk devices with I/O in flight (/sys/block/ublkbN/inflight), as 'N:R/W'."""
+    out = []
+    for name in sorted(os.listdir("/sys/block")):
+        if not name.startswith("ublkb"):
+            continue
+        try:
+            with open(f"/sys/block/{name}/inflight") as fh:
+                r, w = fh.read().split()
+        except OSError:
+            continue
+        if r != "0" or w != "0":
+            out.append(f"{name[5:]}:{r}/{w}")
+    return out
+
+
+def proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/wchan") as fh:
+            wchan = fh.read().strip()
+        with open(f"/proc/{pid}/status") as fh:
+            state = next((l.split(None, 1)[1].strip() for l in fh if l.startswith("State:")), "?")
+        return f"{state}, wchan {wchan or '-'}"
+    except OSError as e:
+        return str(e)
 
 
 def fio_stop(f):
     """Waits for a fio told to stop by its trigger file; one that does not stop within
     60 s (fio over hundreds of files can be slow to) gets SIGINT. Raises if a job
-    reported an error: what counts is that no I/O failed, not how fio ended."""
+    reported an error: what counts is that no I/O failed, not how fio ended. A fio that
+    does not stop within 60 s of SIGINT is described (its state, the devices with I/O in
+    flight), SIGKILLed, and the description returned, so that the count's other figures
+    (del -a) are still measured."""
     try:
         out, err = f.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -297,9 +331,19 @@ def fio_stop(f):
         try:
             out, err = f.communicate(timeout=60)
         except subprocess.TimeoutExpired:
+            stuck = stuck_io()
+            what = (f"fio {' '.join(a for a in f.args if a.startswith('--name'))} did not "
+                    f"stop within 60 s of SIGINT: {proc_state(f.pid)}; devices with I/O in "
+                    f"flight: {', '.join(stuck[:20]) or 'none'}"
+                    f"{' (+%d more)' % (len(stuck) - 20) if len(stuck) > 20 else ''}")
+            log(what)
             f.kill()
-            f.communicate()
-            raise RuntimeError("fio did not stop within 60 s of SIGINT")
+            try:
+                f.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                what += "; it did not exit within 30 s of SIGKILL either"
+                log(what)
+            return what
     at = out.find("{")
     if at < 0:
         raise RuntimeError(f"fio exited {f.returncode} without a report: {err.strip()[-300:]}")
@@ -307,6 +351,7 @@ def fio_stop(f):
     failed = [j for j in jobs if j.get("error")]
     if not jobs or failed:
         raise RuntimeError(f"fio reported errors: {failed or 'no jobs'}; {err.strip()[-300:]}")
+    return None
 
 
 def worker_of(u, dev_id):
