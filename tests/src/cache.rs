@@ -7,6 +7,9 @@
 //! current                      ABI of the kernel `run` boots by default (written by `fetch`)
 //! current-6.12                 ABI of the kernel `run --kernel 6.12` boots
 //! kernel/<abi>/                vmlinuz, config, ublk_drv.ko, overlay.ko, nbd.ko, manifest
+//! kernel/<abi>/modules/lib/modules/<abi>/   the guest's /lib/modules/<abi>: kernel TLS's
+//!                              modules (kernel/net/tls, kernel/crypto, ...), decompressed,
+//!                              with modules.builtin*, modules.order and depmod's indexes
 //! headers/<version>/usr/include/linux/ublk_cmd.h   sid's linux-libc-dev, unpacked
 //! initramfs/<abi>-<hash>.cpio  rebuilt when busybox, the module or /init change
 //! runs/<pid>-<n>/              one run: params, cmd.sh, sockets, console logs

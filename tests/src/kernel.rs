@@ -17,17 +17,37 @@
 //! them with `dpkg-deb -x` and keeps only what the VM needs, decompressed: `vmlinuz`,
 //! `config`, `ublk_drv.ko` (no module dependencies), `overlay.ko` and `nbd.ko` (the
 //! kernel's NBD client, for the benchmark beside it: `bench/run nbd`; loaded by the
-//! guest command itself from `$UBLKD_VM_KERNEL_DIR`), plus the unpacked
-//! uapi headers. The kernel is refused if its config lacks `CONFIG_BLK_DEV_UBLK`. Both
+//! guest command itself from `$UBLKD_VM_KERNEL_DIR`), a small module tree for the
+//! guest's `/lib/modules` (below), plus the unpacked uapi headers. The kernel is refused
+//! if its config lacks `CONFIG_BLK_DEV_UBLK`. Both
 //! series share sid's `linux-libc-dev`: host programs are built once against the newest
 //! uapi header (uapi only grows) and run on either kernel, which tells what it supports
 //! through `UBLK_U_CMD_GET_FEATURES`.
+//!
+//! The module tree (where the config has `CONFIG_TLS=m`) is what kernel TLS needs and
+//! nothing else of the package: `tls.ko` and the AEAD modules behind the ciphers kTLS
+//! offers (gcm, ccm, chacha20poly1305, with their generic and x86 helpers; see
+//! [`GUEST_MODULES`]), each with the modules it depends on, decompressed and laid out as
+//! a kernel package lays them out, plus the package's `modules.builtin`,
+//! `modules.builtin.modinfo` and `modules.order`, indexed by the host's `depmod -b`:
+//!
+//! ```text
+//! <cache>/kernel/<abi>/modules/lib/modules/<abi>/kernel/net/tls/tls.ko
+//!                                               /kernel/crypto/gcm.ko ...
+//!                                               /modules.dep, modules.alias, ...
+//! ```
+//!
+//! The guest's `/init` (tests/vm/guest-init.sh) makes `/lib/modules/$(uname -r)` point
+//! there, so that `modprobe tls` works and so does the kernel's own `request_module`
+//! (`tcp-ulp-tls` on `setsockopt(TCP_ULP, "tls")`, `crypto-gcm(aes)` on `TLS_TX`). A
+//! kernel directory without `modules/` boots the same, without them.
 //!
 //! [`current_or_fetch`] is what `run` uses: the kernel the last `fetch` of that series
 //! chose (no apt call, so a run is quick and does not change kernel under a test
 //! suite), or a fetch if there is none. `ublkd-vm fetch` moves on to a newer kernel
 //! after `apt-get update`.
 
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 use std::fs::{self, File};
 use std::io;
@@ -53,7 +73,47 @@ const SID: &str = "sid";
 const MANIFEST: &str = "manifest";
 /// The layout of a cached kernel's directory, written into its manifest (`layout=N`).
 /// A cached kernel of an older layout (fewer modules kept) is fetched again. 2: `nbd.ko`.
-const MANIFEST_LAYOUT: u32 = 2;
+/// 3: `modules/`, the guest's module tree for kernel TLS.
+const MANIFEST_LAYOUT: u32 = 3;
+/// The guest's module tree in a cached kernel's directory: `lib/modules/<abi>` below it,
+/// as `depmod -b` and `modprobe -d` expect.
+const MODULES_DIR: &str = "modules";
+/// The modules kept for the guest's `/lib/modules` (each where the package has it, with
+/// what it depends on): kernel TLS and the AEADs behind its ciphers. Names as in
+/// `modules.dep`, `-` and `_` alike. Which exist differs between kernels: 7.2 has
+/// `chacha.ko` and GHASH in the library, 6.12 `chacha_generic.ko`, `ghash-generic.ko` and
+/// the x86 ChaCha/Poly1305/GHASH glue.
+pub const GUEST_MODULES: &[&str] = &[
+    // kTLS itself (alias tcp-ulp-tls).
+    "tls",
+    // TLS_CIPHER_AES_GCM_*: gcm(aes) = ctr(aes) + ghash; AES-NI/PCLMUL where the CPU has them.
+    "gcm",
+    "ctr",
+    "ghash-generic",
+    "ghash-clmulni-intel",
+    "gf128mul",
+    "aesni-intel",
+    "crypto_simd",
+    "cryptd",
+    // TLS_CIPHER_AES_CCM_128: ccm(aes).
+    "ccm",
+    // TLS_CIPHER_CHACHA20_POLY1305: rfc7539(chacha20,poly1305).
+    "chacha20poly1305",
+    "chacha",
+    "chacha_generic",
+    "chacha-x86_64",
+    "poly1305_generic",
+    "poly1305-x86_64",
+    "libchacha",
+    "libpoly1305",
+    // IV generators an AEAD user may ask for by template.
+    "seqiv",
+    "echainiv",
+];
+/// What the guest's `modprobe` reads beside `modules.dep`, copied from the package where
+/// it has them.
+const MODULE_INDEX_FILES: [&str; 3] =
+    ["modules.builtin", "modules.builtin.modinfo", "modules.order"];
 
 mod series;
 pub use series::{Series, UnknownSeries};
@@ -298,6 +358,13 @@ impl Kernel {
         Some(self.dir.join("nbd.ko")).filter(|p| p.exists())
     }
 
+    /// The guest's module tree (`depmod -b`'s base: `lib/modules/<abi>` below it), if
+    /// the kernel has one (the manifest's `tls=` says why not: `y` built in, `n` missing).
+    pub fn modules_base(&self) -> Option<PathBuf> {
+        Some(self.dir.join(MODULES_DIR))
+            .filter(|p| p.join("lib/modules").join(&self.abi).join("modules.dep").exists())
+    }
+
     /// The cached kernel `abi`, or `None` if it is not (completely) cached, or cached
     /// in an older layout ([`MANIFEST_LAYOUT`]).
     pub fn load(cache: &Cache, abi: &str) -> Result<Option<Self>, KernelError> {
@@ -487,6 +554,13 @@ fn download_and_unpack(
     {
         decompress_module(&ko, &out.join("nbd.ko"))?;
     }
+    // Kernel TLS's modules for the guest's /lib/modules.
+    let tls = config_tristate(&config_text, "CONFIG_TLS").unwrap_or('n');
+    let guest_modules = if tls == 'm' {
+        keep_guest_modules(&moddir, abi, &out.join(MODULES_DIR))?
+    } else {
+        Vec::new()
+    };
     let mut manifest = String::new();
     let _ = writeln!(manifest, "layout={MANIFEST_LAYOUT}");
     let _ = writeln!(manifest, "abi={abi}");
@@ -495,6 +569,8 @@ fn download_and_unpack(
     let _ = writeln!(manifest, "headers={}", headers.version);
     let _ = writeln!(manifest, "ublk={ublk}");
     let _ = writeln!(manifest, "nbd={nbd}");
+    let _ = writeln!(manifest, "tls={tls}");
+    let _ = writeln!(manifest, "modules={}", guest_modules.join(","));
     write(&out.join(MANIFEST), manifest.as_bytes())?;
 
     let dir = cache.kernels().join(abi);
@@ -561,6 +637,108 @@ fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>, KernelError> {
         }
     }
     Ok(None)
+}
+
+/// Decompresses [`GUEST_MODULES`] and what they depend on from the package's module
+/// directory `moddir` into `base/lib/modules/<abi>/` (same relative paths), copies the
+/// package's [`MODULE_INDEX_FILES`] and runs `depmod -b base abi`. Returns the modules
+/// kept, by name.
+fn keep_guest_modules(moddir: &Path, abi: &str, base: &Path) -> Result<Vec<String>, KernelError> {
+    let mut index = BTreeMap::new();
+    index_modules(moddir, moddir, &mut index)?;
+    let tree = base.join("lib/modules").join(abi);
+    let modinfo = kmod_tool("modinfo");
+    let kept = module_closure(GUEST_MODULES, |name| -> Result<_, KernelError> {
+        let Some(rel) = index.get(&module_name(name)) else { return Ok(None) };
+        let to = tree.join(rel.with_extension("").with_extension("ko"));
+        let parent = to.parent().unwrap_or(&tree);
+        fs::create_dir_all(parent).map_err(|e| KernelError::Io("create", parent.into(), e))?;
+        decompress_module(&moddir.join(rel), &to)?;
+        let depends = run_tool(Command::new(&modinfo).args(["-F", "depends"]).arg(&to))?;
+        Ok(Some(parse_depends(&depends)))
+    })?;
+    for name in MODULE_INDEX_FILES {
+        let from = moddir.join(name);
+        if from.is_file() {
+            copy(&from, &tree.join(name))?;
+        }
+    }
+    run_tool(Command::new(kmod_tool("depmod")).arg("-b").arg(base).arg(abi))?;
+    if !tree.join("modules.dep").is_file() {
+        return Err(KernelError::MissingFile {
+            abi: abi.to_owned(),
+            what: format!("{} after depmod", tree.join("modules.dep").display()),
+        });
+    }
+    Ok(kept)
+}
+
+/// `name` as `modules.dep` and `modinfo`'s `depends=` spell it: `-` becomes `_`.
+fn module_name(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// The module names in `modinfo -F depends` output (`a,b` or nothing).
+fn parse_depends(output: &str) -> Vec<String> {
+    output.split([',', '\n']).map(str::trim).filter(|n| !n.is_empty()).map(module_name).collect()
+}
+
+/// `seeds` and everything they depend on, in the order first reached, each visited once.
+/// `depends(name)` keeps the module and returns what it depends on, or `None` if the
+/// kernel has no such module (a seed of another kernel version: skipped).
+fn module_closure<E>(
+    seeds: &[&str],
+    mut depends: impl FnMut(&str) -> Result<Option<Vec<String>>, E>,
+) -> Result<Vec<String>, E> {
+    let mut seen = BTreeSet::new();
+    let mut kept = Vec::new();
+    let mut queue: VecDeque<String> = seeds.iter().map(|s| module_name(s)).collect();
+    while let Some(name) = queue.pop_front() {
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        if let Some(deps) = depends(&name)? {
+            kept.push(name);
+            queue.extend(deps);
+        }
+    }
+    Ok(kept)
+}
+
+/// Every module below `dir`, by [`module_name`], with its path relative to `root`.
+fn index_modules(
+    root: &Path,
+    dir: &Path,
+    index: &mut BTreeMap<String, PathBuf>,
+) -> Result<(), KernelError> {
+    let entries = fs::read_dir(dir).map_err(|e| KernelError::Io("list", dir.into(), e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| KernelError::Io("list", dir.into(), e))?;
+        let path = entry.path();
+        let file_type = entry.file_type().map_err(|e| KernelError::Io("stat", path.clone(), e))?;
+        if file_type.is_dir() {
+            index_modules(root, &path, index)?;
+            continue;
+        }
+        let file = entry.file_name();
+        let file = file.to_string_lossy();
+        if let Some(stem) = file.strip_suffix(".ko.xz").or_else(|| file.strip_suffix(".ko"))
+            && let Ok(rel) = path.strip_prefix(root)
+        {
+            index.insert(module_name(stem), rel.to_owned());
+        }
+    }
+    Ok(())
+}
+
+/// A kmod tool by its path in `/usr/sbin` or `/sbin` (root's PATH may lack both), else
+/// by name.
+fn kmod_tool(name: &str) -> PathBuf {
+    ["/usr/sbin", "/sbin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from(name))
 }
 
 fn decompress_module(ko: &Path, to: &Path) -> Result<(), KernelError> {
@@ -796,6 +974,53 @@ linux-image-6.13.2+deb12-cloud-amd64 - Linux 6.13 (made up: another release)
         assert_eq!(config_ublk("CONFIG_BLK_DEV_UBLK_LEGACY_OPCODES=y\n"), None);
         assert_eq!(config_tristate("CONFIG_BLK_DEV_NBD=m\n", "CONFIG_BLK_DEV_NBD"), Some('m'));
         assert_eq!(config_tristate("CONFIG_BLK_DEV_NBDX=m\n", "CONFIG_BLK_DEV_NBD"), None);
+    }
+
+    #[test]
+    fn guest_modules_are_the_seeds_present_and_their_dependencies_once_each() {
+        // 6.12's shape: gcm needs crypto_null, ghash-generic gf128mul; 7.2's chacha.ko is absent.
+        let deps = BTreeMap::from([
+            ("tls", ""),
+            ("gcm", "crypto_null"),
+            ("ghash_generic", "gf128mul"),
+            ("gf128mul", ""),
+            ("crypto_null", ""),
+            ("chacha20poly1305", "libpoly1305,libchacha"),
+            ("libpoly1305", ""),
+            ("libchacha", ""),
+        ]);
+        let mut asked = Vec::new();
+        let kept = module_closure::<()>(
+            &["tls", "gcm", "ghash-generic", "chacha", "chacha20poly1305", "gf128mul"],
+            |name| {
+                asked.push(name.to_owned());
+                Ok(deps.get(name).map(|d| parse_depends(d)))
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            kept,
+            [
+                "tls",
+                "gcm",
+                "ghash_generic",
+                "chacha20poly1305",
+                "gf128mul",
+                "crypto_null",
+                "libpoly1305",
+                "libchacha"
+            ]
+        );
+        assert_eq!(asked.iter().filter(|n| *n == "gf128mul").count(), 1);
+        assert!(asked.contains(&"chacha".to_owned()));
+    }
+
+    #[test]
+    fn modinfo_depends_output_is_split_and_spelt_like_modules_dep() {
+        assert_eq!(parse_depends("\n"), Vec::<String>::new());
+        assert_eq!(parse_depends("crypto_null\n"), ["crypto_null"]);
+        assert_eq!(parse_depends("libpoly1305,crypto-simd\n"), ["libpoly1305", "crypto_simd"]);
+        assert_eq!(module_name("ghash-clmulni-intel"), "ghash_clmulni_intel");
     }
 
     #[test]

@@ -28,7 +28,10 @@ pub const FORWARDED_PREFIXES: &[&str] = &["CARGO_", "RUST_", "UBLKD_"];
 pub const GUEST_MARKER_VAR: &str = "UBLKD_VM_GUEST";
 /// Set in the guest to the booted kernel's cache directory (the guest sees it at the
 /// same path), where optional modules such as `nbd.ko` are: `insmod
-/// "$UBLKD_VM_KERNEL_DIR/nbd.ko"` (see [`crate::kernel::Kernel::nbd_module`]).
+/// "$UBLKD_VM_KERNEL_DIR/nbd.ko"` (see [`crate::kernel::Kernel::nbd_module`]). Its
+/// `modules/` tree (kernel TLS's modules, see [`crate::kernel::Kernel::modules_base`]) is
+/// what the guest's `/lib/modules/$(uname -r)` points at: those load with `modprobe` or on
+/// the kernel's own request, no `insmod` needed.
 pub const KERNEL_DIR_VAR: &str = "UBLKD_VM_KERNEL_DIR";
 
 /// The forwarded subset of `vars`, sorted by name. Names that are not shell

@@ -35,6 +35,13 @@ mount -t virtiofs -o ro hostfs $H || fail "mount virtiofs hostfs read-only"
 OVL="$H$RUN/../../kernel/$(uname -r)/overlay.ko"
 [ -f "$OVL" ] && insmod "$OVL" 2>/dev/null
 [ -f "$H$RUN/params" ] || fail "no $RUN/params in the host's root"
+# Modules beyond those insmod-ed here (kernel TLS's; see tests/src/kernel.rs) are in
+# the cached kernel's module tree: /lib/modules/<release> is made to point there below,
+# so that modprobe and the kernel's own request_module find them. Optional: a cache
+# entry without that tree boots without it.
+KREL=$(uname -r)
+MODS="${RUN%/*/*}/kernel/$KREL/modules/lib/modules/$KREL"
+[ -f "$H$MODS/modules.dep" ] || MODS=
 CHECK_BIN=
 CHECK_KERNEL=
 # shellcheck source=/dev/null  # written per run by ublkd-vm
@@ -72,6 +79,10 @@ if [ -n "$SYSTEMD" ]; then
   mount -t overlay overlay -o lowerdir=$H,upperdir=/ovl/upper,workdir=/ovl/work $R ||
     fail "mount the overlay root"
   [ -x $R/lib/systemd/systemd ] || fail "the host has no /lib/systemd/systemd"
+  if [ -n "$MODS" ]; then
+    mkdir -p $R/lib/modules || fail "mkdir /lib/modules"
+    ln -sfn "$MODS" "$R/lib/modules/$KREL" || fail "link /lib/modules/$KREL to $MODS"
+  fi
   G=$R/etc/ublkd-vm
   U=$R/etc/systemd/system
   mkdir -p $G $U || fail "mkdir $G $U"
@@ -157,6 +168,20 @@ for d in tmp var/tmp; do
     mount -t tmpfs -o mode=1777 tmpfs $H/$d || fail "mount $H/$d"
   fi
 done
+# /lib/modules/<release>: the host's /lib (here /usr/lib, where /lib is a link to it)
+# gets a tmpfs upper layer holding just that link, as /tmp does above; the host's own
+# files stay as they are.
+if [ -n "$MODS" ]; then
+  L=$(readlink -f $H/lib)
+  case "$L" in "$H"/*) ;; *) L=$H/usr/lib ;; esac
+  u=$H/run/ublkd-vm-overlay/lib
+  mkdir -p $u/upper/modules $u/work || fail "mkdir $u"
+  ln -sfn "$MODS" "$u/upper/modules/$KREL" || fail "link $u/upper/modules/$KREL"
+  if ! grep -qw overlay /proc/filesystems ||
+    ! mount -t overlay overlay -o lowerdir="$L",upperdir=$u/upper,workdir=$u/work "$L"; then
+    echo "[guest] note: no overlayfs, so no /lib/modules/$KREL: modprobe loads nothing"
+  fi
+fi
 ip link set lo up 2>/dev/null
 
 # The host's root becomes the real root (switch_root moves it over / and chroots
