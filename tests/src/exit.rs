@@ -55,7 +55,7 @@ UBLKD_VM_KERNEL (7|6.12, when --kernel is not given; default 7: sid's newest >= 
 The guest command sees UBLKD_VM_KERNEL set to the series it was booted with.
 Forwarded into the guest: PATH HOME TERM RUST_BACKTRACE RUST_LOG CARGO_* RUST_* UBLKD_*
 (TERM=dumb instead when stdout is not a terminal); the guest also sets UBLKD_VM_GUEST=1
-and UBLKD_VM_KERNEL_DIR (the booted kernel's cache dir, with optional modules: nbd.ko).
+and UBLKD_VM_KERNEL_DIR (the booted kernel's cache dir, with optional modules: nbd.ko, and modules/, the module tree /lib/modules/<release> points at: kernel TLS and its ciphers).
 The guest sees the host's root read-only, with fresh tmpfs on /tmp, /var/tmp and /run.
 As a cargo runner: CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=\"/abs/path/ublkd-vm run --\"";
 
