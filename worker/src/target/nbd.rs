@@ -227,7 +227,16 @@ struct ConnectionState {
     start: usize,
     end: usize,
     reading: Reading,
+    /// SENDMSG's flags: [`SEND_FLAGS`] until the socket refuses MSG_WAITALL (the
+    /// kernel's TLS, an `nbds://` export, does: EOPNOTSUPP, before sending a byte), then
+    /// without it, short sends being continued by [`Self::on_sent`] anyway.
+    send_flags: i32,
 }
+
+/// SENDMSG's flags. MSG_WAITALL: the kernel sends the whole message before it
+/// completes (a short send is still handled, by sending the rest). MSG_NOSIGNAL: a
+/// closed connection is an error to handle, not a signal.
+const SEND_FLAGS: i32 = libc::MSG_NOSIGNAL | libc::MSG_WAITALL;
 
 impl Default for ConnectionState {
     fn default() -> Self {
@@ -240,6 +249,7 @@ impl Default for ConnectionState {
             start: 0,
             end: 0,
             reading: Reading::Header,
+            send_flags: SEND_FLAGS,
         }
     }
 }
@@ -321,13 +331,22 @@ impl ConnectionState {
             }
         }
         batch.aim();
-        let sqe = send_sqe(socket, &batch.msg, connection);
+        let sqe = send_sqe(socket, &batch.msg, self.send_flags, connection);
         self.sending = Some(batch);
         Some(sqe)
     }
 
     /// The SENDMSG in flight sent `res` bytes: the rest of it, else the next one.
     fn on_sent(&mut self, res: i32, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
+        if res == -libc::EOPNOTSUPP
+            && self.send_flags & libc::MSG_WAITALL != 0
+            && let Some(batch) = self.sending.as_ref()
+        {
+            // Nothing was sent: the same message again, without the flag.
+            self.send_flags &= !libc::MSG_WAITALL;
+            tracing::debug!(connection, "the socket refuses MSG_WAITALL on send; sending without");
+            return Some(send_sqe(socket, &batch.msg, self.send_flags, connection));
+        }
         if res <= 0 {
             let cause = if res == 0 {
                 std::io::Error::from(std::io::ErrorKind::WriteZero)
@@ -341,7 +360,7 @@ impl ConnectionState {
         };
         if batch.advance(res as usize) {
             batch.aim();
-            return Some(send_sqe(socket, &batch.msg, connection));
+            return Some(send_sqe(socket, &batch.msg, self.send_flags, connection));
         }
         self.spare = self.sending.take();
         self.next_send(socket, connection)
@@ -541,12 +560,9 @@ impl ConnectionState {
     }
 }
 
-fn send_sqe(socket: RawFd, msg: &libc::msghdr, connection: usize) -> squeue::Entry {
-    // MSG_WAITALL: the kernel sends the whole message before it completes (a short
-    // send is still handled, by sending the rest). MSG_NOSIGNAL: a closed connection is
-    // an error to handle, not a signal.
+fn send_sqe(socket: RawFd, msg: &libc::msghdr, flags: i32, connection: usize) -> squeue::Entry {
     opcode::SendMsg::new(types::Fd(socket), msg)
-        .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
+        .flags(flags as u32)
         .build()
         .user_data(own_user_data(key(connection, KEY_SEND)))
 }
@@ -1045,6 +1061,25 @@ mod tests {
         done.sort();
         assert_eq!(done, (0..n).map(|i| (1000 + i as u64, 4096)).collect::<Vec<_>>());
         std::mem::forget(server);
+    }
+
+    #[test]
+    fn a_socket_that_refuses_msg_waitall_gets_the_same_message_without_it() {
+        // The kernel's TLS answers a SENDMSG with MSG_WAITALL with EOPNOTSUPP before
+        // sending anything: the same message goes again without the flag, and every
+        // later one without it too.
+        let mut state = ConnectionState::default();
+        let header = [7u8; nbd::REQUEST_BYTES];
+        state.queued.push(Queued { header, data: 0, len: 0 });
+        assert!(state.next_send(5, 0).is_some(), "a send");
+        assert_eq!(state.send_flags, SEND_FLAGS);
+        assert!(state.on_sent(-libc::EOPNOTSUPP, 5, 0).is_some(), "the same send again");
+        assert_eq!(state.send_flags, libc::MSG_NOSIGNAL);
+        let batch = state.sending.as_ref().expect("still in flight");
+        assert_eq!((batch.msg.msg_iovlen, batch.first), (1, 0), "the whole message again");
+        state.queued.push(Queued { header, data: 0, len: 0 });
+        assert!(state.on_sent(nbd::REQUEST_BYTES as i32, 5, 0).is_some(), "the next send");
+        assert_eq!(state.send_flags, libc::MSG_NOSIGNAL, "and without the flag");
     }
 
     #[test]
