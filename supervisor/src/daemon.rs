@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use ublkd_config::{Config, DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse};
+use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DevStatus};
 
 mod handlers;
 mod reload;
@@ -429,6 +429,78 @@ impl Daemon {
         self.pending_adds = waiting;
     }
 
+    /// Gives up the adds under way for device `id` (every one for `None`) because of
+    /// `why`: a device already made in the kernel is deleted with its worker and record
+    /// ([`Creation::abandon`]), an export being negotiated is dropped when its thread
+    /// answers, and each add is answered with `why`. The ids of the devices that had
+    /// been made.
+    pub(super) fn give_up_pending_adds(&mut self, id: Option<u32>, why: &str) -> Vec<u32> {
+        let mut made = Vec::new();
+        let mut kept = Vec::with_capacity(self.pending_adds.len());
+        for pending in std::mem::take(&mut self.pending_adds) {
+            let pending_id = match &pending.stage {
+                AddStage::Starting(creation) => Some(creation.id()),
+                AddStage::Connecting(_) => pending.spec.id,
+            };
+            if id.is_some_and(|id| pending_id != Some(id)) {
+                kept.push(pending);
+                continue;
+            }
+            if let AddStage::Starting(creation) = pending.stage {
+                tracing::info!(dev_id = creation.id(), "{why}: giving up an add under way");
+                made.push(creation.id());
+                creation.abandon(&self.ctx);
+            }
+            let message = format!("{why} before the device was made");
+            self.control.respond(pending.token, &CtlResponse::Error { message }, Instant::now());
+        }
+        self.pending_adds = kept;
+        made
+    }
+
+    /// The adds under way with a device id, as `ublkctl status` shows them: an nbd add
+    /// still negotiating has an id only if it asked for one.
+    pub(super) fn pending_statuses(&self) -> Vec<DevStatus> {
+        self.pending_adds
+            .iter()
+            .filter_map(|pending| {
+                let (id, spec, worker_pid, note) = match &pending.stage {
+                    AddStage::Starting(creation) => (
+                        creation.id(),
+                        creation.spec(),
+                        creation.worker_pid(),
+                        "being added: its first worker is starting",
+                    ),
+                    AddStage::Connecting(_) => (
+                        pending.spec.id?,
+                        &pending.spec,
+                        None,
+                        "being added: ublkd is negotiating its NBD export",
+                    ),
+                };
+                Some(DevStatus {
+                    id,
+                    state: "ADDING".into(),
+                    target: spec.target.name().to_string(),
+                    worker_pid,
+                    size_bytes: spec.size_bytes,
+                    queues: spec.settings.queues,
+                    queue_depth: spec.settings.queue_depth,
+                    threads: spec.settings.threads,
+                    recoveries: 0,
+                    last_recovery_ms: None,
+                    last_recovery_reason: None,
+                    standby_pid: None,
+                    sandbox: None,
+                    counters: Default::default(),
+                    note: Some(note.into()),
+                    failing_io: false,
+                    latency: Default::default(),
+                })
+            })
+            .collect()
+    }
+
     /// Creates the devices of `specs` (configured ones, at start or in a reload),
     /// [`CREATING_AT_ONCE`] at a time so that their workers' start-ups overlap, and
     /// waits until each is LIVE or has failed: the outcome of each, in order. An nbd
@@ -612,14 +684,7 @@ impl Daemon {
         self.notifier.stopping();
         // Adds under way are given up (their devices deleted, their workers ended),
         // not left half-made, and their clients told so.
-        for pending in std::mem::take(&mut self.pending_adds) {
-            if let AddStage::Starting(creation) = pending.stage {
-                tracing::info!(dev_id = creation.id(), "stopping: giving up an add under way");
-                creation.abandon(&self.ctx);
-            }
-            let message = "ublkd stopped before the device was made".to_string();
-            self.control.respond(pending.token, &CtlResponse::Error { message }, Instant::now());
-        }
+        self.give_up_pending_adds(None, "ublkd stopped");
         let mut serving_on = 0;
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a

@@ -193,6 +193,16 @@ impl Creation {
         self.dev.id
     }
 
+    /// What the device is being made as.
+    pub fn spec(&self) -> &DeviceSpec {
+        &self.dev.spec
+    }
+
+    /// The starting worker's pid, until it has answered.
+    pub fn worker_pid(&self) -> Option<u32> {
+        self.dev.starting.as_ref().map(Worker::pid)
+    }
+
     /// The starting worker's control socket: readable once it stands by, fails or
     /// ends.
     pub fn control(&self) -> Option<std::os::fd::BorrowedFd<'_>> {

@@ -323,6 +323,10 @@ fn adds_overlap_their_workers_start_ups() {
     let during = answer(ask(&ublkd.ctl.socket, CtlRequest::Status { id: None }));
     let status_took = asked.elapsed();
     let CtlResponse::Status(during) = during else { panic!("status answered {during:?}") };
+    // The adds under way are listed (ADDING), so no device asked for is missing.
+    let adding = during.iter().filter(|d| d.state == "ADDING").count();
+    assert_eq!(during.len(), 1 + CONCURRENT_ADDS, "status during the adds: {during:?}");
+    assert!(adding >= 1, "no add under way shown as ADDING: {during:?}");
     for add in adds {
         match answer(add) {
             CtlResponse::Added { id } => ids.push(id),
@@ -392,6 +396,27 @@ fn adds_overlap_their_workers_start_ups() {
     ublkd.wait_until("every device has a standby", || {
         ublkd.status().iter().all(|d| d["standby_pid"].is_u64())
     });
+    // An add under way is in `status` as ADDING, and `del -a` takes it too: its device
+    // deleted, its worker ended, its client told; nothing comes up afterwards.
+    let doomed = add(&[&small[..], &["-n", &SILENT_ID.to_string()]].concat());
+    ublkd.wait_until("the doomed add begun", || kernel_devices().contains(&SILENT_ID));
+    let shown = ublkd.status_of(SILENT_ID);
+    assert_eq!(shown["state"], "ADDING", "{shown}");
+    assert!(ublkd.status().iter().any(|d| d["id"] == SILENT_ID), "not in status of all");
+    let deleted = ublkd.ctl_ok(&["del", "-a"]);
+    let out = doomed.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an add under way at del -a succeeded: {}", describe(&out));
+    assert!(
+        said.contains("deleted by `ublkctl del -a` before the device was made"),
+        "{}",
+        describe(&out)
+    );
+    println!("del -a with an add under way: {}", deleted.trim());
+    assert!(kernel_devices().is_empty(), "left after del -a: {:?}", kernel_devices());
+    assert!(pids_running("sleep 3600").is_empty(), "the doomed add's worker is left running");
+    assert!(ublkd.status().is_empty(), "status after del -a: {:?}", ublkd.status());
+
     // An add under way when ublkd stops is given up: its device deleted, its worker
     // ended, its client told.
     let last = add(&[&small[..], &["-n", &SILENT_ID.to_string()]].concat());

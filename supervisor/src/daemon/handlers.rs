@@ -16,6 +16,13 @@ use ublkd_proto::uapi::DevState;
 use super::Daemon;
 use crate::device::{Device, Recovery};
 
+/// `ids` and `more`, in order.
+fn sorted(mut ids: Vec<u32>, more: Vec<u32>) -> Vec<u32> {
+    ids.extend(more);
+    ids.sort_unstable();
+    ids
+}
+
 impl Daemon {
     pub(super) fn handle(&mut self, req: CtlRequest) -> CtlResponse {
         let result = match req {
@@ -24,8 +31,22 @@ impl Daemon {
             CtlRequest::List { id } => self.selected(id).map(|ids| {
                 CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
             }),
+            // Adds under way are shown too (ADDING), so that no device a client asked
+            // for is missing from the list meanwhile.
+            CtlRequest::Status { id: Some(id) } if !self.devices.contains_key(&id) => {
+                match self.pending_statuses().into_iter().find(|s| s.id == id) {
+                    Some(status) => Ok(CtlResponse::Status(vec![status])),
+                    None => Err(self.unknown(id)),
+                }
+            }
             CtlRequest::Status { id } => self.selected(id).map(|ids| {
-                CtlResponse::Status(ids.iter().filter_map(|id| self.status(*id)).collect())
+                let mut all: Vec<DevStatus> =
+                    ids.iter().filter_map(|id| self.status(*id)).collect();
+                if id.is_none() {
+                    all.extend(self.pending_statuses());
+                    all.sort_unstable_by_key(|s| s.id);
+                }
+                CtlResponse::Status(all)
             }),
             CtlRequest::Metrics { id } => self.selected(id).map(|ids| {
                 CtlResponse::Metrics(ids.iter().filter_map(|id| self.metrics(*id)).collect())
@@ -58,7 +79,8 @@ impl Daemon {
                     self.devices.len()
                 );
                 self.shutting_down = true;
-                self.delete_all().map(|ids| CtlResponse::Deleted { ids })
+                let made = self.give_up_pending_adds(None, "ublkd was shut down");
+                self.delete_all().map(|ids| CtlResponse::Deleted { ids: sorted(ids, made) })
             }
         };
         result.unwrap_or_else(|message| CtlResponse::Error { message })
@@ -127,7 +149,19 @@ impl Daemon {
 
     fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {
         match id {
-            None => self.delete_all(),
+            // Adds under way too: none of them may come up after `del -a` answered.
+            None => {
+                let made = self.give_up_pending_adds(None, "deleted by `ublkctl del -a`");
+                self.delete_all().map(|ids| sorted(ids, made))
+            }
+            Some(id) if !self.devices.contains_key(&id) => {
+                let before = self.pending_adds.len();
+                self.give_up_pending_adds(Some(id), &format!("deleted by `ublkctl del {id}`"));
+                if self.pending_adds.len() == before {
+                    return Err(self.unknown(id));
+                }
+                Ok(vec![id])
+            }
             Some(id) => {
                 let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
                 dev.destroy(&self.ctx).map_err(|e| e.to_string())?;
