@@ -412,20 +412,20 @@ fn adds_overlap_their_workers_start_ups() {
         "{}",
         describe(&out)
     );
-    println!("del -a with an add under way: {}", deleted.trim());
+    println!("del -a with an add under way: {:?}", deleted.trim());
     assert!(kernel_devices().is_empty(), "left after del -a: {:?}", kernel_devices());
     assert!(pids_running("sleep 3600").is_empty(), "the doomed add's worker is left running");
     assert!(ublkd.status().is_empty(), "status after del -a: {:?}", ublkd.status());
 
-    // An add under way when ublkd stops is given up: its device deleted, its worker
-    // ended, its client told.
+    // An add under way when ublkd is shut down (`ublkctl shutdown`, as `stop` does) is
+    // given up: its device deleted, its worker ended, its client told.
     let last = add(&[&small[..], &["-n", &SILENT_ID.to_string()]].concat());
     ublkd.wait_until("the last add begun", || kernel_devices().contains(&SILENT_ID));
     ublkd.stop();
     let out = last.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "an add under way at shutdown succeeded: {}", describe(&out));
-    assert!(said.contains("ublkd stopped before the device was made"), "{}", describe(&out));
+    assert!(said.contains("ublkd was shut down before the device was made"), "{}", describe(&out));
     assert!(pids_running("sleep 3600").is_empty(), "the last add's worker is left running");
     let _ = std::fs::remove_file(&wrapper);
 }
