@@ -516,16 +516,25 @@ impl Daemon {
         let mut next = specs.iter().enumerate();
         loop {
             while creating.len() < CREATING_AT_ONCE {
-                let Some((at, spec)) = next.next() else { break };
+                // The next few, their nbd exports negotiated side by side: a server
+                // that takes its 10 s delays its own device, not the others'.
+                let batch: Vec<(usize, &DeviceSpec)> =
+                    next.by_ref().take(CREATING_AT_ONCE - creating.len()).collect();
+                if batch.is_empty() {
+                    break;
+                }
                 if starting {
                     self.notifier.extend_timeout(Duration::from_secs(60));
                 }
-                let begun = connect_export(spec)
-                    .map_err(DeviceError::from)
-                    .and_then(|link| Device::begin_create(&self.ctx, spec, link));
-                match begun {
-                    Ok(creation) => creating.push((at, creation)),
-                    Err(e) => outcomes.push((at, Err(e))),
+                let links = connect_exports(batch.iter().map(|(_, spec)| *spec));
+                for ((at, spec), link) in batch.into_iter().zip(links) {
+                    let begun = link
+                        .map_err(DeviceError::from)
+                        .and_then(|link| Device::begin_create(&self.ctx, spec, link));
+                    match begun {
+                        Ok(creation) => creating.push((at, creation)),
+                        Err(e) => outcomes.push((at, Err(e))),
+                    }
                 }
             }
             if creating.is_empty() {
@@ -872,6 +881,47 @@ const STANDBYS_STARTING_AT_ONCE: usize = 8;
 /// How many configured devices [`Daemon::create_all`] creates at once: for the same
 /// reason, as many as standbys may start at once.
 const CREATING_AT_ONCE: usize = STANDBYS_STARTING_AT_ONCE;
+
+/// [`connect_export`] for each of `specs`, in order: the nbd ones each on a thread of
+/// its own, side by side (each within the handshake's time limit), the others at once.
+fn connect_exports<'a>(
+    specs: impl Iterator<Item = &'a DeviceSpec>,
+) -> Vec<Result<Option<NbdLink>, TargetError>> {
+    /// A spec's export: negotiated already, or on its thread.
+    enum Export<T> {
+        Done(Result<Option<NbdLink>, TargetError>),
+        Negotiating(String, T),
+    }
+    std::thread::scope(|scope| {
+        let pending: Vec<_> = specs
+            .map(|spec| {
+                let TargetSpec::Nbd { uri } = &spec.target else {
+                    return Export::Done(connect_export(spec));
+                };
+                match std::thread::Builder::new()
+                    .name("nbd-configured".into())
+                    .spawn_scoped(scope, move || connect_export(spec))
+                {
+                    Ok(thread) => Export::Negotiating(uri.to_string(), thread),
+                    // No thread to be had: negotiated here, one after another.
+                    Err(_) => Export::Done(connect_export(spec)),
+                }
+            })
+            .collect();
+        pending
+            .into_iter()
+            .map(|export| match export {
+                Export::Done(done) => done,
+                Export::Negotiating(uri, thread) => thread.join().unwrap_or_else(|_| {
+                    let step = "negotiating on a thread of its own";
+                    let source = io::Error::other("the thread ended without an answer");
+                    let source = Box::new(crate::nbd::NbdError::Io { step, source });
+                    Err(TargetError::Nbd { uri, source })
+                }),
+            })
+            .collect()
+    })
+}
 
 /// Waits until one of `creating`'s workers has something to say, or the first of their
 /// deadlines.

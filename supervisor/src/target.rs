@@ -46,10 +46,10 @@ pub enum TargetError {
 /// Both `ublkctl add` (the daemon's `PendingAdd`, whose device is then made and its
 /// worker started without holding the loop either, side by side with other adds) and a
 /// recovery's reconnection ([`nbd_poll_connect`]) negotiate on a thread of their own.
-/// A configured device negotiates on the loop, at start (before ublkd serves anything)
-/// or in a reload (configured devices are then created 8 at a time, but their
-/// handshakes one after another), as do an activation's second and later connections
-/// of a multi-conn device.
+/// Configured devices, at start (before ublkd serves anything) or in a reload, are
+/// created 8 at a time, their handshakes side by side on threads while the loop waits
+/// for them; an activation's second and later connections of a multi-conn device are
+/// negotiated on the loop.
 pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a connecting thread hands back.

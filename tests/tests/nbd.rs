@@ -553,12 +553,10 @@ fn read_at_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
 /// A server that accepts and then says nothing holds up only its own `ublkctl add`:
 /// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` and
 /// adds another device; the add then fails after the handshake's 10 s, naming why.
-#[test]
-fn a_silent_server_holds_up_only_its_own_add() {
-    let _serial = serial();
-    let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent.sock");
-    let _ = std::fs::remove_file(&socket);
-    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+/// A server at `socket` that accepts every connection and never says a word.
+fn silent_unix_server(socket: &Path) {
+    let _ = std::fs::remove_file(socket);
+    let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
     // Accepts, and keeps every connection open without a word.
     std::thread::spawn(move || {
         let mut held = Vec::new();
@@ -566,6 +564,50 @@ fn a_silent_server_holds_up_only_its_own_add() {
             held.push(conn);
         }
     });
+}
+
+/// Configured nbd devices negotiate side by side at start: three silent servers cost
+/// ublkd one handshake's time limit (10 s), not three, and the other devices are made.
+#[test]
+fn configured_exports_are_negotiated_side_by_side_at_start() {
+    let _serial = serial();
+    let mut config = String::new();
+    let sockets: Vec<PathBuf> =
+        (0..3).map(|i| PathBuf::from(format!("/tmp/ublkd-test-nbd-silent-{i}.sock"))).collect();
+    for (i, socket) in sockets.iter().enumerate() {
+        silent_unix_server(socket);
+        config += &format!(
+            "\n[[device]]\nid = {}\ntarget = \"nbd\"\nuri = \"nbd+unix:///?socket={}\"\n",
+            20 + i,
+            socket.display()
+        );
+    }
+    config += "\n[[device]]\nid = 30\ntarget = \"null\"\nsize = \"64M\"\n";
+    let started = Instant::now();
+    let ublkd = Ublkd::start_with("nbd-configured-silent", &config, &[]);
+    let took = started.elapsed();
+    eprintln!("three silent servers configured: ublkd answered after {took:?}");
+    assert!(took < Duration::from_secs(25), "ublkd took {took:?}: one handshake after another");
+    let status = ublkd.status();
+    assert_eq!(status.len(), 1, "{status:?}");
+    assert_eq!((status[0]["id"].as_u64(), status[0]["state"].as_str()), (Some(30), Some("LIVE")));
+    let log = ublkd.log();
+    for socket in &sockets {
+        assert!(
+            log.lines().any(|l| l.contains(&socket.display().to_string())
+                && l.contains("did not answer within 10 s")),
+            "no error for {}:\n{log}",
+            socket.display()
+        );
+    }
+    ublkd.stop();
+}
+
+#[test]
+fn a_silent_server_holds_up_only_its_own_add() {
+    let _serial = serial();
+    let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent.sock");
+    silent_unix_server(&socket);
     let ublkd = Ublkd::start("nbd-silent");
     let uri = format!("nbd+unix:///?socket={}", socket.display());
     let t = Instant::now();
