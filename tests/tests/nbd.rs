@@ -443,17 +443,19 @@ fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_rest
     let _ = std::fs::remove_file(&raw);
 }
 
-/// An ext4 filesystem on a qcow2 image served by qemu-nbd: made, filled, its worker
-/// killed while files are being written, unmounted, and checked clean by fsck.
+/// An ext4 filesystem on a qcow2 image served by qemu-nbd: made, filled while its
+/// worker is killed, while ublkd itself is stopped and started again, and while the
+/// worker the new ublkd took over is killed; unmounted, checked clean by fsck, and every
+/// file read back.
 #[test]
-fn ext4_on_a_qcow2_export_stays_clean_across_a_worker_kill() {
+fn ext4_on_a_qcow2_export_stays_clean_across_worker_kills_and_a_ublkd_restart() {
     let _serial = serial();
     let qcow2 = PathBuf::from("/tmp/ublkd-test-nbd.qcow2");
     let created =
         run(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&qcow2).arg("128M"));
     assert!(created.status.success(), "qemu-img create: {}", describe(&created));
     let server = Server::qemu_nbd(Path::new("/tmp/ublkd-test-qcow2.sock"), &qcow2, "qcow2");
-    let ublkd = Ublkd::start("nbd-qcow2");
+    let mut ublkd = Ublkd::start("nbd-qcow2");
     let id = ublkd.add(&["-t", "nbd", "--uri", &server.uri]);
     let node = block_dev(id);
     let mkfs = run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&node));
@@ -464,15 +466,32 @@ fn ext4_on_a_qcow2_export_stays_clean_across_a_worker_kill() {
     let files: Vec<(PathBuf, Vec<u8>)> = (0..8)
         .map(|i| (mnt.join(format!("f{i}")), pattern(i + 40, (i as usize + 1) * 300_001)))
         .collect();
+    // Files are written across a worker kill; while ublkd is stopped (SIGTERM: the
+    // worker serves the mounted filesystem on without it); and across a kill of the
+    // worker the restarted ublkd took over, which it recovers onto a fresh connection.
     for (i, (path, data)) in files.iter().enumerate() {
-        write_file(path, data);
+        if i == 5 {
+            let serving = ublkd.worker_pid(id);
+            ublkd.signal_and_restart(libc::SIGTERM, || write_file(path, data));
+            assert_eq!(ublkd.worker_pid(id), serving, "the new ublkd did not take the worker over");
+        } else {
+            write_file(path, data);
+        }
         if i == 3 {
             assert!(signal(ublkd.worker_pid(id), libc::SIGKILL));
+            wait_recovered(&ublkd, id, 1);
+        }
+        if i == 6 {
+            let taken_over = ublkd.worker_pid(id);
+            assert!(signal(taken_over, libc::SIGKILL));
+            ublkd.wait_until("the taken-over worker's device recovered", || {
+                let dev = ublkd.status_of(id);
+                dev["state"] == "LIVE" && dev["worker_pid"].as_u64() != Some(taken_over.into())
+            });
         }
     }
     let synced = run(Command::new("sync").arg("-f").arg(&mnt));
     assert!(synced.status.success(), "sync: {}", describe(&synced));
-    wait_recovered(&ublkd, id, 1);
     mount.umount();
     let fsck = run(Command::new("fsck.ext4").arg("-fn").arg(&node));
     assert_eq!(fsck.status.code(), Some(0), "fsck.ext4 -fn found problems:\n{}", describe(&fsck));
