@@ -113,12 +113,26 @@ fn ublkd_package_under_systemd() {
     run_ok(Command::new("ublkctl").args(["del", "-n", &id.to_string()]));
     drop(server);
 
-    step("2c. an nbd device over TCP: closed until the config names it, then opened to it");
-    let server = nbdkit(&["-i", "127.0.0.1", "-p", "10811"]);
-    let uri = "nbd://127.0.0.1:10811";
+    step("2c. an nbds:// device over TCP: closed until the config names it, then opened to it");
+    // TLS too: the certificates under /etc (the unit hides /home and has its own /tmp),
+    // the kernel's TLS loaded by systemd for the config's nbds:// device (ublkd under
+    // the unit cannot have the kernel load it on demand).
+    let pki = "/etc/ublkd/pki";
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/make-tls-certs.sh");
+    run_ok(Command::new("sh").arg(&script).arg(pki));
+    let server = nbdkit(&[
+        "-i",
+        "127.0.0.1",
+        "-p",
+        "10811",
+        "--tls=require",
+        &format!("--tls-certificates={pki}/server"),
+    ]);
+    let uri = &format!("nbds://127.0.0.1:10811/?tls-certificates={pki}/client");
     let out = run(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", uri]));
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && said.contains("is not permitted"), "{}", describe(&out));
+    assert!(!Path::new("/sys/module/tls").exists(), "tls.ko is loaded before any nbds:// device");
     std::fs::write(
         CONFIG,
         config(&[(7, "64M")])
@@ -129,9 +143,19 @@ fn ublkd_package_under_systemd() {
     let drop_in = "/run/systemd/generator/ublkd.service.d/50-nbd-network.conf";
     let text = std::fs::read_to_string(drop_in).unwrap_or_else(|e| panic!("{drop_in}: {e}"));
     assert!(text.contains("IPAddressAllow=127.0.0.1\n"), "{text}");
+    assert!(text.contains("Wants=modprobe@tls.service\n"), "{text}");
     systemctl(&["restart", "ublkd"]);
     assert_live(&[7, 9]);
+    assert!(Path::new("/sys/module/tls").exists(), "the drop-in did not have tls.ko loaded");
     nbd_round_trip(9);
+    let export = journal_entry("EVENT=nbd_export", "the nbds:// device's export line");
+    let line = export["MESSAGE"].as_str().unwrap_or_default();
+    assert!(line.contains("TLS 1.2 in the kernel"), "{export}");
+    let tls_stat = std::fs::read_to_string("/proc/net/tls_stat").unwrap();
+    assert!(
+        tls_stat.lines().any(|l| l.starts_with("TlsCurrTxSw") && !l.ends_with(" 0")),
+        "no kernel TLS socket open:\n{tls_stat}"
+    );
     std::fs::write(CONFIG, config(&[(7, "64M")])).unwrap();
     run_ok(Command::new("ublkctl").args(["del", "-n", "9"]));
     systemctl(&["daemon-reload"]);
