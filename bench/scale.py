@@ -286,7 +286,7 @@ def kills(u, n, prm):
         log(f"{n} devices: stopping fio")
         for stop in stops:
             open(stop, "w").close()
-        hung = [h for h in (fio_stop(f) for f in fios) if h]
+        hung = fio_stop_all(fios)
     return stalls, hung
 
 
@@ -317,41 +317,55 @@ def proc_state(pid):
         return str(e)
 
 
-def fio_stop(f):
-    """Waits for a fio told to stop by its trigger file; one that does not stop within
-    60 s (fio over hundreds of files can be slow to) gets SIGINT. Raises if a job
-    reported an error: what counts is that no I/O failed, not how fio ended. A fio that
-    does not stop within 60 s of SIGINT is described (its state, the devices with I/O in
-    flight), SIGKILLed, and the description returned, so that the count's other figures
-    (del -a) are still measured."""
-    try:
-        out, err = f.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        f.send_signal(signal.SIGINT)
-        try:
-            out, err = f.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            stuck = stuck_io()
-            what = (f"fio {' '.join(a for a in f.args if a.startswith('--name'))} did not "
-                    f"stop within 60 s of SIGINT: {proc_state(f.pid)}; devices with I/O in "
-                    f"flight: {', '.join(stuck[:20]) or 'none'}"
-                    f"{' (+%d more)' % (len(stuck) - 20) if len(stuck) > 20 else ''}")
-            log(what)
-            f.kill()
+def fio_stop_all(fios):
+    """Waits for fios told to stop by their trigger files, all together: those that have
+    not stopped within 60 s (fio over hundreds of files can be slow to) get SIGINT, and
+    those still running 60 s later are described (their state, the devices with I/O in
+    flight), SIGKILLed, and their descriptions returned, so that the count's other
+    figures (del -a) are still measured. Raises if a job reported an error: what counts
+    is that no I/O failed, not how fio ended."""
+    outputs = {}
+
+    def reap(deadline):
+        for f in fios:
+            if f in outputs:
+                continue
             try:
-                f.communicate(timeout=30)
+                outputs[f] = f.communicate(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                what += "; it did not exit within 30 s of SIGKILL either"
-                log(what)
-            return what
-    at = out.find("{")
-    if at < 0:
-        raise RuntimeError(f"fio exited {f.returncode} without a report: {err.strip()[-300:]}")
-    jobs = json.loads(out[at:]).get("jobs", [])
-    failed = [j for j in jobs if j.get("error")]
-    if not jobs or failed:
-        raise RuntimeError(f"fio reported errors: {failed or 'no jobs'}; {err.strip()[-300:]}")
-    return None
+                pass
+
+    reap(time.monotonic() + 60)
+    for f in fios:
+        if f not in outputs:
+            f.send_signal(signal.SIGINT)
+    reap(time.monotonic() + 60)
+    hung = []
+    stuck = stuck_io()
+    for f in fios:
+        if f in outputs:
+            continue
+        what = (f"fio {' '.join(a for a in f.args if a.startswith('--name'))} did not "
+                f"stop within 60 s of SIGINT: {proc_state(f.pid)}; devices with I/O in "
+                f"flight: {', '.join(stuck[:20]) or 'none'}"
+                f"{' (+%d more)' % (len(stuck) - 20) if len(stuck) > 20 else ''}")
+        log(what)
+        f.kill()
+        try:
+            f.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            what += "; it did not exit within 30 s of SIGKILL either"
+            log(what)
+        hung.append(what)
+    for f, (out, err) in outputs.items():
+        at = out.find("{")
+        if at < 0:
+            raise RuntimeError(f"fio exited {f.returncode} without a report: {err.strip()[-300:]}")
+        jobs = json.loads(out[at:]).get("jobs", [])
+        failed = [j for j in jobs if j.get("error")]
+        if not jobs or failed:
+            raise RuntimeError(f"fio reported errors: {failed or 'no jobs'}; {err.strip()[-300:]}")
+    return hung
 
 
 def worker_of(u, dev_id):
