@@ -620,23 +620,9 @@ fn unpack(deb: &Path, into: &Path) -> Result<(), KernelError> {
 
 /// Finds `<name>.ko.xz` or `<name>.ko` under `dir`.
 fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>, KernelError> {
-    let entries = fs::read_dir(dir).map_err(|e| KernelError::Io("list", dir.into(), e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| KernelError::Io("list", dir.into(), e))?;
-        let path = entry.path();
-        let file_type = entry.file_type().map_err(|e| KernelError::Io("stat", path.clone(), e))?;
-        if file_type.is_dir() {
-            if let Some(found) = find_module(&path, name)? {
-                return Ok(Some(found));
-            }
-        } else if [format!("{name}.ko.xz"), format!("{name}.ko")]
-            .iter()
-            .any(|n| entry.file_name() == n.as_str())
-        {
-            return Ok(Some(path));
-        }
-    }
-    Ok(None)
+    let mut index = BTreeMap::new();
+    index_modules(dir, dir, &mut index)?;
+    Ok(index.remove(&module_name(name)).map(|rel| dir.join(rel)))
 }
 
 /// Decompresses [`GUEST_MODULES`] and what they depend on from the package's module

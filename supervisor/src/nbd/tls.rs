@@ -223,6 +223,20 @@ struct CryptoInfo<const N: usize> {
     rec_seq: [u8; 8],
 }
 
+impl<const N: usize> CryptoInfo<N> {
+    /// TLS 1.2 keys: `key` is `N` bytes long (the caller matched on its length).
+    fn new(cipher_type: u16, key: &[u8], iv: [u8; 8], salt: [u8; 4], seq: u64) -> Self {
+        CryptoInfo {
+            version: libc::TLS_1_2_VERSION,
+            cipher_type,
+            iv,
+            key: key.try_into().expect("a key of the length matched"),
+            salt,
+            rec_seq: seq.to_be_bytes(),
+        }
+    }
+}
+
 const _: () = {
     assert!(size_of::<CryptoInfo<16>>() == size_of::<libc::tls12_crypto_info_aes_gcm_128>());
     assert!(size_of::<CryptoInfo<32>>() == size_of::<libc::tls12_crypto_info_aes_gcm_256>());
@@ -266,26 +280,12 @@ fn set_keys(
         16 => set_crypto_info(
             socket,
             direction,
-            &CryptoInfo::<16> {
-                version: libc::TLS_1_2_VERSION,
-                cipher_type,
-                iv: explicit,
-                key: key.as_ref().try_into().expect("length checked"),
-                salt,
-                rec_seq: seq.to_be_bytes(),
-            },
+            &CryptoInfo::<16>::new(cipher_type, key.as_ref(), explicit, salt, seq),
         ),
         32 => set_crypto_info(
             socket,
             direction,
-            &CryptoInfo::<32> {
-                version: libc::TLS_1_2_VERSION,
-                cipher_type,
-                iv: explicit,
-                key: key.as_ref().try_into().expect("length checked"),
-                salt,
-                rec_seq: seq.to_be_bytes(),
-            },
+            &CryptoInfo::<32>::new(cipher_type, key.as_ref(), explicit, salt, seq),
         ),
         n => {
             return Err(NbdError::TlsSetup { problem: format!("an AES-GCM key of {n} bytes") });
