@@ -505,18 +505,36 @@ impl Device {
         let started = Instant::now();
         let stopped = ctrl.stop_dev(id);
         let stop_done = Instant::now();
+        let had_worker = self.worker.is_some();
         let workers: Vec<Worker> = [self.worker.take(), self.standby.take(), self.starting.take()]
             .into_iter()
             .flatten()
             .collect();
+        let serving = workers.first().filter(|_| had_worker).map(Worker::pid);
         // Asked at once, the workers exit side by side.
         for worker in &workers {
             worker.ask_to_exit();
         }
+        let mut served_cleanly = false;
         for worker in workers {
             let pid = worker.pid();
-            let how = worker.finish(STOP_GRACE);
+            let (how, clean) = worker.finish(STOP_GRACE);
+            if Some(pid) == serving {
+                served_cleanly = clean;
+            }
             tracing::info!(dev_id = id, worker_pid = pid, "worker ended: {how}");
+        }
+        if let Some(link) = self.nbd.take() {
+            // Only once the kernel has stopped the device has every request been
+            // answered: a worker told to exit before that may leave one half sent.
+            let ended = link.close(served_cleanly && stopped.is_ok());
+            if ended > 0 {
+                tracing::info!(
+                    dev_id = id,
+                    event = "nbd_disconnected",
+                    "ended {ended} session(s) with the NBD server (NBD_CMD_DISC)"
+                );
+            }
         }
         let workers_done = Instant::now();
         let deleted = ctrl.del_dev(id);

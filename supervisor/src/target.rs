@@ -68,6 +68,31 @@ pub struct NbdLink {
     pub served: Vec<OwnedFd>,
 }
 
+impl NbdLink {
+    /// Ends the device's sessions with its server as the device is deleted: the
+    /// connection made ahead for a next worker, and, if the serving worker exited
+    /// cleanly (`served_cleanly`: every request answered, nothing half sent), its
+    /// connections too, each with `NBD_CMD_DISC` (and close_notify over TLS). A worker
+    /// that was killed may have left half a request in the stream, after which a
+    /// disconnect request would be read as that request's rest: its connections are
+    /// only closed.
+    pub fn close(self, served_cleanly: bool) -> usize {
+        let tls = self.info.is_some_and(|i| i.tls);
+        let mut ended = 0;
+        for socket in self.socket.into_iter() {
+            nbd::disconnect(socket, tls);
+            ended += 1;
+        }
+        if served_cleanly {
+            for socket in self.served {
+                nbd::disconnect(socket, tls);
+                ended += 1;
+            }
+        }
+        ended
+    }
+}
+
 /// How long a recovery waits for the server to finish with a dead worker's connections
 /// before it connects anyway.
 pub const NBD_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -170,7 +195,7 @@ fn same_export(
 ) -> Result<OwnedFd, TargetError> {
     let changed = |what: String| TargetError::NbdChanged { id, uri: uri.to_string(), what };
     if info.size != spec.size_bytes {
-        nbd::disconnect(socket);
+        nbd::disconnect(socket, info.tls);
         return Err(changed(format!(
             "its size is {} bytes, the device's {}",
             info.size, spec.size_bytes
@@ -186,7 +211,7 @@ fn same_export(
     });
     if min_grew || lost_features {
         let was = link.info.as_ref().map_or_else(|| "unknown".to_string(), |w| w.to_string());
-        nbd::disconnect(socket);
+        nbd::disconnect(socket, info.tls);
         return Err(changed(format!("it was {was}; now it is {info}")));
     }
     link.info = Some(info);
@@ -520,5 +545,38 @@ mod tests {
         );
         assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA);
         assert_eq!(p.basic.logical_bs_shift, 12);
+    }
+
+    #[test]
+    fn a_deleted_devices_sessions_end_with_a_disconnect_only_if_its_worker_exited_cleanly() {
+        use std::io::Read;
+        use std::os::unix::net::UnixStream;
+        // What the server reads on each connection once the link is closed.
+        let read_all = |mut s: UnixStream| {
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).unwrap();
+            got
+        };
+        let disc = {
+            let mut r = [0u8; 28];
+            r[..4].copy_from_slice(&nbd::wire::REQUEST_MAGIC.to_be_bytes());
+            r[6..8].copy_from_slice(&nbd::wire::CMD_DISC.to_be_bytes());
+            r
+        };
+        for served_cleanly in [true, false] {
+            let (ahead, ahead_server) = UnixStream::pair().unwrap();
+            let (served, served_server) = UnixStream::pair().unwrap();
+            let link = NbdLink {
+                socket: Some(ahead.into()),
+                served: vec![served.into()],
+                ..NbdLink::default()
+            };
+            assert_eq!(link.close(served_cleanly), 1 + usize::from(served_cleanly));
+            // The connection nobody used is always between requests.
+            assert_eq!(read_all(ahead_server), disc);
+            // A killed worker may have left half a request: nothing is added to it.
+            let want = if served_cleanly { disc.to_vec() } else { Vec::new() };
+            assert_eq!(read_all(served_server), want, "served_cleanly {served_cleanly}");
+        }
     }
 }

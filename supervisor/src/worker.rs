@@ -439,15 +439,26 @@ impl Worker {
     }
 
     /// After [`Self::ask_to_exit`]: waits up to `grace` for the worker to exit, then kills
-    /// it. Returns how it ended. Once it has exited, waits briefly for the relay to log
+    /// it. Returns how it ended, and whether it exited cleanly by itself. Once it has exited, waits briefly for the relay to log
     /// its last lines and close its stderr, so that nothing of a stopped worker is left
     /// open in ublkd.
-    pub fn finish(mut self, grace: Duration) -> String {
+    pub fn finish(mut self, grace: Duration) -> (String, bool) {
         let how = self.reap(grace);
         if let Some(end) = &self.stderr_end {
             end.wait(STDERR_END_WAIT);
         }
-        how
+        (how, self.exited_cleanly())
+    }
+
+    /// Whether the worker, reaped, exited by itself with [`WorkerExit::Clean`]: it
+    /// ended with every request answered.
+    ///
+    /// [`WorkerExit::Clean`]: ublkd_proto::exit::WorkerExit::Clean
+    fn exited_cleanly(&mut self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        let clean = i32::from(ublkd_proto::exit::WorkerExit::Clean.code());
+        status.is_some_and(|s| s.signal().is_none() && s.code() == Some(clean))
     }
 
     /// Waits up to `grace` for the worker to exit (on its pidfd), then kills it and

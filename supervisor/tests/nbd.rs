@@ -125,7 +125,7 @@ fn nbdkit_unix(dir: &TempDir, extra: &[&str], export: &str) -> (Server, NbdUri) 
 fn connected(uri: &NbdUri) -> ExportInfo {
     let (socket, info) = nbd::connect(uri, TIMEOUT).unwrap_or_else(|e| panic!("{uri}: {e}"));
     eprintln!("{uri}: {info}");
-    nbd::disconnect(socket);
+    nbd::disconnect(socket, info.tls);
     info
 }
 
@@ -370,10 +370,10 @@ fn a_reconnection_to_a_changed_export_is_refused() {
     spec.size_bytes = link.info.as_ref().unwrap().size;
     // The first worker's connection is the one made with the device.
     let first = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap();
-    nbd::disconnect(first);
+    nbd::disconnect(first, false);
     // The same export again: a new connection, accepted.
     let again = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap();
-    nbd::disconnect(again);
+    nbd::disconnect(again, false);
     // The server restarted on the same socket, as another export.
     let restart = |server: Server, args: &[&str]| {
         drop(server);
@@ -462,7 +462,7 @@ fn connected_over_tls(uri: &NbdUri) {
         Ok((socket, info)) => {
             assert!(kernel_tls(), "handed to a kernel TLS that is not listed as loaded");
             assert_eq!(info.size, 64 << 20);
-            nbd::disconnect(socket);
+            nbd::disconnect(socket, info.tls);
         }
         Err(error) => {
             let text = error.to_string();

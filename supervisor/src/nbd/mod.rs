@@ -16,6 +16,8 @@ mod handshake;
 mod tls;
 pub mod wire;
 
+pub use tls::close_notify;
+
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -384,13 +386,22 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo),
     Ok((stream.into(), info))
 }
 
-/// Ends a session that [`connect`] opened, the protocol's way (`NBD_CMD_DISC`, then
-/// close), so the server logs a clean disconnect rather than a dropped client.
-pub fn disconnect(socket: OwnedFd) {
+/// Ends a session that [`connect`] opened, the protocol's way (`NBD_CMD_DISC`, and
+/// over TLS (`tls`: [`ExportInfo::tls`]) the alert close_notify, then close), so the
+/// server logs a clean disconnect rather than a dropped client. Only on a connection
+/// nobody else writes to, between requests: one that [`connect`] made and nobody used,
+/// or one whose worker exited cleanly (with no request in flight).
+pub fn disconnect(socket: OwnedFd, tls: bool) {
     // A 28-byte write to a socket whose send buffer nothing else has used does not
-    // block; the fd is closed when `file` drops, whatever the write did.
+    // block; the fd is closed when `file` drops, whatever the write did. Over the
+    // kernel's TLS the write is sealed into a record of application data.
     let mut file = std::fs::File::from(socket);
-    let _ = file.write_all(&disconnect_request());
+    if file.write_all(&disconnect_request()).is_ok()
+        && tls
+        && let Err(e) = close_notify(file.as_fd())
+    {
+        tracing::debug!("close_notify not sent: {e}");
+    }
 }
 
 /// Ends connections a dead worker used, so that nothing it sent can still reach the

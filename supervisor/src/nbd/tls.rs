@@ -211,6 +211,50 @@ pub(super) fn to_kernel(
     set_keys(socket, libc::TLS_RX, rx_seq, rx, false)
 }
 
+/// The TLS alert record that ends a session the client's way: level 1 (warning),
+/// description 0 (close_notify), RFC 5246 7.2.1.
+const CLOSE_NOTIFY_ALERT: [u8; 2] = [1, 0];
+
+/// The TLS record type of an alert (RFC 5246 6.2.1).
+const RECORD_TYPE_ALERT: u8 = 21;
+
+/// Sends close_notify on a socket whose sending side the kernel's TLS holds: a record of
+/// type alert, which the kernel seals with the session's next sequence number. Only
+/// when nothing else sends on the socket (its worker has exited), or the alert could
+/// land inside another record's bytes.
+pub fn close_notify(socket: BorrowedFd<'_>) -> io::Result<()> {
+    // One control message of one byte: `TLS_SET_RECORD_TYPE` = the alert type.
+    // SAFETY: CMSG_SPACE is a pure computation on its argument.
+    let space = unsafe { libc::CMSG_SPACE(1) } as usize;
+    let mut control = vec![0u8; space];
+    let mut payload = CLOSE_NOTIFY_ALERT;
+    let mut part = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: payload.len() };
+    // SAFETY: msghdr is plain data; all-zero is its empty value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut part;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at `control`, `space` bytes long, which CMSG_SPACE(1) sized
+    // for one header and one byte of data: CMSG_FIRSTHDR is inside it, and CMSG_DATA
+    // of that header has one byte of room.
+    unsafe {
+        let header = libc::CMSG_FIRSTHDR(&msg);
+        (*header).cmsg_level = libc::SOL_TLS;
+        (*header).cmsg_type = libc::TLS_SET_RECORD_TYPE;
+        (*header).cmsg_len = libc::CMSG_LEN(1) as _;
+        *libc::CMSG_DATA(header) = RECORD_TYPE_ALERT;
+    }
+    // SAFETY: `socket` is open for the call; `msg` and everything it points at
+    // (`part` -> `payload`, `control`) live until it returns.
+    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_DONTWAIT) };
+    match sent {
+        n if n == CLOSE_NOTIFY_ALERT.len() as isize => Ok(()),
+        n if n < 0 => Err(io::Error::last_os_error()),
+        n => Err(io::Error::other(format!("the kernel took {n} of the alert's 2 bytes"))),
+    }
+}
+
 /// The kernel's record of one direction's AES-GCM keys (`struct tls12_crypto_info_*`
 /// of `<linux/tls.h>`), for a key of `N` bytes.
 #[repr(C)]
