@@ -6,13 +6,14 @@
 //! with kTLS TX and a receiver with kTLS RX (same key, salt, IV and record sequence)
 //! carry 1 MiB unchanged; and what the sender puts on the wire is TLS records, not the
 //! plaintext. A kernel that cannot set kTLS up fails the test, naming the step and the
-//! errno. Runs inside the test VM.
+//! errno. And the supervisor's close_notify (what ends an `nbds://` device's session) is
+//! an alert record that a kTLS receiver decrypts as one. Runs inside the test VM.
 
 mod common;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::process::Command;
 
 use common::{pattern, run, serial};
@@ -22,6 +23,8 @@ const MIB: usize = 1 << 20;
 const RECORD_HEADER: usize = 5;
 /// `application_data`, the content type of every record kTLS sends by default.
 const APPLICATION_DATA: u8 = 0x17;
+/// `alert`, the content type of close_notify's record.
+const ALERT: u8 = 0x15;
 /// What AES-GCM adds to each TLS 1.2 record's payload: the explicit nonce and the tag.
 const GCM_OVERHEAD: usize = 8 + 16;
 
@@ -225,6 +228,55 @@ fn wire_is_records(cipher: Cipher, seed: u64) {
     assert!(!wire.windows(probe.len()).any(|w| w == probe), "the plaintext appears on the wire");
     let payload = &wire[RECORD_HEADER + 8..RECORD_HEADER + 8 + 256];
     assert_ne!(payload, &data[..256], "the first record's payload is the plaintext");
+}
+
+/// Receives one record's plaintext through kTLS RX with `recvmsg`, which hands over
+/// records other than application data too, with their type in a control message:
+/// (the record type, its bytes).
+fn receive_record(sock: &TcpStream) -> (u8, Vec<u8>) {
+    let mut data = [0u8; 64];
+    let mut part = libc::iovec { iov_base: data.as_mut_ptr().cast(), iov_len: data.len() };
+    let mut control = [0u8; 64];
+    // SAFETY: msghdr is plain data; all-zero is its empty value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut part;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() as _;
+    // SAFETY: `sock` is open; `msg` points at `part` -> `data` and at `control`, which
+    // outlive the call, with their lengths.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, 0) };
+    assert!(n >= 0, "recvmsg through kTLS RX: {}", std::io::Error::last_os_error());
+    // SAFETY: the kernel filled `control` up to `msg_controllen`; CMSG_FIRSTHDR reads
+    // within it, and a header it returns has at least one byte of data for the type.
+    let record_type = unsafe {
+        let header = libc::CMSG_FIRSTHDR(&msg);
+        assert!(!header.is_null(), "kTLS RX gave no record type");
+        assert_eq!(
+            ((*header).cmsg_level, (*header).cmsg_type),
+            (libc::SOL_TLS, libc::TLS_GET_RECORD_TYPE)
+        );
+        *libc::CMSG_DATA(header)
+    };
+    (record_type, data[..n as usize].to_vec())
+}
+
+#[test]
+fn the_supervisors_close_notify_is_an_alert_that_ktls_rx_decrypts() {
+    let _serial = serial();
+    let (mut sender, receiver) = tcp_pair();
+    attach_tls(&sender, "sender");
+    set_keys(&sender, Direction::Tx, Cipher::AesGcm128, "sender");
+    attach_tls(&receiver, "receiver");
+    set_keys(&receiver, Direction::Rx, Cipher::AesGcm128, "receiver");
+
+    // Data first, so that the alert must carry the next record sequence number to
+    // decrypt.
+    sender.write_all(b"NBD_CMD_DISC").expect("write through kTLS TX");
+    ublkd_supervisor::nbd::close_notify(sender.as_fd()).expect("close_notify through kTLS TX");
+    assert_eq!(receive_record(&receiver), (APPLICATION_DATA, b"NBD_CMD_DISC".to_vec()));
+    // Level 1 (warning), description 0 (close_notify).
+    assert_eq!(receive_record(&receiver), (ALERT, vec![1, 0]));
 }
 
 #[test]

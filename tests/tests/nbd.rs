@@ -53,6 +53,8 @@ fn tls_stat(name: &str) -> u64 {
 struct Server {
     child: Child,
     uri: String,
+    /// Where its stderr goes.
+    log: PathBuf,
 }
 
 impl Server {
@@ -60,15 +62,22 @@ impl Server {
     /// listen, so no probing connection is needed), reached at `uri`.
     fn start(program: &str, args: &[&str], pid_file: &Path, uri: String) -> Server {
         let _ = std::fs::remove_file(pid_file);
-        let child =
-            Command::new(program).args(args).stdin(Stdio::null()).spawn().unwrap_or_else(|e| {
+        let log = pid_file.with_extension("log");
+        let stderr =
+            std::fs::File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|e| {
                 panic!("cannot run {program} ({e}): install it with tests/vm/install-host-deps.sh")
             });
-        let mut server = Server { child, uri };
+        let mut server = Server { child, uri, log };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !std::fs::read(pid_file).is_ok_and(|pid| pid.ends_with(b"\n")) {
             if let Ok(Some(status)) = server.child.try_wait() {
-                panic!("{program} exited before it listened: {status}");
+                panic!("{program} exited before it listened: {status}\n{}", server.log_text());
             }
             assert!(Instant::now() < deadline, "{program} did not listen within 30 s");
             std::thread::sleep(Duration::from_millis(20));
@@ -121,6 +130,11 @@ impl Server {
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         Server::start("nbdkit", &args, &pid_file, uri)
+    }
+
+    /// What the server has written to its stderr so far.
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// qemu-nbd serving `image` (`format`) on the unix socket `socket`, one client at a
@@ -328,6 +342,22 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
         dev["last_recovery_ms"]
     );
     assert_eq!(sha256(&node), sha256(&file), "the device does not read back as the server's file");
+    // Deleting the device ends its sessions the protocol's way (NBD_CMD_DISC, and over
+    // TLS close_notify), so the server reports no broken session: nbdkit logs
+    // "gnutls_record_recv: The TLS connection was non-properly terminated" for a TLS
+    // client that just closes.
+    let before = nbdkit.log_text().len();
+    ublkd.del(id);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while connections() > 0 {
+        assert!(Instant::now() < deadline, "nbdkit still has connections 10 s after del");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let said = ublkd.log();
+    assert!(said.contains("session(s) with the NBD server (NBD_CMD_DISC)"), "{said}");
+    let logged = nbdkit.log_text();
+    let since = logged.get(before..).unwrap_or_default();
+    assert!(!since.contains("error"), "nbdkit after the device was deleted:\n{since}");
     drop(nbdkit);
     ublkd.stop();
     let _ = std::fs::remove_file(&file);
