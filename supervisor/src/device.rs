@@ -527,7 +527,8 @@ impl Device {
         if let Some(link) = self.nbd.take() {
             // Only once the kernel has stopped the device has every request been
             // answered: a worker told to exit before that may leave one half sent.
-            let ended = link.close(served_cleanly && stopped.is_ok());
+            let tls = matches!(&self.spec.target, TargetSpec::Nbd { uri } if uri.tls.is_some());
+            let ended = link.close(served_cleanly && stopped.is_ok(), tls);
             if ended > 0 {
                 tracing::info!(
                     dev_id = id,

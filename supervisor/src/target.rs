@@ -75,9 +75,9 @@ impl NbdLink {
     /// connections too, each with `NBD_CMD_DISC` (and close_notify over TLS). A worker
     /// that was killed may have left half a request in the stream, after which a
     /// disconnect request would be read as that request's rest: its connections are
-    /// only closed.
-    pub fn close(self, served_cleanly: bool) -> usize {
-        let tls = self.info.is_some_and(|i| i.tls);
+    /// only closed. `tls`: the device's URI is `nbds://` (known also for a device
+    /// taken over, whose export this ublkd may not have negotiated itself).
+    pub fn close(self, served_cleanly: bool, tls: bool) -> usize {
         let mut ended = 0;
         for socket in self.socket.into_iter() {
             nbd::disconnect(socket, tls);
@@ -571,7 +571,7 @@ mod tests {
                 served: vec![served.into()],
                 ..NbdLink::default()
             };
-            assert_eq!(link.close(served_cleanly), 1 + usize::from(served_cleanly));
+            assert_eq!(link.close(served_cleanly, false), 1 + usize::from(served_cleanly));
             // The connection nobody used is always between requests.
             assert_eq!(read_all(ahead_server), disc);
             // A killed worker may have left half a request: nothing is added to it.

@@ -531,6 +531,14 @@ fn ext4_on_a_qcow2_export_stays_clean_across_worker_kills_and_a_ublkd_restart() 
     }
     mount.umount();
     assert_eq!(ublkd.status_of(id)["errors"].as_u64(), Some(0));
+    // The restarted ublkd copied the taken-over worker's connection (the previous
+    // ublkd's copy went with it), and drained it when that worker was killed, as the
+    // first ublkd drained its own worker's: both recoveries waited for qemu-nbd to end
+    // the dead worker's session.
+    let log = ublkd.log();
+    assert!(log.contains("holding copies of the taken-over worker's 1 connection(s)"), "{log}");
+    let drained = log.matches("the server finished with the dead worker's 1 connection(s)").count();
+    assert_eq!(drained, 2, "drains of a dead worker's connection:\n{log}");
     ublkd.stop();
     drop(server);
     let _ = std::fs::remove_file(&qcow2);

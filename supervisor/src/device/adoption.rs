@@ -7,6 +7,7 @@ use crate::device_state::DeviceState;
 use crate::state::{DeviceRecord, OWNER_TAG};
 use crate::target::device_flags;
 use crate::worker::Worker;
+use ublkd_config::TargetSpec;
 use ublkd_proto::uapi::{self, DevState};
 
 impl Device {
@@ -98,6 +99,16 @@ impl Device {
                     event = "taken_over",
                     "took over the worker a previous ublkd left serving"
                 );
+                if let (TargetSpec::Nbd { uri }, Some(link)) = (&self.spec.target, &mut self.nbd) {
+                    link.served = worker.copy_nbd_connections(&uri.transport);
+                    tracing::info!(
+                        dev_id = id,
+                        event = "nbd_connections_copied",
+                        "holding copies of the taken-over worker's {} connection(s) to the \
+                         NBD server",
+                        link.served.len()
+                    );
+                }
                 self.worker = Some(worker);
                 self.watch_new_worker();
                 true

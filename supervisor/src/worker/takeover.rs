@@ -2,10 +2,11 @@
 //! records of each activated worker, and the checks it must pass before this ublkd
 //! treats the process as the device's worker (see the parent module's doc).
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
+use ublkd_config::NbdTransport;
 use ublkd_proto::msg::{self, FromWorker, SandboxReport, TargetSetup, ToWorker};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
@@ -107,6 +108,40 @@ impl Worker {
         Ok(worker)
     }
 
+    /// Copies of the connections to the NBD server `server` that the taken-over worker
+    /// holds, so that this ublkd can end them the way it ends those of a worker it
+    /// started itself: drained before a successor connects if the worker dies
+    /// ([`crate::nbd::drain`]), disconnected when the device is deleted. The previous
+    /// ublkd's copies went with it. Found by what the kernel says of each of the
+    /// worker's sockets, not by anything the worker says: a stream socket whose peer
+    /// is the server (its unix socket's path, or its TCP port; the worker's sandbox
+    /// cannot open a TCP socket of its own). Best effort: a socket that cannot be read
+    /// is left out, as before this copy existed.
+    pub fn copy_nbd_connections(&self, server: &NbdTransport) -> Vec<OwnedFd> {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{}/fd", self.pid)) else {
+            return Vec::new();
+        };
+        let mut copies = Vec::new();
+        for entry in fds.flatten() {
+            let Some(number) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            // A socket's link reads "socket:[INODE]": nothing else is copied.
+            let link = std::fs::read_link(entry.path()).unwrap_or_default();
+            if !link.as_os_str().as_bytes().starts_with(b"socket:") {
+                continue;
+            }
+            if let Ok(copy) = getfd(self.pidfd.as_fd(), number)
+                && connected_to(copy.as_fd(), server)
+            {
+                copies.push(copy);
+            }
+        }
+        copies
+    }
+
     /// Kills a worker that [`Self::attach`] refused, if `claim`'s pid still is that
     /// worker, and waits up to `grace` for its end; whether it has ended (or was never
     /// there).
@@ -165,6 +200,25 @@ fn not_a_seqpacket_socket(fd: BorrowedFd<'_>) -> Option<String> {
         Ok(Some(AddressFamily::Unix)) => None,
         Ok(family) => Some(format!("a {family:?} socket, not a unix one")),
         Err(e) => Some(format!("a socket whose address cannot be read ({e})")),
+    }
+}
+
+/// Whether `fd` is a stream socket connected to `server`.
+fn connected_to(fd: BorrowedFd<'_>, server: &NbdTransport) -> bool {
+    use nix::sys::socket::{SockaddrStorage, getpeername, sockopt};
+    if nix::sys::socket::getsockopt(&fd, sockopt::SockType) != Ok(SockType::Stream) {
+        return false;
+    }
+    let Ok(peer) = getpeername::<SockaddrStorage>(fd.as_raw_fd()) else { return false };
+    match server {
+        NbdTransport::Unix { socket } => {
+            peer.as_unix_addr().and_then(|a| a.path()) == Some(socket.as_path())
+        }
+        NbdTransport::Tcp { port, .. } => {
+            let v4 = peer.as_sockaddr_in().map(|a| a.port());
+            let v6 = peer.as_sockaddr_in6().map(|a| a.port());
+            v4.or(v6) == Some(*port)
+        }
     }
 }
 
@@ -275,5 +329,48 @@ mod tests {
         assert_eq!(worker.exited(), None, "a running worker taken over seen as ended");
         // Not our child: dropping it must neither kill nor try to reap this process.
         worker.leave_serving();
+    }
+
+    #[test]
+    fn a_taken_over_workers_connections_to_its_server_are_found_by_their_peer() {
+        use std::net::{TcpListener, TcpStream};
+        use std::os::unix::net::{UnixListener, UnixStream};
+        let (near, answerer) =
+            answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
+        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
+        answerer.join().unwrap();
+        let worker = worker.unwrap();
+        // This process stands in for the worker: two connections to a unix server, one
+        // to another server, the accepted ends, and socket pairs, of which only the
+        // first two are the server's.
+        let dir = std::env::temp_dir().join(format!("ublkd-copy-nbd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (path, other) = (dir.join("nbd.sock"), dir.join("other.sock"));
+        let (server, other_server) =
+            (UnixListener::bind(&path).unwrap(), UnixListener::bind(&other).unwrap());
+        let ours = [UnixStream::connect(&path).unwrap(), UnixStream::connect(&path).unwrap()];
+        let _theirs = UnixStream::connect(&other).unwrap();
+        let _accepted = [server.accept().unwrap(), other_server.accept().unwrap()];
+        let _pair = UnixStream::pair().unwrap();
+        let copies = worker.copy_nbd_connections(&NbdTransport::Unix { socket: path.clone() });
+        let inode = |fd: BorrowedFd<'_>| nix::sys::stat::fstat(fd).unwrap().st_ino;
+        let mut got: Vec<_> = copies.iter().map(|c| inode(c.as_fd())).collect();
+        let mut want: Vec<_> = ours.iter().map(|s| inode(s.as_fd())).collect();
+        got.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(got, want, "copies of the connections to {}", path.display());
+
+        // TCP: the connection to the server's port, not the accepted end (whose peer
+        // port is the client's).
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let client = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let _accepted = listener.accept().unwrap();
+        let tcp = NbdTransport::Tcp { host: "127.0.0.1".into(), port };
+        let copies = worker.copy_nbd_connections(&tcp);
+        let got: Vec<_> = copies.iter().map(|c| inode(c.as_fd())).collect();
+        assert_eq!(got, [inode(client.as_fd())], "copies of the connections to port {port}");
+        worker.leave_serving();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
