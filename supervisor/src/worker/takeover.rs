@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
 use ublkd_config::NbdTransport;
-use ublkd_proto::msg::{self, FromWorker, SandboxReport, TargetSetup, ToWorker};
+use ublkd_proto::msg::{
+    self, FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, TargetSetup, ToWorker,
+};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
 use super::rings::copy_rings;
@@ -115,15 +117,21 @@ impl Worker {
     /// ublkd's copies went with it. Found by what the kernel says of each of the
     /// worker's sockets, not by anything the worker says: a stream socket whose peer
     /// is the server (its unix socket's path, or its TCP port; the worker's sandbox
-    /// cannot open a TCP socket of its own). Best effort: a socket that cannot be read
-    /// is left out, as before this copy existed.
+    /// cannot open a TCP socket of its own). One copy per socket, however many fds the
+    /// worker holds of it, and at most [`MAX_NBD_CONNECTIONS`]: a worker cannot make
+    /// ublkd hold more fds than it handed out. Best effort: a socket that cannot be
+    /// read is left out, as before this copy existed.
     pub fn copy_nbd_connections(&self, server: &NbdTransport) -> Vec<OwnedFd> {
         use std::os::unix::ffi::OsStrExt;
         let Ok(fds) = std::fs::read_dir(format!("/proc/{}/fd", self.pid)) else {
             return Vec::new();
         };
         let mut copies = Vec::new();
+        let mut sockets = std::collections::HashSet::new();
         for entry in fds.flatten() {
+            if copies.len() == usize::from(MAX_NBD_CONNECTIONS) {
+                break;
+            }
             let Some(number) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok())
             else {
                 continue;
@@ -135,6 +143,8 @@ impl Worker {
             }
             if let Ok(copy) = getfd(self.pidfd.as_fd(), number)
                 && connected_to(copy.as_fd(), server)
+                && let Ok(stat) = nix::sys::stat::fstat(copy.as_fd())
+                && sockets.insert(stat.st_ino)
             {
                 copies.push(copy);
             }
@@ -352,6 +362,8 @@ mod tests {
         let _theirs = UnixStream::connect(&other).unwrap();
         let _accepted = [server.accept().unwrap(), other_server.accept().unwrap()];
         let _pair = UnixStream::pair().unwrap();
+        // A second fd of the same connection is not a second connection.
+        let _dup = ours[0].try_clone().unwrap();
         let copies = worker.copy_nbd_connections(&NbdTransport::Unix { socket: path.clone() });
         let inode = |fd: BorrowedFd<'_>| nix::sys::stat::fstat(fd).unwrap().st_ino;
         let mut got: Vec<_> = copies.iter().map(|c| inode(c.as_fd())).collect();
