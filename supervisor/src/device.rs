@@ -505,12 +505,11 @@ impl Device {
         let started = Instant::now();
         let stopped = ctrl.stop_dev(id);
         let stop_done = Instant::now();
-        let had_worker = self.worker.is_some();
+        let serving = self.worker.as_ref().map(Worker::pid);
         let workers: Vec<Worker> = [self.worker.take(), self.standby.take(), self.starting.take()]
             .into_iter()
             .flatten()
             .collect();
-        let serving = workers.first().filter(|_| had_worker).map(Worker::pid);
         // Asked at once, the workers exit side by side.
         for worker in &workers {
             worker.ask_to_exit();

@@ -79,7 +79,7 @@ impl NbdLink {
     /// taken over, whose export this ublkd may not have negotiated itself).
     pub fn close(self, served_cleanly: bool, tls: bool) -> usize {
         let mut ended = 0;
-        for socket in self.socket.into_iter() {
+        if let Some(socket) = self.socket {
             nbd::disconnect(socket, tls);
             ended += 1;
         }
@@ -557,12 +557,7 @@ mod tests {
             s.read_to_end(&mut got).unwrap();
             got
         };
-        let disc = {
-            let mut r = [0u8; 28];
-            r[..4].copy_from_slice(&nbd::wire::REQUEST_MAGIC.to_be_bytes());
-            r[6..8].copy_from_slice(&nbd::wire::CMD_DISC.to_be_bytes());
-            r
-        };
+        let disc = nbd::disconnect_request();
         for served_cleanly in [true, false] {
             let (ahead, ahead_server) = UnixStream::pair().unwrap();
             let (served, served_server) = UnixStream::pair().unwrap();

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::{
     self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, SandboxStatus,
     TargetSetup, ToWorker, WorkerSetup,
@@ -439,26 +440,16 @@ impl Worker {
     }
 
     /// After [`Self::ask_to_exit`]: waits up to `grace` for the worker to exit, then kills
-    /// it. Returns how it ended, and whether it exited cleanly by itself. Once it has exited, waits briefly for the relay to log
-    /// its last lines and close its stderr, so that nothing of a stopped worker is left
-    /// open in ublkd.
+    /// it. Returns how it ended, and whether it exited by itself with
+    /// [`WorkerExit::Clean`] (every request answered). Once it has exited, waits briefly
+    /// for the relay to log its last lines and close its stderr, so that nothing of a
+    /// stopped worker is left open in ublkd.
     pub fn finish(mut self, grace: Duration) -> (String, bool) {
         let how = self.reap(grace);
         if let Some(end) = &self.stderr_end {
             end.wait(STDERR_END_WAIT);
         }
-        (how, self.exited_cleanly())
-    }
-
-    /// Whether the worker, reaped, exited by itself with [`WorkerExit::Clean`]: it
-    /// ended with every request answered.
-    ///
-    /// [`WorkerExit::Clean`]: ublkd_proto::exit::WorkerExit::Clean
-    fn exited_cleanly(&mut self) -> bool {
-        use std::os::unix::process::ExitStatusExt;
-        let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-        let clean = i32::from(ublkd_proto::exit::WorkerExit::Clean.code());
-        status.is_some_and(|s| s.signal().is_none() && s.code() == Some(clean))
+        (how, self.exited_with(WorkerExit::Clean))
     }
 
     /// Waits up to `grace` for the worker to exit (on its pidfd), then kills it and
@@ -503,10 +494,14 @@ impl Worker {
     /// Whether the worker ended because its target's connection broke (an NBD server
     /// went away): not a crash of its own. Known once [`Self::exited`] said it ended.
     pub fn lost_backend(&mut self) -> bool {
+        self.exited_with(WorkerExit::BackendLost)
+    }
+
+    /// Whether the worker (our child, already reaped) exited by itself with `code`.
+    fn exited_with(&mut self, code: WorkerExit) -> bool {
         use std::os::unix::process::ExitStatusExt;
-        let code = i32::from(ublkd_proto::exit::WorkerExit::BackendLost.code());
         let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-        status.is_some_and(|s| s.signal().is_none() && s.code() == Some(code))
+        status.is_some_and(|s| s.signal().is_none() && s.code() == Some(i32::from(code.code())))
     }
 
     fn exit_status(&mut self) -> Option<String> {

@@ -449,7 +449,7 @@ pub fn drain(sockets: Vec<OwnedFd>, deadline: Instant) -> usize {
 }
 
 /// `NBD_CMD_DISC`: magic, flags 0, type, handle 0, offset 0, length 0.
-fn disconnect_request() -> [u8; 28] {
+pub(crate) fn disconnect_request() -> [u8; 28] {
     let mut request = [0u8; 28];
     request[..4].copy_from_slice(&wire::REQUEST_MAGIC.to_be_bytes());
     request[6..8].copy_from_slice(&wire::CMD_DISC.to_be_bytes());

@@ -327,13 +327,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_worker_the_claim_names_is_taken_over() {
+    /// This very process taken over as device 5's worker at generation 9, and the
+    /// control socket's near end it was claimed to hold.
+    fn self_taken_over() -> (Worker, OwnedFd) {
         let (near, answerer) =
             answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
         let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
         answerer.join().unwrap();
-        let mut worker = worker.unwrap();
+        (worker.unwrap(), near)
+    }
+
+    #[test]
+    fn the_worker_the_claim_names_is_taken_over() {
+        let (mut worker, near) = self_taken_over();
         assert_eq!(worker.pid(), std::process::id());
         assert_eq!(worker.held(), [near.as_raw_fd()]);
         assert_eq!(worker.exited(), None, "a running worker taken over seen as ended");
@@ -345,11 +351,7 @@ mod tests {
     fn a_taken_over_workers_connections_to_its_server_are_found_by_their_peer() {
         use std::net::{TcpListener, TcpStream};
         use std::os::unix::net::{UnixListener, UnixStream};
-        let (near, answerer) =
-            answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
-        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
-        answerer.join().unwrap();
-        let worker = worker.unwrap();
+        let (worker, _near) = self_taken_over();
         // This process stands in for the worker: two connections to a unix server, one
         // to another server, the accepted ends, and socket pairs, of which only the
         // first two are the server's.
