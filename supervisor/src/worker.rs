@@ -508,7 +508,7 @@ impl Worker {
         match &mut self.child {
             Some(child) => child.try_wait().ok().flatten().map(|s| ublkd_proto::exit::describe(&s)),
             None => exits_within(self.pidfd.as_fd(), Duration::ZERO)
-                .then(|| format!("worker {} ended; {NOT_OUR_CHILD}", self.pid)),
+                .then(|| format!("ended; {NOT_OUR_CHILD}")),
         }
     }
 
