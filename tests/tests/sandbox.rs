@@ -349,8 +349,9 @@ fn a_refused_user_namespace_refuses_the_device_unless_allowed_and_then_says_so()
         format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
     let env = [("UBLKD_WORKER_ATTACK", "stat-host-path")];
     let ublkd = Ublkd::start_with("sbx-no-userns", &extra, &env);
-    // The kernel's answer to unshare(CLONE_NEWUSER) over the limit: ENOSPC.
-    let cause = "No space left on device";
+    // The kernel's answer to unshare(CLONE_NEWUSER) over the limit: ENOSPC, with the
+    // setting that limits it.
+    let cause = "user.max_user_namespaces is reached, or 0): No space left on device";
     assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
     let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
     assert_runs_without_the_user_namespace(&ublkd, id, cause);
@@ -423,7 +424,7 @@ fn inside_a_chroot_the_worker_keeps_every_other_layer_and_the_host_root_out_of_s
     let env = [("UBLKD_WORKER_ATTACK", "stat-host-path")];
     let ublkd = Ublkd::start_wrapped("sbx-chroot", &extra, &env, &chroot_wrapper());
     // Inside a chroot the kernel refuses CLONE_NEWUSER to anyone, root included: EPERM.
-    let cause = "Operation not permitted";
+    let cause = "inside a chroot, or by a sysctl or security policy): Operation not permitted";
     assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
     let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
     assert_runs_without_the_user_namespace(&ublkd, id, cause);

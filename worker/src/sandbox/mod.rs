@@ -247,7 +247,21 @@ fn open_proc_self() -> Result<OwnedFd, Refused> {
 /// initial user namespace, where the worker holds no capability).
 fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), Refused> {
     // The process is single-threaded here, as CLONE_NEWUSER requires.
-    sched::unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| refused("unshare(CLONE_NEWUSER)", e))?;
+    sched::unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| {
+        // The kernel's two refusals, in the words an operator looks for.
+        let step = match e {
+            Errno::ENOSPC => {
+                "unshare(CLONE_NEWUSER) (the host's limit sysctl user.max_user_namespaces \
+                 is reached, or 0)"
+            }
+            Errno::EPERM => {
+                "unshare(CLONE_NEWUSER) (this host refuses user namespaces here: inside a \
+                 chroot, or by a sysctl or security policy)"
+            }
+            _ => "unshare(CLONE_NEWUSER)",
+        };
+        refused(step, e)
+    })?;
     // Changing uid made the process non-dumpable, which leaves its /proc files to
     // root: writable again for the maps, then closed again (another worker runs as
     // the same user).
