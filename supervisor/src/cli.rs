@@ -176,9 +176,10 @@ pub enum UblkctlCommand {
         id: Option<u32>,
     },
     /// Recover a device now (after fixing what made its worker fail), resetting its
-    /// restart budget; on a LIVE device it says so and does nothing. If the kernel has
-    /// not yet released the old worker's device (its I/O still in a slow backend), it
-    /// says so and ublkd finishes the recovery by itself; `ublkctl status` shows when.
+    /// restart budget; on a LIVE device it says so and does nothing. Answers once the
+    /// device is served again (or with why not); if that takes over a minute (the old
+    /// worker's I/O still in a slow backend, an NBD server away), it says where the
+    /// recovery stands and ublkd finishes it by itself; `ublkctl status` shows when.
     Recover {
         /// The device id.
         #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]

@@ -6,7 +6,8 @@
 //! socket of each worker still starting. An `ublkctl add` is answered once its device
 //! is LIVE, without holding the loop meanwhile (`PendingAdd`): adds sent together
 //! overlap their workers' start-ups, and a recovery whose standby is still starting
-//! waits for it on later turns. Devices change only on that thread, so the device table
+//! waits for it on later turns (an `ublkctl recover` is then answered once it ends:
+//! `PendingRecover`). Devices change only on that thread, so the device table
 //! needs no lock. While any device is served the loop also wakes a few times per
 //! hung-worker timeout to compare heartbeats.
 //!
@@ -144,7 +145,24 @@ pub struct Daemon {
     metrics_file: Option<FileWriter>,
     /// `ublkctl add`s under way: exports being negotiated, workers starting.
     pending_adds: Vec<PendingAdd>,
+    /// `ublkctl recover`s whose recovery goes on in the loop.
+    pending_recovers: Vec<PendingRecover>,
 }
+
+/// An `ublkctl recover` answered once its recovery ends (a standby still starting, a
+/// slow release, an nbd server away), so that the operator's command returns with the
+/// device served (or with why not), not while it still recovers; at the latest after
+/// [`RECOVER_ANSWER_WAIT`], with where it stands.
+#[derive(Debug)]
+struct PendingRecover {
+    token: Token,
+    id: u32,
+    deadline: Instant,
+}
+
+/// The longest an `ublkctl recover` waits for its answer: well inside ublkctl's 120 s,
+/// past a standby's 30 s start limit.
+const RECOVER_ANSWER_WAIT: Duration = Duration::from_secs(60);
 
 /// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
 /// that no add holds up the loop (other devices' recoveries, clients, other adds, the
@@ -223,6 +241,7 @@ impl Daemon {
             signals,
             metrics_file,
             pending_adds: Vec::new(),
+            pending_recovers: Vec::new(),
         })
     }
 
@@ -429,6 +448,45 @@ impl Daemon {
         self.pending_adds = waiting;
     }
 
+    /// `ublkctl recover`: answered now if the recovery ended at once (or was refused),
+    /// else once it ends ([`PendingRecover`], `None` here).
+    fn begin_recover(&mut self, token: Token, id: u32) -> Option<CtlResponse> {
+        match self.handle_recover(id) {
+            Ok(Some(message)) => Some(CtlResponse::Recovered { id, message }),
+            Ok(None) => {
+                let deadline = Instant::now() + RECOVER_ANSWER_WAIT;
+                self.pending_recovers.push(PendingRecover { token, id, deadline });
+                None
+            }
+            Err(message) => Some(CtlResponse::Error { message }),
+        }
+    }
+
+    /// Answers the `ublkctl recover`s whose recovery has ended, and those that waited
+    /// [`RECOVER_ANSWER_WAIT`] (or all, at `stopping`) with where it stands.
+    fn answer_recovers(&mut self, stopping: bool) {
+        let now = Instant::now();
+        for pending in std::mem::take(&mut self.pending_recovers) {
+            let id = pending.id;
+            let result = match self.recover_outcome(id) {
+                Some(outcome) => outcome,
+                None if stopping => Err(format!(
+                    "ublkd stopped before device {id} was recovered; the next ublkd recovers it"
+                )),
+                None if now >= pending.deadline => Ok(self.recovering_message(id)),
+                None => {
+                    self.pending_recovers.push(pending);
+                    continue;
+                }
+            };
+            let response = match result {
+                Ok(message) => CtlResponse::Recovered { id, message },
+                Err(message) => CtlResponse::Error { message },
+            };
+            self.control.respond(pending.token, &response, now);
+        }
+    }
+
     /// Gives up the adds under way for device `id` (every one for `None`) because of
     /// `why`: a device already made in the kernel is deleted with its worker and record
     /// ([`Creation::abandon`]), an export being negotiated is dropped when its thread
@@ -625,6 +683,9 @@ impl Daemon {
                     }
                 }
             }
+            for pending in &self.pending_recovers {
+                wake_by = wake_by.min(pending.deadline);
+            }
             let control_due = self.control.next_deadline();
             if let Some(due) = control_due {
                 wake_by = wake_by.min(due);
@@ -634,6 +695,7 @@ impl Daemon {
             }
             let idle = self.devices.is_empty()
                 && self.pending_adds.is_empty()
+                && self.pending_recovers.is_empty()
                 && self.notifier.watchdog_interval().is_none()
                 && control_due.is_none()
                 && self.metrics_file.is_none();
@@ -676,10 +738,17 @@ impl Daemon {
                         Some(response) => response,
                         None => continue,
                     },
+                    CtlRequest::Recover { id } => match self.begin_recover(token, id) {
+                        Some(response) => response,
+                        None => continue,
+                    },
                     req => self.handle(req),
                 };
                 self.control.respond(token, &response, Instant::now());
             }
+            // After the requests: a `del` of a device being recovered is answered in
+            // the same turn.
+            self.answer_recovers(false);
             if let Some(mut writer) = self.metrics_file.take() {
                 writer.tick(Instant::now(), || {
                     self.devices.keys().filter_map(|id| self.metrics(*id)).collect()
@@ -694,6 +763,7 @@ impl Daemon {
         // Adds under way are given up (their devices deleted, their workers ended),
         // not left half-made, and their clients told so.
         self.give_up_pending_adds(None, "ublkd stopped");
+        self.answer_recovers(true);
         let mut serving_on = 0;
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a

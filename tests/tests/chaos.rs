@@ -457,8 +457,20 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     println!("budget: took {:.1} s", started.elapsed().as_secs_f64());
 }
 
+/// How long a budgeted device's workers sleep before they start once its
+/// [`slow_start_marker`] exists.
+const SLOW_START: Duration = Duration::from_secs(3);
+
+/// The file whose existence makes the workers of `budgeted_device(name, ..)` start
+/// [`SLOW_START`] late (in ublkd's run dir, which each start empties).
+fn slow_start_marker(name: &str) -> PathBuf {
+    PathBuf::from(format!("/run/ublkd-test-chaos-{name}/slow-start"))
+}
+
 /// A daemon whose devices may be recovered `restart_max` times a minute, past which
 /// they quiesce or (`fail_io`) fail their I/O, and a prefilled memory device on it.
+/// Its workers run through a wrapper that delays them while [`slow_start_marker`]
+/// exists.
 fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (Ublkd, TestDevice) {
     let recovery = Recovery {
         hung_timeout_secs: 10,
@@ -466,7 +478,21 @@ fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (U
         restart_window_secs: 60,
         fail_io,
     };
-    let daemon = chaos_support::start(name, recovery);
+    let wrapper = PathBuf::from(format!("/tmp/ublkd-test-chaos-{name}-worker"));
+    // fd 3 (the worker's control socket) is closed for the sleep only.
+    let script = format!(
+        "#!/bin/sh
+[ -e {} ] && sleep {} 3<&-
+exec {} \"$@\"\n",
+        slow_start_marker(name).display(),
+        SLOW_START.as_secs(),
+        common::bin("ublkd-worker").display()
+    );
+    std::fs::write(&wrapper, script).unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let extra = format!("worker_binary = \"{}\"\n{}", wrapper.display(), recovery.toml());
+    let daemon = Ublkd::start_with(&format!("chaos-{name}"), &extra, &[("UBLKD_LOG", "info")]);
     let device = TestDevice::add(&daemon, Target::Memory, name, size);
     prefill(&device.dev(), size);
     (daemon, device)
@@ -529,11 +555,26 @@ fn restart_limit_with_fail_io_fails_io_fast_until_ublkctl_recover() {
     assert!(took < Duration::from_secs(5), "the read took {took:?} to fail");
     println!("failio: after {} kills, a read failed in {took:?}: {}", killed.len(), note);
 
-    // `ublkctl recover` puts a real worker back: reads work and the data is intact.
+    // `ublkctl recover` puts a real worker back, and answers once it serves, even when
+    // that worker is slow to start: the standby is replaced by one that sleeps first.
+    std::fs::write(slow_start_marker("failio"), b"").unwrap();
+    let standby = wait_for("a standby", Duration::from_secs(30), || {
+        Ok(daemon.ctl.device(id)?["standby_pid"].as_u64())
+    })
+    .unwrap();
+    assert!(signal(standby as u32, libc::SIGKILL));
+    wait_for("the standby's death to be seen", Duration::from_secs(10), || {
+        Ok((daemon.ctl.device(id)?["standby_pid"].as_u64() != Some(standby)).then_some(()))
+    })
+    .unwrap();
+    let asked = Instant::now();
     let out = daemon.ctl.run(&["recover", &id.to_string()]);
+    let took = asked.elapsed();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "ublkctl recover failed:\n{}", describe(&out));
-    assert!(stdout.contains(&format!("device {id} recovered")), "{stdout}");
+    assert!(stdout.contains(&format!("device {id} recovered in")), "{stdout}");
+    assert!(took >= SLOW_START / 3, "recover answered after {took:?}, before its worker started");
+    println!("failio: recover with a slow standby answered after {took:?}: {}", stdout.trim());
     let dev = daemon.status_of(id);
     assert_eq!(dev["state"], "LIVE", "{dev}");
     assert_eq!(dev["failing_io"], false, "{dev}");

@@ -15,6 +15,7 @@ use ublkd_proto::uapi::DevState;
 
 use super::Daemon;
 use crate::device::{Device, Recovery};
+use crate::device_state::StateKind;
 
 /// `ids` and `more`, in order.
 fn sorted(mut ids: Vec<u32>, more: Vec<u32>) -> Vec<u32> {
@@ -51,9 +52,12 @@ impl Daemon {
             CtlRequest::Metrics { id } => self.selected(id).map(|ids| {
                 CtlResponse::Metrics(ids.iter().filter_map(|id| self.metrics(*id)).collect())
             }),
-            CtlRequest::Recover { id } => {
-                self.handle_recover(id).map(|message| CtlResponse::Recovered { id, message })
-            }
+            // The loop defers a recovery that goes on (`Daemon::begin_recover`): a
+            // caller here is told where it stands now.
+            CtlRequest::Recover { id } => self.handle_recover(id).map(|message| {
+                let message = message.unwrap_or_else(|| self.recovering_message(id));
+                CtlResponse::Recovered { id, message }
+            }),
             CtlRequest::Upgrade { id } => self.selected(id).map(|ids| {
                 let mut outcomes = Vec::with_capacity(ids.len());
                 for (n, id) in ids.into_iter().enumerate() {
@@ -170,35 +174,76 @@ impl Daemon {
         }
     }
 
-    /// `ublkctl recover`: recovers the device now and resets its restart budget.
-    fn handle_recover(&mut self, id: u32) -> Result<String, String> {
+    /// `ublkctl recover`: recovers the device now and resets its restart budget. The
+    /// answer, or `None` if the recovery goes on in the loop (its standby still
+    /// starting, the kernel not yet releasing the old worker's file, an nbd server not
+    /// yet there): the loop then answers once it ends ([`Self::recover_outcome`]).
+    pub(super) fn handle_recover(&mut self, id: u32) -> Result<Option<String>, String> {
         let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
         let dev =
             self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
         dev.restart_budget_mut().reset();
         let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
         if live && dev.state().has_worker() && !dev.state().failing_io() {
-            return Ok(format!("device {id} is LIVE: nothing to recover"));
+            return Ok(Some(format!("device {id} is LIVE: nothing to recover")));
         }
         // The operator's recovery is timed from the command, not from a death that
         // the restart limit left waiting.
         dev.forget_death();
         match dev.recover(&self.ctx, "ublkctl recover") {
             Ok(Recovery::Done(stall)) => {
-                Ok(format!("device {id} recovered in {} ms", stall.as_millis()))
+                Ok(Some(format!("device {id} recovered in {} ms", stall.as_millis())))
             }
-            Ok(Recovery::Waiting) if dev.awaiting_standby() => Ok(format!(
-                "device {id}: recovering, waiting for its new worker to start; `ublkctl status \
-                 {id}` shows when it is LIVE"
-            )),
-            Ok(Recovery::Waiting) => Ok(format!(
-                "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
-                 (the old worker's I/O has not ended); `ublkctl status {id}` shows when it is LIVE"
-            )),
+            Ok(Recovery::Waiting) => Ok(None),
             Err(e) => {
                 dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
                 Err(format!("recover device {id}: {e}"))
             }
+        }
+    }
+
+    /// How an `ublkctl recover` of device `id` that went on in the loop ended, or
+    /// `None` while it goes on: recovered (served by a real worker again), or stopped
+    /// (deleted, a failed recovery waiting for an operator, a server that stayed away
+    /// past `recovery.nbd_server_wait_secs`), with status's note.
+    pub(super) fn recover_outcome(&self, id: u32) -> Option<Result<String, String>> {
+        let Some(dev) = self.devices.get(&id) else {
+            return Some(Err(format!("device {id} was deleted before its recovery ended")));
+        };
+        let state = dev.state();
+        let note = state.note().unwrap_or("no reason given");
+        match state.kind() {
+            StateKind::Live | StateKind::Hung => Some(Ok(match dev.last_recovery_ms() {
+                Some(ms) => format!("device {id} recovered in {ms} ms"),
+                None => format!("device {id} recovered"),
+            })),
+            StateKind::FailingIo => {
+                Some(Err(format!("device {id} is served again, but fails every I/O: {note}")))
+            }
+            StateKind::WaitingForOperator => Some(Err(format!("recover device {id}: {note}"))),
+            StateKind::Starting
+            | StateKind::Adopted
+            | StateKind::Recovering
+            | StateKind::Releasing => None,
+        }
+    }
+
+    /// Where the recovery of device `id` stands while it goes on: what an `ublkctl
+    /// recover` that waited long is told.
+    pub(super) fn recovering_message(&self, id: u32) -> String {
+        let status = format!("`ublkctl status {id}` shows when it is LIVE");
+        match self.devices.get(&id) {
+            Some(dev) if dev.awaiting_standby() => {
+                format!("device {id}: recovering, waiting for its new worker to start; {status}")
+            }
+            Some(dev) => match dev.state().note() {
+                Some(note) => format!("device {id}: recovering: {note}; {status}"),
+                None => format!(
+                    "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
+                     (the old worker's I/O has not ended); {status}"
+                ),
+            },
+            None => format!("device {id} was deleted before its recovery ended"),
         }
     }
 

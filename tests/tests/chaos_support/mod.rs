@@ -34,7 +34,7 @@ pub struct Recovery {
 
 impl Recovery {
     /// The config's `[recovery]` table.
-    fn toml(&self) -> String {
+    pub fn toml(&self) -> String {
         let Recovery { hung_timeout_secs, restart_max, restart_window_secs, fail_io } = *self;
         let on_limit = if fail_io { "fail-io" } else { "quiesce" };
         format!(
