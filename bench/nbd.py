@@ -72,6 +72,12 @@ def effective_params(args):
             if j not in P.NBD_JOBS:
                 die(f"unknown job {j!r}; known: {', '.join(P.NBD_JOBS)}", 2)
         prm["NBD_JOBS"] = {j: P.NBD_JOBS[j] for j in names}
+    if args.queues:
+        prm["NBD_QUEUES"] = args.queues
+    if args.baseline:
+        if args.baseline not in prm["NBD_CLIENTS"]:
+            die(f"--baseline {args.baseline} is not one of the clients", 2)
+        prm["NBD_RATIO_BASELINE"] = args.baseline
     if args.no_restart:
         prm["NBD_RESTART_CLIENTS"] = []
     if args.no_throughput:
@@ -977,6 +983,11 @@ def host_args(h):
     h.add_argument("--runtime", type=int, help="override NBD_RUNTIME_S (seconds per fio run)")
     h.add_argument("--clients", help="comma-separated subset of " + ",".join(CLIENTS))
     h.add_argument("--jobs", help="comma-separated subset of " + ",".join(P.NBD_JOBS))
+    h.add_argument("--queues", type=int,
+                   help="override NBD_QUEUES (ublkd -q: one connection per queue where the "
+                        "export allows multi-conn; compare with kernel-nbd-c2 for 2)")
+    h.add_argument("--baseline", help="the client ublkd's ratios are against "
+                                      "(default NBD_RATIO_BASELINE)")
     h.add_argument("--no-restart", action="store_true", help="skip the restart phase")
     h.add_argument("--no-throughput", action="store_true", help="only the restart phase")
     h.add_argument("--out", help="results parent dir (default bench/results)")
