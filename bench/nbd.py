@@ -74,6 +74,8 @@ def effective_params(args):
         prm["NBD_JOBS"] = {j: P.NBD_JOBS[j] for j in names}
     if args.queues:
         prm["NBD_QUEUES"] = args.queues
+    if args.threads:
+        prm["NBD_THREADS"] = args.threads
     if args.baseline:
         if args.baseline not in prm["NBD_CLIENTS"]:
             die(f"--baseline {args.baseline} is not one of the clients", 2)
@@ -237,7 +239,8 @@ def table(results):
             f"per job, the order rotated per job and round), fio {prm['NBD_RUNTIME_S']} s "
             f"+ {prm['NBD_RAMP_S']} s ramp per run, direct=1 io_uring; nbdkit memory "
             f"{prm['NBD_EXPORT_SIZE']} (filled once) on a unix socket; ublkd -q "
-            f"{prm['NBD_QUEUES']} -d {prm['NBD_QUEUE_DEPTH']}.")
+            f"{prm['NBD_QUEUES']} --threads {prm.get('NBD_THREADS', 1)} -d "
+            f"{prm['NBD_QUEUE_DEPTH']}.")
         lines.append(
             "CPU per I/O the device completed, in a window inside each fio run: nbdkit = the "
             "server's utime+stime (all threads); ublkd = its supervisor, worker and standby "
@@ -532,6 +535,7 @@ class UblkdNbd(L.Ublkd):
             self.start()
         out = self.ctl("add", "-t", "nbd", "--uri", f"nbd+unix:///?socket={sock}",
                        "-q", str(self.prm["NBD_QUEUES"]),
+                       "--threads", str(self.prm.get("NBD_THREADS", 1)),
                        "-d", str(self.prm["NBD_QUEUE_DEPTH"])).strip().splitlines()
         self.dev_id = int(out[-1])
         self.dev = L.wait_dev(self.dev_id)
@@ -983,9 +987,10 @@ def host_args(h):
     h.add_argument("--runtime", type=int, help="override NBD_RUNTIME_S (seconds per fio run)")
     h.add_argument("--clients", help="comma-separated subset of " + ",".join(CLIENTS))
     h.add_argument("--jobs", help="comma-separated subset of " + ",".join(P.NBD_JOBS))
-    h.add_argument("--queues", type=int,
-                   help="override NBD_QUEUES (ublkd -q: one connection per queue where the "
-                        "export allows multi-conn; compare with kernel-nbd-c2 for 2)")
+    h.add_argument("--queues", type=int, help="override NBD_QUEUES (ublkd -q)")
+    h.add_argument("--threads", type=int,
+                   help="override NBD_THREADS (ublkd --threads: one connection per thread "
+                        "where the export allows multi-conn; compare 2 with kernel-nbd-c2)")
     h.add_argument("--baseline", help="the client ublkd's ratios are against "
                                       "(default NBD_RATIO_BASELINE)")
     h.add_argument("--no-restart", action="store_true", help="skip the restart phase")

@@ -147,6 +147,7 @@ NBD_EXPORT_SIZE = "1G"                      # nbdkit memory SIZE
 NBD_FILL_CHUNK_MB = 1                       # the export's fill: NBD writes of this size
 NBD_SOCKET = "/run/ublkd-bench-nbd.sock"    # in the guest
 NBD_QUEUES = 1                              # ublkd -q (the kernel's client: 1 queue per connection)
+NBD_THREADS = 1                             # ublkd --threads: its connections, where the export allows multi-conn
 NBD_QUEUE_DEPTH = 128                       # ublkd -d (the kernel's client's default is 128)
 NBD_NBDS_MAX = 32                           # insmod nbd.ko nbds_max=: each attach takes a fresh /dev/nbdN
 # name: (target, rw, block size, iodepth, numjobs) as in JOBS; "nbd": the whole device
