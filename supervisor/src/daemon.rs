@@ -462,8 +462,9 @@ impl Daemon {
         }
     }
 
-    /// Answers the `ublkctl recover`s whose recovery has ended, and those that waited
-    /// [`RECOVER_ANSWER_WAIT`] (or all, at `stopping`) with where it stands.
+    /// Answers the `ublkctl recover`s whose recovery has ended, and with where it
+    /// stands those held up outside ublkd, those that waited [`RECOVER_ANSWER_WAIT`],
+    /// or all, at `stopping`.
     fn answer_recovers(&mut self, stopping: bool) {
         let now = Instant::now();
         for pending in std::mem::take(&mut self.pending_recovers) {
@@ -473,7 +474,11 @@ impl Daemon {
                 None if stopping => Err(format!(
                     "ublkd stopped before device {id} was recovered; the next ublkd recovers it"
                 )),
-                None if now >= pending.deadline => Ok(self.recovering_message(id)),
+                // Waiting on what ublkd cannot hurry (a release behind a slow backend,
+                // an NBD server away) is said at once, as status says it.
+                None if now >= pending.deadline || self.recovery_held_up(id) => {
+                    Ok(self.recovering_message(id))
+                }
                 None => {
                     self.pending_recovers.push(pending);
                     continue;

@@ -589,6 +589,15 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     assert!(note.contains(&format!("ublkctl recover {id}")), "{dev}");
     eprintln!("the read failed after {waited:?}: {note}");
 
+    // A recover while the server is still away answers at once with what it waits
+    // for (the device's I/O is held meanwhile), not after ublkctl's patience.
+    let t = Instant::now();
+    let out = ublkd.ctl_ok(&["recover", &id.to_string()]);
+    let took = t.elapsed();
+    assert!(out.contains("recovering") && out.contains("waiting for the NBD server"), "{out}");
+    assert!(took < Duration::from_secs(10), "recover answered after {took:?}");
+    eprintln!("recover with the server away answered after {took:?}: {}", out.trim());
+
     let _nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
     ublkd.ctl_ok(&["recover", &id.to_string()]);
     let dev = ublkd.status_of(id);

@@ -228,6 +228,15 @@ impl Daemon {
         }
     }
 
+    /// Whether the recovery of device `id` waits on something outside ublkd that
+    /// status names (the kernel's release past `RELEASE_SLOW`, an unreachable NBD
+    /// server), rather than on its own new worker.
+    pub(super) fn recovery_held_up(&self, id: u32) -> bool {
+        self.devices.get(&id).is_some_and(|dev| {
+            dev.state().kind() == StateKind::Releasing && dev.state().note().is_some()
+        })
+    }
+
     /// Where the recovery of device `id` stands while it goes on: what an `ublkctl
     /// recover` that waited long is told.
     pub(super) fn recovering_message(&self, id: u32) -> String {
