@@ -176,11 +176,11 @@ pub enum UblkctlCommand {
         id: Option<u32>,
     },
     /// Recover a device now (after fixing what made its worker fail), resetting its
-    /// restart budget; on a LIVE device it says so and does nothing. Answers once the
-    /// device is served again (or with why not). If the recovery waits on something
-    /// outside ublkd (the old worker's I/O still in a slow backend, an NBD server
-    /// away) or takes over a minute, it says where the recovery stands and ublkd
-    /// finishes it by itself; `ublkctl status` shows when.
+    /// restart budget; on a LIVE device it says so and does nothing. Exits 0 once the
+    /// device is served again. If the recovery waits on something outside ublkd (the
+    /// old worker's I/O still in a slow backend, an NBD server away) or takes over a
+    /// minute, it fails saying where the recovery stands, and ublkd finishes it by
+    /// itself; `ublkctl status` shows when.
     Recover {
         /// The device id.
         #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]

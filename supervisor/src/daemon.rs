@@ -477,7 +477,7 @@ impl Daemon {
                 // Waiting on what ublkd cannot hurry (a release behind a slow backend,
                 // an NBD server away) is said at once, as status says it.
                 None if now >= pending.deadline || self.recovery_held_up(id) => {
-                    Ok(self.recovering_message(id))
+                    Err(self.recovering_message(id))
                 }
                 None => {
                     self.pending_recovers.push(pending);

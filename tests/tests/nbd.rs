@@ -589,14 +589,17 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     assert!(note.contains(&format!("ublkctl recover {id}")), "{dev}");
     eprintln!("the read failed after {waited:?}: {note}");
 
-    // A recover while the server is still away answers at once with what it waits
-    // for (the device's I/O is held meanwhile), not after ublkctl's patience.
+    // A recover while the server is still away fails at once, saying what it waits
+    // for (the device's I/O is held meanwhile): `recover && mount` must not go on.
     let t = Instant::now();
-    let out = ublkd.ctl_ok(&["recover", &id.to_string()]);
+    let out = ublkd.ctl.run(&["recover", &id.to_string()]);
     let took = t.elapsed();
-    assert!(out.contains("recovering") && out.contains("waiting for the NBD server"), "{out}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "recover with the server away: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    assert!(stderr.contains("not recovered yet: waiting for the NBD server"), "{stderr}");
     assert!(took < Duration::from_secs(10), "recover answered after {took:?}");
-    eprintln!("recover with the server away answered after {took:?}: {}", out.trim());
+    eprintln!("recover with the server away failed after {took:?}: {}", stderr.trim());
 
     let _nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
     ublkd.ctl_ok(&["recover", &id.to_string()]);

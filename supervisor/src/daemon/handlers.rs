@@ -54,10 +54,11 @@ impl Daemon {
             }),
             // The loop defers a recovery that goes on (`Daemon::begin_recover`): a
             // caller here is told where it stands now.
-            CtlRequest::Recover { id } => self.handle_recover(id).map(|message| {
-                let message = message.unwrap_or_else(|| self.recovering_message(id));
-                CtlResponse::Recovered { id, message }
-            }),
+            CtlRequest::Recover { id } => match self.handle_recover(id) {
+                Ok(Some(message)) => Ok(CtlResponse::Recovered { id, message }),
+                Ok(None) => Err(self.recovering_message(id)),
+                Err(e) => Err(e),
+            },
             CtlRequest::Upgrade { id } => self.selected(id).map(|ids| {
                 let mut outcomes = Vec::with_capacity(ids.len());
                 for (n, id) in ids.into_iter().enumerate() {
@@ -237,19 +238,23 @@ impl Daemon {
         })
     }
 
-    /// Where the recovery of device `id` stands while it goes on: what an `ublkctl
-    /// recover` that waited long is told.
+    /// Where the recovery of device `id` stands while it goes on: the error an
+    /// `ublkctl recover` gets when it cannot wait for the end (a script's `ublkctl
+    /// recover N && mount` must not go on with a device that is not served yet).
     pub(super) fn recovering_message(&self, id: u32) -> String {
-        let status = format!("`ublkctl status {id}` shows when it is LIVE");
+        let rest =
+            format!("ublkd finishes the recovery by itself; `ublkctl status {id}` shows when");
         match self.devices.get(&id) {
-            Some(dev) if dev.awaiting_standby() => {
-                format!("device {id}: recovering, waiting for its new worker to start; {status}")
-            }
+            Some(dev) if dev.awaiting_standby() => format!(
+                "device {id}: not recovered yet: its new worker is still starting, its I/O \
+                 held; {rest}"
+            ),
+            // The notes say what is held.
             Some(dev) => match dev.state().note() {
-                Some(note) => format!("device {id}: recovering: {note}; {status}"),
+                Some(note) => format!("device {id}: not recovered yet: {note}; {rest}"),
                 None => format!(
-                    "device {id}: recovering, waiting for the kernel to release /dev/ublkc{id} \
-                     (the old worker's I/O has not ended); {status}"
+                    "device {id}: not recovered yet: the kernel has not released \
+                     /dev/ublkc{id} (the old worker's I/O has not ended), its I/O held; {rest}"
                 ),
             },
             None => format!("device {id} was deleted before its recovery ended"),
