@@ -446,6 +446,17 @@ fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_rest
         ublkd.ctl.device(id).is_ok_and(|d| d["state"] == "LIVE")
     });
     assert_eq!(ublkd.worker_pid(id), serving, "the restarted ublkd did not take the worker over");
+    // An upgrade hands the device to a new worker, which needs a connection of its own
+    // (qemu-nbd serves one client at a time: the taken-over worker's is drained first);
+    // it answers once the device is served.
+    let out = ublkd.ctl(&["upgrade", "-n", &id.to_string()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "upgrade failed: {text}\n{}", ublkd.log());
+    assert!(text.contains(&format!("device {id}: upgraded to")), "{text}");
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["state"], "LIVE", "{dev}");
+    assert_ne!(ublkd.worker_pid(id), serving, "the upgrade left the old worker serving");
+    eprintln!("upgrade: {}", text.trim());
     write_at(&node, chunks[3].0, &chunks[3].1);
     // Read back past the page cache, across the end of chunk 0 into the file's hole:
     // qemu-nbd answers such a read with a data chunk and a hole chunk (structured

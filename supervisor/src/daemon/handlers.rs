@@ -3,7 +3,7 @@
 //! parsed, checked and answered against the daemon's devices.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_proto::msg::{
@@ -16,6 +16,10 @@ use ublkd_proto::uapi::DevState;
 use super::Daemon;
 use crate::device::{Device, Recovery};
 use crate::device_state::StateKind;
+
+/// How long an upgrade waits for a recovery that goes on (an nbd device connecting
+/// afresh) before it answers; the loop, and systemd's watchdog, wait meanwhile.
+const UPGRADE_SETTLE: Duration = Duration::from_secs(5);
 
 /// `ids` and `more`, in order.
 fn sorted(mut ids: Vec<u32>, more: Vec<u32>) -> Vec<u32> {
@@ -321,16 +325,55 @@ impl Daemon {
                     format!("device {id}: upgraded to {binary} (stall {} ms)", stall.as_millis()),
                 )
             }
-            Ok(Recovery::Waiting) => outcome(
-                true,
-                format!(
-                    "device {id}: handed to {binary}, waiting for the kernel to release the old \
-                     worker's device; `ublkctl status {id}` shows when it is LIVE"
-                ),
-            ),
+            Ok(Recovery::Waiting) => self.settle_upgrade(id),
             Err(e) => {
                 dev.wait_for_operator(format!("upgrade failed: {e} (after: ublkctl upgrade)"));
                 outcome(false, format!("device {id}: upgrade failed: {e}"))
+            }
+        }
+    }
+
+    /// An upgrade whose recovery goes on (an nbd device's new worker gets fresh
+    /// connections, made on a thread; a release may lag): waits up to
+    /// [`UPGRADE_SETTLE`], going on with it as the loop would, so that the answer says
+    /// whether the device is served. A wait on something outside ublkd (a server away,
+    /// a release behind a slow backend) is reported at once, for the loop to finish.
+    fn settle_upgrade(&mut self, id: u32) -> UpgradeOutcome {
+        let binary = self.ctx.worker_binary.display().to_string();
+        let until = Instant::now() + UPGRADE_SETTLE;
+        while Instant::now() < until && !self.recovery_held_up(id) {
+            let Some(dev) = self.devices.get_mut(&id) else { break };
+            if dev.state().kind() != StateKind::Releasing {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            crate::recovery::continue_if_due(dev, &self.ctx, Instant::now());
+        }
+        let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
+        let Some(dev) = self.devices.get(&id) else {
+            return outcome(false, format!("device {id}: no longer served by ublkd"));
+        };
+        match dev.state().kind() {
+            StateKind::Live => {
+                let stall = dev.last_recovery_ms().unwrap_or_default();
+                tracing::info!(
+                    dev_id = id,
+                    event = "upgraded",
+                    stall_ms = stall,
+                    "upgraded to {binary}"
+                );
+                outcome(true, format!("device {id}: upgraded to {binary} (stall {stall} ms)"))
+            }
+            StateKind::Releasing => outcome(
+                true,
+                format!(
+                    "device {id}: handed to {binary}, {}",
+                    self.recovering_message(id).trim_start_matches(&format!("device {id}: "))
+                ),
+            ),
+            _ => {
+                let note = dev.state().note().unwrap_or("no reason given");
+                outcome(false, format!("device {id}: upgrade failed: {note}"))
             }
         }
     }
