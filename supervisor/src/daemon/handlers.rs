@@ -246,22 +246,29 @@ impl Daemon {
     /// `ublkctl recover` gets when it cannot wait for the end (a script's `ublkctl
     /// recover N && mount` must not go on with a device that is not served yet).
     pub(super) fn recovering_message(&self, id: u32) -> String {
+        if !self.devices.contains_key(&id) {
+            return format!("device {id} was deleted before its recovery ended");
+        }
+        format!("device {id}: {}", self.recovery_wait(id))
+    }
+
+    /// What the recovery of device `id` still waits for, and that ublkd goes on with it.
+    fn recovery_wait(&self, id: u32) -> String {
         let rest =
             format!("ublkd finishes the recovery by itself; `ublkctl status {id}` shows when");
-        match self.devices.get(&id) {
-            Some(dev) if dev.awaiting_standby() => format!(
-                "device {id}: not recovered yet: its new worker is still starting, its I/O \
-                 held; {rest}"
+        let Some(dev) = self.devices.get(&id) else { return rest };
+        if dev.awaiting_standby() {
+            return format!(
+                "not recovered yet: its new worker is still starting, its I/O held; {rest}"
+            );
+        }
+        // The notes say what is held.
+        match dev.state().note() {
+            Some(note) => format!("not recovered yet: {note}; {rest}"),
+            None => format!(
+                "not recovered yet: the kernel has not released /dev/ublkc{id} (the old \
+                 worker's I/O has not ended), its I/O held; {rest}"
             ),
-            // The notes say what is held.
-            Some(dev) => match dev.state().note() {
-                Some(note) => format!("device {id}: not recovered yet: {note}; {rest}"),
-                None => format!(
-                    "device {id}: not recovered yet: the kernel has not released \
-                     /dev/ublkc{id} (the old worker's I/O has not ended), its I/O held; {rest}"
-                ),
-            },
-            None => format!("device {id} was deleted before its recovery ended"),
         }
     }
 
@@ -313,19 +320,8 @@ impl Daemon {
         }
         dev.forget_death();
         match dev.recover(&self.ctx, "ublkctl upgrade") {
-            Ok(Recovery::Done(stall)) => {
-                tracing::info!(
-                    dev_id = id,
-                    event = "upgraded",
-                    stall_ms = stall.as_millis() as u64,
-                    "upgraded to {binary}"
-                );
-                outcome(
-                    true,
-                    format!("device {id}: upgraded to {binary} (stall {} ms)", stall.as_millis()),
-                )
-            }
-            Ok(Recovery::Waiting) => self.settle_upgrade(id),
+            // Done: LIVE already, which the settling sees at once.
+            Ok(Recovery::Done(_) | Recovery::Waiting) => self.settle_upgrade(id),
             Err(e) => {
                 dev.wait_for_operator(format!("upgrade failed: {e} (after: ublkctl upgrade)"));
                 outcome(false, format!("device {id}: upgrade failed: {e}"))
@@ -333,8 +329,9 @@ impl Daemon {
         }
     }
 
-    /// An upgrade whose recovery goes on (an nbd device's new worker gets fresh
-    /// connections, made on a thread; a release may lag): waits up to
+    /// The answer to an upgrade whose recovery was begun. One that goes on (an nbd
+    /// device's new worker gets fresh connections, made on a thread; a release may
+    /// lag) is waited for up to
     /// [`UPGRADE_SETTLE`], going on with it as the loop would, so that the answer says
     /// whether the device is served. A wait on something outside ublkd (a server away,
     /// a release behind a slow backend) is reported at once, for the loop to finish.
@@ -366,10 +363,7 @@ impl Daemon {
             }
             StateKind::Releasing => outcome(
                 true,
-                format!(
-                    "device {id}: handed to {binary}, {}",
-                    self.recovering_message(id).trim_start_matches(&format!("device {id}: "))
-                ),
+                format!("device {id}: handed to {binary}, {}", self.recovery_wait(id)),
             ),
             _ => {
                 let note = dev.state().note().unwrap_or("no reason given");
