@@ -521,6 +521,7 @@ mod tests {
             block_sizes: Some(BlockSizes { min: 512, preferred: 4096, max }),
             structured_replies: true,
             tls: false,
+            export_name_option: false,
         };
         // Flush, FUA, trim and write-zeroes, 64 KiB requests at most.
         let p = params(&nbd, Some(&export(0b0110_1101, 65536)));

@@ -309,6 +309,37 @@ fn a_server_that_stalls_mid_handshake_times_out() {
     assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
 }
 
+/// nbdkit with `--mask-handshake=0` offers neither fixed newstyle nor NO_ZEROES, as
+/// servers older than NBD_OPT_GO did: the export is chosen with NBD_OPT_EXPORT_NAME
+/// (and its 124 zeroes read), and a TLS URI is refused by name, as such a server
+/// cannot start TLS.
+#[test]
+fn a_server_without_fixed_newstyle_is_served_through_nbd_opt_export_name() {
+    let dir = TempDir::new("plain-newstyle");
+    let (_server, uri) = nbdkit_unix(&dir, &["--mask-handshake=0", "memory", "64M"], "");
+    let info = connected(&uri);
+    assert_eq!(info.size, 64 << 20);
+    assert!(!info.read_only() && info.can_flush() && info.can_trim(), "{info}");
+    assert!(info.export_name_option && !info.structured_replies && info.block_sizes.is_none());
+
+    // Another directory: Server::nbdkit waits for its pid file.
+    let dir = TempDir::new("plain-newstyle-tcp");
+    let port = free_port();
+    let port_text = port.to_string();
+    let _tcp = Server::nbdkit(
+        &dir,
+        &["-i", "127.0.0.1", "-p", &port_text, "--mask-handshake=0", "memory", "1M"],
+    );
+    let tls = NbdUri::parse(&format!(
+        "nbds://127.0.0.1:{port}/?tls-certificates={}",
+        dir.join("pki").display()
+    ))
+    .unwrap();
+    let error = refused(&tls, TIMEOUT);
+    assert!(matches!(error, NbdError::NotFixedNewstyle), "{error}");
+    assert!(error.to_string().contains("cannot start TLS"), "{error}");
+}
+
 #[test]
 fn an_oldstyle_server_is_refused_as_such() {
     let dir = TempDir::new("oldstyle");

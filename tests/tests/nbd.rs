@@ -28,6 +28,20 @@ enum Listen {
     Tls(u16),
 }
 
+/// What a test's nbdkit offers besides its file plugin.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Offer {
+    /// NBD_FLAG_CAN_MULTI_CONN, as the file plugin does: a connection per queue thread.
+    MultiConn,
+    /// The multi-conn filter hides the plugin's NBD_FLAG_CAN_MULTI_CONN, so ublkd gives
+    /// the worker one connection for all its queue threads.
+    OneConnection,
+    /// `--mask-handshake=0`: newstyle without the fixed extension, as servers older than
+    /// NBD_OPT_GO spoke it: the export is chosen with NBD_OPT_EXPORT_NAME, with simple
+    /// replies and no advertised block sizes.
+    NoFixedNewstyle,
+}
+
 /// Where [`tls_certificates`] puts them.
 const PKI: &str = "/tmp/ublkd-test-pki";
 
@@ -88,10 +102,8 @@ impl Server {
     /// nbdkit's file plugin serving `image` where `listen` says, one thread per
     /// connection: with several, nbdkit 1.32 (Debian 12's) can abort when a client dies
     /// while it writes a reply (`raw_send_socket: Assertion 'sock >= 0' failed`, seen
-    /// here when a worker was killed), and these tests kill clients on purpose. With
-    /// `multi_conn` false, the multi-conn filter hides the plugin's NBD_FLAG_CAN_MULTI_CONN,
-    /// so ublkd gives the worker one connection for all its queue threads.
-    fn nbdkit(listen: Listen, image: &Path, multi_conn: bool) -> Server {
+    /// here when a worker was killed), and these tests kill clients on purpose.
+    fn nbdkit(listen: Listen, image: &Path, offer: Offer) -> Server {
         let (pid_file, mut args, uri) = match listen {
             Listen::Tcp(port) => (
                 PathBuf::from(format!("/tmp/ublkd-test-nbdkit-{port}.pid")),
@@ -121,11 +133,13 @@ impl Server {
         };
         args.extend(["-f", "--exit-with-parent", "--threads=1"].map(String::from));
         args.extend(["-P".to_string(), pid_file.display().to_string()]);
-        if !multi_conn {
-            args.push("--filter=multi-conn".into());
+        match offer {
+            Offer::MultiConn => {}
+            Offer::OneConnection => args.push("--filter=multi-conn".into()),
+            Offer::NoFixedNewstyle => args.push("--mask-handshake=0".into()),
         }
         args.extend(["file".to_string(), format!("file={}", image.display())]);
-        if !multi_conn {
+        if offer == Offer::OneConnection {
             args.push("multi-conn-mode=disable".into());
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -266,11 +280,12 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     let file = PathBuf::from("/tmp/ublkd-test-nbd-fio.img");
     sparse_file(&file, 96 * MIB);
     let multi_conn = !matches!(listen, Listen::Unix(_));
+    let offer = if multi_conn { Offer::MultiConn } else { Offer::OneConnection };
     let tls = matches!(listen, Listen::Tls(_));
     if tls {
         tls_certificates();
     }
-    let nbdkit = Server::nbdkit(listen, &file, multi_conn);
+    let nbdkit = Server::nbdkit(listen, &file, offer);
     let ublkd = Ublkd::start_with(
         "nbd-fio",
         &format!(
@@ -309,7 +324,7 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     let dev = ublkd.status_of(id);
     assert_ne!(dev["state"], "LIVE", "LIVE without its server: {dev}");
     eprintln!("while the server is away: {} ({})", dev["state"], dev["note"]);
-    let nbdkit = Server::nbdkit(listen, &file, multi_conn);
+    let nbdkit = Server::nbdkit(listen, &file, offer);
     wait_recovered(&ublkd, id, 4);
     let jobs = fio.wait().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     assert_fio_clean(&jobs, 2);
@@ -484,6 +499,56 @@ fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_rest
     let _ = std::fs::remove_file(&raw);
 }
 
+/// A server without NBD_OPT_GO (nbdkit `--mask-handshake=0`: newstyle without the fixed
+/// extension, as older servers speak it) is served: the export is chosen with
+/// NBD_OPT_EXPORT_NAME and answered with simple replies. A worker kill, and the server
+/// stopped while a write waits and started again, each reconnect the same way, and the
+/// server's file holds every write.
+#[test]
+fn a_server_without_nbd_opt_go_is_served_and_reconnected_with_nbd_opt_export_name() {
+    let _serial = serial();
+    const SOCKET: &str = "/tmp/ublkd-test-nbdkit-plain.sock";
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-plain.img");
+    sparse_file(&file, 32 * MIB);
+    let server = Server::nbdkit(Listen::Unix(SOCKET), &file, Offer::NoFixedNewstyle);
+    let ublkd = Ublkd::start("nbd-plain");
+    let id = ublkd.add(&["-t", "nbd", "--uri", &server.uri]);
+    let node = block_dev(id);
+    let chunks: Vec<(u64, Vec<u8>)> =
+        (0..3).map(|i| (i * 4 * MIB + 4096 * i, pattern(200 + i, 256 * 1024))).collect();
+
+    write_at(&node, chunks[0].0, &chunks[0].1);
+    assert!(signal(ublkd.worker_pid(id), libc::SIGKILL));
+    wait_recovered(&ublkd, id, 1);
+    write_at(&node, chunks[1].0, &chunks[1].1);
+    drop(server);
+    let writer = {
+        let (node, (offset, data)) = (node.clone(), chunks[2].clone());
+        std::thread::spawn(move || write_at(&node, offset, &data))
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!writer.is_finished(), "a write completed while the server was down");
+    let server = Server::nbdkit(Listen::Unix(SOCKET), &file, Offer::NoFixedNewstyle);
+    writer.join().expect("the write held across the server's restart failed");
+    wait_recovered(&ublkd, id, 2);
+
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
+    let log = ublkd.log();
+    let export = log.lines().find(|l| l.contains("NBD export:")).unwrap_or_else(|| panic!("{log}"));
+    assert!(export.contains("chosen with NBD_OPT_EXPORT_NAME"), "{export}");
+    assert!(!export.contains("structured replies"), "{export}");
+    assert!(export.contains("no block sizes advertised"), "{export}");
+    ublkd.del(id);
+    drop(server);
+    for (i, (offset, data)) in chunks.iter().enumerate() {
+        let stored = read_at(&file, *offset, data.len());
+        assert!(stored == *data, "chunk {i} at {offset} is not in the server's file");
+    }
+    ublkd.stop();
+    let _ = std::fs::remove_file(&file);
+}
+
 /// An ext4 filesystem on a qcow2 image served by qemu-nbd: made, filled while its
 /// worker is killed, while ublkd itself is stopped and started again, and while the
 /// worker the new ublkd took over is killed; unmounted, checked clean by fsck, and every
@@ -566,7 +631,7 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     let file = PathBuf::from("/tmp/ublkd-test-nbd-wait.img");
     sparse_file(&file, 16 * MIB);
     let port = 10_810;
-    let mut nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
+    let mut nbdkit = Server::nbdkit(Listen::Tcp(port), &file, Offer::MultiConn);
     let ublkd = Ublkd::start_with(
         "nbd-wait",
         "\n[recovery]\nnbd_server_wait_secs = 3\nrestart_max = 1\n",
@@ -577,7 +642,7 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     write_at(&node, 0, &pattern(5, 65536));
     for restart in 1..=3 {
         drop(nbdkit);
-        nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
+        nbdkit = Server::nbdkit(Listen::Tcp(port), &file, Offer::MultiConn);
         wait_recovered(&ublkd, id, restart);
         assert!(read_at_direct(&node, 0, 65536) == pattern(5, 65536));
     }
@@ -612,7 +677,7 @@ fn a_server_away_past_nbd_server_wait_secs_fails_io_until_recover() {
     assert!(took < Duration::from_secs(10), "recover answered after {took:?}");
     eprintln!("recover with the server away failed after {took:?}: {}", stderr.trim());
 
-    let _nbdkit = Server::nbdkit(Listen::Tcp(port), &file, true);
+    let _nbdkit = Server::nbdkit(Listen::Tcp(port), &file, Offer::MultiConn);
     ublkd.ctl_ok(&["recover", &id.to_string()]);
     let dev = ublkd.status_of(id);
     assert_eq!((dev["state"].as_str(), dev["failing_io"].as_bool()), (Some("LIVE"), Some(false)));

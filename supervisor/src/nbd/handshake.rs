@@ -1,9 +1,15 @@
-//! The client's side of the NBD fixed-newstyle handshake, over any byte stream: the
+//! The client's side of the NBD newstyle handshake, over any byte stream: the
 //! greeting and the flags ([`greet`]), `NBD_OPT_STARTTLS` for a TLS export
 //! ([`start_tls`]; the caller runs TLS and goes on inside it), then
 //! `NBD_OPT_STRUCTURED_REPLY` (taken where offered) and `NBD_OPT_GO` with
 //! `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` asked for ([`choose_export`]). It ends in
 //! the transmission phase with what the server said about the export.
+//!
+//! Servers older than `NBD_OPT_GO` are met with `NBD_OPT_EXPORT_NAME`: a server
+//! without fixed newstyle gets nothing else (it may drop the connection on an option it
+//! does not know), a fixed newstyle one gets it after refusing `NBD_OPT_GO` as
+//! unsupported. Such an export has no advertised block sizes, and a server that refuses
+//! it can only close the connection.
 //!
 //! The server is not trusted: every length it sends is checked against a bound before
 //! anything is read or allocated for it, and every reply is checked against what was
@@ -33,13 +39,25 @@ pub(super) fn negotiate<S: Read + Write>(
     export: &str,
     limit: Duration,
 ) -> Result<ExportInfo, NbdError> {
-    greet(stream, limit)?;
-    choose_export(stream, export, limit)
+    let greeting = greet(stream, limit)?;
+    choose_export(stream, greeting, export, limit)
+}
+
+/// What the server's greeting offered, which decides how the export is chosen.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Greeting {
+    /// Fixed newstyle: options beyond `NBD_OPT_EXPORT_NAME`, each answered.
+    pub fixed_newstyle: bool,
+    /// Both sides agreed to leave out the zeroes after `NBD_OPT_EXPORT_NAME`'s reply.
+    pub no_zeroes: bool,
 }
 
 /// Reads the server's greeting and sends the client's flags, on a stream that has just
 /// connected.
-pub(super) fn greet<S: Read + Write>(stream: &mut S, limit: Duration) -> Result<(), NbdError> {
+pub(super) fn greet<S: Read + Write>(
+    stream: &mut S,
+    limit: Duration,
+) -> Result<Greeting, NbdError> {
     Client { stream, limit }.greet()
 }
 
@@ -54,15 +72,16 @@ pub(super) fn start_tls<S: Read + Write>(stream: &mut S, limit: Duration) -> Res
     })
 }
 
-/// Asks for structured replies and for `export`. On success the stream is in the
-/// transmission phase.
+/// Asks for structured replies and for `export`, as far as `greeting` allows. On success
+/// the stream is in the transmission phase.
 pub(super) fn choose_export<S: Read + Write>(
     stream: &mut S,
+    greeting: Greeting,
     export: &str,
     limit: Duration,
 ) -> Result<ExportInfo, NbdError> {
     let mut client = Client { stream, limit };
-    match client.choose_export(export) {
+    match client.choose_export(greeting, export) {
         Ok(info) => Ok(info),
         Err(error) => {
             // The protocol asks a client that gives up during option haggling for a
@@ -74,6 +93,9 @@ pub(super) fn choose_export<S: Read + Write>(
         }
     }
 }
+
+/// What `NBD_OPT_GO` learnt: the export's size, its transmission flags, its block sizes.
+type Chosen = (u64, u16, Option<BlockSizes>);
 
 struct Client<'a, S> {
     stream: &'a mut S,
@@ -87,7 +109,7 @@ struct Reply {
 }
 
 impl<S: Read + Write> Client<'_, S> {
-    fn greet(&mut self) -> Result<(), NbdError> {
+    fn greet(&mut self) -> Result<Greeting, NbdError> {
         const GREETING: &str = "reading the server's greeting";
         if self.read_u64(GREETING)? != NBDMAGIC {
             return Err(NbdError::NotNbd);
@@ -105,14 +127,19 @@ impl<S: Read + Write> Client<'_, S> {
             }
         }
         let server_flags = self.read_u16(GREETING)?;
-        if server_flags & FLAG_FIXED_NEWSTYLE == 0 {
-            return Err(NbdError::NotFixedNewstyle);
+        let greeting = Greeting {
+            fixed_newstyle: server_flags & FLAG_FIXED_NEWSTYLE != 0,
+            no_zeroes: server_flags & FLAG_NO_ZEROES != 0,
+        };
+        let mut client_flags = 0;
+        if greeting.fixed_newstyle {
+            client_flags |= FLAG_C_FIXED_NEWSTYLE;
         }
-        let mut client_flags = FLAG_C_FIXED_NEWSTYLE;
-        if server_flags & FLAG_NO_ZEROES != 0 {
+        if greeting.no_zeroes {
             client_flags |= FLAG_C_NO_ZEROES;
         }
-        self.send(&client_flags.to_be_bytes(), "sending the client flags")
+        self.send(&client_flags.to_be_bytes(), "sending the client flags")?;
+        Ok(greeting)
     }
 
     fn start_tls(&mut self) -> Result<(), NbdError> {
@@ -134,13 +161,53 @@ impl<S: Read + Write> Client<'_, S> {
         }
     }
 
-    fn choose_export(&mut self, export: &str) -> Result<ExportInfo, NbdError> {
-        let structured_replies = self.structured_replies()?;
-        let (size, transmission_flags, block_sizes) = self.go(export)?;
-        let info =
-            ExportInfo { size, transmission_flags, block_sizes, structured_replies, tls: false };
-        check_block_sizes(&info)?;
+    fn choose_export(&mut self, greeting: Greeting, export: &str) -> Result<ExportInfo, NbdError> {
+        let name = export.as_bytes();
+        if name.len() > MAX_STRING_BYTES {
+            return Err(NbdError::Protocol {
+                problem: format!("export name of {} bytes is too long", name.len()),
+            });
+        }
+        let mut info = ExportInfo {
+            size: 0,
+            transmission_flags: 0,
+            block_sizes: None,
+            structured_replies: false,
+            tls: false,
+            export_name_option: false,
+        };
+        if greeting.fixed_newstyle {
+            info.structured_replies = self.structured_replies()?;
+            if let Some((size, flags, block_sizes)) = self.go(export)? {
+                (info.size, info.transmission_flags, info.block_sizes) = (size, flags, block_sizes);
+                check_block_sizes(&info)?;
+                return Ok(info);
+            }
+        }
+        // Structured replies, if agreed, hold whichever option chose the export.
+        (info.size, info.transmission_flags) = self.export_name(export, greeting.no_zeroes)?;
+        info.export_name_option = true;
         Ok(info)
+    }
+
+    /// `NBD_OPT_EXPORT_NAME` for `export`: the export's size and flags, then (unless
+    /// `no_zeroes` was agreed) 124 zero bytes. A server that will not serve the export
+    /// closes the connection, the only refusal this option has.
+    fn export_name(&mut self, export: &str, no_zeroes: bool) -> Result<(u64, u16), NbdError> {
+        const STEP: &str = "choosing the export (NBD_OPT_EXPORT_NAME)";
+        self.send_option(OPT_EXPORT_NAME, export.as_bytes(), STEP)?;
+        let size = match self.read_u64(STEP) {
+            Err(NbdError::Closed { .. }) => {
+                return Err(NbdError::ExportNameRefused { export: export.to_owned() });
+            }
+            other => other?,
+        };
+        let flags = self.read_u16(STEP)?;
+        if !no_zeroes {
+            let mut zeroes = [0; EXPORT_NAME_ZEROES];
+            self.read(&mut zeroes, STEP)?;
+        }
+        Ok((size, flags))
     }
 
     /// `NBD_OPT_STRUCTURED_REPLY`: whether the server will answer in chunks (READ data
@@ -162,15 +229,11 @@ impl<S: Read + Write> Client<'_, S> {
     }
 
     /// `NBD_OPT_GO` for `export`, asking for its size and flags and its block sizes
-    /// (which commits ublkd to honour them, as the data path will).
-    fn go(&mut self, export: &str) -> Result<(u64, u16, Option<BlockSizes>), NbdError> {
+    /// (which commits ublkd to honour them, as the data path will). `None` if the server
+    /// does not support the option.
+    fn go(&mut self, export: &str) -> Result<Option<Chosen>, NbdError> {
         const STEP: &str = "asking for the export (NBD_OPT_GO)";
         let name = export.as_bytes();
-        if name.len() > MAX_STRING_BYTES {
-            return Err(NbdError::Protocol {
-                problem: format!("export name of {} bytes is too long", name.len()),
-            });
-        }
         let mut data = Vec::with_capacity(4 + name.len() + 6);
         data.extend_from_slice(&(name.len() as u32).to_be_bytes());
         data.extend_from_slice(name);
@@ -229,7 +292,7 @@ impl<S: Read + Write> Client<'_, S> {
                                 .into(),
                         });
                     };
-                    return Ok((size, flags, block_sizes));
+                    return Ok(Some((size, flags, block_sizes)));
                 }
                 REP_ERR_UNKNOWN => {
                     return Err(NbdError::UnknownExport {
@@ -243,7 +306,10 @@ impl<S: Read + Write> Client<'_, S> {
                 REP_ERR_SHUTDOWN => {
                     return Err(NbdError::ShuttingDown { message: message(&reply.data) });
                 }
-                REP_ERR_UNSUP => return Err(NbdError::GoUnsupported),
+                // Only before an NBD_REP_INFO: a server that sent one knows the option.
+                REP_ERR_UNSUP if export_info.is_none() && block_sizes.is_none() => {
+                    return Ok(None);
+                }
                 kind if kind & REP_FLAG_ERROR != 0 => {
                     return Err(NbdError::Refused {
                         option: "NBD_OPT_GO",

@@ -150,7 +150,15 @@ fn each_misbehaviour_gets_its_own_message() {
         (vec![garbage], "does not start with NBDMAGIC: it is not an NBD server"),
         (vec![oldstyle], "oldstyle servers are not supported"),
         (vec![NBDMAGIC.to_be_bytes().to_vec(), vec![7; 8]], "neither IHAVEOPT"),
-        (vec![greeting(0)], "does not offer fixed newstyle"),
+        (
+            vec![greeting(0)],
+            "closed the connection when asked for the export \"disk\" with NBD_OPT_EXPORT_NAME \
+             (it has no NBD_OPT_GO, so it cannot say why)",
+        ),
+        (
+            vec![greeting(0), (1u64 << 20).to_be_bytes().to_vec(), RW.to_be_bytes().to_vec()],
+            "closed the connection while choosing the export (NBD_OPT_EXPORT_NAME)",
+        ),
         (vec![greeting(BOTH)], "closed the connection while asking for structured replies"),
         (vec![greeting(BOTH), sr_ack()], "closed the connection while asking for the export"),
         (vec![greeting(BOTH), vec![1; 20]], "not the reply magic"),
@@ -175,8 +183,13 @@ fn each_misbehaviour_gets_its_own_message() {
         ),
         (vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_INFO, &[0])], "has no information type"),
         (
-            vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_UNSUP, &[])],
-            "does not support NBD_OPT_GO",
+            vec![
+                greeting(BOTH),
+                sr_ack(),
+                info_export(4096, RW),
+                reply(OPT_GO, REP_ERR_UNSUP, &[]),
+            ],
+            "refused NBD_OPT_GO with NBD_REP_ERR_UNSUP",
         ),
         (
             vec![greeting(BOTH), sr_ack(), reply(OPT_GO, REP_ERR_POLICY, b"go away")],
@@ -222,4 +235,61 @@ fn each_misbehaviour_gets_its_own_message() {
         let message = error(&parts);
         assert!(message.contains(part), "{part:?} not in {message:?}");
     }
+}
+
+/// The option `NBD_OPT_EXPORT_NAME` with "disk", as the client sends it.
+fn export_name_option() -> Vec<u8> {
+    [
+        IHAVEOPT.to_be_bytes().as_slice(),
+        &OPT_EXPORT_NAME.to_be_bytes(),
+        &4u32.to_be_bytes(),
+        b"disk",
+    ]
+    .concat()
+}
+
+/// The reply to `NBD_OPT_EXPORT_NAME`: size, flags and, unless agreed away, 124 zeroes.
+fn export_name_reply(size: u64, flags: u16, zeroes: bool) -> Vec<u8> {
+    let mut out = size.to_be_bytes().to_vec();
+    out.extend_from_slice(&flags.to_be_bytes());
+    if zeroes {
+        out.extend_from_slice(&[0; EXPORT_NAME_ZEROES]);
+    }
+    out
+}
+
+#[test]
+fn a_server_without_fixed_newstyle_is_asked_only_nbd_opt_export_name() {
+    let (result, sent) = run(&[greeting(0), export_name_reply(1 << 30, RW, true)]);
+    let info = result.unwrap();
+    assert_eq!((info.size, info.transmission_flags), (1 << 30, RW));
+    assert!(info.export_name_option && !info.structured_replies && info.block_sizes.is_none());
+    // No client flag it did not offer, then the option and nothing else.
+    assert_eq!(sent, [0u32.to_be_bytes().as_slice(), &export_name_option()].concat());
+    assert!(info.to_string().contains("chosen with NBD_OPT_EXPORT_NAME"), "{info}");
+}
+
+#[test]
+fn a_fixed_newstyle_server_without_nbd_opt_go_gets_nbd_opt_export_name_after_it() {
+    // With NO_ZEROES agreed, no zeroes follow; structured replies agreed before hold.
+    let (result, sent) = run(&[
+        greeting(BOTH),
+        sr_ack(),
+        reply(OPT_GO, REP_ERR_UNSUP, b"unknown option"),
+        export_name_reply(1 << 20, RW | FLAG_READ_ONLY, false),
+    ]);
+    let info = result.unwrap();
+    assert_eq!(info.size, 1 << 20);
+    assert!(info.read_only() && info.structured_replies && info.export_name_option);
+    assert!(sent.ends_with(&export_name_option()), "NBD_OPT_EXPORT_NAME not sent last");
+    // A server that offered no NO_ZEROES sends the zeroes, and they are read: the
+    // stream ends right after them, so a short read would be an error.
+    let (result, _) = run(&[
+        greeting(FLAG_FIXED_NEWSTYLE),
+        reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]),
+        reply(OPT_GO, REP_ERR_UNSUP, &[]),
+        export_name_reply(4096, RW, true),
+    ]);
+    let info = result.unwrap();
+    assert!(info.export_name_option && !info.structured_replies);
 }

@@ -101,12 +101,22 @@ pub enum NbdError {
          of nbdkit, qemu-nbd and nbd-server"
     )]
     Oldstyle,
-    /// The peer speaks newstyle but not fixed newstyle.
+    /// The peer speaks newstyle but not fixed newstyle, and TLS was asked for.
     #[error(
-        "the server does not offer fixed newstyle negotiation, which ublkd needs to learn \
-         the export's block sizes and to get errors back"
+        "the server does not offer fixed newstyle negotiation, without which it cannot \
+         start TLS; use nbd:// if the export is meant to be reached without TLS"
     )]
     NotFixedNewstyle,
+    /// The server closed the connection on `NBD_OPT_EXPORT_NAME`.
+    #[error(
+        "the server closed the connection when asked for the export {export:?} with \
+         NBD_OPT_EXPORT_NAME (it has no NBD_OPT_GO, so it cannot say why): it has no such \
+         export, or it refuses this client"
+    )]
+    ExportNameRefused {
+        /// The name ublkd asked for.
+        export: String,
+    },
     /// `NBD_REP_ERR_UNKNOWN`.
     #[error("the server has no export named {export:?}{}", suffix(message))]
     UnknownExport {
@@ -176,12 +186,6 @@ pub enum NbdError {
         /// The server's message, if any.
         message: String,
     },
-    /// `NBD_REP_ERR_UNSUP` to `NBD_OPT_GO`.
-    #[error(
-        "the server does not support NBD_OPT_GO, which ublkd needs to learn the export's \
-         block sizes; upgrade the server"
-    )]
-    GoUnsupported,
     /// Another error reply.
     #[error("the server refused {option} with {reply}{}", suffix(message))]
     Refused {
@@ -231,7 +235,6 @@ impl NbdError {
                 | Self::TlsRequired { .. }
                 | Self::NoTls { .. }
                 | Self::ShuttingDown { .. }
-                | Self::GoUnsupported
                 | Self::Refused { .. }
         )
     }
@@ -265,6 +268,8 @@ pub struct ExportInfo {
     pub structured_replies: bool,
     /// The connection is TLS (`nbds://`), carried by the kernel's TLS once negotiated.
     pub tls: bool,
+    /// The export was chosen with `NBD_OPT_EXPORT_NAME`: the server has no `NBD_OPT_GO`.
+    pub export_name_option: bool,
 }
 
 impl ExportInfo {
@@ -329,6 +334,7 @@ impl fmt::Display for ExportInfo {
             (self.rotational(), "rotational"),
             (self.structured_replies, "structured replies"),
             (self.tls, "TLS 1.2 in the kernel"),
+            (self.export_name_option, "chosen with NBD_OPT_EXPORT_NAME (no NBD_OPT_GO)"),
         ] {
             if on {
                 write!(f, ", {name}")?;
@@ -345,10 +351,10 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo),
     let deadline = Instant::now() + timeout;
     let stream = open(&uri.transport, deadline)?;
     let mut timed = Timed { stream: &stream, deadline };
-    handshake::greet(&mut timed, timeout)?;
+    let greeting = handshake::greet(&mut timed, timeout)?;
     let info = match &uri.tls {
         None => {
-            let info = handshake::choose_export(&mut timed, &uri.export, timeout)?;
+            let info = handshake::choose_export(&mut timed, greeting, &uri.export, timeout)?;
             if let Err(error) = fits_kernel(&info) {
                 let _ = timed.write_all(&disconnect_request());
                 return Err(error);
@@ -360,13 +366,16 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo),
                 // NbdUri refuses nbds+unix: the kernel's TLS is TCP's alone.
                 return Err(NbdError::TlsSetup { problem: "TLS needs a TCP connection".into() });
             };
+            if !greeting.fixed_newstyle {
+                return Err(NbdError::NotFixedNewstyle);
+            }
             let mut session = tls::client(settings, host)?;
             handshake::start_tls(&mut timed, timeout)?;
             tls::handshake(&mut session, &mut timed, timeout)?;
             let mut private = rustls::Stream::new(&mut session, &mut timed);
             let info = ExportInfo {
                 tls: true,
-                ..handshake::choose_export(&mut private, &uri.export, timeout)?
+                ..handshake::choose_export(&mut private, greeting, &uri.export, timeout)?
             };
             // The kernel's TLS is turned on before the keys leave rustls, so that a
             // kernel without it still gets the server a proper goodbye.
@@ -642,6 +651,7 @@ mod tests {
             block_sizes: min.map(|min| BlockSizes { min, preferred: 4096, max: u32::MAX }),
             structured_replies: false,
             tls: false,
+            export_name_option: false,
         }
     }
 

@@ -47,6 +47,10 @@ pub const FLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 pub const FLAG_CAN_MULTI_CONN: u16 = 1 << 8;
 
 // "Option types".
+/// Choose the export and enter transmission, with no way for the server to say why it
+/// refuses (it closes the connection): the only option a server without fixed newstyle
+/// knows, and ublkd's fallback where `NBD_OPT_GO` is unsupported.
+pub const OPT_EXPORT_NAME: u32 = 1;
 /// Abort the negotiation (the client's soft disconnect during option haggling).
 pub const OPT_ABORT: u32 = 2;
 /// Upgrade the connection to TLS; options continue inside it.
@@ -104,6 +108,10 @@ pub const BLOCK_SIZE_UNLIMITED: u32 = u32::MAX;
 // "Conventions": strings (export names, error messages) are at most 4096 bytes.
 /// The longest string the protocol allows.
 pub const MAX_STRING_BYTES: usize = 4096;
+
+/// The zeroes a server sends after its reply to `NBD_OPT_EXPORT_NAME`, unless both sides
+/// agreed `NBD_FLAG_NO_ZEROES`.
+pub const EXPORT_NAME_ZEROES: usize = 124;
 
 /// The name of an option reply type, for messages.
 pub fn reply_name(reply: u32) -> String {
