@@ -417,6 +417,43 @@ fn a_missing_server_is_named_and_makes_no_device() {
     ublkd.stop();
 }
 
+/// Writes `chunks` 0 and 1 on either side of a worker kill, then stops `server` with
+/// nothing in flight: the next write (chunk 2) finds the connection broken, its worker
+/// ends, and the write must wait, not fail, until `restart` brings a server back.
+/// Returns the new server, with the device recovered twice.
+fn written_across_a_worker_kill_and_a_server_restart(
+    ublkd: &Ublkd,
+    id: u32,
+    chunks: &[(u64, Vec<u8>)],
+    server: Server,
+    restart: impl FnOnce() -> Server,
+) -> Server {
+    let node = block_dev(id);
+    write_at(&node, chunks[0].0, &chunks[0].1);
+    assert!(signal(ublkd.worker_pid(id), libc::SIGKILL));
+    wait_recovered(ublkd, id, 1);
+    write_at(&node, chunks[1].0, &chunks[1].1);
+    drop(server);
+    let writer = {
+        let (node, (offset, data)) = (node.clone(), chunks[2].clone());
+        std::thread::spawn(move || write_at(&node, offset, &data))
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!writer.is_finished(), "a write completed while the server was down");
+    let server = restart();
+    writer.join().expect("the write held across the server's restart failed");
+    wait_recovered(ublkd, id, 2);
+    server
+}
+
+/// Every chunk is in the server's `image` at its offset.
+fn assert_chunks_stored(image: &Path, chunks: &[(u64, Vec<u8>)]) {
+    for (i, (offset, data)) in chunks.iter().enumerate() {
+        let stored = read_at(image, *offset, data.len());
+        assert!(stored == *data, "chunk {i} at {offset} is not in the server's file");
+    }
+}
+
 /// qemu-nbd, one client at a time, on a raw file: what is written through the device
 /// is in the file. Its worker is killed (the next connection must wait for qemu-nbd to
 /// let the dead one go), then qemu-nbd itself is killed while a write waits and started
@@ -436,23 +473,10 @@ fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_rest
     let chunks: Vec<(u64, Vec<u8>)> =
         (0..4).map(|i| (i * 8 * MIB + 4096 * i, pattern(100 + i, MIB as usize))).collect();
 
-    write_at(&node, chunks[0].0, &chunks[0].1);
-    assert!(signal(ublkd.worker_pid(id), libc::SIGKILL));
-    wait_recovered(&ublkd, id, 1);
-    write_at(&node, chunks[1].0, &chunks[1].1);
-
-    // The server goes away with nothing in flight; the next write finds the connection
-    // broken, its worker ends, and the write waits for the server to come back.
-    drop(server);
-    let writer = {
-        let (node, (offset, data)) = (node.clone(), chunks[2].clone());
-        std::thread::spawn(move || write_at(&node, offset, &data))
-    };
-    std::thread::sleep(Duration::from_secs(2));
-    assert!(!writer.is_finished(), "a write completed while the server was down");
-    let server = Server::qemu_nbd(&socket, &raw, "raw");
-    writer.join().expect("the write held across the server's restart failed");
-    wait_recovered(&ublkd, id, 2);
+    let server =
+        written_across_a_worker_kill_and_a_server_restart(&ublkd, id, &chunks, server, || {
+            Server::qemu_nbd(&socket, &raw, "raw")
+        });
     // ublkd itself restarts (SIGTERM, as systemd's restart): the worker serves on, its
     // connection with it, and the next ublkd takes it over (its record names the export).
     let serving = ublkd.worker_pid(id);
@@ -491,10 +515,7 @@ fn a_qemu_nbd_file_holds_what_was_written_across_a_worker_kill_and_a_server_rest
     // Everything reached qemu-nbd's file (--cache=none, and the device is gone).
     ublkd.del(id);
     drop(server);
-    for (i, (offset, data)) in chunks.iter().enumerate() {
-        let stored = read_at(&raw, *offset, data.len());
-        assert!(stored == *data, "chunk {i} at {offset} is not in the server's file");
-    }
+    assert_chunks_stored(&raw, &chunks);
     ublkd.stop();
     let _ = std::fs::remove_file(&raw);
 }
@@ -513,24 +534,13 @@ fn a_server_without_nbd_opt_go_is_served_and_reconnected_with_nbd_opt_export_nam
     let server = Server::nbdkit(Listen::Unix(SOCKET), &file, Offer::NoFixedNewstyle);
     let ublkd = Ublkd::start("nbd-plain");
     let id = ublkd.add(&["-t", "nbd", "--uri", &server.uri]);
-    let node = block_dev(id);
     let chunks: Vec<(u64, Vec<u8>)> =
         (0..3).map(|i| (i * 4 * MIB + 4096 * i, pattern(200 + i, 256 * 1024))).collect();
 
-    write_at(&node, chunks[0].0, &chunks[0].1);
-    assert!(signal(ublkd.worker_pid(id), libc::SIGKILL));
-    wait_recovered(&ublkd, id, 1);
-    write_at(&node, chunks[1].0, &chunks[1].1);
-    drop(server);
-    let writer = {
-        let (node, (offset, data)) = (node.clone(), chunks[2].clone());
-        std::thread::spawn(move || write_at(&node, offset, &data))
-    };
-    std::thread::sleep(Duration::from_secs(2));
-    assert!(!writer.is_finished(), "a write completed while the server was down");
-    let server = Server::nbdkit(Listen::Unix(SOCKET), &file, Offer::NoFixedNewstyle);
-    writer.join().expect("the write held across the server's restart failed");
-    wait_recovered(&ublkd, id, 2);
+    let server =
+        written_across_a_worker_kill_and_a_server_restart(&ublkd, id, &chunks, server, || {
+            Server::nbdkit(Listen::Unix(SOCKET), &file, Offer::NoFixedNewstyle)
+        });
 
     let dev = ublkd.status_of(id);
     assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
@@ -541,10 +551,7 @@ fn a_server_without_nbd_opt_go_is_served_and_reconnected_with_nbd_opt_export_nam
     assert!(export.contains("no block sizes advertised"), "{export}");
     ublkd.del(id);
     drop(server);
-    for (i, (offset, data)) in chunks.iter().enumerate() {
-        let stored = read_at(&file, *offset, data.len());
-        assert!(stored == *data, "chunk {i} at {offset} is not in the server's file");
-    }
+    assert_chunks_stored(&file, &chunks);
     ublkd.stop();
     let _ = std::fs::remove_file(&file);
 }
