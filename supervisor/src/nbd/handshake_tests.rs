@@ -70,9 +70,18 @@ const BOTH: u16 = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
 const RW: u16 = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA;
 
 fn run(parts: &[Vec<u8>]) -> (Result<ExportInfo, NbdError>, Vec<u8>) {
-    let mut server = Scripted { input: Cursor::new(parts.concat()), sent: Vec::new() };
+    let (result, sent, _) = run_counting_unread(parts);
+    (result, sent)
+}
+
+/// [`run`], also giving how many of the server's bytes the client left unread: a
+/// handshake that succeeds must end exactly where the server's part of it ends.
+fn run_counting_unread(parts: &[Vec<u8>]) -> (Result<ExportInfo, NbdError>, Vec<u8>, u64) {
+    let input = parts.concat();
+    let mut server = Scripted { input: Cursor::new(input), sent: Vec::new() };
     let result = negotiate(&mut server, "disk", Duration::from_secs(1));
-    (result, server.sent)
+    let unread = server.input.get_ref().len() as u64 - server.input.position();
+    (result, server.sent, unread)
 }
 
 fn error(parts: &[Vec<u8>]) -> String {
@@ -260,8 +269,10 @@ fn export_name_reply(size: u64, flags: u16, zeroes: bool) -> Vec<u8> {
 
 #[test]
 fn a_server_without_fixed_newstyle_is_asked_only_nbd_opt_export_name() {
-    let (result, sent) = run(&[greeting(0), export_name_reply(1 << 30, RW, true)]);
+    let (result, sent, unread) =
+        run_counting_unread(&[greeting(0), export_name_reply(1 << 30, RW, true)]);
     let info = result.unwrap();
+    assert_eq!(unread, 0, "the 124 zeroes were not read");
     assert_eq!((info.size, info.transmission_flags), (1 << 30, RW));
     assert!(info.export_name_option && !info.structured_replies && info.block_sizes.is_none());
     // No client flag it did not offer, then the option and nothing else.
@@ -282,14 +293,15 @@ fn a_fixed_newstyle_server_without_nbd_opt_go_gets_nbd_opt_export_name_after_it(
     assert_eq!(info.size, 1 << 20);
     assert!(info.read_only() && info.structured_replies && info.export_name_option);
     assert!(sent.ends_with(&export_name_option()), "NBD_OPT_EXPORT_NAME not sent last");
-    // A server that offered no NO_ZEROES sends the zeroes, and they are read: the
-    // stream ends right after them, so a short read would be an error.
-    let (result, _) = run(&[
+    // A server that offered no NO_ZEROES sends the zeroes, and they are read, all of
+    // them and nothing after.
+    let (result, _, unread) = run_counting_unread(&[
         greeting(FLAG_FIXED_NEWSTYLE),
         reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]),
         reply(OPT_GO, REP_ERR_UNSUP, &[]),
         export_name_reply(4096, RW, true),
     ]);
     let info = result.unwrap();
+    assert_eq!(unread, 0, "the 124 zeroes were not read");
     assert!(info.export_name_option && !info.structured_replies);
 }
