@@ -44,6 +44,10 @@ pub enum MsgError {
     Truncated,
     #[error("a message carried {got} file descriptors, expected {want}")]
     FdCount { got: usize, want: usize },
+    /// Only from the `try_` functions: the peer has not taken the packets already
+    /// queued to it (sending), or nothing is there (receiving).
+    #[error("the socket's queue is full, or empty: the call would have blocked")]
+    WouldBlock,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -342,11 +346,33 @@ pub fn untrusted_text_within(text: &str, max: usize) -> String {
     out
 }
 
-/// Sends one message (one packet) with `fds` attached.
+/// Sends one message (one packet) with `fds` attached, waiting for room if the peer's
+/// queue is full. For the worker, whose one peer is its supervisor.
 pub fn send_packet<T: Serialize>(
     sock: BorrowedFd<'_>,
     msg: &T,
     fds: &[BorrowedFd<'_>],
+) -> Result<(), MsgError> {
+    send_with(sock, msg, fds, MsgFlags::MSG_NOSIGNAL)
+}
+
+/// [`send_packet`] that never waits: [`MsgError::WouldBlock`] if the peer's queue is
+/// full. For the supervisor, which must not be held by a worker that stops reading.
+/// `MSG_DONTWAIT` per call, not `O_NONBLOCK`: the file status flags are shared with
+/// every copy of the socket, and a copy the peer holds could clear them.
+pub fn try_send_packet<T: Serialize>(
+    sock: BorrowedFd<'_>,
+    msg: &T,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), MsgError> {
+    send_with(sock, msg, fds, MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT)
+}
+
+fn send_with<T: Serialize>(
+    sock: BorrowedFd<'_>,
+    msg: &T,
+    fds: &[BorrowedFd<'_>],
+    flags: MsgFlags,
 ) -> Result<(), MsgError> {
     let bytes = codec::encode(msg)?;
     let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
@@ -354,10 +380,11 @@ pub fn send_packet<T: Serialize>(
         if raw.is_empty() { Vec::new() } else { vec![ControlMessage::ScmRights(&raw)] };
     let iov = [IoSlice::new(&bytes)];
     loop {
-        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+        match sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, flags, None) {
             Ok(n) if n == bytes.len() => return Ok(()),
             Ok(_) => return Err(MsgError::Truncated),
             Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) => return Err(MsgError::WouldBlock),
             Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => {
                 return Err(MsgError::Closed);
             }
@@ -366,20 +393,31 @@ pub fn send_packet<T: Serialize>(
     }
 }
 
-/// Receives one message (one packet) and the fds attached to it (closed on error).
+/// Receives one message (one packet) and the fds attached to it (closed on error),
+/// waiting for one.
 pub fn recv_packet<T: serde::de::DeserializeOwned>(
     sock: BorrowedFd<'_>,
+) -> Result<(T, Vec<OwnedFd>), MsgError> {
+    recv_with(sock, MsgFlags::MSG_CMSG_CLOEXEC)
+}
+
+/// [`recv_packet`] that never waits: [`MsgError::WouldBlock`] if nothing is queued
+/// (also after a poll said there was: another holder of the socket may have taken it).
+pub fn try_recv_packet<T: serde::de::DeserializeOwned>(
+    sock: BorrowedFd<'_>,
+) -> Result<(T, Vec<OwnedFd>), MsgError> {
+    recv_with(sock, MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT)
+}
+
+fn recv_with<T: serde::de::DeserializeOwned>(
+    sock: BorrowedFd<'_>,
+    flags: MsgFlags,
 ) -> Result<(T, Vec<OwnedFd>), MsgError> {
     let mut buf = vec![0u8; MAX_MESSAGE_BYTES];
     let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS]);
     let (len, fds, truncated) = loop {
         let mut iov = [IoSliceMut::new(&mut buf)];
-        match recvmsg::<()>(
-            sock.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg_space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        ) {
+        match recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg_space), flags) {
             Ok(r) => {
                 let mut fds = Vec::new();
                 for c in r.cmsgs().map_err(|e| MsgError::Io(e.into()))? {
@@ -395,6 +433,7 @@ pub fn recv_packet<T: serde::de::DeserializeOwned>(
                 break (r.bytes, fds, truncated);
             }
             Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) => return Err(MsgError::WouldBlock),
             Err(e) => return Err(MsgError::Io(e.into())),
         }
     };
@@ -643,6 +682,28 @@ mod tests {
         let (a, b) = seqpacket_pair();
         drop(a);
         assert!(matches!(recv_packet::<FromWorker>(b.as_fd()), Err(MsgError::Closed)));
+    }
+
+    #[test]
+    fn a_peer_that_stops_reading_cannot_make_the_try_calls_wait() {
+        let (ours, theirs) = seqpacket_pair();
+        // The peer clears O_NONBLOCK on the description both ends share (as a worker
+        // holding a copy of ours could); the try calls must not care.
+        // SAFETY: F_SETFL on an fd this test owns, for the call.
+        assert_eq!(unsafe { libc::fcntl(ours.as_raw_fd(), libc::F_SETFL, 0) }, 0);
+        assert!(matches!(try_recv_packet::<ToWorker>(ours.as_fd()), Err(MsgError::WouldBlock)));
+        let mut sent = 0;
+        let full = loop {
+            match try_send_packet(ours.as_fd(), &ToWorker::Shutdown, &[]) {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(sent < 100_000, "the queue never filled");
+        };
+        assert!(matches!(full, MsgError::WouldBlock), "{full}");
+        assert!(sent > 0);
+        let (got, _) = recv_packet::<ToWorker>(theirs.as_fd()).unwrap();
+        assert_eq!(got, ToWorker::Shutdown);
     }
 
     #[test]

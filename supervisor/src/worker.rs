@@ -92,6 +92,11 @@ pub enum WorkerError {
     Pipe(#[source] io::Error),
     #[error("cannot take over worker {pid}: {what}")]
     Attach { pid: u32, what: String },
+    #[error(
+        "worker {pid} does not take ublkd's messages (its control socket's queue is full): \
+         killed it"
+    )]
+    NotReading { pid: u32 },
 }
 
 /// Who a sandboxed worker runs as.
@@ -145,6 +150,10 @@ pub struct Worker {
     /// The target it was set up for (`Null` until its setup is sent, and for a worker
     /// taken over): which fds its activation carries.
     target: TargetSetup,
+    /// Whether ublkd copies the worker's rings to release its device at once when it
+    /// dies (its setup's `fast_release`): ublkd's decision, which a worker naming rings
+    /// it was not asked for cannot change.
+    fast_release: bool,
 }
 
 impl Worker {
@@ -241,6 +250,7 @@ impl Worker {
             rings: Vec::new(),
             stderr_end: None,
             target: TargetSetup::Null,
+            fast_release: false,
         };
         if let (Some(relay), Some(read)) = (relay, stderr_read) {
             worker.stderr_copy = read.try_clone().ok();
@@ -285,15 +295,35 @@ impl Worker {
         fds: &[BorrowedFd<'_>],
     ) -> Result<(), WorkerError> {
         self.target = setup.target;
-        match msg::send_packet(self.control(), &ToWorker::Setup(setup.clone()), fds) {
+        self.fast_release = setup.fast_release;
+        match self.send(&ToWorker::Setup(setup.clone()), fds) {
             Ok(()) => Ok(()),
+            Err(e @ WorkerError::NotReading { .. }) => Err(e),
             // A worker that could not set its sandbox up said why before it ended.
             Err(source) => match self.receive(Duration::from_millis(100)) {
                 Ok((FromWorker::Failed { reason }, _)) => {
                     Err(WorkerError::Failed { pid: self.pid(), reason })
                 }
-                _ => Err(WorkerError::Send(source)),
+                _ => Err(source),
             },
+        }
+    }
+
+    /// Sends `message` to the worker without waiting. ublkd never leaves more than
+    /// one message unanswered, so a full queue means the worker stopped reading, or
+    /// stuffed its own queue through a copy of ublkd's end (which a serving worker
+    /// holds): either way it cannot be trusted to serve, and is killed at once, so that
+    /// its death is handled as any other (its device recovered).
+    fn send(&self, message: &ToWorker, fds: &[BorrowedFd<'_>]) -> Result<(), WorkerError> {
+        match msg::try_send_packet(self.control(), message, fds) {
+            Ok(()) => Ok(()),
+            Err(MsgError::WouldBlock) => {
+                self.kill();
+                let error = WorkerError::NotReading { pid: self.pid };
+                tracing::error!(worker_pid = self.pid, event = "worker_not_reading", "{error}");
+                Err(error)
+            }
+            Err(e) => Err(WorkerError::Send(e)),
         }
     }
 
@@ -313,7 +343,7 @@ impl Worker {
                     }
                     report
                 });
-                self.rings = copy_rings(self.pidfd.as_fd(), self.pid(), &rings)?;
+                self.rings = self.copy_rings(&rings)?;
                 self.see_sandbox();
                 Ok(())
             }
@@ -337,6 +367,16 @@ impl Worker {
             // without this; START_USER_RECOVERY keeps retrying until it is done.
             tracing::debug!(worker_pid = self.pid(), refused, "rings kept their files");
         }
+    }
+
+    /// Copies the rings the worker named, where ublkd asked for them; naming rings
+    /// otherwise breaks the protocol.
+    fn copy_rings(&self, named: &[i32]) -> Result<Vec<OwnedFd>, WorkerError> {
+        if !self.fast_release && !named.is_empty() {
+            let what = format!("named {} rings, which ublkd did not ask for", named.len());
+            return Err(WorkerError::Protocol { pid: self.pid, what });
+        }
+        copy_rings(self.pidfd.as_fd(), self.pid, named)
     }
 
     /// Whether the worker has something to say (a message, or its end) right now.
@@ -370,8 +410,7 @@ impl Worker {
         let fixed = fds.len();
         fds.push(self.control.as_fd());
         fds.extend(self.stderr_copy.as_ref().map(AsFd::as_fd));
-        msg::send_packet(self.control(), &ToWorker::Activate { generation }, &fds)
-            .map_err(WorkerError::Send)?;
+        self.send(&ToWorker::Activate { generation }, &fds)?;
         let sent_held = fds.len() - fixed;
         // The worker has its own copy now.
         self.stderr_copy = None;
@@ -406,23 +445,31 @@ impl Worker {
     fn receive(&mut self, timeout: Duration) -> Result<(FromWorker, Vec<OwnedFd>), WorkerError> {
         let pid = self.pid();
         let deadline = Instant::now() + timeout;
-        loop {
+        let received = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(WorkerError::Timeout { pid, secs: timeout.as_secs() });
             }
             let mut pfd = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
-            if poll(&mut pfd, poll_timeout(left)).is_ok_and(|n| n > 0) {
-                break;
+            if poll(&mut pfd, poll_timeout(left)).is_ok_and(|n| n == 0) {
+                continue;
             }
-        }
-        let mut received = msg::recv_packet::<FromWorker>(self.control());
-        // A worker that ends with our message unread (one whose sandbox failed ends
-        // before it reads its setup) resets the connection, which the kernel reports
-        // once, before the packets the worker sent first: its Failed among them.
-        if matches!(&received, Err(MsgError::Io(e)) if e.raw_os_error() == Some(libc::ECONNRESET)) {
-            received = msg::recv_packet::<FromWorker>(self.control());
-        }
+            // Never a blocking read: a serving worker holds a copy of this end, and
+            // may have taken the packet the poll saw.
+            let mut received = msg::try_recv_packet::<FromWorker>(self.control());
+            // A worker that ends with our message unread (one whose sandbox failed ends
+            // before it reads its setup) resets the connection, which the kernel
+            // reports once, before the packets the worker sent first: its Failed among
+            // them.
+            if matches!(&received, Err(MsgError::Io(e)) if e.raw_os_error() == Some(libc::ECONNRESET))
+            {
+                received = msg::try_recv_packet::<FromWorker>(self.control());
+            }
+            match received {
+                Err(MsgError::WouldBlock) => continue,
+                received => break received,
+            }
+        };
         match received {
             Ok(got) => Ok(got),
             Err(MsgError::Closed) => {
@@ -436,7 +483,8 @@ impl Worker {
     /// Asks the worker to exit, without waiting: [`Self::finish`] waits, so that the
     /// workers asked together exit side by side.
     pub fn ask_to_exit(&self) {
-        let _ = msg::send_packet(self.control(), &ToWorker::Shutdown, &[]);
+        // One that does not take the message is killed ([`Self::send`]).
+        let _ = self.send(&ToWorker::Shutdown, &[]);
     }
 
     /// After [`Self::ask_to_exit`]: waits up to `grace` for the worker to exit, then kills
@@ -478,7 +526,7 @@ impl Worker {
     }
 
     /// Sends SIGKILL (the worker is then reaped through its pidfd like any death).
-    pub fn kill(&mut self) {
+    pub fn kill(&self) {
         let _ = pidfd_kill(self.pidfd.as_fd());
     }
 

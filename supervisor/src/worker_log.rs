@@ -214,7 +214,7 @@ impl Pipe {
         let mut buf = [0u8; 8192];
         let mut budget = READ_BUDGET;
         let open = loop {
-            let n = match nix::unistd::read(&self.fd, &mut buf) {
+            let n = match read_nowait(&self.fd, &mut buf) {
                 Ok(n) => n,
                 Err(Errno::EINTR) => continue,
                 Err(Errno::EAGAIN) => break true,
@@ -363,6 +363,22 @@ impl Bucket {
     }
 }
 
+/// Reads without waiting, whatever the pipe's O_NONBLOCK says: that flag belongs to
+/// the pipe's open file, which a serving worker shares (it holds a copy of this read
+/// end) and may clear, then drain the pipe between epoll's word and this read, to
+/// block the relay and with it every other worker's stderr. RWF_NOWAIT is the call's
+/// own; a kernel whose pipes lack it (EOPNOTSUPP, before 5.x) gets the plain read.
+fn read_nowait(fd: &OwnedFd, buf: &mut [u8]) -> nix::Result<usize> {
+    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: `iov` describes `buf`, writable and alive for the call; offset -1 reads
+    // at the file's position, as read does (a pipe has none).
+    let n = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+    match Errno::result(n) {
+        Err(Errno::EOPNOTSUPP) => nix::unistd::read(fd, buf),
+        other => other.map(|n| n as usize),
+    }
+}
+
 fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
     use nix::fcntl::{FcntlArg, OFlag, fcntl};
     let flags = OFlag::from_bits_retain(fcntl(fd, FcntlArg::F_GETFL)?);
@@ -373,6 +389,21 @@ fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_pipe_whose_nonblocking_flag_was_cleared_does_not_hold_the_relay() {
+        let (read, write) = nix::unistd::pipe().unwrap();
+        set_nonblocking(&read).unwrap();
+        // What a worker holding a copy of the read end can do to the shared flags.
+        nix::fcntl::fcntl(&read, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()))
+            .unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(read_nowait(&read, &mut buf), Err(Errno::EAGAIN));
+        nix::unistd::write(&write, b"line\n").unwrap();
+        assert_eq!(read_nowait(&read, &mut buf), Ok(5));
+        drop(write);
+        assert_eq!(read_nowait(&read, &mut buf), Ok(0), "the end is still seen");
+    }
 
     fn split(chunks: &[&[u8]]) -> Vec<(String, usize)> {
         let mut lines = Lines::default();

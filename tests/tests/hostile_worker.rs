@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 
 use common::{
     FioJob, Ublkd, WriteThrottle, assert_fio_clean, block_dev, fio, fio_verify_args, hooked_worker,
-    run_ok, serial, sha256, sparse_file,
+    kernel_devices, run_ok, serial, sha256, sparse_file,
 };
 
 const MIB: u64 = 1 << 20;
@@ -222,5 +222,73 @@ fn a_request_whose_pages_cannot_be_registered_is_reissued_not_failed() {
     assert!(log.contains("could not register the pages"), "{log}");
     assert_eq!(ublkd.status_of(victim)["state"], "LIVE");
     let _ = std::fs::remove_file(&backing);
+    ublkd.stop();
+}
+
+/// A worker that tries to make ublkd wait on it: once serving, it fills its own control
+/// socket's queue through the copy of ublkd's end it holds, fills ublkd's queue, steals
+/// its stderr, and never reads again (`fill-control`), while its queue threads serve on.
+/// ublkd's sends to it must never block: clients are answered meanwhile, the device is
+/// deleted within its stop grace, and a new ublkd takes the other device over (the
+/// worker killed, the device recovered) with its data intact.
+#[test]
+fn a_worker_that_stuffs_its_control_socket_cannot_make_ublkd_wait() {
+    use std::time::{Duration, Instant};
+    let _s = serial();
+    let extra =
+        format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
+    let mut ublkd =
+        Ublkd::start_with("fill-control", &extra, &[("UBLKD_WORKER_ATTACK", "fill-control")]);
+    let kept = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    let deleted = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    let dev = block_dev(kept);
+    run_ok(std::process::Command::new("dd").args([
+        "if=/dev/urandom",
+        &format!("of={}", dev.display()),
+        "bs=1M",
+        "count=16",
+        "oflag=direct",
+    ]));
+    let before = sha256(&dev);
+    ublkd.wait_until("both workers' attacks", || {
+        ublkd.log().matches("attack fill-control: queued").count() == 2
+    });
+    let log = ublkd.log();
+    let line = log.lines().find(|l| l.contains("attack fill-control: queued")).unwrap();
+    assert!(!line.contains("queued 0 packets to itself"), "nothing was stuffed: {line}");
+    for _ in 0..5 {
+        let asked = Instant::now();
+        ublkd.status();
+        let took = asked.elapsed();
+        assert!(took < Duration::from_secs(1), "status took {took:?}:\n{}", ublkd.log());
+    }
+    // `del` sends the worker Shutdown: a send that would block kills it instead.
+    let asked = Instant::now();
+    ublkd.del(deleted);
+    let took = asked.elapsed();
+    const STOP_GRACE: Duration = Duration::from_secs(5);
+    assert!(took < STOP_GRACE + Duration::from_millis(1500), "del took {took:?}:\n{}", ublkd.log());
+    assert!(ublkd.log().contains("does not take ublkd's messages"), "{}", ublkd.log());
+    assert!(!kernel_devices().contains(&deleted), "device {deleted} is still in the kernel");
+    // A new ublkd's takeover sends Attach to the stuffed worker.
+    let signalled = Instant::now();
+    ublkd.signal_and_restart(libc::SIGTERM, || {});
+    loop {
+        let out = ublkd.ctl(&["list"]);
+        let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && listed.contains("state LIVE") {
+            break;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(10),
+            "the device was not LIVE within 10 s of SIGTERM ({listed}):\n{}",
+            ublkd.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let status = ublkd.status_of(kept);
+    assert_eq!(status["state"], "LIVE", "{status}");
+    assert!(status["recoveries"].as_u64() >= Some(1), "the stuffed worker was kept: {status}");
+    assert_eq!(sha256(&dev), before, "the device's data changed");
     ublkd.stop();
 }

@@ -49,6 +49,60 @@ pub const STALL_THREAD: &str = "stall-thread";
 /// with EIO; the worker must end and the device recover with no I/O error.
 pub const DROP_ZERO_COPY_BUFFERS: &str = "drop-zero-copy-buffers";
 
+/// Not a sandbox attack but a worker that tries to make its supervisor wait on it: once
+/// serving, it fills its own control socket's queue through the copy of ublkd's end it
+/// holds (so that ublkd's next send to it would block), fills ublkd's queue through its
+/// own end, steals what its stderr pipe holds, then never reads its control socket
+/// again while its queue threads serve on. ublkd must answer its clients, delete the
+/// device, and take it over after a restart (killing and recovering it) all the same.
+pub const FILL_CONTROL: &str = "fill-control";
+
+/// Makes [`FILL_CONTROL`] on the control thread, which then parks for good.
+pub fn fill_control(control: std::os::fd::RawFd, held: &[std::os::fd::RawFd]) {
+    let into_own = held.first().map_or(0, |&ublkds_end| stuff(ublkds_end));
+    let into_ublkds = stuff(control);
+    let mut stolen = 0;
+    if let Some(&stderr_read) = held.get(1) {
+        let mut buf = [0u8; 4096];
+        // SAFETY: `buf` is writable for its length; the pipe is nonblocking (the relay
+        // made it so), and if it were not, this thread may wait: it parks below anyway.
+        while let n @ 1.. = unsafe { libc::read(stderr_read, buf.as_mut_ptr().cast(), buf.len()) } {
+            stolen += n;
+            if stolen > 1 << 20 {
+                break;
+            }
+        }
+    }
+    say(format!(
+        "attack {FILL_CONTROL}: queued {into_own} packets to itself through ublkd's end and \
+         {into_ublkds} to ublkd, stole {stolen} bytes of its stderr; no longer reading"
+    ));
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Sends 64-byte packets on `fd` without waiting until its peer's queue is full (at
+/// most a million); how many went.
+fn stuff(fd: std::os::fd::RawFd) -> usize {
+    let mut junk = [0xa5u8; 64];
+    let mut sent = 0;
+    while sent < 1_000_000 {
+        let mut iov = libc::iovec { iov_base: junk.as_mut_ptr().cast(), iov_len: junk.len() };
+        // SAFETY: a zeroed msghdr is valid; it then names one iovec over `junk`.
+        let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+        header.msg_iov = &mut iov;
+        header.msg_iovlen = 1;
+        // SAFETY: `header` and what it points to live across the call.
+        let rc = unsafe { libc::sendmsg(fd, &header, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if rc < 0 {
+            break;
+        }
+        sent += 1;
+    }
+    sent
+}
+
 /// Whether the attack applies to device `dev_id`: `UBLKD_WORKER_ATTACK_DEV` limits it
 /// to one device (a test with two devices attacks one and watches the other).
 pub fn targets(dev_id: u32) -> bool {
@@ -256,7 +310,8 @@ pub fn run(name: &str, supervisor: i32) {
         | COMMIT_UNOWNED
         | COMMIT_UNOWNED_BATCH
         | SCRIBBLE_REGION
-        | STALL_THREAD => {}
+        | STALL_THREAD
+        | FILL_CONTROL => {}
         STDERR_FLOOD => {
             // The supervisor's own text format, a device event it never logged, and a
             // carriage return that would hide the line's start on a terminal.

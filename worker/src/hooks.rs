@@ -46,12 +46,17 @@ mod imp {
 
     /// On the control thread once the device `generation` is served (`per_io`: on the
     /// per-I/O path): the first incarnation makes the requested process-level attack.
-    pub fn on_serving(generation: u64, per_io: bool) {
+    /// `control`: the worker's end of its control socket; `held`: the fds it holds for
+    /// its supervisor's successor (ublkd's end of that socket first).
+    pub fn on_serving(generation: u64, per_io: bool, control: RawFd, held: &[RawFd]) {
         if let Some(&(name, supervisor)) = ATTACK.get()
             && generation == 1
         {
             if per_io {
                 std::thread::sleep(PER_IO_SETTLE);
+            }
+            if name == attack::FILL_CONTROL {
+                attack::fill_control(control, held);
             }
             attack::run(name, supervisor);
         }
@@ -150,7 +155,7 @@ mod imp {
     pub fn before_sandbox() {}
 
     #[inline(always)]
-    pub fn on_serving(_generation: u64, _per_io: bool) {}
+    pub fn on_serving(_generation: u64, _per_io: bool, _control: RawFd, _held: &[RawFd]) {}
 
     #[inline(always)]
     pub fn on_thread_start(_dev: &Device, _thread: usize, _ring_fd: RawFd) -> ThreadStart {

@@ -241,7 +241,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
     }
     // From here the control thread listens to the supervisor. `held` stays open in
     // this frame, which never returns, for as long as the worker serves.
-    let _ = running.control_go.send(generation);
+    let _ = running.control_go.send((generation, held.iter().map(AsRawFd::as_raw_fd).collect()));
     let _ = running.end_go.send(());
     // The main thread serves the first plan's queues itself: no thread hand-off on the
     // way from the supervisor's Activate to Ready.

@@ -39,8 +39,9 @@ pub struct ThreadSet {
 pub struct Running {
     pub barrier: Arc<Barrier>,
     pub done: mpsc::Sender<Result<(), LoopError>>,
-    /// Tells the control thread (with the generation) that the device is being served.
-    pub control_go: mpsc::Sender<u64>,
+    /// Tells the control thread (with the generation, and the fds held for a successor)
+    /// that the device is being served.
+    pub control_go: mpsc::Sender<(u64, Vec<RawFd>)>,
     /// Tells the end thread the same.
     pub end_go: mpsc::Sender<()>,
 }
@@ -146,7 +147,7 @@ impl ThreadSet {
                 what: "the worker's end thread".into(),
                 source,
             })?;
-        let (control_go, go) = mpsc::channel::<u64>();
+        let (control_go, go) = mpsc::channel::<(u64, Vec<RawFd>)>();
         let per_io = setup.data_path == msg::DataPath::PerIo;
         let control_raw = control.as_raw_fd();
         let rings = if setup.fast_release { ring_fds.clone() } else { Vec::new() };
@@ -155,8 +156,8 @@ impl ThreadSet {
             .spawn(move || {
                 // A standby that is let go never gets here: the main thread reads the
                 // socket until activation, then hands it over.
-                let Ok(generation) = go.recv() else { return };
-                hooks::on_serving(generation, per_io);
+                let Ok((generation, held)) = go.recv() else { return };
+                hooks::on_serving(generation, per_io, control_raw, &held);
                 // SAFETY: the control socket is owned by `main`'s frame, which never
                 // returns while the worker serves (it parks), so the fd stays open.
                 let control = unsafe { BorrowedFd::borrow_raw(control_raw) };

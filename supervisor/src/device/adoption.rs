@@ -80,7 +80,8 @@ impl Device {
             }
         };
         let attached = if claim.generation == self.generation {
-            Worker::attach(&claim, ATTACH_TIMEOUT).map_err(|e| e.to_string())
+            Worker::attach(&claim, self.fast_release(ctx), ATTACH_TIMEOUT)
+                .map_err(|e| e.to_string())
         } else {
             Err(format!(
                 "worker {} was recorded for generation {}, the region is at {}",

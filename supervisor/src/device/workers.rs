@@ -30,6 +30,16 @@ impl Device {
             || zero_copy(&self.spec)
     }
 
+    /// Whether this device's workers are released at once when they die: decided here
+    /// from the config, the device and the kernel, never from what a worker says (on a
+    /// kernel without the fast path, unregistering a dead worker's ring files waits
+    /// for every request, on ublkd's loop).
+    pub(super) fn fast_release(&self, ctx: &Context) -> bool {
+        ctx.fast_release
+            && self.fast_release_is_safe()
+            && fast_release_supported(DataPath::for_kernel(ctx.kernel_features))
+    }
+
     /// How many connections an nbd device's worker gets: one per queue thread (the
     /// per-I/O path has one per queue at most), up to [`MAX_NBD_CONNECTIONS`], where
     /// the export said it allows several (`NBD_FLAG_CAN_MULTI_CONN`: a flush on one
@@ -77,9 +87,7 @@ impl Device {
                 }
             },
             zero_copy: zero_copy(&self.spec),
-            fast_release: ctx.fast_release
-                && self.fast_release_is_safe()
-                && fast_release_supported(data_path),
+            fast_release: self.fast_release(ctx),
             block_size: self.spec.settings.block_size,
             data_path,
         };

@@ -7,12 +7,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
 use ublkd_config::NbdTransport;
-use ublkd_proto::msg::{
-    self, FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, TargetSetup, ToWorker,
-};
+use ublkd_proto::msg::{FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, TargetSetup, ToWorker};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
-use super::rings::copy_rings;
 use super::{Worker, WorkerError};
 
 impl Worker {
@@ -28,7 +25,13 @@ impl Worker {
     /// out of it, and asks it what it serves. Anything that does not match, from the
     /// process's start time to the worker's answer, is refused: the caller then kills
     /// whatever runs at `pid` if it is that worker, and recovers the device.
-    pub fn attach(claim: &AttachClaim, timeout: Duration) -> Result<Worker, WorkerError> {
+    /// `fast_release`: whether ublkd releases this device's dead workers at once (and so
+    /// copies the worker's rings).
+    pub fn attach(
+        claim: &AttachClaim,
+        fast_release: bool,
+        timeout: Duration,
+    ) -> Result<Worker, WorkerError> {
         let pid = claim.pid;
         let refused = |what: String| WorkerError::Attach { pid, what };
         let pidfd = pidfd_open(pid).map_err(|e| refused(format!("no such process ({e})")))?;
@@ -61,8 +64,9 @@ impl Worker {
             rings: Vec::new(),
             stderr_end: None,
             target: TargetSetup::Null,
+            fast_release,
         };
-        msg::send_packet(worker.control(), &ToWorker::Attach, &[]).map_err(WorkerError::Send)?;
+        worker.send(&ToWorker::Attach, &[])?;
         let deadline = Instant::now() + timeout;
         let (dev_id, generation, rings) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -82,7 +86,7 @@ impl Worker {
                 claim.dev_id, claim.generation
             )));
         }
-        worker.rings = copy_rings(worker.pidfd.as_fd(), pid, &rings)?;
+        worker.rings = worker.copy_rings(&rings)?;
         worker.see_sandbox();
         if let (Some(relay), Some(&stderr_at)) =
             (crate::worker_log::Relay::get(), claim.held.get(1))
@@ -267,7 +271,7 @@ mod tests {
     }
 
     fn attach_error(claim: &AttachClaim) -> String {
-        match Worker::attach(claim, Duration::from_secs(2)) {
+        match Worker::attach(claim, true, Duration::from_secs(2)) {
             Ok(w) => panic!("took over {w:?}"),
             Err(e) => e.to_string(),
         }
@@ -303,9 +307,9 @@ mod tests {
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .unwrap();
         let answerer = std::thread::spawn(move || {
-            let (got, _) = msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
+            let (got, _) = ublkd_proto::msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
             assert_eq!(got, ToWorker::Attach);
-            msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
+            ublkd_proto::msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
         });
         (near, answerer)
     }
@@ -332,7 +336,7 @@ mod tests {
     fn self_taken_over() -> (Worker, OwnedFd) {
         let (near, answerer) =
             answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
-        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), Duration::from_secs(2));
+        let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), true, Duration::from_secs(2));
         answerer.join().unwrap();
         (worker.unwrap(), near)
     }
