@@ -661,6 +661,7 @@ impl Device {
         let how = w.exited()?;
         let backend_lost = w.lost_backend();
         let pid = w.pid();
+        let served_for = w.served_for();
         w.release_device();
         self.worker = None;
         self.worker_restarts += 1;
@@ -670,6 +671,22 @@ impl Device {
             _ => None,
         };
         self.enter(DeviceState::Recovering);
+        if backend_lost
+            && let (Some(link), TargetSpec::Nbd { uri }) = (&mut self.nbd, &self.spec.target)
+            && let Some(wait) = link.backoff.broke(served_for, seen)
+        {
+            tracing::warn!(
+                dev_id = self.id,
+                event = "nbd_breaking",
+                "the NBD server {uri} keeps breaking connections ({} in a row within {} s of \
+                 being served): the next connection waits {} s; the device's I/O is held",
+                link.backoff.quick_breaks(),
+                crate::nbd::backoff::QUICK_BREAK.as_secs(),
+                wait.as_secs()
+            );
+        } else if let Some(link) = &mut self.nbd {
+            link.backoff.broke(None, seen);
+        }
         Some(WorkerDeath { how: format!("worker {pid} {how}"), hang, backend_lost })
     }
 

@@ -66,6 +66,8 @@ pub struct NbdLink {
     /// Copies of the connections the serving worker was given: once it is dead they
     /// are drained ([`nbd::drain`]) before its successor connects.
     pub served: Vec<OwnedFd>,
+    /// When the next connection may be made, after connections that broke quickly.
+    pub backoff: nbd::backoff::Backoff,
 }
 
 impl NbdLink {

@@ -154,6 +154,8 @@ pub struct Worker {
     /// dies (its setup's `fast_release`): ublkd's decision, which a worker naming rings
     /// it was not asked for cannot change.
     fast_release: bool,
+    /// When it answered Ready to its activation (`None`: not activated by this ublkd).
+    activated: Option<Instant>,
 }
 
 impl Worker {
@@ -251,6 +253,7 @@ impl Worker {
             stderr_end: None,
             target: TargetSetup::Null,
             fast_release: false,
+            activated: None,
         };
         if let (Some(relay), Some(read)) = (relay, stderr_read) {
             worker.stderr_copy = read.try_clone().ok();
@@ -379,6 +382,11 @@ impl Worker {
         copy_rings(self.pidfd.as_fd(), self.pid, named)
     }
 
+    /// How long it has served since this ublkd activated it (`None`: it did not).
+    pub fn served_for(&self) -> Option<Duration> {
+        self.activated.map(|at| at.elapsed())
+    }
+
     /// Whether the worker has something to say (a message, or its end) right now.
     pub fn has_answered(&self) -> bool {
         let mut pfd = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
@@ -422,6 +430,7 @@ impl Worker {
                     return Err(WorkerError::Protocol { pid: self.pid, what });
                 }
                 self.held.clone_from(&activation.held);
+                self.activated = Some(Instant::now());
                 Ok(activation)
             }
             (other, _) => self.unexpected("Ready", other),

@@ -788,3 +788,112 @@ fn a_silent_server_holds_up_only_its_own_add() {
     ublkd.del(id);
     ublkd.stop();
 }
+
+/// A TCP proxy in front of an NBD server that, while `breaking`, lets each connection
+/// negotiate and closes it when its first transmission request arrives (a request's
+/// magic starts the client's data): the server whose connections break at once.
+struct BreakingProxy {
+    breaking: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    broken: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    uri: String,
+}
+
+impl BreakingProxy {
+    fn start(port: u16, server_port: u16) -> BreakingProxy {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let breaking = Arc::new(AtomicBool::new(false));
+        let broken = Arc::new(AtomicUsize::new(0));
+        let (b, n) = (Arc::clone(&breaking), Arc::clone(&broken));
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", server_port)) else { continue };
+                let (mut from_server, mut to_client) =
+                    (server.try_clone().unwrap(), client.try_clone().unwrap());
+                std::thread::spawn(move || drop(std::io::copy(&mut from_server, &mut to_client)));
+                let (b, n) = (Arc::clone(&b), Arc::clone(&n));
+                std::thread::spawn(move || {
+                    let (mut client, mut server) = (client, server);
+                    let mut buf = vec![0u8; 1 << 20];
+                    loop {
+                        let len = match client.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(len) => len,
+                        };
+                        if b.load(Ordering::SeqCst)
+                            && buf[..len].starts_with(&[0x25, 0x60, 0x95, 0x13])
+                        {
+                            n.fetch_add(1, Ordering::SeqCst);
+                            break;
+                        }
+                        if server.write_all(&buf[..len]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = client.shutdown(Shutdown::Both);
+                    let _ = server.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        BreakingProxy { breaking, broken, uri: format!("nbd://127.0.0.1:{port}") }
+    }
+
+    fn set_breaking(&self, on: bool) {
+        self.breaking.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn broken(&self) -> usize {
+        self.broken.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A server that accepts and negotiates every connection, then breaks it at its first
+/// request, for 30 s: each broken connection is a worker lost, but a connection that
+/// breaks that soon counts as a failed connect, so the next one waits longer each time
+/// (1 s, doubling): one new worker per step of the backoff, not one per connection as
+/// fast as the server breaks them. ublkd answers meanwhile, status says what it waits
+/// for, and the read held all along completes, with no error, once the server behaves.
+#[test]
+fn a_server_that_breaks_every_connection_at_once_gets_one_worker_per_backoff_step() {
+    let _serial = serial();
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-breaking.img");
+    sparse_file(&file, 16 * MIB);
+    let _nbdkit = Server::nbdkit(Listen::Tcp(10_830), &file, Offer::OneConnection);
+    let proxy = BreakingProxy::start(10_831, 10_830);
+    let ublkd = Ublkd::start("nbd-breaking");
+    let id = ublkd.add(&["-t", "nbd", "--uri", &proxy.uri]);
+    let node = block_dev(id);
+    write_at(&node, 0, &pattern(7, 4096));
+    proxy.set_breaking(true);
+    let reading = node.clone();
+    let reader = std::thread::spawn(move || read_at_direct(&reading, 0, 4096));
+    let started = Instant::now();
+    let (mut slowest, mut noted) = (Duration::ZERO, String::new());
+    while started.elapsed() < Duration::from_secs(30) {
+        let asked = Instant::now();
+        ublkd.ctl_ok(&["list"]);
+        slowest = slowest.max(asked.elapsed());
+        let note = ublkd.status_of(id)["note"].as_str().unwrap_or_default().to_string();
+        if note.contains("keeps breaking connections") {
+            noted = note;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let broken = proxy.broken();
+    proxy.set_breaking(false);
+    let read = reader.join().expect("the held read failed");
+    assert!(read == pattern(7, 4096), "the held read returned other data");
+    eprintln!("{broken} connections broken in 30 s; list took {slowest:?} at most; {noted}");
+    assert!(broken >= 3, "only {broken} connections were broken: the test proves nothing");
+    // Connections at 0, 1, 3, 7, 15 and 31 s (plus each worker's start): six at most.
+    assert!(broken <= 7, "{broken} workers in 30 s:\n{}", ublkd.log());
+    assert!(slowest < Duration::from_secs(1), "ublkctl list took {slowest:?}");
+    assert!(!noted.is_empty(), "status never said the server keeps breaking connections");
+    assert!(ublkd.log().contains("keeps breaking connections"), "{}", ublkd.log());
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["state"], "LIVE", "{dev}");
+    ublkd.stop();
+    let _ = std::fs::remove_file(&file);
+}

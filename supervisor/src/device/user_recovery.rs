@@ -220,6 +220,18 @@ impl Device {
         if r.fail_io.is_some() {
             return true;
         }
+        let now = Instant::now();
+        if let Some(at) = link.backoff.waiting_until(now) {
+            r.slow = Some(format!(
+                "its NBD server keeps breaking connections ({} in a row within {} s of \
+                 being served): the next connection is made in {} s; its I/O is held",
+                link.backoff.quick_breaks(),
+                crate::nbd::backoff::QUICK_BREAK.as_secs(),
+                at.duration_since(now).as_secs_f64().ceil() as u64
+            ));
+            r.next_try = at;
+            return false;
+        }
         match nbd_poll_connect(self.id, uri, &self.spec, link) {
             Poll::Ready(Ok(())) => {
                 if r.slow.take().is_some() {

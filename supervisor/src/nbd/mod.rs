@@ -12,6 +12,7 @@
 //! [`NbdError`], never a hang or an allocation of its choosing. Host names are
 //! resolved by the C library, whose own timeout applies to that step.
 
+pub mod backoff;
 mod handshake;
 mod tls;
 pub mod wire;

@@ -65,6 +65,7 @@ impl Worker {
             stderr_end: None,
             target: TargetSetup::Null,
             fast_release,
+            activated: None,
         };
         worker.send(&ToWorker::Attach, &[])?;
         let deadline = Instant::now() + timeout;
