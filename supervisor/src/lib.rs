@@ -35,6 +35,7 @@ pub mod metrics;
 pub mod nbd;
 pub mod recovery;
 pub mod render;
+pub mod replace_file;
 pub mod rlimit;
 pub mod state;
 pub mod systemd;

@@ -15,13 +15,14 @@
 //! held.
 
 use std::fmt::Write as _;
-use std::io::{self, Write as _};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
 use ublkd_proto::msg::DevMetrics;
+
+use crate::replace_file::{self, Planted, ReplaceError};
 use ublkd_proto::shm::{LATENCY_BUCKETS, LatencyOp, LatencySnapshot, latency_bucket_bound_us};
 
 /// Which text format to render.
@@ -270,7 +271,14 @@ pub struct FileWriter {
 
 impl FileWriter {
     /// Starts the writer thread for `path`, first due now.
+    /// A directory that every user may write is refused here, once, with the reason.
     pub fn start(path: PathBuf, interval: Duration) -> io::Result<FileWriter> {
+        if let Some(dir) = path.parent().filter(|d| d.exists()) {
+            // Anything else (not there yet, say) is said by the writes, which retry.
+            if let Err(e @ ReplaceError::WorldWritable { .. }) = replace_file::open_dir(dir) {
+                return Err(io::Error::other(e));
+            }
+        }
         let (tx, rx) = mpsc::sync_channel::<Vec<DevMetrics>>(QUEUED_SNAPSHOTS);
         let target = path.clone();
         std::thread::Builder::new().name("ublkd-metrics".into()).spawn(move || {
@@ -278,7 +286,15 @@ impl FileWriter {
             for devs in rx {
                 let text = render(&devs, Format::Prometheus);
                 match write_replacing(&target, text.as_bytes()) {
-                    Ok(()) => {
+                    Ok(planted) => {
+                        if let Some(Planted { kind, uid }) = planted {
+                            tracing::warn!(
+                                event = "metrics_file_planted",
+                                "{} was {kind} owned by uid {uid}, not ublkd's file: \
+                                 replaced it without writing through it",
+                                target.display()
+                            );
+                        }
                         if failing.take().is_some() {
                             tracing::info!("writing {} works again", target.display());
                         }
@@ -326,34 +342,12 @@ impl FileWriter {
 }
 
 /// Replaces `path` with `data` atomically: a reader (node_exporter) sees the old file
-/// or the new one, never a part. The data goes to a temporary file in the same
-/// directory (a dot file not ending in `.prom`, which the textfile collector ignores),
-/// which is then renamed over `path`. Readable by all (0644, whatever the umask: the
-/// unit's is 0077), since node_exporter runs as its own user.
-pub fn write_replacing(path: &Path, data: &[u8]) -> io::Result<()> {
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "the path has no file name"))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(".tmp");
-    let tmp = path.with_file_name(tmp_name);
-    let result = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o644)
-            .open(&tmp)?;
-        file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
-        file.write_all(data)?;
-        drop(file);
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+/// or the new one, never a part, and nothing planted in the directory is written
+/// through ([`crate::replace_file`]; its temporary names are dot files not ending in
+/// `.prom`, which the textfile collector ignores). Readable by all (0644, whatever the
+/// umask: the unit's is 0077), since node_exporter runs as its own user.
+pub fn write_replacing(path: &Path, data: &[u8]) -> Result<Option<Planted>, ReplaceError> {
+    replace_file::replace(path, data, 0o644)
 }
 
 #[cfg(test)]

@@ -168,3 +168,66 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
     ublkd.stop();
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The metrics directory is node_exporter's, which another user may write: links and a
+/// FIFO planted there by that user (at the file's name, at the temporary name ublkd
+/// once used, and beside them) must never make root's ublkd write through them. After
+/// three intervals the file they point to is unchanged and still 0600, the metrics
+/// file is ublkd's own, and the log says once what it replaced. A directory every user
+/// may write is refused at start, with the reason.
+#[test]
+fn links_and_fifos_planted_in_the_metrics_directory_are_never_written_through() {
+    use std::os::unix::fs::{PermissionsExt, lchown, symlink};
+    let _serial = serial();
+    let root = Path::new("/tmp/ublkd-test-metrics-planted");
+    let _ = std::fs::remove_dir_all(root);
+    let dir = root.join("textfile");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Root's, and its group's to write (nogroup's, as the prometheus group would be).
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&dir, Some(0), Some(65534)).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
+    let secret = root.join("secret");
+    std::fs::write(&secret, b"root's own data\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let file = dir.join("ublkd.prom");
+    for name in ["ublkd.prom", ".ublkd.prom.tmp", ".ublkd.prom.new"] {
+        symlink(&secret, dir.join(name)).unwrap();
+        lchown(dir.join(name), Some(65534), Some(65534)).unwrap();
+    }
+    let fifo = dir.join(".ublkd.prom.fifo");
+    nix_mkfifo(&fifo);
+    lchown(&fifo, Some(65534), Some(65534)).unwrap();
+    let extra = format!("metrics_file = \"{}\"\nmetrics_interval_secs = 1", file.display());
+    let ublkd = Ublkd::start_with("metrics-planted", &extra, &[]);
+    ublkd.add(&["-t", "null", "-s", "16M"]);
+    std::thread::sleep(Duration::from_millis(3500));
+    assert_eq!(std::fs::read(&secret).unwrap(), b"root's own data\n", "written through a link");
+    assert_eq!(std::fs::metadata(&secret).unwrap().mode() & 0o7777, 0o600, "chmod through a link");
+    let meta = std::fs::symlink_metadata(&file).unwrap();
+    assert!(meta.file_type().is_file(), "the metrics file is not ublkd's own");
+    assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o644));
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("ublkd_device_io_total{device=\"0\",op=\"read\"}"), "{text}");
+    let log = ublkd.log();
+    let said = log.matches("was a symlink owned by uid 65534").count();
+    assert_eq!(said, 1, "the plant was not said once:\n{log}");
+    assert!(!log.contains("metrics_file_failed"), "{log}");
+    ublkd.stop();
+
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let ublkd = Ublkd::start_with("metrics-open-dir", &extra, &[]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let log = ublkd.log();
+    assert!(log.contains("may be written by every user (mode 0777)"), "{log}");
+    assert!(!file.exists(), "written into a directory every user may write");
+    ublkd.stop();
+    let _ = std::fs::remove_dir_all(root);
+}
+
+fn nix_mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `c` is NUL-terminated and lives across the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo {}", path.display());
+}
