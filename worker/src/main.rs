@@ -114,6 +114,7 @@ fn main() -> ExitCode {
     // not otherwise owned in this process.
     let control = unsafe { OwnedFd::from_raw_fd(fd) };
     hooks::before_sandbox();
+    bound_malloc_arenas();
     // The sandbox goes up before the worker reads a single message.
     let report = match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd)).transpose()
     {
@@ -163,6 +164,19 @@ fn fail(control: BorrowedFd<'_>, failure: Failure) -> WorkerExit {
     tracing::error!("{reason}");
     let _ = msg::send_packet(control, &FromWorker::Failed { reason }, &[]);
     failure.exit()
+}
+
+/// Fixes glibc's limit on malloc arenas now, while files can be opened: left unset,
+/// glibc computes it the first time a ninth arena is wanted (a worker with eight queue
+/// threads or more), by reading `/sys/devices/system/cpu/online`, an `openat` the
+/// sandbox refuses (the worker was killed for it, seen with `--threads 8`). Eight per
+/// CPU the worker may run on: glibc's own default on 64-bit hosts.
+fn bound_malloc_arenas() {
+    let cpus = queue::allowed_cpus().len().clamp(1, 64) as libc::c_int;
+    // SAFETY: mallopt only sets a tunable of the allocator; no memory is touched.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, cpus * 8) } != 1 {
+        tracing::warn!("cannot bound malloc's arenas; a worker with many threads may be refused");
+    }
 }
 
 fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerExit {
