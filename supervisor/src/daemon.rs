@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use ublkd_config::{Config, DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DevStatus};
+use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DataPath, DevStatus};
 
 mod handlers;
 mod reload;
@@ -386,9 +386,10 @@ impl Daemon {
         }
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
+        let data_path = DataPath::for_kernel(self.ctx.kernel_features);
         let spawned = std::thread::Builder::new()
             .name("nbd-add".into())
-            .spawn(move || drop(tx.send(connect_export(&for_thread))));
+            .spawn(move || drop(tx.send(connect_export(&for_thread, data_path))));
         if let Err(e) = spawned {
             let message = format!("cannot start a thread to connect: {e}");
             return Some(CtlResponse::Error { message });
@@ -589,7 +590,8 @@ impl Daemon {
                 if starting {
                     self.notifier.extend_timeout(Duration::from_secs(60));
                 }
-                let links = connect_exports(batch.iter().map(|(_, spec)| *spec));
+                let data_path = DataPath::for_kernel(self.ctx.kernel_features);
+                let links = connect_exports(batch.iter().map(|(_, spec)| *spec), data_path);
                 for ((at, spec), link) in batch.into_iter().zip(links) {
                     let begun = link
                         .map_err(DeviceError::from)
@@ -961,6 +963,7 @@ const CREATING_AT_ONCE: usize = STANDBYS_STARTING_AT_ONCE;
 /// its own, side by side (each within the handshake's time limit), the others at once.
 fn connect_exports<'a>(
     specs: impl Iterator<Item = &'a DeviceSpec>,
+    data_path: DataPath,
 ) -> Vec<Result<Option<NbdLink>, TargetError>> {
     /// A spec's export: negotiated already, or on its thread.
     enum Export<T> {
@@ -971,15 +974,15 @@ fn connect_exports<'a>(
         let pending: Vec<_> = specs
             .map(|spec| {
                 let TargetSpec::Nbd { uri } = &spec.target else {
-                    return Export::Done(connect_export(spec));
+                    return Export::Done(connect_export(spec, data_path));
                 };
                 match std::thread::Builder::new()
                     .name("nbd-configured".into())
-                    .spawn_scoped(scope, move || connect_export(spec))
+                    .spawn_scoped(scope, move || connect_export(spec, data_path))
                 {
                     Ok(thread) => Export::Negotiating(uri.to_string(), thread),
                     // No thread to be had: negotiated here, one after another.
-                    Err(_) => Export::Done(connect_export(spec)),
+                    Err(_) => Export::Done(connect_export(spec, data_path)),
                 }
             })
             .collect();

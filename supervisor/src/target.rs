@@ -8,15 +8,13 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use ublkd_config::{DeviceSpec, NbdUri, TargetSpec};
+use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::msg::DataPath;
 use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
 
-use crate::nbd::{self, ExportInfo, NbdError};
+use crate::nbd::{ExportInfo, NbdError};
 use crate::state::{StateDir, StateError};
 
 /// Errors in setting up a device's target. Each names the device.
@@ -42,209 +40,9 @@ pub enum TargetError {
     NbdChanged { id: u32, uri: String, what: String },
 }
 
-/// How long ublkd gives an NBD server to accept the connection and finish the handshake.
-/// Both `ublkctl add` (the daemon's `PendingAdd`, whose device is then made and its
-/// worker started without holding the loop either, side by side with other adds) and a
-/// recovery's reconnection ([`nbd_poll_connect`]) negotiate on a thread of their own.
-/// Configured devices, at start (before ublkd serves anything) or in a reload, are
-/// created 8 at a time, their handshakes side by side on threads while the loop waits
-/// for them; an activation's second and later connections of a multi-conn device are
-/// negotiated on the loop.
-pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// What a connecting thread hands back.
-type Connected = Result<(OwnedFd, ExportInfo), NbdError>;
-
-/// An nbd device's link to its export: what the server said when the device was made
-/// (or, for a device ublkd adopted, when it first reconnected), a connection made but
-/// not yet handed to a worker, and a connection being made.
-#[derive(Debug, Default)]
-pub struct NbdLink {
-    pub info: Option<ExportInfo>,
-    pub socket: Option<OwnedFd>,
-    connecting: Option<mpsc::Receiver<Connected>>,
-    /// Copies of the connections the serving worker was given: once it is dead they
-    /// are drained ([`nbd::drain`]) before its successor connects.
-    pub served: Vec<OwnedFd>,
-    /// When the next connection may be made, after connections that broke quickly.
-    pub backoff: nbd::backoff::Backoff,
-}
-
-impl NbdLink {
-    /// Ends the device's sessions with its server as the device is deleted: the
-    /// connection made ahead for a next worker, and, if the serving worker exited
-    /// cleanly (`served_cleanly`: every request answered, nothing half sent), its
-    /// connections too, each with `NBD_CMD_DISC` (and close_notify over TLS). A worker
-    /// that was killed may have left half a request in the stream, after which a
-    /// disconnect request would be read as that request's rest: its connections are
-    /// only closed. `tls`: the device's URI is `nbds://` (known also for a device
-    /// taken over, whose export this ublkd may not have negotiated itself).
-    pub fn close(self, served_cleanly: bool, tls: bool) -> usize {
-        let mut ended = 0;
-        if let Some(socket) = self.socket {
-            nbd::disconnect(socket, tls);
-            ended += 1;
-        }
-        if served_cleanly {
-            for socket in self.served {
-                nbd::disconnect(socket, tls);
-                ended += 1;
-            }
-        }
-        ended
-    }
-}
-
-/// How long a recovery waits for the server to finish with a dead worker's connections
-/// before it connects anyway.
-pub const NBD_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// For an nbd target, connects and negotiates, so that the device is made from what
-/// the export is (its size, block sizes, flags) and its first worker gets this
-/// connection. `None` for other targets.
-pub fn connect_export(spec: &DeviceSpec) -> Result<Option<NbdLink>, TargetError> {
-    let TargetSpec::Nbd { uri } = &spec.target else { return Ok(None) };
-    match nbd::connect(uri, NBD_HANDSHAKE_TIMEOUT) {
-        Ok((socket, info)) => {
-            tracing::info!(uri = %uri, event = "nbd_export", "NBD export: {info}");
-            Ok(Some(NbdLink { info: Some(info), socket: Some(socket), ..NbdLink::default() }))
-        }
-        Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
-    }
-}
-
-/// A connection for the next worker of nbd device `id` (`uri`): the one made ahead,
-/// else a new one within `timeout`, checked to be the same export (see
-/// [`same_export`]).
-pub fn nbd_socket(
-    id: u32,
-    uri: &NbdUri,
-    spec: &DeviceSpec,
-    link: &mut NbdLink,
-    timeout: Duration,
-) -> Result<OwnedFd, TargetError> {
-    if let Some(socket) = link.socket.take() {
-        return Ok(socket);
-    }
-    let connected = nbd::connect(uri, timeout)
-        .map_err(|source| TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) })?;
-    same_export(id, uri, spec, link, connected)
-}
-
-/// Whether nbd device `id` has a connection for its next worker, connecting on a
-/// thread of its own if not, so that ublkd's loop never waits for a server: `Pending`
-/// while that thread connects (ask again soon), else whether it worked. A failed try
-/// is not retried here: the next call starts a new one.
-pub fn nbd_poll_connect(
-    id: u32,
-    uri: &NbdUri,
-    spec: &DeviceSpec,
-    link: &mut NbdLink,
-) -> Poll<Result<(), TargetError>> {
-    if link.socket.is_some() {
-        return Poll::Ready(Ok(()));
-    }
-    let Some(rx) = &link.connecting else {
-        let (tx, rx) = mpsc::channel();
-        let target = uri.clone();
-        let dead = std::mem::take(&mut link.served);
-        let spawned =
-            std::thread::Builder::new().name(format!("nbd-connect-{id}")).spawn(move || {
-                if !dead.is_empty() {
-                    drain_dead_workers(id, dead);
-                }
-                drop(tx.send(nbd::connect(&target, NBD_HANDSHAKE_TIMEOUT)));
-            });
-        return match spawned {
-            Ok(_) => {
-                link.connecting = Some(rx);
-                Poll::Pending
-            }
-            Err(e) => Poll::Ready(Err(TargetError::Nbd {
-                uri: uri.to_string(),
-                source: Box::new(NbdError::Connect {
-                    addr: "a thread to connect".into(),
-                    source: e,
-                }),
-            })),
-        };
-    };
-    let connected = match rx.try_recv() {
-        Ok(connected) => connected,
-        Err(mpsc::TryRecvError::Empty) => return Poll::Pending,
-        Err(mpsc::TryRecvError::Disconnected) => Err(NbdError::Connect {
-            addr: uri.to_string(),
-            source: io::Error::other("the connecting thread ended without an answer"),
-        }),
-    };
-    link.connecting = None;
-    let connected = connected
-        .map_err(|source| TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) });
-    Poll::Ready(connected.and_then(|c| same_export(id, uri, spec, link, c)).map(|socket| {
-        link.socket = Some(socket);
-    }))
-}
-
-/// `connected`, if its export is the one nbd device `id` was made from: its size, a
-/// minimum block size the device's fits, and every feature the device was made with
-/// (the kernel was told of them). Else it is disconnected and the error says both.
-fn same_export(
-    id: u32,
-    uri: &NbdUri,
-    spec: &DeviceSpec,
-    link: &mut NbdLink,
-    (socket, info): (OwnedFd, ExportInfo),
-) -> Result<OwnedFd, TargetError> {
-    let changed = |what: String| TargetError::NbdChanged { id, uri: uri.to_string(), what };
-    if info.size != spec.size_bytes {
-        nbd::disconnect(socket, info.tls);
-        return Err(changed(format!(
-            "its size is {} bytes, the device's {}",
-            info.size, spec.size_bytes
-        )));
-    }
-    let min_grew = info.block_sizes.is_some_and(|b| b.min > spec.settings.block_size);
-    let lost_features = link.info.as_ref().is_some_and(|was| {
-        (was.can_flush() && !info.can_flush())
-            || (was.can_fua() && !info.can_fua())
-            || (was.can_trim() && !info.can_trim())
-            || (was.can_write_zeroes() && !info.can_write_zeroes())
-            || (!was.read_only() && info.read_only())
-    });
-    if min_grew || lost_features {
-        let was = link.info.as_ref().map_or_else(|| "unknown".to_string(), |w| w.to_string());
-        nbd::disconnect(socket, info.tls);
-        return Err(changed(format!("it was {was}; now it is {info}")));
-    }
-    link.info = Some(info);
-    Ok(socket)
-}
-
-/// Drains a dead worker's connections (see [`nbd::drain`]) and says how it went: a
-/// write it sent must not reach the export after its successor's.
-fn drain_dead_workers(id: u32, sockets: Vec<OwnedFd>) {
-    let (n, started) = (sockets.len(), Instant::now());
-    let closed = nbd::drain(sockets, started + NBD_DRAIN_TIMEOUT);
-    let ms = started.elapsed().as_millis() as u64;
-    if closed == n {
-        tracing::info!(
-            dev_id = id,
-            event = "nbd_drained",
-            drain_ms = ms,
-            "the server finished with the dead worker's {n} connection(s) in {ms} ms"
-        );
-    } else {
-        tracing::warn!(
-            dev_id = id,
-            event = "nbd_drain_timeout",
-            "the server did not close {} of the dead worker's {n} connection(s) within {} s; \
-             connecting anyway (a request the dead worker sent could still reach the export \
-             late)",
-            n - closed,
-            NBD_DRAIN_TIMEOUT.as_secs()
-        );
-    }
-}
+pub use crate::nbd::link::{
+    NBD_DRAIN_TIMEOUT, NBD_HANDSHAKE_TIMEOUT, NbdLink, connect_export, nbd_poll_connect,
+};
 
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;
@@ -515,7 +313,7 @@ mod tests {
     #[test]
     fn an_nbd_device_offers_the_kernel_exactly_what_its_export_does() {
         use crate::nbd::BlockSizes;
-        let uri = NbdUri::parse("nbd://127.0.0.1/x").unwrap();
+        let uri = ublkd_config::NbdUri::parse("nbd://127.0.0.1/x").unwrap();
         let nbd = spec(TargetSpec::Nbd { uri }, 4096);
         let export = |flags: u16, max: u32| ExportInfo {
             size: 1 << 30,
@@ -548,33 +346,5 @@ mod tests {
         );
         assert_eq!(p.basic.attrs, uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA);
         assert_eq!(p.basic.logical_bs_shift, 12);
-    }
-
-    #[test]
-    fn a_deleted_devices_sessions_end_with_a_disconnect_only_if_its_worker_exited_cleanly() {
-        use std::io::Read;
-        use std::os::unix::net::UnixStream;
-        // What the server reads on each connection once the link is closed.
-        let read_all = |mut s: UnixStream| {
-            let mut got = Vec::new();
-            s.read_to_end(&mut got).unwrap();
-            got
-        };
-        let disc = nbd::disconnect_request();
-        for served_cleanly in [true, false] {
-            let (ahead, ahead_server) = UnixStream::pair().unwrap();
-            let (served, served_server) = UnixStream::pair().unwrap();
-            let link = NbdLink {
-                socket: Some(ahead.into()),
-                served: vec![served.into()],
-                ..NbdLink::default()
-            };
-            assert_eq!(link.close(served_cleanly, false), 1 + usize::from(served_cleanly));
-            // The connection nobody used is always between requests.
-            assert_eq!(read_all(ahead_server), disc);
-            // A killed worker may have left half a request: nothing is added to it.
-            let want = if served_cleanly { disc.to_vec() } else { Vec::new() };
-            assert_eq!(read_all(served_server), want, "served_cleanly {served_cleanly}");
-        }
     }
 }

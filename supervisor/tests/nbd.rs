@@ -9,15 +9,17 @@
 
 use std::io::Write;
 use std::net::TcpListener;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use ublkd_proto::msg::DataPath;
 
 use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_supervisor::nbd::{self, ExportInfo, NbdError};
-use ublkd_supervisor::target::{connect_export, nbd_socket};
+use ublkd_supervisor::target::{NbdLink, TargetError, connect_export, nbd_poll_connect};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -371,15 +373,16 @@ fn nbd_spec(uri: NbdUri) -> DeviceSpec {
 fn ublkd_learns_an_export_before_making_its_device_and_names_a_server_that_is_not_there() {
     let dir = TempDir::new("servable");
     let (_server, uri) = nbdkit_unix(&dir, &["-r", "memory", "2G"], "");
-    let link = connect_export(&nbd_spec(uri.clone())).unwrap().expect("an nbd link");
+    let link =
+        connect_export(&nbd_spec(uri.clone()), DataPath::Batch).unwrap().expect("an nbd link");
     let info = link.info.expect("the export's details");
     assert_eq!(info.size, 2 << 30);
     assert!(info.read_only(), "{info}");
-    assert!(link.socket.is_some());
+    assert_eq!(link.sockets.len(), 1, "a worker's one connection, made with the device");
 
     let port = free_port();
     let nowhere = NbdUri::parse(&format!("nbd://127.0.0.1:{port}/disk")).unwrap();
-    let message = connect_export(&nbd_spec(nowhere)).unwrap_err().to_string();
+    let message = connect_export(&nbd_spec(nowhere), DataPath::Batch).unwrap_err().to_string();
     assert!(
         message.starts_with(&format!(
             "cannot use the nbd export nbd://127.0.0.1:{port}/disk: the connection to \
@@ -397,13 +400,13 @@ fn a_reconnection_to_a_changed_export_is_refused() {
     let dir = TempDir::new("changed");
     let (server, uri) = nbdkit_unix(&dir, &["memory", "64M"], "");
     let mut spec = nbd_spec(uri.clone());
-    let mut link = connect_export(&spec).unwrap().expect("an nbd link");
+    let mut link = connect_export(&spec, DataPath::Batch).unwrap().expect("an nbd link");
     spec.size_bytes = link.info.as_ref().unwrap().size;
     // The first worker's connection is the one made with the device.
-    let first = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap();
+    let first = link.sockets.remove(0);
     nbd::disconnect(first, false);
     // The same export again: a new connection, accepted.
-    let again = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap();
+    let again = reconnect(&uri, &spec, &mut link).unwrap();
     nbd::disconnect(again, false);
     // The server restarted on the same socket, as another export.
     let restart = |server: Server, args: &[&str]| {
@@ -414,13 +417,24 @@ fn a_reconnection_to_a_changed_export_is_refused() {
         nbdkit_unix(&dir, args, "").0
     };
     let smaller = restart(server, &["memory", "32M"]);
-    let message = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap_err().to_string();
+    let message = reconnect(&uri, &spec, &mut link).unwrap_err().to_string();
     assert!(message.contains("is no longer what device 1 was made from"), "{message}");
     assert!(message.contains("its size is 33554432 bytes, the device's 67108864"), "{message}");
 
     let _read_only = restart(smaller, &["-r", "memory", "64M"]);
-    let message = nbd_socket(1, &uri, &spec, &mut link, TIMEOUT).unwrap_err().to_string();
+    let message = reconnect(&uri, &spec, &mut link).unwrap_err().to_string();
     assert!(message.contains("read-write") && message.contains("read-only"), "{message}");
+}
+
+/// A recovery's connection for device 1's next worker, made on ublkd's connecting
+/// thread as the loop would wait for it.
+fn reconnect(uri: &NbdUri, spec: &DeviceSpec, link: &mut NbdLink) -> Result<OwnedFd, TargetError> {
+    loop {
+        match nbd_poll_connect(1, uri, spec, link, 1) {
+            std::task::Poll::Pending => std::thread::sleep(Duration::from_millis(10)),
+            std::task::Poll::Ready(done) => return done.map(|()| link.sockets.remove(0)),
+        }
+    }
 }
 
 /// A server whose accept backlog is full (it never accepts): connect would wait for

@@ -897,3 +897,142 @@ fn a_server_that_breaks_every_connection_at_once_gets_one_worker_per_backoff_ste
     ublkd.stop();
     let _ = std::fs::remove_file(&file);
 }
+
+/// A TCP proxy in front of an NBD server that forwards one connection at a time: a
+/// connection made while another is forwarded (after a second's grace for that one to
+/// end) is accepted and never answered, as by a server at its connection limit.
+struct OneAtATimeProxy {
+    uri: String,
+    silent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl OneAtATimeProxy {
+    fn start(port: u16, server_port: u16) -> OneAtATimeProxy {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let forwarded = Arc::new(AtomicUsize::new(0));
+        let silent = Arc::new(AtomicUsize::new(0));
+        let held = Arc::clone(&silent);
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let free_by = Instant::now() + Duration::from_secs(1);
+                while forwarded.load(Ordering::SeqCst) > 0 && Instant::now() < free_by {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if forwarded.load(Ordering::SeqCst) > 0 {
+                    held.fetch_add(1, Ordering::SeqCst);
+                    // Read and drop whatever comes, answer nothing, until the client goes.
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut &client, &mut std::io::sink());
+                    });
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(("127.0.0.1", server_port)) else { continue };
+                forwarded.fetch_add(1, Ordering::SeqCst);
+                let ends = Arc::new(AtomicUsize::new(2));
+                for (from, to) in [
+                    (client.try_clone(), server.try_clone()),
+                    (server.try_clone(), client.try_clone()),
+                ] {
+                    let (Ok(mut from), Ok(mut to)) = (from, to) else { continue };
+                    let (ends, forwarded) = (Arc::clone(&ends), Arc::clone(&forwarded));
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Write);
+                        if ends.fetch_sub(1, Ordering::SeqCst) == 1 {
+                            let _ = from.shutdown(Shutdown::Both);
+                            let _ = to.shutdown(Shutdown::Both);
+                            forwarded.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    });
+                }
+            }
+        });
+        OneAtATimeProxy { uri: format!("nbd://127.0.0.1:{port}"), silent }
+    }
+}
+
+/// The stall of the recovery from worker `pid`'s kill, as ublkd logged it.
+fn stall_after_kill(ublkd: &Ublkd, pid: u32) -> u64 {
+    let log = ublkd.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(&format!("device recovered (worker {pid} killed")))
+        .unwrap_or_else(|| panic!("no recovery from killing worker {pid}:\n{log}"));
+    let at = line.find("stall_ms=").expect("a stall") + "stall_ms=".len();
+    line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
+}
+
+/// A multi-conn export whose server answers the first connection of a worker's set and
+/// never the others: every connection is made off ublkd's loop, so `ublkctl status`
+/// answers within a second throughout the add, a worker kill and an upgrade of that
+/// device; the device is served over the one connection that answered; and a second
+/// device's worker killed meanwhile recovers with its usual stall.
+#[test]
+fn a_server_that_answers_one_connection_of_a_set_never_holds_up_ublkd() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _serial = serial();
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-one-at-a-time.img");
+    sparse_file(&file, 16 * MIB);
+    let _nbdkit = Server::nbdkit(Listen::Tcp(10_840), &file, Offer::MultiConn);
+    let proxy = OneAtATimeProxy::start(10_841, 10_840);
+    let ublkd = Ublkd::start("nbd-one-at-a-time");
+    let bystander = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    ublkd.wait_until("the bystander's standby", || {
+        ublkd.status_of(bystander)["standby_pid"].as_u64().is_some()
+    });
+    let first = ublkd.worker_pid(bystander);
+    signal(first, libc::SIGKILL);
+    wait_recovered(&ublkd, bystander, 1);
+    let usual = stall_after_kill(&ublkd, first);
+
+    let done = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let (ctl, done) = (ublkd.ctl.clone(), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut slowest = Duration::ZERO;
+            while !done.load(Ordering::SeqCst) {
+                let asked = Instant::now();
+                let out = ctl.run(&["status"]);
+                assert!(out.status.success(), "status: {}", describe(&out));
+                slowest = slowest.max(asked.elapsed());
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            slowest
+        })
+    };
+    let id = ublkd.add(&["-t", "nbd", "--uri", &proxy.uri, "-q", "2", "--threads", "8"]);
+    let node = block_dev(id);
+    write_at(&node, 0, &pattern(9, 65536));
+    let worker = ublkd.worker_pid(id);
+    signal(worker, libc::SIGKILL);
+    wait_recovered(&ublkd, id, 1);
+    let out = ublkd.ctl(&["upgrade", "-n", &id.to_string()]);
+    assert!(out.status.success(), "upgrade: {}\n{}", describe(&out), ublkd.log());
+    ublkd.wait_until("the bystander's standby", || {
+        ublkd.status_of(bystander)["standby_pid"].as_u64().is_some()
+    });
+    let second = ublkd.worker_pid(bystander);
+    signal(second, libc::SIGKILL);
+    wait_recovered(&ublkd, bystander, 2);
+    done.store(true, Ordering::SeqCst);
+    let slowest = prober.join().unwrap();
+    let stall = stall_after_kill(&ublkd, second);
+    assert!(read_at_direct(&node, 0, 65536) == pattern(9, 65536), "the data did not survive");
+    let silent = proxy.silent.load(Ordering::SeqCst);
+    eprintln!(
+        "{silent} connections left unanswered; status took {slowest:?} at most; the \
+         bystander's stall {stall} ms, {usual} ms before"
+    );
+    assert!(silent >= 1, "no connection was left unanswered: the test proves nothing");
+    assert!(slowest < Duration::from_secs(1), "status took {slowest:?}:\n{}", ublkd.log());
+    assert!(stall <= 2 * usual + 500, "the bystander's stall was {stall} ms, {usual} ms before");
+    assert!(ublkd.log().contains("answered 1 of the"), "{}", ublkd.log());
+    assert_eq!(ublkd.status_of(id)["state"], "LIVE");
+    ublkd.del(id);
+    ublkd.stop();
+    let _ = std::fs::remove_file(&file);
+}

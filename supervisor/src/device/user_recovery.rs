@@ -13,6 +13,8 @@ use ublkd_config::TargetSpec;
 
 use crate::device_state::{DeviceState, Release, StateKind};
 use crate::target::nbd_poll_connect;
+use crate::worker::Worker;
+use ublkd_proto::msg::TargetSetup;
 
 /// The longest an nbd device in a recovery waits between two tries to reach its server.
 const NBD_RETRY_MAX: Duration = Duration::from_secs(2);
@@ -101,7 +103,7 @@ impl Device {
         inline: Duration,
     ) -> Result<Recovery, DeviceError> {
         let id = self.id;
-        if !self.nbd_connected(ctx.nbd_server_wait) {
+        if !self.nbd_connected(ctx.nbd_server_wait, ctx.kernel_features) {
             return Ok(Recovery::Waiting);
         }
         match self.standby_ready(ctx) {
@@ -172,7 +174,7 @@ impl Device {
         if self.starting.is_none() {
             self.starting = Some(self.spawn_worker(ctx, false)?);
         }
-        let answered = self.starting.as_ref().is_some_and(crate::worker::Worker::has_answered);
+        let answered = self.starting.as_ref().is_some_and(Worker::has_answered);
         let timed_out = since.elapsed() >= WORKER_TIMEOUT;
         if answered || timed_out {
             let worker = self.starting.take().expect("started above");
@@ -211,9 +213,18 @@ impl Device {
     /// `wait_limit` (`recovery.nbd_server_wait_secs`): then the recovery goes on with a
     /// worker that fails every I/O, until `ublkctl recover`. Status says why. Other
     /// devices always have what they need.
-    fn nbd_connected(&mut self, wait_limit: Option<Duration>) -> bool {
+    fn nbd_connected(&mut self, wait_limit: Option<Duration>, kernel_features: u64) -> bool {
         let (Some(link), TargetSpec::Nbd { uri }) = (&mut self.nbd, &self.spec.target) else {
             return true;
+        };
+        // As many connections as the next worker was started for, or will be.
+        let data_path = ublkd_proto::msg::DataPath::for_kernel(kernel_features);
+        let want = match [&self.standby, &self.starting].into_iter().flatten().next() {
+            Some(w) => match w.target_setup() {
+                TargetSetup::Nbd { connections } => connections,
+                _ => 1,
+            },
+            None => link.connections(&self.spec, data_path),
         };
         let DeviceState::Releasing(r) = &mut self.state else { return true };
         // A recovery that fails I/O needs no server.
@@ -232,7 +243,7 @@ impl Device {
             r.next_try = at;
             return false;
         }
-        match nbd_poll_connect(self.id, uri, &self.spec, link) {
+        match nbd_poll_connect(self.id, uri, &self.spec, link, want) {
             Poll::Ready(Ok(())) => {
                 if r.slow.take().is_some() {
                     tracing::info!(
@@ -240,6 +251,19 @@ impl Device {
                         event = "nbd_reconnected",
                         "reconnected to {uri}"
                     );
+                }
+                // Fewer connections answered than the standby was made for: a worker
+                // for as many as there are is started instead.
+                let made = link.sockets.len();
+                for slot in [&mut self.standby, &mut self.starting] {
+                    if slot.as_ref().is_some_and(|w| {
+                        matches!(w.target_setup(), TargetSetup::Nbd { connections }
+                            if usize::from(connections) != made)
+                    }) && let Some(mut worker) = slot.take()
+                    {
+                        worker.kill();
+                        worker.reap(Duration::ZERO);
+                    }
                 }
                 true
             }

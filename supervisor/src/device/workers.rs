@@ -5,13 +5,11 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use ublkd_config::TargetSpec;
-use ublkd_proto::msg::{Activation, DataPath, MAX_NBD_CONNECTIONS, TargetSetup, WorkerSetup};
+use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
-use crate::nbd::ExportInfo;
 use crate::target::{
-    MAX_IO_BUF_BYTES, NBD_HANDSHAKE_TIMEOUT, fast_release_supported, nbd_socket, open_char_dev,
-    zero_copy,
+    MAX_IO_BUF_BYTES, TargetError, fast_release_supported, open_char_dev, zero_copy,
 };
 use crate::worker::{AttachClaim, Worker, WorkerError, WorkerSandbox};
 
@@ -40,22 +38,11 @@ impl Device {
             && fast_release_supported(DataPath::for_kernel(ctx.kernel_features))
     }
 
-    /// How many connections an nbd device's worker gets: one per queue thread (the
-    /// per-I/O path has one per queue at most), up to [`MAX_NBD_CONNECTIONS`], where
-    /// the export said it allows several (`NBD_FLAG_CAN_MULTI_CONN`: a flush on one
-    /// then covers writes completed on all); else one, which every queue thread shares.
-    /// An adopted device whose export ublkd has not talked to yet gets one.
-    fn nbd_connections(&self, data_path: DataPath) -> u8 {
-        let info = self.nbd.as_ref().and_then(|l| l.info.as_ref());
-        if !info.is_some_and(ExportInfo::can_multi_conn) {
-            return 1;
-        }
-        let settings = &self.spec.settings;
-        let threads = match data_path {
-            DataPath::Batch => settings.threads,
-            DataPath::PerIo => settings.threads.min(settings.queues),
-        };
-        threads.clamp(1, u16::from(MAX_NBD_CONNECTIONS)) as u8
+    /// How many connections an nbd device's next worker gets ([`NbdLink::connections`]).
+    ///
+    /// [`NbdLink::connections`]: crate::target::NbdLink::connections
+    pub(super) fn nbd_connections(&self, data_path: DataPath) -> u8 {
+        self.nbd.as_ref().map_or(1, |link| link.connections(&self.spec, data_path))
     }
 
     /// Starts a worker and sends it its setup (region and target to map, buffers and
@@ -236,15 +223,24 @@ impl Device {
         // next one finds the worker (which may serve on) and, as the claim names no held
         // fds, kills it and recovers the device rather than leave it an unknown server.
         self.claim_worker(ctx, &worker, generation);
-        // An nbd worker gets its connections with the device (a fail-io one none): the
-        // one a recovery made ahead, and the rest now.
+        // An nbd worker gets its connections with the device (a fail-io one none), all
+        // made ahead on a thread (at creation, or by the recovery).
         let mut sockets = Vec::new();
         if let (TargetSpec::Nbd { uri }, Some(link), TargetSetup::Nbd { connections }) =
             (&self.spec.target, &mut self.nbd, worker.target_setup())
         {
-            for _ in 0..connections {
-                sockets.push(nbd_socket(id, uri, &self.spec, link, NBD_HANDSHAKE_TIMEOUT)?);
-            }
+            let made = link.sockets.len();
+            sockets = link.take_sockets(connections, uri.tls.is_some()).ok_or_else(|| {
+                TargetError::Nbd {
+                    uri: uri.to_string(),
+                    source: Box::new(crate::nbd::NbdError::Connect {
+                        addr: uri.to_string(),
+                        source: std::io::Error::other(format!(
+                            "{made} connection(s) made for a worker that wants {connections}"
+                        )),
+                    }),
+                }
+            })?;
         }
         let ublkc = open_char_dev(id)?;
         let ready = worker.activate(generation, ublkc.as_fd(), &sockets, WORKER_TIMEOUT);

@@ -14,6 +14,7 @@
 
 pub mod backoff;
 mod handshake;
+pub mod link;
 mod tls;
 pub mod wire;
 
