@@ -176,7 +176,15 @@ struct PendingAdd {
     /// As asked (for [`Daemon::check_add`]'s conflicts).
     spec: DeviceSpec,
     stage: AddStage,
+    /// Adds of this device begun so far: one whose worker was lost (killed while the
+    /// device was being made, say) is begun again, up to [`ADD_ATTEMPTS`] in all.
+    attempts: u8,
 }
+
+/// How many times an add is begun before a lost worker fails it: a client asked for
+/// a device, not for a particular worker process, so a worker killed under it (an
+/// operator's or an OOM killer's doing) costs a new worker, not an error.
+const ADD_ATTEMPTS: u8 = 3;
 
 #[derive(Debug)]
 enum AddStage {
@@ -374,29 +382,31 @@ impl Daemon {
             Ok(spec) => spec,
             Err(e) => return Some(CtlResponse::Error { message: e }),
         };
+        match self.first_add_stage(&spec) {
+            Ok(stage) => {
+                self.pending_adds.push(PendingAdd { token, spec, stage, attempts: 1 });
+                None
+            }
+            Err(message) => Some(CtlResponse::Error { message }),
+        }
+    }
+
+    /// Where an add of `spec` (checked) begins: an nbd export negotiated on a thread
+    /// of its own, any other device made at once with its worker starting.
+    fn first_add_stage(&self, spec: &DeviceSpec) -> Result<AddStage, String> {
         if !matches!(spec.target, TargetSpec::Nbd { .. }) {
-            return match Device::begin_create(&self.ctx, &spec, None) {
-                Ok(creation) => {
-                    let stage = AddStage::Starting(Box::new(creation));
-                    self.pending_adds.push(PendingAdd { token, spec, stage });
-                    None
-                }
-                Err(e) => Some(CtlResponse::Error { message: e.to_string() }),
-            };
+            return Device::begin_create(&self.ctx, spec, None)
+                .map(|creation| AddStage::Starting(Box::new(creation)))
+                .map_err(|e| e.to_string());
         }
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
         let data_path = DataPath::for_kernel(self.ctx.kernel_features);
-        let spawned = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("nbd-add".into())
-            .spawn(move || drop(tx.send(connect_export(&for_thread, data_path))));
-        if let Err(e) = spawned {
-            let message = format!("cannot start a thread to connect: {e}");
-            return Some(CtlResponse::Error { message });
-        }
-        let stage = AddStage::Connecting(connected);
-        self.pending_adds.push(PendingAdd { token, spec, stage });
-        None
+            .spawn(move || drop(tx.send(connect_export(&for_thread, data_path))))
+            .map_err(|e| format!("cannot start a thread to connect: {e}"))?;
+        Ok(AddStage::Connecting(connected))
     }
 
     /// Moves every add under way on: makes the devices of the nbd adds whose
@@ -441,6 +451,23 @@ impl Daemon {
                     let id = dev.id();
                     self.devices.insert(id, dev);
                     CtlResponse::Added { id }
+                }
+                Progress::Done(Err(e)) if e.worker_lost() && pending.attempts < ADD_ATTEMPTS => {
+                    pending.attempts += 1;
+                    tracing::warn!(
+                        event = "add_retried",
+                        "adding {} again (attempt {} of {ADD_ATTEMPTS}): {e}",
+                        describe_spec(&pending.spec),
+                        pending.attempts
+                    );
+                    match self.first_add_stage(&pending.spec) {
+                        Ok(stage) => {
+                            pending.stage = stage;
+                            waiting.push(pending);
+                            continue;
+                        }
+                        Err(message) => CtlResponse::Error { message },
+                    }
                 }
                 Progress::Done(Err(e)) => CtlResponse::Error { message: e.to_string() },
             };

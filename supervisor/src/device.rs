@@ -77,6 +77,26 @@ pub enum DeviceError {
     Transition(#[from] TransitionError),
 }
 
+impl DeviceError {
+    /// Whether the error is the loss of a worker (it died, or stopped taking ublkd's
+    /// messages, while the device was set up): what a new worker would not meet
+    /// again, unlike a worker that said why it failed, or did not answer in time.
+    pub fn worker_lost(&self) -> bool {
+        match self {
+            DeviceError::Worker { source, .. } => match source {
+                // Killed from outside, not a worker that failed by itself (a sandbox
+                // refusal is an exit of its own, and would fail again).
+                WorkerError::Died { by_signal, .. } => *by_signal,
+                WorkerError::Send(_) | WorkerError::NotReading { .. } => true,
+                // Gone between its answer and ublkd's copy of its rings.
+                WorkerError::Rings { source, .. } => source.raw_os_error() == Some(libc::ESRCH),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
 /// What every device operation needs from the daemon.
 #[derive(Debug)]
 pub struct Context {

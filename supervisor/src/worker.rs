@@ -79,7 +79,12 @@ pub enum WorkerError {
     #[error("worker {pid} failed to set up: {reason}")]
     Failed { pid: u32, reason: String },
     #[error("worker {pid} exited before it was ready ({status})")]
-    Died { pid: u32, status: String },
+    Died {
+        pid: u32,
+        status: String,
+        /// Ended by a signal (killed from outside), not by an exit of its own.
+        by_signal: bool,
+    },
     #[error("worker {pid} broke the protocol: {what}")]
     Protocol { pid: u32, what: String },
     #[error("worker {pid} did not answer within {secs} s")]
@@ -483,7 +488,7 @@ impl Worker {
             Ok(got) => Ok(got),
             Err(MsgError::Closed) => {
                 let status = self.reap(Duration::from_secs(2));
-                Err(WorkerError::Died { pid, status })
+                Err(WorkerError::Died { pid, status, by_signal: self.ended_by_signal() })
             }
             Err(e) => Err(WorkerError::Protocol { pid, what: e.to_string() }),
         }
@@ -552,6 +557,13 @@ impl Worker {
     /// went away): not a crash of its own. Known once [`Self::exited`] said it ended.
     pub fn lost_backend(&mut self) -> bool {
         self.exited_with(WorkerExit::BackendLost)
+    }
+
+    /// Whether the worker (our child, already reaped) was ended by a signal.
+    fn ended_by_signal(&mut self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        status.is_some_and(|s| s.signal().is_some())
     }
 
     /// Whether the worker (our child, already reaped) exited by itself with `code`.

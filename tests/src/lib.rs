@@ -36,6 +36,7 @@ pub mod console;
 pub mod exit;
 pub mod initramfs;
 pub mod kernel;
+pub mod prng;
 pub mod script;
 pub mod vm;
 
