@@ -33,8 +33,10 @@ use ublkd_config::{Config, DeviceSpec, TargetSpec};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DataPath, DevStatus};
 
+mod delete;
 mod handlers;
 mod reload;
+mod upgrade;
 
 use handlers::describe_spec;
 pub use handlers::spec_from_request;
@@ -147,6 +149,10 @@ pub struct Daemon {
     pending_adds: Vec<PendingAdd>,
     /// `ublkctl recover`s whose recovery goes on in the loop.
     pending_recovers: Vec<PendingRecover>,
+    /// `ublkctl upgrade`s under way.
+    pending_upgrades: Vec<upgrade::PendingUpgrade>,
+    /// `ublkctl del`s and `shutdown`s under way.
+    pending_deletes: Vec<delete::PendingDelete>,
 }
 
 /// An `ublkctl recover` answered once its recovery ends (a standby still starting, a
@@ -250,6 +256,8 @@ impl Daemon {
             metrics_file,
             pending_adds: Vec::new(),
             pending_recovers: Vec::new(),
+            pending_upgrades: Vec::new(),
+            pending_deletes: Vec::new(),
         })
     }
 
@@ -680,7 +688,7 @@ impl Daemon {
             // is polled), not for a timer that would spin the loop.
             let standbys_may_start = self.standbys_starting() < STANDBYS_STARTING_AT_ONCE;
             for dev in self.devices.values() {
-                for w in [dev.worker(), dev.standby()].into_iter().flatten() {
+                for w in [dev.worker(), dev.standby(), dev.dying()].into_iter().flatten() {
                     fds.push(libc::pollfd {
                         fd: w.pidfd().as_raw_fd(),
                         events: libc::POLLIN,
@@ -720,6 +728,18 @@ impl Daemon {
             for pending in &self.pending_recovers {
                 wake_by = wake_by.min(pending.deadline);
             }
+            if self.deleting() {
+                wake_by = wake_by.min(Instant::now() + delete::DELETE_POLL);
+            }
+            for pending in &self.pending_upgrades {
+                let (fd, due) = pending.wake();
+                if let Some(fd) = fd {
+                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                }
+                if let Some(due) = due {
+                    wake_by = wake_by.min(due);
+                }
+            }
             let control_due = self.control.next_deadline();
             if let Some(due) = control_due {
                 wake_by = wake_by.min(due);
@@ -730,6 +750,8 @@ impl Daemon {
             let idle = self.devices.is_empty()
                 && self.pending_adds.is_empty()
                 && self.pending_recovers.is_empty()
+                && self.pending_upgrades.is_empty()
+                && self.pending_deletes.is_empty()
                 && self.notifier.watchdog_interval().is_none()
                 && control_due.is_none()
                 && self.metrics_file.is_none();
@@ -756,8 +778,11 @@ impl Daemon {
             // or standby socket was ready saw nothing die or answer, and costs no wait4
             // per worker.
             let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
+            let mut turn = TurnTimes::new(woke);
             self.handle_deaths(woke, worker_events);
+            turn.mark("deaths");
             self.continue_recoveries();
+            turn.mark("recoveries");
             for dev in self.devices.values_mut() {
                 recovery::kill_if_hung(dev, hung_timeout);
             }
@@ -765,9 +790,30 @@ impl Daemon {
             self.notifier.watchdog(Instant::now(), hung);
             let status = self.summary();
             self.notifier.status(&status);
+            turn.mark("hangs");
             self.finish_pending_adds();
+            turn.mark("adds");
+            self.advance_upgrades(false);
+            turn.mark("upgrades");
+            self.finish_deletes(false);
             for (token, req) in self.control.service(&fds[control_fds], Instant::now()) {
                 let response = match req {
+                    CtlRequest::Add(_)
+                    | CtlRequest::Upgrade { .. }
+                    | CtlRequest::Recover { .. }
+                        if self.shutting_down =>
+                    {
+                        let message = "ublkd is shutting down".to_string();
+                        CtlResponse::Error { message }
+                    }
+                    CtlRequest::Del { id } => match self.begin_del(token, id, false) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::Shutdown => match self.begin_del(token, None, true) {
+                        Some(response) => response,
+                        None => continue,
+                    },
                     CtlRequest::Add(add) => match self.begin_add(token, &add) {
                         Some(response) => response,
                         None => continue,
@@ -776,10 +822,19 @@ impl Daemon {
                         Some(response) => response,
                         None => continue,
                     },
+                    CtlRequest::Upgrade { id } => match self.selected(id) {
+                        Ok(ids) => {
+                            self.begin_upgrade(token, ids);
+                            continue;
+                        }
+                        Err(message) => CtlResponse::Error { message },
+                    },
                     req => self.handle(req),
                 };
                 self.control.respond(token, &response, Instant::now());
             }
+            turn.mark("requests");
+            turn.report();
             // After the requests: a `del` of a device being recovered is answered in
             // the same turn.
             self.answer_recovers(false);
@@ -789,7 +844,7 @@ impl Daemon {
                 });
                 self.metrics_file = Some(writer);
             }
-            if self.shutting_down {
+            if self.shutting_down && !self.deleting() {
                 break;
             }
         }
@@ -798,6 +853,8 @@ impl Daemon {
         // not left half-made, and their clients told so.
         self.give_up_pending_adds(None, "ublkd stopped");
         self.answer_recovers(true);
+        self.advance_upgrades(true);
+        self.finish_deletes(true);
         let mut serving_on = 0;
         if !self.devices.is_empty() {
             // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
@@ -827,6 +884,7 @@ impl Daemon {
     /// one no worker died and no starting standby answered).
     fn handle_deaths(&mut self, woke: Instant, events: bool) {
         let mut starting = self.standbys_starting();
+        let mut spawned = 0;
         for (&id, dev) in &mut self.devices {
             // A mass death (every worker OOM-killed) is hundreds of recoveries, one
             // after another: past a turn's share, the rest wait for the next turn (their
@@ -838,9 +896,13 @@ impl Daemon {
             if events {
                 dev.standby_progress();
             }
-            if starting < STANDBYS_STARTING_AT_ONCE && dev.starting().is_none() {
+            if starting < STANDBYS_STARTING_AT_ONCE
+                && spawned < STANDBYS_SPAWNED_PER_TURN
+                && dev.starting().is_none()
+            {
                 dev.refill_standby_if_due(&self.ctx);
-                starting += usize::from(dev.starting().is_some());
+                let started = usize::from(dev.starting().is_some());
+                (starting, spawned) = (starting + started, spawned + started);
             }
             if !events {
                 continue;
@@ -891,33 +953,43 @@ impl Daemon {
             tracing::debug!(worker_pid = pid, "worker ended: {how}");
         }
     }
+}
 
-    /// Deletes every device; the ids deleted, or what failed (a device whose delete
-    /// failed is no longer served, and stays in the kernel for the next ublkd to adopt).
-    fn delete_all(&mut self) -> Result<Vec<u32>, String> {
-        let mut deleted = Vec::new();
-        let mut failed = Vec::new();
-        let devices = std::mem::take(&mut self.devices).into_values().collect();
-        let mut outcomes = Device::destroy_all(&self.ctx, devices);
-        outcomes.sort_unstable_by_key(|(id, _)| *id);
-        for (id, outcome) in outcomes {
-            match outcome {
-                Ok(()) => deleted.push(id),
-                Err(e) => {
-                    tracing::error!(dev_id = id, "delete failed: {e}");
-                    failed.push(format!("device {id}: {e}"));
-                }
-            }
+/// Where a loop turn's time went, said when the turn held the loop long enough for a
+/// client to notice ([`SLOW_TURN`]).
+struct TurnTimes {
+    at: Instant,
+    started: Instant,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+/// A turn longer than this is logged, with its steps.
+const SLOW_TURN: Duration = Duration::from_millis(100);
+
+impl TurnTimes {
+    fn new(started: Instant) -> TurnTimes {
+        TurnTimes { at: started, started, steps: Vec::new() }
+    }
+
+    fn mark(&mut self, step: &'static str) {
+        let now = Instant::now();
+        self.steps.push((step, now - self.at));
+        self.at = now;
+    }
+
+    fn report(&self) {
+        let took = self.started.elapsed();
+        if took < SLOW_TURN {
+            return;
         }
-        if failed.is_empty() {
-            return Ok(deleted);
-        }
-        let deleted: Vec<String> = deleted.iter().map(u32::to_string).collect();
-        Err(format!(
-            "delete failed: {} (deleted: {})",
-            failed.join("; "),
-            if deleted.is_empty() { "none".to_string() } else { deleted.join(", ") }
-        ))
+        let steps: Vec<String> =
+            self.steps.iter().map(|(s, d)| format!("{s} {} ms", d.as_millis())).collect();
+        tracing::info!(
+            event = "slow_turn",
+            "a loop turn took {} ms: {}",
+            took.as_millis(),
+            steps.join(", ")
+        );
     }
 }
 
@@ -981,6 +1053,11 @@ const DEATHS_PER_TURN: Duration = Duration::from_secs(1);
 /// CPU from the devices serving: after every worker died at once (an OOM kill), the
 /// recoveries, not hundreds of spares starting beside them, must have it.
 const STANDBYS_STARTING_AT_ONCE: usize = 8;
+
+/// How many standbys one loop turn starts: each is a fork and exec on the loop (tens
+/// of milliseconds under emulation), and a turn that started eight made `ublkctl
+/// status` wait for them; the rest start on the next turns, which come at once.
+const STANDBYS_SPAWNED_PER_TURN: usize = 2;
 
 /// How many configured devices [`Daemon::create_all`] creates at once: for the same
 /// reason, as many as standbys may start at once.

@@ -167,6 +167,10 @@ pub struct Device {
     /// A standby on its way: sent its setup, not yet standing by. The poll loop
     /// watches its control socket, so starting one never blocks the supervisor.
     starting: Option<Worker>,
+    /// A worker a recovery killed (an operator's recover, an upgrade), whose end the
+    /// recovery waits for, on later loop turns (its pidfd is polled), before the
+    /// device is released from it.
+    dying: Option<Worker>,
     recoveries: u64,
     last_recovery_ms: Option<u64>,
     last_recovery_reason: Option<String>,
@@ -269,7 +273,9 @@ impl Creation {
         let mut dev = self.dev;
         let id = dev.id;
         for mut worker in
-            [dev.worker.take(), dev.standby.take(), dev.starting.take()].into_iter().flatten()
+            [dev.worker.take(), dev.standby.take(), dev.starting.take(), dev.dying.take()]
+                .into_iter()
+                .flatten()
         {
             worker.kill();
             let pid = worker.pid();
@@ -435,6 +441,7 @@ impl Device {
             worker: None,
             standby: None,
             starting: None,
+            dying: None,
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
@@ -484,6 +491,16 @@ impl Device {
     /// commands on a control client of its own, since a client runs one command at a
     /// time.
     pub fn destroy_all(ctx: &Context, devices: Vec<Device>) -> Vec<(u32, Result<(), DeviceError>)> {
+        Self::destroy_each(&ctx.ctrl, &ctx.state, devices)
+    }
+
+    /// [`Self::destroy_all`] with `ctrl` as the control client of last resort (each
+    /// helper thread opens its own): for a thread of its own, off ublkd's loop.
+    pub fn destroy_each(
+        shared: &CtrlClient,
+        state: &StateDir,
+        devices: Vec<Device>,
+    ) -> Vec<(u32, Result<(), DeviceError>)> {
         let count = devices.len();
         let queue = Mutex::new(devices);
         let outcomes = Mutex::new(Vec::with_capacity(count));
@@ -493,7 +510,7 @@ impl Device {
                 let next = lock(&queue).pop();
                 let Some(dev) = next else { break };
                 let id = dev.id;
-                let outcome = dev.destroy_with(ctrl, &ctx.state);
+                let outcome = dev.destroy_with(ctrl, state);
                 lock(&outcomes).push((id, outcome));
             }
         };
@@ -507,7 +524,7 @@ impl Device {
                         Ok(own) => work(&own),
                         Err(e) => {
                             tracing::warn!("deleting with the shared control client: {e}");
-                            work(&ctx.ctrl)
+                            work(shared)
                         }
                     });
                 if let Err(e) = helper {
@@ -515,7 +532,7 @@ impl Device {
                     break;
                 }
             }
-            work(&ctx.ctrl);
+            work(shared);
         });
         outcomes.into_inner().unwrap_or_else(|p| p.into_inner())
     }
@@ -526,10 +543,11 @@ impl Device {
         let stopped = ctrl.stop_dev(id);
         let stop_done = Instant::now();
         let serving = self.worker.as_ref().map(Worker::pid);
-        let workers: Vec<Worker> = [self.worker.take(), self.standby.take(), self.starting.take()]
-            .into_iter()
-            .flatten()
-            .collect();
+        let workers: Vec<Worker> =
+            [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
+                .into_iter()
+                .flatten()
+                .collect();
         // Asked at once, the workers exit side by side.
         for worker in &workers {
             worker.ask_to_exit();
@@ -586,7 +604,7 @@ impl Device {
         {
             worker.leave_serving();
         }
-        [self.worker.take(), self.standby.take(), self.starting.take()]
+        [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
             .into_iter()
             .flatten()
             .collect()
@@ -622,6 +640,11 @@ impl Device {
     /// The standby on its way, if one is.
     pub fn starting(&self) -> Option<&Worker> {
         self.starting.as_ref()
+    }
+
+    /// A worker a recovery killed and waits for the end of, if there is one.
+    pub fn dying(&self) -> Option<&Worker> {
+        self.dying.as_ref()
     }
 
     /// How many times the device was recovered (fail-io workers not counted).

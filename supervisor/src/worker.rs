@@ -387,6 +387,11 @@ impl Worker {
         copy_rings(self.pidfd.as_fd(), self.pid, named)
     }
 
+    /// Whether it has exited (without waiting, and without reaping it).
+    pub fn has_exited(&self) -> bool {
+        exits_within(self.pidfd.as_fd(), Duration::ZERO)
+    }
+
     /// How long it has served since this ublkd activated it (`None`: it did not).
     pub fn served_for(&self) -> Option<Duration> {
         self.activated.map(|at| at.elapsed())

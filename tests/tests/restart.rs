@@ -252,3 +252,154 @@ fn upgrade_moves_every_device_to_the_binary_on_disk_while_fio_verifies() {
     }
     ublkd.stop();
 }
+
+/// The stall of the recovery from worker `pid`'s kill, as ublkd logged it.
+fn stall_after_kill(ublkd: &Ublkd, pid: u32) -> u64 {
+    let log = ublkd.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(&format!("device recovered (worker {pid} killed")))
+        .unwrap_or_else(|| panic!("no recovery from killing worker {pid}:\n{log}"));
+    let at = line.find("stall_ms=").expect("a stall") + "stall_ms=".len();
+    line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
+}
+
+/// `ublkctl upgrade -a` of 50 devices, some under fio, is steps the loop takes between
+/// its other work: `ublkctl status` answers within a second throughout, and a
+/// bystander's worker killed mid-upgrade is recovered with its usual stall, not after
+/// the upgrade of the devices before it.
+#[test]
+fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    let _serial = serial();
+    const DEVICES: usize = 50;
+    let ublkd = Ublkd::start("upgrade-fifty");
+    let ids: Vec<u32> = std::thread::scope(|scope| {
+        let adders: Vec<_> = (0..5)
+            .map(|_| {
+                let ctl = ublkd.ctl.clone();
+                scope.spawn(move || {
+                    (0..DEVICES / 5)
+                        .map(|_| {
+                            let out = ctl.run(&["add", "-t", "null", "-s", "16M", "-q", "1"]);
+                            assert!(out.status.success(), "add: {}", describe(&out));
+                            String::from_utf8_lossy(&out.stdout).trim().parse::<u32>().unwrap()
+                        })
+                        .collect::<Vec<u32>>()
+                })
+            })
+            .collect();
+        adders.into_iter().flat_map(|a| a.join().unwrap()).collect()
+    });
+    assert_eq!(ids.len(), DEVICES);
+    let bystander = *ids.iter().max().unwrap();
+    // Its usual stall, before the upgrade.
+    ublkd.wait_until("the bystander's standby", || {
+        ublkd.status_of(bystander)["standby_pid"].as_u64().is_some()
+    });
+    let first = ublkd.worker_pid(bystander);
+    signal(first, libc::SIGKILL);
+    ublkd.wait_until("the bystander's first recovery", || {
+        ublkd.status_of(bystander)["recoveries"] == 1
+    });
+    let usual = stall_after_kill(&ublkd, first);
+    let mut fios: Vec<Fio> = ids[..3]
+        .iter()
+        .map(|&id| {
+            let mut args = fio_args(&format!("fifty{id}"), &block_dev(id), "randrw", 1, 16 * MIB);
+            // Steady I/O that leaves the emulated CPUs room: status measures ublkd's
+            // loop, not a starved ublkctl.
+            args.extend(["--time_based".into(), "--runtime=600".into(), "--rate_iops=200".into()]);
+            Fio::spawn(args)
+        })
+        .collect();
+    ublkd.wait_until("the bystander's new standby", || {
+        ublkd.status_of(bystander)["standby_pid"].as_u64().is_some()
+    });
+    // What status takes under this load without an upgrade, for the log.
+    let baseline = (0..5)
+        .map(|_| {
+            let asked = Instant::now();
+            ublkd.ctl_ok(&["status"]);
+            std::thread::sleep(Duration::from_millis(100));
+            asked.elapsed() - Duration::from_millis(100)
+        })
+        .max()
+        .unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let (ctl, done) = (ublkd.ctl.clone(), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut slowest = Duration::ZERO;
+            while !done.load(Ordering::SeqCst) {
+                let asked = Instant::now();
+                let out = ctl.run(&["status"]);
+                assert!(out.status.success(), "status: {}", describe(&out));
+                slowest = slowest.max(asked.elapsed());
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            slowest
+        })
+    };
+    // Killed once a few devices are upgraded (their upgrades are logged).
+    let victim = ublkd.worker_pid(bystander);
+    let killer = {
+        let log_path = PathBuf::from("/tmp/ublkd-test-upgrade-fifty.log");
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while std::fs::read_to_string(&log_path)
+                .unwrap_or_default()
+                .matches("upgraded to")
+                .count()
+                < 5
+            {
+                assert!(Instant::now() < deadline, "no upgrade logged within 120 s");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            signal(victim, libc::SIGKILL)
+        })
+    };
+    let started = Instant::now();
+    let out = ublkd.ctl(&["upgrade", "-a"]);
+    let took = started.elapsed();
+    done.store(true, Ordering::SeqCst);
+    let slowest = prober.join().unwrap();
+    assert!(killer.join().unwrap(), "the bystander's worker was gone before the kill");
+    let text = describe(&out);
+    assert!(out.status.success(), "ublkctl upgrade -a failed: {text}\n{}", ublkd.log());
+    assert_eq!(text.matches(": upgraded to").count(), DEVICES, "{text}");
+    let stall = stall_after_kill(&ublkd, victim);
+    eprintln!(
+        "upgrade -a of {DEVICES} devices took {took:?}; status took {slowest:?} at most \
+         ({baseline:?} without an upgrade); the bystander's stall {stall} ms mid-upgrade, \
+         {usual} ms before"
+    );
+    // Where the longest turns of ublkd's loop went, for whoever tunes it.
+    let log = ublkd.log();
+    let mut slow: Vec<(u64, &str)> = log
+        .lines()
+        .filter(|l| l.contains("event=\"slow_turn\""))
+        .map(|l| {
+            let ms = l.split("a loop turn took ").nth(1).unwrap_or_default();
+            (ms.split(' ').next().unwrap_or_default().parse().unwrap_or(0), l)
+        })
+        .collect();
+    slow.sort_unstable();
+    let shown: Vec<&str> = slow.iter().rev().take(5).map(|(_, l)| *l).collect();
+    eprintln!("{} loop turns over 100 ms, the longest:\n{}", slow.len(), shown.join("\n"));
+    assert!(slowest < Duration::from_secs(1), "status took {slowest:?} during the upgrade");
+    assert!(
+        stall <= 2 * usual + 500,
+        "the bystander's recovery stalled {stall} ms mid-upgrade, {usual} ms before"
+    );
+    for fio in fios.drain(..) {
+        let jobs = fio.interrupt().unwrap_or_else(|e| panic!("{e}\n{}", ublkd.log()));
+        assert_fio_clean(&jobs, 1);
+    }
+    for &id in &ids {
+        assert_eq!(ublkd.status_of(id)["state"], "LIVE");
+    }
+    ublkd.stop();
+}

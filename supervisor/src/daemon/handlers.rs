@@ -2,13 +2,9 @@
 //! shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
 use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
-    UpgradeOutcome,
 };
 use ublkd_proto::shm::{CounterSnapshot, DevLatency};
 use ublkd_proto::uapi::DevState;
@@ -17,22 +13,14 @@ use super::Daemon;
 use crate::device::{Device, Recovery};
 use crate::device_state::StateKind;
 
-/// How long an upgrade waits for a recovery that goes on (an nbd device connecting
-/// afresh) before it answers; the loop, and systemd's watchdog, wait meanwhile.
-const UPGRADE_SETTLE: Duration = Duration::from_secs(5);
-
-/// `ids` and `more`, in order.
-fn sorted(mut ids: Vec<u32>, more: Vec<u32>) -> Vec<u32> {
-    ids.extend(more);
-    ids.sort_unstable();
-    ids
-}
-
 impl Daemon {
     pub(super) fn handle(&mut self, req: CtlRequest) -> CtlResponse {
         let result = match req {
             CtlRequest::Add(add) => self.handle_add(&add).map(|id| CtlResponse::Added { id }),
-            CtlRequest::Del { id } => self.handle_del(id).map(|ids| CtlResponse::Deleted { ids }),
+            // Answered by the loop once the devices are deleted (`Daemon::begin_del`).
+            CtlRequest::Del { .. } | CtlRequest::Shutdown => {
+                Err("a delete is answered by the loop".into())
+            }
             CtlRequest::List { id } => self.selected(id).map(|ids| {
                 CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
             }),
@@ -63,39 +51,13 @@ impl Daemon {
                 Ok(None) => Err(self.recovering_message(id)),
                 Err(e) => Err(e),
             },
-            CtlRequest::Upgrade { id } => self.selected(id).map(|ids| {
-                let mut outcomes = Vec::with_capacity(ids.len());
-                for (n, id) in ids.into_iter().enumerate() {
-                    if n > 0 {
-                        self.tend_between_upgrades();
-                    }
-                    outcomes.push(if self.signals.terminate.load(Ordering::Relaxed) {
-                        UpgradeOutcome {
-                            id,
-                            upgraded: false,
-                            message: format!("device {id}: not upgraded: ublkd is stopping"),
-                        }
-                    } else {
-                        self.upgrade(id)
-                    });
-                }
-                CtlResponse::Upgraded(outcomes)
-            }),
-            CtlRequest::Shutdown => {
-                tracing::info!(
-                    event = "shutdown",
-                    "shutdown requested: deleting {} device(s), then exiting",
-                    self.devices.len()
-                );
-                self.shutting_down = true;
-                let made = self.give_up_pending_adds(None, "ublkd was shut down");
-                self.delete_all().map(|ids| CtlResponse::Deleted { ids: sorted(ids, made) })
-            }
+            // Answered by the loop once the hand-over ends (`Daemon::begin_upgrade`).
+            CtlRequest::Upgrade { .. } => Err("an upgrade is answered by the loop".into()),
         };
         result.unwrap_or_else(|message| CtlResponse::Error { message })
     }
 
-    fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
+    pub(super) fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
         match id {
             None => Ok(self.devices.keys().copied().collect()),
             Some(id) if self.devices.contains_key(&id) => Ok(vec![id]),
@@ -156,27 +118,50 @@ impl Daemon {
         Ok(spec)
     }
 
-    fn handle_del(&mut self, id: Option<u32>) -> Result<Vec<u32>, String> {
-        match id {
-            // Adds under way too: none of them may come up after `del -a` answered.
+    /// `ublkctl del` (`id`: one device, else every one) and `shutdown`: the devices
+    /// deleted off the loop ([`Self::begin_delete`]); answered now only if refused or
+    /// if there was nothing to delete.
+    pub(super) fn begin_del(
+        &mut self,
+        token: crate::control::Token,
+        id: Option<u32>,
+        shutdown: bool,
+    ) -> Option<CtlResponse> {
+        let all = |daemon: &mut Daemon, why: &str| {
+            // Adds under way too: none of them may come up after the answer.
+            let made = daemon.give_up_pending_adds(None, why);
+            let devices: Vec<Device> = std::mem::take(&mut daemon.devices).into_values().collect();
+            (devices, made)
+        };
+        let (devices, one, given_up) = match id {
+            _ if shutdown => {
+                tracing::info!(
+                    event = "shutdown",
+                    "shutdown requested: deleting {} device(s), then exiting",
+                    self.devices.len()
+                );
+                self.shutting_down = true;
+                let (devices, made) = all(self, "ublkd was shut down");
+                (devices, false, made)
+            }
             None => {
-                let made = self.give_up_pending_adds(None, "deleted by `ublkctl del -a`");
-                self.delete_all().map(|ids| sorted(ids, made))
+                let (devices, made) = all(self, "deleted by `ublkctl del -a`");
+                (devices, false, made)
             }
             Some(id) if !self.devices.contains_key(&id) => {
                 let before = self.pending_adds.len();
                 self.give_up_pending_adds(Some(id), &format!("deleted by `ublkctl del {id}`"));
                 if self.pending_adds.len() == before {
-                    return Err(self.unknown(id));
+                    return Some(CtlResponse::Error { message: self.unknown(id) });
                 }
-                Ok(vec![id])
+                return Some(CtlResponse::Deleted { ids: vec![id] });
             }
             Some(id) => {
-                let dev = self.devices.remove(&id).ok_or_else(|| self.unknown(id))?;
-                dev.destroy(&self.ctx).map_err(|e| e.to_string())?;
-                Ok(vec![id])
+                let dev = self.devices.remove(&id).expect("checked above");
+                (vec![dev], true, Vec::new())
             }
-        }
+        };
+        self.begin_delete(token, devices, one, given_up)
     }
 
     /// `ublkctl recover`: recovers the device now and resets its restart budget. The
@@ -253,7 +238,7 @@ impl Daemon {
     }
 
     /// What the recovery of device `id` still waits for, and that ublkd goes on with it.
-    fn recovery_wait(&self, id: u32) -> String {
+    pub(super) fn recovery_wait(&self, id: u32) -> String {
         let rest =
             format!("ublkd finishes the recovery by itself; `ublkctl status {id}` shows when");
         let Some(dev) = self.devices.get(&id) else { return rest };
@@ -269,106 +254,6 @@ impl Daemon {
                 "not recovered yet: the kernel has not released /dev/ublkc{id} (the old \
                  worker's I/O has not ended), its I/O held; {rest}"
             ),
-        }
-    }
-
-    /// Between two devices of an `upgrade -a` (each takes a standby's start, a second or
-    /// more under emulation): what the loop would do meanwhile, so that a thousand
-    /// devices' upgrade neither leaves another device's dead worker unrecovered nor
-    /// starves systemd's watchdog.
-    fn tend_between_upgrades(&mut self) {
-        let now = Instant::now();
-        crate::worker::reap_lingering();
-        self.handle_deaths(now, true);
-        self.continue_recoveries();
-        let hung_timeout = self.config.recovery.hung_timeout;
-        let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
-        self.notifier.watchdog(now, hung);
-    }
-
-    /// Hands device `id` over to a worker from the binary on disk: a new standby
-    /// first (the old worker serves until it stands by; if it fails, nothing changes),
-    /// then a planned recovery onto it, which stalls the device's I/O like a recovery
-    /// (held, re-issued, not failed) and spends none of its restart budget. Not the
-    /// kernel's QUIESCE_DEV: on a BATCH_IO device (Linux 7.2) it fails the I/O that
-    /// arrives during the hand-off with EIO, and 6.12 has no QUIESCE at all.
-    fn upgrade(&mut self, id: u32) -> UpgradeOutcome {
-        let binary = self.ctx.worker_binary.display().to_string();
-        let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
-        let Some(dev) = self.devices.get_mut(&id) else {
-            return outcome(false, format!("device {id}: no longer served by ublkd"));
-        };
-        if !dev.state().has_worker() || dev.state().failing_io() {
-            return outcome(
-                false,
-                format!(
-                    "device {id}: not upgraded: it is not served ({}); `ublkctl recover {id}` \
-                     serves it with the binary on disk",
-                    dev.state().kind()
-                ),
-            );
-        }
-        if let Err(e) = dev.renew_standby(&self.ctx) {
-            tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
-            return outcome(
-                false,
-                format!(
-                    "device {id}: not upgraded: the new worker ({binary}) did not start: \
-                         {e}; the old worker serves on"
-                ),
-            );
-        }
-        dev.forget_death();
-        match dev.recover(&self.ctx, "ublkctl upgrade") {
-            // Done: LIVE already, which the settling sees at once.
-            Ok(Recovery::Done(_) | Recovery::Waiting) => self.settle_upgrade(id),
-            Err(e) => {
-                dev.wait_for_operator(format!("upgrade failed: {e} (after: ublkctl upgrade)"));
-                outcome(false, format!("device {id}: upgrade failed: {e}"))
-            }
-        }
-    }
-
-    /// The answer to an upgrade whose recovery was begun. One that goes on (an nbd
-    /// device's new worker gets fresh connections, made on a thread; a release may
-    /// lag) is waited for up to
-    /// [`UPGRADE_SETTLE`], going on with it as the loop would, so that the answer says
-    /// whether the device is served. A wait on something outside ublkd (a server away,
-    /// a release behind a slow backend) is reported at once, for the loop to finish.
-    fn settle_upgrade(&mut self, id: u32) -> UpgradeOutcome {
-        let binary = self.ctx.worker_binary.display().to_string();
-        let until = Instant::now() + UPGRADE_SETTLE;
-        while Instant::now() < until && !self.recovery_held_up(id) {
-            let Some(dev) = self.devices.get_mut(&id) else { break };
-            if dev.state().kind() != StateKind::Releasing {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-            crate::recovery::continue_if_due(dev, &self.ctx, Instant::now());
-        }
-        let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
-        let Some(dev) = self.devices.get(&id) else {
-            return outcome(false, format!("device {id}: no longer served by ublkd"));
-        };
-        match dev.state().kind() {
-            StateKind::Live => {
-                let stall = dev.last_recovery_ms().unwrap_or_default();
-                tracing::info!(
-                    dev_id = id,
-                    event = "upgraded",
-                    stall_ms = stall,
-                    "upgraded to {binary}"
-                );
-                outcome(true, format!("device {id}: upgraded to {binary} (stall {stall} ms)"))
-            }
-            StateKind::Releasing => outcome(
-                true,
-                format!("device {id}: handed to {binary}, {}", self.recovery_wait(id)),
-            ),
-            _ => {
-                let note = dev.state().note().unwrap_or("no reason given");
-                outcome(false, format!("device {id}: upgrade failed: {note}"))
-            }
         }
     }
 

@@ -18,6 +18,9 @@ use ublkd_proto::msg::TargetSetup;
 
 /// The longest an nbd device in a recovery waits between two tries to reach its server.
 const NBD_RETRY_MAX: Duration = Duration::from_secs(2);
+/// How often the loop looks whether a killed worker has ended, if its pidfd has not
+/// woken it first.
+const DYING_POLL: Duration = Duration::from_millis(50);
 /// How often the loop looks whether an nbd device's connecting thread is done.
 const NBD_CONNECT_POLL: Duration = Duration::from_millis(20);
 /// How often the loop looks whether a recovery's standby stands by (its socket also
@@ -70,19 +73,23 @@ impl Device {
             standby_wait: None,
             standby_waited: Duration::ZERO,
         }))?;
-        if let Some(mut old) = self.worker.take() {
-            // A live worker (an operator's recover) must go first. Already killed:
-            // waiting for it is bounded by the kill's grace, not a polite stop's.
+        if let Some(old) = self.worker.take() {
+            // A live worker (an operator's recover, an upgrade) must go first: killed
+            // now, its end waited for by the loop (`dying`), not here.
             old.kill();
-            old.reap(Duration::ZERO);
-            old.release_device();
+            self.dying = Some(old);
         }
         self.continue_recovery(ctx, RELEASE_WAIT_INLINE)
     }
 
-    /// When a recovery waiting for the kernel's release tries again, if one waits.
+    /// When a recovery waiting for the kernel's release tries again, if one waits: at
+    /// once if the worker it killed has ended.
     pub fn release_due(&self) -> Option<Instant> {
         match &self.state {
+            // Its start is past: due on any turn from now on.
+            DeviceState::Releasing(r) if self.dying.as_ref().is_some_and(Worker::has_exited) => {
+                Some(r.started)
+            }
             DeviceState::Releasing(r) => Some(r.next_try),
             _ => None,
         }
@@ -103,6 +110,18 @@ impl Device {
         inline: Duration,
     ) -> Result<Recovery, DeviceError> {
         let id = self.id;
+        if let Some(old) = &self.dying {
+            if !old.has_exited() {
+                if let DeviceState::Releasing(r) = &mut self.state {
+                    r.next_try = Instant::now() + DYING_POLL;
+                }
+                return Ok(Recovery::Waiting);
+            }
+            if let Some(mut old) = self.dying.take() {
+                old.reap(Duration::ZERO);
+                old.release_device();
+            }
+        }
         if !self.nbd_connected(ctx.nbd_server_wait, ctx.kernel_features) {
             return Ok(Recovery::Waiting);
         }

@@ -143,15 +143,27 @@ impl Device {
         self.await_standby(worker, WORKER_TIMEOUT)
     }
 
-    /// Replaces the standby with a new worker from the binary now on disk, waiting for
-    /// it to stand by: what an upgrade hands the device to. If the new worker fails,
-    /// the device keeps its worker and standby, and the error says why.
-    pub fn renew_standby(&mut self, ctx: &Context) -> Result<(), DeviceError> {
-        let fresh = self.spawn_worker(ctx, false)?;
-        let fresh = self.await_standby(fresh, WORKER_TIMEOUT)?;
-        for mut old in [self.standby.replace(fresh), self.starting.take()].into_iter().flatten() {
+    /// Starts a worker from the binary now on disk, to become the standby an upgrade
+    /// hands the device to ([`Self::renew_standby`] once it has answered, or its
+    /// deadline passed). The device keeps its worker and standby meanwhile.
+    pub fn start_renewed_standby(&self, ctx: &Context) -> Result<Worker, DeviceError> {
+        self.spawn_worker(ctx, false)
+    }
+
+    /// Makes `fresh` (from [`Self::start_renewed_standby`]) the standby if it stands by
+    /// (`answered`: it has said something, so this does not wait; else it is given up
+    /// as too slow), ending the old standby. If the new worker failed, the device
+    /// keeps its worker and standby, and the error says why.
+    pub fn renew_standby(&mut self, fresh: Worker, answered: bool) -> Result<(), DeviceError> {
+        let fresh = if answered {
+            self.await_standby(fresh, Duration::from_millis(100))?
+        } else {
+            let source = WorkerError::Timeout { pid: fresh.pid(), secs: WORKER_TIMEOUT.as_secs() };
+            return Err(self.standby_failed(fresh, source));
+        };
+        // Not waited for: reaped once they end (`reap_lingering`).
+        for old in [self.standby.replace(fresh), self.starting.take()].into_iter().flatten() {
             old.kill();
-            old.reap(Duration::ZERO);
         }
         Ok(())
     }

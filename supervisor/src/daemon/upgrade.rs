@@ -1,0 +1,233 @@
+//! `ublkctl upgrade`: each device handed over to a worker from the binary on disk,
+//! without holding up the loop. A new worker is started beside the serving one (the
+//! device keeps its worker and standby until the new one stands by; if it fails,
+//! nothing changes), then a planned recovery moves the device onto it, which stalls
+//! its I/O like any recovery (held, re-issued, not failed) and spends none of its
+//! restart budget. Not the kernel's QUIESCE_DEV: on a BATCH_IO device (Linux 7.2) it
+//! fails the I/O that arrives during the hand-off with EIO, and 6.12 has no QUIESCE.
+//!
+//! The worker's start (0.1-1 s under emulation) and the recovery are steps the loop
+//! takes on later turns ([`PendingUpgrade`]): clients, other devices' recoveries and
+//! systemd's watchdog are served meanwhile. The answer comes once each device is LIVE
+//! on its new worker, or at the latest [`UPGRADE_SETTLE`] after its hand-over with
+//! where it stands; a recovery held up outside ublkd (a server away, a slow release) is
+//! answered at once, for the loop to finish by itself.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use ublkd_proto::msg::{CtlResponse, UpgradeOutcome};
+
+use super::Daemon;
+use crate::control::Token;
+use crate::device::Recovery;
+use crate::device_state::StateKind;
+use crate::worker::Worker;
+
+/// How long an upgrade's answer waits for a recovery that goes on (an nbd device
+/// connecting afresh) once the device was handed over.
+const UPGRADE_SETTLE: Duration = Duration::from_secs(5);
+/// How long the new worker may take to stand by.
+const NEW_WORKER_LIMIT: Duration = Duration::from_secs(30);
+
+/// An `ublkctl upgrade` under way: the devices still to upgrade, in order, the one
+/// being upgraded, and the outcomes so far (the answer lists them all).
+#[derive(Debug)]
+pub(super) struct PendingUpgrade {
+    token: Token,
+    queue: VecDeque<u32>,
+    current: Option<(u32, Step)>,
+    outcomes: Vec<UpgradeOutcome>,
+}
+
+#[derive(Debug)]
+enum Step {
+    /// The new worker is starting; the old one serves.
+    Starting { worker: Box<Worker>, deadline: Instant },
+    /// Handed over: a recovery onto the new worker goes on.
+    Settling { until: Instant },
+}
+
+impl PendingUpgrade {
+    /// The new worker's control socket, to poll, and when the step is due anyway.
+    pub(super) fn wake(&self) -> (Option<RawFd>, Option<Instant>) {
+        match &self.current {
+            Some((_, Step::Starting { worker, deadline })) => {
+                (Some(worker.control().as_raw_fd()), Some(*deadline))
+            }
+            Some((_, Step::Settling { until })) => (None, Some(*until)),
+            // The next device begins on the next turn.
+            None => (None, Some(Instant::now())),
+        }
+    }
+}
+
+impl Daemon {
+    /// `ublkctl upgrade` of `ids`: begun now, answered by [`Self::advance_upgrades`].
+    pub(super) fn begin_upgrade(&mut self, token: Token, ids: Vec<u32>) {
+        let queue = ids.into_iter().collect();
+        self.pending_upgrades.push(PendingUpgrade {
+            token,
+            queue,
+            current: None,
+            outcomes: Vec::new(),
+        });
+        self.advance_upgrades(false);
+    }
+
+    /// Moves every upgrade under way on by the steps that are ready, and answers those
+    /// done. `stopping`: ublkd stops; each is answered now with where it stands.
+    pub(super) fn advance_upgrades(&mut self, stopping: bool) {
+        for mut pending in std::mem::take(&mut self.pending_upgrades) {
+            loop {
+                let (id, step) = match pending.current.take() {
+                    Some(current) => current,
+                    None => match pending.queue.pop_front() {
+                        Some(id) if stopping => {
+                            let message = format!("device {id}: not upgraded: ublkd is stopping");
+                            pending.outcomes.push(UpgradeOutcome { id, upgraded: false, message });
+                            continue;
+                        }
+                        Some(id) => match self.start_upgrade(id) {
+                            Ok(step) => (id, step),
+                            Err(outcome) => {
+                                pending.outcomes.push(outcome);
+                                continue;
+                            }
+                        },
+                        None => break,
+                    },
+                };
+                match self.upgrade_step(id, step, stopping) {
+                    Ok(step) => {
+                        pending.current = Some((id, step));
+                        break;
+                    }
+                    Err(outcome) => pending.outcomes.push(outcome),
+                }
+            }
+            if pending.current.is_some() || !pending.queue.is_empty() {
+                self.pending_upgrades.push(pending);
+                continue;
+            }
+            let response = CtlResponse::Upgraded(pending.outcomes);
+            self.control.respond(pending.token, &response, Instant::now());
+        }
+    }
+
+    /// Starts the new worker of device `id`'s upgrade.
+    fn start_upgrade(&mut self, id: u32) -> Result<Step, UpgradeOutcome> {
+        let binary = self.ctx.worker_binary.display().to_string();
+        let outcome = |message| UpgradeOutcome { id, upgraded: false, message };
+        let Some(dev) = self.devices.get_mut(&id) else {
+            return Err(outcome(format!("device {id}: no longer served by ublkd")));
+        };
+        if !dev.state().has_worker() || dev.state().failing_io() {
+            return Err(outcome(format!(
+                "device {id}: not upgraded: it is not served ({}); `ublkctl recover {id}` \
+                 serves it with the binary on disk",
+                dev.state().kind()
+            )));
+        }
+        match dev.start_renewed_standby(&self.ctx) {
+            Ok(worker) => Ok(Step::Starting {
+                worker: Box::new(worker),
+                deadline: Instant::now() + NEW_WORKER_LIMIT,
+            }),
+            Err(e) => {
+                tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
+                Err(outcome(format!(
+                    "device {id}: not upgraded: the new worker ({binary}) did not start: {e}; \
+                     the old worker serves on"
+                )))
+            }
+        }
+    }
+
+    /// Takes device `id`'s upgrade on from `step` if it can: the next step to wait on,
+    /// or the outcome.
+    fn upgrade_step(
+        &mut self,
+        id: u32,
+        step: Step,
+        stopping: bool,
+    ) -> Result<Step, UpgradeOutcome> {
+        let binary = self.ctx.worker_binary.display().to_string();
+        let failed = |message| UpgradeOutcome { id, upgraded: false, message };
+        let now = Instant::now();
+        match step {
+            Step::Starting { worker, deadline } => {
+                let Some(dev) = self.devices.get_mut(&id) else {
+                    worker.kill();
+                    return Err(failed(format!("device {id}: no longer served by ublkd")));
+                };
+                if stopping {
+                    worker.kill();
+                    return Err(failed(format!("device {id}: not upgraded: ublkd is stopping")));
+                }
+                let answered = worker.has_answered();
+                if !answered && now < deadline {
+                    return Ok(Step::Starting { worker, deadline });
+                }
+                if let Err(e) = dev.renew_standby(*worker, answered) {
+                    tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
+                    return Err(failed(format!(
+                        "device {id}: not upgraded: the new worker ({binary}) did not start: \
+                         {e}; the old worker serves on"
+                    )));
+                }
+                dev.forget_death();
+                match dev.recover(&self.ctx, "ublkctl upgrade") {
+                    Ok(Recovery::Done(_)) => Err(self.upgrade_outcome(id)),
+                    Ok(Recovery::Waiting) => Ok(Step::Settling { until: now + UPGRADE_SETTLE }),
+                    Err(e) => {
+                        dev.wait_for_operator(format!(
+                            "upgrade failed: {e} (after: ublkctl upgrade)"
+                        ));
+                        Err(failed(format!("device {id}: upgrade failed: {e}")))
+                    }
+                }
+            }
+            Step::Settling { until } => {
+                let releasing = self
+                    .devices
+                    .get(&id)
+                    .is_some_and(|dev| dev.state().kind() == StateKind::Releasing);
+                if releasing && now < until && !stopping && !self.recovery_held_up(id) {
+                    return Ok(Step::Settling { until });
+                }
+                Err(self.upgrade_outcome(id))
+            }
+        }
+    }
+
+    /// Where device `id` stands once its upgrade's recovery is done, or was waited for.
+    fn upgrade_outcome(&self, id: u32) -> UpgradeOutcome {
+        let binary = self.ctx.worker_binary.display().to_string();
+        let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
+        let Some(dev) = self.devices.get(&id) else {
+            return outcome(false, format!("device {id}: no longer served by ublkd"));
+        };
+        match dev.state().kind() {
+            StateKind::Live => {
+                let stall = dev.last_recovery_ms().unwrap_or_default();
+                tracing::info!(
+                    dev_id = id,
+                    event = "upgraded",
+                    stall_ms = stall,
+                    "upgraded to {binary}"
+                );
+                outcome(true, format!("device {id}: upgraded to {binary} (stall {stall} ms)"))
+            }
+            StateKind::Releasing => outcome(
+                true,
+                format!("device {id}: handed to {binary}, {}", self.recovery_wait(id)),
+            ),
+            _ => {
+                let note = dev.state().note().unwrap_or("no reason given");
+                outcome(false, format!("device {id}: upgrade failed: {note}"))
+            }
+        }
+    }
+}
