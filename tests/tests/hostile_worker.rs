@@ -78,6 +78,18 @@ fn a_worker_that_scribbles_over_its_region_and_dies_leaves_ublkd_up_and_data_int
     ublkd.stop();
 }
 
+/// Writes 16 MiB of random data over `dev` (past the page cache); their sha256.
+fn fill_random(dev: &std::path::Path) -> String {
+    run_ok(std::process::Command::new("dd").args([
+        "if=/dev/urandom",
+        &format!("of={}", dev.display()),
+        "bs=1M",
+        "count=16",
+        "oflag=direct",
+    ]));
+    sha256(dev)
+}
+
 /// The region file of device `id` in the test's state dir.
 fn region_file(name: &str, id: u32) -> PathBuf {
     PathBuf::from(format!("/run/ublkd-test-{name}/state/devices/{id}/shm"))
@@ -89,14 +101,7 @@ fn a_new_ublkd_adopts_a_device_whose_region_generation_was_scribbled() {
     let mut ublkd = Ublkd::start("adopt-scribbled");
     let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
     let dev = block_dev(id);
-    run_ok(std::process::Command::new("dd").args([
-        "if=/dev/urandom",
-        &format!("of={}", dev.display()),
-        "bs=1M",
-        "count=16",
-        "oflag=direct",
-    ]));
-    let before = sha256(&dev);
+    let before = fill_random(&dev);
     // What a worker could have left: a valid header but for a generation (and
     // counters) at their maximum, which the next activation must not overflow.
     ublkd.sigkill_and_restart(|| {
@@ -242,14 +247,7 @@ fn a_worker_that_stuffs_its_control_socket_cannot_make_ublkd_wait() {
     let kept = ublkd.add(&["-t", "memory", "-s", "16M"]);
     let deleted = ublkd.add(&["-t", "memory", "-s", "16M"]);
     let dev = block_dev(kept);
-    run_ok(std::process::Command::new("dd").args([
-        "if=/dev/urandom",
-        &format!("of={}", dev.display()),
-        "bs=1M",
-        "count=16",
-        "oflag=direct",
-    ]));
-    let before = sha256(&dev);
+    let before = fill_random(&dev);
     ublkd.wait_until("both workers' attacks", || {
         ublkd.log().matches("attack fill-control: queued").count() == 2
     });

@@ -954,17 +954,6 @@ impl OneAtATimeProxy {
     }
 }
 
-/// The stall of the recovery from worker `pid`'s kill, as ublkd logged it.
-fn stall_after_kill(ublkd: &Ublkd, pid: u32) -> u64 {
-    let log = ublkd.log();
-    let line = log
-        .lines()
-        .find(|l| l.contains(&format!("device recovered (worker {pid} killed")))
-        .unwrap_or_else(|| panic!("no recovery from killing worker {pid}:\n{log}"));
-    let at = line.find("stall_ms=").expect("a stall") + "stall_ms=".len();
-    line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
-}
-
 /// A multi-conn export whose server answers the first connection of a worker's set and
 /// never the others: every connection is made off ublkd's loop, so `ublkctl status`
 /// answers within a second throughout the add, a worker kill and an upgrade of that
@@ -972,8 +961,6 @@ fn stall_after_kill(ublkd: &Ublkd, pid: u32) -> u64 {
 /// device's worker killed meanwhile recovers with its usual stall.
 #[test]
 fn a_server_that_answers_one_connection_of_a_set_never_holds_up_ublkd() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
     let _serial = serial();
     let file = PathBuf::from("/tmp/ublkd-test-nbd-one-at-a-time.img");
     sparse_file(&file, 16 * MIB);
@@ -987,23 +974,9 @@ fn a_server_that_answers_one_connection_of_a_set_never_holds_up_ublkd() {
     let first = ublkd.worker_pid(bystander);
     signal(first, libc::SIGKILL);
     wait_recovered(&ublkd, bystander, 1);
-    let usual = stall_after_kill(&ublkd, first);
+    let usual = ublkd.stall_after_kill(first);
 
-    let done = Arc::new(AtomicBool::new(false));
-    let prober = {
-        let (ctl, done) = (ublkd.ctl.clone(), Arc::clone(&done));
-        std::thread::spawn(move || {
-            let mut slowest = Duration::ZERO;
-            while !done.load(Ordering::SeqCst) {
-                let asked = Instant::now();
-                let out = ctl.run(&["status"]);
-                assert!(out.status.success(), "status: {}", describe(&out));
-                slowest = slowest.max(asked.elapsed());
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            slowest
-        })
-    };
+    let prober = StatusProber::start(&ublkd.ctl);
     let id = ublkd.add(&["-t", "nbd", "--uri", &proxy.uri, "-q", "2", "--threads", "8"]);
     let node = block_dev(id);
     write_at(&node, 0, &pattern(9, 65536));
@@ -1018,11 +991,10 @@ fn a_server_that_answers_one_connection_of_a_set_never_holds_up_ublkd() {
     let second = ublkd.worker_pid(bystander);
     signal(second, libc::SIGKILL);
     wait_recovered(&ublkd, bystander, 2);
-    done.store(true, Ordering::SeqCst);
-    let slowest = prober.join().unwrap();
-    let stall = stall_after_kill(&ublkd, second);
+    let slowest = prober.finish();
+    let stall = ublkd.stall_after_kill(second);
     assert!(read_at_direct(&node, 0, 65536) == pattern(9, 65536), "the data did not survive");
-    let silent = proxy.silent.load(Ordering::SeqCst);
+    let silent = proxy.silent.load(std::sync::atomic::Ordering::SeqCst);
     eprintln!(
         "{silent} connections left unanswered; status took {slowest:?} at most; the \
          bystander's stall {stall} ms, {usual} ms before"

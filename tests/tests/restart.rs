@@ -253,25 +253,12 @@ fn upgrade_moves_every_device_to_the_binary_on_disk_while_fio_verifies() {
     ublkd.stop();
 }
 
-/// The stall of the recovery from worker `pid`'s kill, as ublkd logged it.
-fn stall_after_kill(ublkd: &Ublkd, pid: u32) -> u64 {
-    let log = ublkd.log();
-    let line = log
-        .lines()
-        .find(|l| l.contains(&format!("device recovered (worker {pid} killed")))
-        .unwrap_or_else(|| panic!("no recovery from killing worker {pid}:\n{log}"));
-    let at = line.find("stall_ms=").expect("a stall") + "stall_ms=".len();
-    line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
-}
-
 /// `ublkctl upgrade -a` of 50 devices, some under fio, is steps the loop takes between
 /// its other work: `ublkctl status` answers within a second throughout, and a
 /// bystander's worker killed mid-upgrade is recovered with its usual stall, not after
 /// the upgrade of the devices before it.
 #[test]
 fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Instant;
     let _serial = serial();
     const DEVICES: usize = 50;
@@ -304,7 +291,7 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
     ublkd.wait_until("the bystander's first recovery", || {
         ublkd.status_of(bystander)["recoveries"] == 1
     });
-    let usual = stall_after_kill(&ublkd, first);
+    let usual = ublkd.stall_after_kill(first);
     let mut fios: Vec<Fio> = ids[..3]
         .iter()
         .map(|&id| {
@@ -328,21 +315,7 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
         })
         .max()
         .unwrap();
-    let done = Arc::new(AtomicBool::new(false));
-    let prober = {
-        let (ctl, done) = (ublkd.ctl.clone(), Arc::clone(&done));
-        std::thread::spawn(move || {
-            let mut slowest = Duration::ZERO;
-            while !done.load(Ordering::SeqCst) {
-                let asked = Instant::now();
-                let out = ctl.run(&["status"]);
-                assert!(out.status.success(), "status: {}", describe(&out));
-                slowest = slowest.max(asked.elapsed());
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            slowest
-        })
-    };
+    let prober = StatusProber::start(&ublkd.ctl);
     // Killed once a few devices are upgraded (their upgrades are logged).
     let victim = ublkd.worker_pid(bystander);
     let killer = {
@@ -364,13 +337,12 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
     let started = Instant::now();
     let out = ublkd.ctl(&["upgrade", "-a"]);
     let took = started.elapsed();
-    done.store(true, Ordering::SeqCst);
-    let slowest = prober.join().unwrap();
+    let slowest = prober.finish();
     assert!(killer.join().unwrap(), "the bystander's worker was gone before the kill");
     let text = describe(&out);
     assert!(out.status.success(), "ublkctl upgrade -a failed: {text}\n{}", ublkd.log());
     assert_eq!(text.matches(": upgraded to").count(), DEVICES, "{text}");
-    let stall = stall_after_kill(&ublkd, victim);
+    let stall = ublkd.stall_after_kill(victim);
     eprintln!(
         "upgrade -a of {DEVICES} devices took {took:?}; status took {slowest:?} at most \
          ({baseline:?} without an upgrade); the bystander's stall {stall} ms mid-upgrade, \

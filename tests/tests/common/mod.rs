@@ -330,6 +330,17 @@ impl Ublkd {
         self.ctl.device(id).unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", self.log()))
     }
 
+    /// The stall of the recovery from worker `pid`'s kill, as ublkd logged it.
+    pub fn stall_after_kill(&self, pid: u32) -> u64 {
+        let log = self.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains(&format!("device recovered (worker {pid} killed")))
+            .unwrap_or_else(|| panic!("no recovery from killing worker {pid}:\n{log}"));
+        let at = line.find("stall_ms=").expect("a stall") + "stall_ms=".len();
+        line[at..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap()
+    }
+
     /// The worker pid `ublkctl status --json` reports for `id`.
     pub fn worker_pid(&self, id: u32) -> u32 {
         let dev = self.status_of(id);
@@ -778,4 +789,37 @@ pub fn fio_verify_args(name: &str, dev: &Path, rw: &str, jobs: u32, region: u64)
     let mut args = fio_args(name, dev, rw, jobs, region);
     args.extend(["--verify=crc32c", "--verify_fatal=1", "--do_verify=1"].map(String::from));
     args
+}
+
+/// `ublkctl status` asked every 100 ms on a thread of its own, each answer checked, for
+/// as long as a test's operation goes on: how long ublkd kept a client waiting.
+pub struct StatusProber {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Duration>,
+}
+
+impl StatusProber {
+    pub fn start(ctl: &Ctl) -> StatusProber {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ctl, stop) = (ctl.clone(), std::sync::Arc::clone(&done));
+        let thread = std::thread::spawn(move || {
+            let mut slowest = Duration::ZERO;
+            while !stop.load(Ordering::SeqCst) {
+                let asked = Instant::now();
+                let out = ctl.run(&["status"]);
+                assert!(out.status.success(), "status: {}", describe(&out));
+                slowest = slowest.max(asked.elapsed());
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            slowest
+        });
+        StatusProber { done, thread }
+    }
+
+    /// Stops asking; the longest answer.
+    pub fn finish(self) -> Duration {
+        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.join().expect("the status prober failed")
+    }
 }
