@@ -37,6 +37,7 @@ pub mod exit;
 pub mod initramfs;
 pub mod kernel;
 pub mod prng;
+pub mod proxy;
 pub mod script;
 pub mod vm;
 

@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
 
 const MIB: u64 = 1 << 20;
 
@@ -898,62 +899,6 @@ fn a_server_that_breaks_every_connection_at_once_gets_one_worker_per_backoff_ste
     let _ = std::fs::remove_file(&file);
 }
 
-/// A TCP proxy in front of an NBD server that forwards one connection at a time: a
-/// connection made while another is forwarded (after a second's grace for that one to
-/// end) is accepted and never answered, as by a server at its connection limit.
-struct OneAtATimeProxy {
-    uri: String,
-    silent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl OneAtATimeProxy {
-    fn start(port: u16, server_port: u16) -> OneAtATimeProxy {
-        use std::net::{Shutdown, TcpListener, TcpStream};
-        use std::sync::Arc;
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
-        let forwarded = Arc::new(AtomicUsize::new(0));
-        let silent = Arc::new(AtomicUsize::new(0));
-        let held = Arc::clone(&silent);
-        std::thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let free_by = Instant::now() + Duration::from_secs(1);
-                while forwarded.load(Ordering::SeqCst) > 0 && Instant::now() < free_by {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                if forwarded.load(Ordering::SeqCst) > 0 {
-                    held.fetch_add(1, Ordering::SeqCst);
-                    // Read and drop whatever comes, answer nothing, until the client goes.
-                    std::thread::spawn(move || {
-                        let _ = std::io::copy(&mut &client, &mut std::io::sink());
-                    });
-                    continue;
-                }
-                let Ok(server) = TcpStream::connect(("127.0.0.1", server_port)) else { continue };
-                forwarded.fetch_add(1, Ordering::SeqCst);
-                let ends = Arc::new(AtomicUsize::new(2));
-                for (from, to) in [
-                    (client.try_clone(), server.try_clone()),
-                    (server.try_clone(), client.try_clone()),
-                ] {
-                    let (Ok(mut from), Ok(mut to)) = (from, to) else { continue };
-                    let (ends, forwarded) = (Arc::clone(&ends), Arc::clone(&forwarded));
-                    std::thread::spawn(move || {
-                        let _ = std::io::copy(&mut from, &mut to);
-                        let _ = to.shutdown(Shutdown::Write);
-                        if ends.fetch_sub(1, Ordering::SeqCst) == 1 {
-                            let _ = from.shutdown(Shutdown::Both);
-                            let _ = to.shutdown(Shutdown::Both);
-                            forwarded.fetch_sub(1, Ordering::SeqCst);
-                        }
-                    });
-                }
-            }
-        });
-        OneAtATimeProxy { uri: format!("nbd://127.0.0.1:{port}"), silent }
-    }
-}
-
 /// A multi-conn export whose server answers the first connection of a worker's set and
 /// never the others: every connection is made off ublkd's loop, so `ublkctl status`
 /// answers within a second throughout the add, a worker kill and an upgrade of that
@@ -965,7 +910,7 @@ fn a_server_that_answers_one_connection_of_a_set_never_holds_up_ublkd() {
     let file = PathBuf::from("/tmp/ublkd-test-nbd-one-at-a-time.img");
     sparse_file(&file, 16 * MIB);
     let _nbdkit = Server::nbdkit(Listen::Tcp(10_840), &file, Offer::MultiConn);
-    let proxy = OneAtATimeProxy::start(10_841, 10_840);
+    let proxy = OneAtATimeProxy::start(Endpoint::Tcp(10_841), Endpoint::Tcp(10_840));
     let ublkd = Ublkd::start("nbd-one-at-a-time");
     let bystander = ublkd.add(&["-t", "memory", "-s", "16M"]);
     ublkd.wait_until("the bystander's standby", || {
@@ -994,7 +939,7 @@ fn a_server_that_answers_one_connection_of_a_set_never_holds_up_ublkd() {
     let slowest = prober.finish();
     let stall = ublkd.stall_after_kill(second);
     assert!(read_at_direct(&node, 0, 65536) == pattern(9, 65536), "the data did not survive");
-    let silent = proxy.silent.load(std::sync::atomic::Ordering::SeqCst);
+    let silent = proxy.silent();
     eprintln!(
         "{silent} connections left unanswered; status took {slowest:?} at most; the \
          bystander's stall {stall} ms, {usual} ms before"

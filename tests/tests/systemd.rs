@@ -30,6 +30,8 @@ use std::process::Command;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
+
 use common::{
     FioJob, assert_succeeded, describe, fd_targets, kernel_devices, pid_exists, run, run_ok,
     ublk_nodes, worker_pids,
@@ -160,6 +162,36 @@ fn ublkd_package_under_systemd() {
     run_ok(Command::new("ublkctl").args(["del", "-n", "9"]));
     systemctl(&["daemon-reload"]);
     assert!(!Path::new(drop_in).exists(), "the drop-in outlived the config's nbd:// device");
+    drop(server);
+
+    step("2d. a multi-conn server that answers one connection at a time: no watchdog restart");
+    // A worker with eight queue threads wants eight connections; seven are never
+    // answered. Were they made on ublkd's loop (10 s each), the 8 s watchdog would fire.
+    let server = nbdkit(&["-U", "/run/ublkd-test-nbdkit.sock"]);
+    let proxy = OneAtATimeProxy::start(
+        Endpoint::Unix("/run/ublkd-test-proxy.sock".into()),
+        Endpoint::Unix("/run/ublkd-test-nbdkit.sock".into()),
+    );
+    let (main_pid, restarts) = (prop("MainPID"), prop("NRestarts"));
+    let id: u32 = run_ok(Command::new("ublkctl").args([
+        "add",
+        "-t",
+        "nbd",
+        "--uri",
+        &proxy.uri,
+        "-q",
+        "2",
+        "--threads",
+        "8",
+    ]))
+    .trim()
+    .parse()
+    .expect("ublkctl add printed no id");
+    nbd_round_trip(id);
+    journal_entry("EVENT=nbd_fewer_connections", "the device served over fewer connections");
+    assert!(proxy.silent() >= 1, "no connection was left unanswered: the step proves nothing");
+    assert_eq!((prop("MainPID"), prop("NRestarts")), (main_pid, restarts), "ublkd was restarted");
+    run_ok(Command::new("ublkctl").args(["del", "-n", &id.to_string()]));
     drop(server);
 
     step("3. reload: add a device, then reject a broken config");
@@ -353,6 +385,10 @@ impl Drop for Nbdkit {
 fn nbdkit(listen: &[&str]) -> Nbdkit {
     let pid_file = Path::new("/run/ublkd-test-nbdkit.pid");
     let _ = std::fs::remove_file(pid_file);
+    // A unix socket an earlier nbdkit left (killed, it does not remove it).
+    if let Some(at) = listen.iter().position(|a| *a == "-U") {
+        let _ = std::fs::remove_file(listen[at + 1]);
+    }
     let child = Command::new("nbdkit")
         .args(["-f", "--exit-with-parent", "--threads=1", "-P"])
         .arg(pid_file)

@@ -791,8 +791,10 @@ pub fn fio_verify_args(name: &str, dev: &Path, rw: &str, jobs: u32, region: u64)
     args
 }
 
-/// `ublkctl status` asked every 100 ms on a thread of its own, each answer checked, for
-/// as long as a test's operation goes on: how long ublkd kept a client waiting.
+/// ublkd asked for every device's status every 100 ms on a thread of its own, each
+/// answer checked, for as long as a test's operation goes on: how long ublkd kept a
+/// client waiting. Asked on its socket as `ublkctl status` asks (not by running
+/// ublkctl, whose start under emulation is the test's cost, not ublkd's).
 pub struct StatusProber {
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: std::thread::JoinHandle<Duration>,
@@ -807,8 +809,11 @@ impl StatusProber {
             let mut slowest = Duration::ZERO;
             while !stop.load(Ordering::SeqCst) {
                 let asked = Instant::now();
-                let out = ctl.run(&["status"]);
-                assert!(out.status.success(), "status: {}", describe(&out));
+                let answer = ask(&ctl.socket, &ublkd_proto::msg::CtlRequest::Status { id: None });
+                assert!(
+                    matches!(answer, Ok(ublkd_proto::msg::CtlResponse::Status(_))),
+                    "status: {answer:?}"
+                );
                 slowest = slowest.max(asked.elapsed());
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -822,4 +827,15 @@ impl StatusProber {
         self.done.store(true, std::sync::atomic::Ordering::SeqCst);
         self.thread.join().expect("the status prober failed")
     }
+}
+
+/// One request on ublkd's control socket at `socket`, and its answer.
+pub fn ask(
+    socket: &Path,
+    request: &ublkd_proto::msg::CtlRequest,
+) -> Result<ublkd_proto::msg::CtlResponse, String> {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket)
+        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    ublkd_proto::msg::write_frame(&mut stream, request).map_err(|e| e.to_string())?;
+    ublkd_proto::msg::read_response(&mut stream).map_err(|e| e.to_string())
 }
