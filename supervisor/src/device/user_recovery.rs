@@ -278,10 +278,11 @@ impl Device {
                     if slot.as_ref().is_some_and(|w| {
                         matches!(w.target_setup(), TargetSetup::Nbd { connections }
                             if usize::from(connections) != made)
-                    }) && let Some(mut worker) = slot.take()
+                    }) && let Some(worker) = slot.take()
                     {
+                        // Not waited for here, on the loop: reaped once it ends
+                        // (`reap_lingering`).
                         worker.kill();
-                        worker.reap(Duration::ZERO);
                     }
                 }
                 true
