@@ -102,6 +102,25 @@ impl Config {
     }
 }
 
+/// The NBD URIs of `text`'s `[[device]]` tables whose `target` is `"nbd"`, in file
+/// order, each parsed or with why not, and nothing else of the file checked: what the
+/// systemd generator needs at boot, when loop devices' files and block devices may not
+/// be there yet (a full [`Config::parse`] would refuse the whole file for them). Fails
+/// only if `text` is not TOML.
+pub fn nbd_uris(text: &str) -> Result<Vec<Result<NbdUri, NbdUriError>>, String> {
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| e.message().to_owned())?;
+    let devices = match table.get("device") {
+        Some(toml::Value::Array(devices)) => devices.as_slice(),
+        _ => &[],
+    };
+    Ok(devices
+        .iter()
+        .filter(|d| d.get("target").and_then(toml::Value::as_str) == Some("nbd"))
+        .filter_map(|d| d.get("uri").and_then(toml::Value::as_str))
+        .map(NbdUri::parse)
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use std::fs::File;

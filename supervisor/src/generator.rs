@@ -20,18 +20,17 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use ublkd_config::{Config, NbdTransport, TargetSpec};
+use ublkd_config::{NbdTransport, NbdUri};
 
 /// Where in the generator's output directory the drop-in goes.
 pub const DROP_IN: &str = "ublkd.service.d/50-nbd-network.conf";
 
-/// The drop-in for `config`, or `None` if no device needs the network.
-pub fn network_drop_in(config: &Config) -> Option<String> {
+/// The drop-in for the NBD URIs a config names, or `None` if none needs the network.
+pub fn network_drop_in<'a>(uris: impl IntoIterator<Item = &'a NbdUri>) -> Option<String> {
     let mut allowed: Vec<IpAddr> = Vec::new();
     let mut names: Vec<String> = Vec::new();
     let mut tls = false;
-    for device in &config.devices {
-        let TargetSpec::Nbd { uri } = &device.target else { continue };
+    for uri in uris {
         let NbdTransport::Tcp { host, .. } = &uri.transport else { continue };
         tls |= uri.tls.is_some();
         match host.parse::<IpAddr>() {
@@ -71,28 +70,33 @@ pub fn network_drop_in(config: &Config) -> Option<String> {
 }
 
 /// Writes the drop-in for the config at `config_path` under `dir` (the generator's
-/// "normal" output directory), or nothing if it needs none. Never fails the boot: a
-/// config that cannot be read is reported and leaves the unit as it is.
+/// "normal" output directory), or nothing if it needs none. Only the config's NBD URIs
+/// are read (at boot a loop device's file may not be mounted yet): a device that is
+/// not NBD, or whose URI does not parse, is ublkd's to refuse when it starts, not the
+/// generator's. Never fails the boot: a config that is not TOML at all is reported and
+/// leaves the unit as it is (ublkd, started, says what is wrong with it).
 pub fn generate(config_path: &Path, dir: &Path) -> Result<Option<PathBuf>, String> {
-    let config = match Config::load(config_path) {
-        Ok(config) => config,
+    let text = match std::fs::read_to_string(config_path) {
+        Ok(text) => text,
         // No config: no devices, nothing to open.
-        Err(ublkd_config::ConfigError::Read { source, .. })
-            if source.kind() == std::io::ErrorKind::NotFound =>
-        {
-            return Ok(None);
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
-            return Err(format!("{}; the unit's network stays closed", crate::error_chain(&e)));
+            return Err(format!(
+                "cannot read {}: {e}; the unit's network stays closed",
+                config_path.display()
+            ));
         }
     };
-    let Some(text) = network_drop_in(&config) else { return Ok(None) };
+    let uris = ublkd_config::nbd_uris(&text)
+        .map_err(|e| format!("{}: {e}; the unit's network stays closed", config_path.display()))?;
+    let Some(text) = network_drop_in(uris.iter().flatten()) else { return Ok(None) };
     let path = dir.join(DROP_IN);
-    let write = || -> std::io::Result<()> {
-        std::fs::create_dir_all(path.parent().expect("DROP_IN has a directory"))?;
-        std::fs::write(&path, text)
-    };
-    write().map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    std::fs::create_dir_all(path.parent().expect("DROP_IN has a directory"))
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    // systemd's generator directories are root's alone, but the write is the same as
+    // every other file ublkd replaces: never through a link, never half-written.
+    crate::replace_file::replace(&path, text.as_bytes(), 0o644)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(Some(path))
 }
 
@@ -100,19 +104,14 @@ pub fn generate(config_path: &Path, dir: &Path) -> Result<Option<PathBuf>, Strin
 mod tests {
     use super::*;
 
-    fn config(uris: &[&str]) -> Config {
-        let mut text = String::new();
-        for uri in uris {
-            text.push_str(&format!("[[device]]\ntarget = \"nbd\"\nuri = \"{uri}\"\n"));
-        }
-        text.push_str("[[device]]\ntarget = \"null\"\nsize = \"1G\"\n");
-        Config::parse(&text, "test").unwrap()
+    fn parsed(uris: &[&str]) -> Vec<NbdUri> {
+        uris.iter().map(|u| NbdUri::parse(u).unwrap()).collect()
     }
 
     #[test]
     fn only_tcp_servers_by_address_are_allowed_each_once() {
-        assert_eq!(network_drop_in(&config(&["nbd+unix:///?socket=/run/n.sock"])), None);
-        let text = network_drop_in(&config(&[
+        assert_eq!(network_drop_in(&parsed(&["nbd+unix:///?socket=/run/n.sock"])), None);
+        let text = network_drop_in(&parsed(&[
             "nbd://10.1.2.3/a",
             "nbd://10.1.2.3:10810/b",
             "nbd://[fd00::5]/c",
@@ -128,7 +127,7 @@ mod tests {
         assert!(text.contains("# storage.example: a host name"), "{text}");
         assert!(!text.contains("modprobe@tls"), "{text}");
 
-        let text = network_drop_in(&config(&["nbds://10.1.2.3/a?tls-certificates=/etc/ublkd/pki"]))
+        let text = network_drop_in(&parsed(&["nbds://10.1.2.3/a?tls-certificates=/etc/ublkd/pki"]))
             .unwrap();
         assert!(text.contains("[Unit]\n"), "{text}");
         assert!(text.contains("\nWants=modprobe@tls.service\nAfter=modprobe@tls.service\n"));
@@ -141,10 +140,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         assert_eq!(generate(&dir.join("none.toml"), &dir), Ok(None));
         let broken = dir.join("broken.toml");
-        std::fs::write(&broken, "[[device]]\ntarget = \"floppy\"\n").unwrap();
+        std::fs::write(&broken, "[[device]\ntarget = \"nbd\"\n").unwrap();
         let err = generate(&broken, &dir).unwrap_err();
         assert!(
-            err.contains("floppy") && err.ends_with("the unit's network stays closed"),
+            err.starts_with(&broken.display().to_string())
+                && err.ends_with("the unit's network stays closed"),
             "{err}"
         );
         let good = dir.join("good.toml");
@@ -152,6 +152,31 @@ mod tests {
             .unwrap();
         let written = generate(&good, &dir).unwrap().unwrap();
         assert!(std::fs::read_to_string(written).unwrap().contains("IPAddressAllow=127.0.0.1"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// At boot a loop device's file may not be mounted yet, and a device the generator
+    /// does not need may be wrong in ways only ublkd should judge: neither keeps the
+    /// NBD server out.
+    #[test]
+    fn devices_the_generator_does_not_need_never_keep_a_server_out() {
+        let dir = std::env::temp_dir().join(format!("ublkd-generator-lax-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("ublkd.toml");
+        std::fs::write(
+            &config,
+            "[daemon]\nfuture_key = 1\n\n\
+             [[device]]\ntarget = \"loop\"\nfile = \"/srv/not-mounted-yet/disk.img\"\n\n\
+             [[device]]\ntarget = \"floppy\"\n\n\
+             [[device]]\ntarget = \"nbd\"\nuri = \"not a uri\"\n\n\
+             [[device]]\ntarget = \"nbd\"\nuri = \"nbd://127.0.0.2/export\"\nqueues = 0\n",
+        )
+        .unwrap();
+        let written = generate(&config, &dir).unwrap().expect("a drop-in");
+        let text = std::fs::read_to_string(written).unwrap();
+        let allowed: Vec<&str> =
+            text.lines().filter_map(|l| l.strip_prefix("IPAddressAllow=")).collect();
+        assert_eq!(allowed, ["127.0.0.2"], "{text}");
         let _ = std::fs::remove_dir_all(dir);
     }
 }
