@@ -33,7 +33,7 @@ use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 use crate::device_state::{DeviceState, TransitionError};
 use crate::hang::HangWatch;
 use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
-use crate::state::{DeviceRecord, OWNER_TAG, StateDir, StateError};
+use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::target::{NbdLink, TargetError, decide_zero_copy, open_target};
 use crate::worker::{Worker, WorkerError, WorkerIdentity};
@@ -304,10 +304,9 @@ impl Device {
         // kernel device is made, so a server that is not there costs nothing.
         if let Some(info) = nbd.as_ref().and_then(|l| l.info.as_ref()) {
             spec.size_bytes = info.size;
-            if let Some(b) = info.block_sizes {
-                // The server's minimum is the least the kernel may send it.
-                spec.settings.block_size = spec.settings.block_size.max(b.min);
-            }
+            // The server's minimum is the least the kernel may send it.
+            spec.settings.block_size =
+                crate::nbd::device_block_size(info, spec.settings.block_size);
         }
         let spec = &spec;
         let info = UblksrvCtrlDevInfo {
@@ -358,8 +357,10 @@ impl Device {
         let state_err = |source| DeviceError::State { id, source };
         let mut spec = spec.clone();
         spec.id = Some(id);
-        ctx.state.write_record(&DeviceRecord::new(id, &spec)).map_err(state_err)?;
         let export = nbd.as_ref().and_then(|l| l.info.as_ref());
+        let record =
+            DeviceRecord { export: export.map(ExportRecord::from), ..DeviceRecord::new(id, &spec) };
+        ctx.state.write_record(&record).map_err(state_err)?;
         ctx.ctrl.set_params(id, &params(&spec, export))?;
         let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
         dev.nbd = nbd;

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 
+use crate::nbd::{BlockSizes, ExportInfo};
 use crate::worker::AttachClaim;
 use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
@@ -98,6 +99,49 @@ pub struct DeviceRecord {
     /// An nbd device's export, as its URI.
     #[serde(default)]
     pub uri: Option<String>,
+    /// What an nbd device's export was when the device was made (the kernel was told
+    /// of its features and limits): a later ublkd refuses a server that comes back
+    /// without them, as this one does. Absent in older records and for other targets.
+    #[serde(default)]
+    pub export: Option<ExportRecord>,
+}
+
+/// The part of an NBD export's description that the kernel device was made from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportRecord {
+    pub size: u64,
+    pub transmission_flags: u16,
+    /// Minimum, preferred and maximum, if the server advertised them.
+    pub block_sizes: Option<[u32; 3]>,
+}
+
+impl From<&ExportInfo> for ExportRecord {
+    fn from(info: &ExportInfo) -> Self {
+        ExportRecord {
+            size: info.size,
+            transmission_flags: info.transmission_flags,
+            block_sizes: info.block_sizes.map(|b| [b.min, b.preferred, b.max]),
+        }
+    }
+}
+
+impl ExportRecord {
+    /// The export as a reconnection compares it (what the session negotiated beyond
+    /// these, structured replies and TLS, is learnt again at each connection).
+    pub fn info(&self) -> ExportInfo {
+        ExportInfo {
+            size: self.size,
+            transmission_flags: self.transmission_flags,
+            block_sizes: self.block_sizes.map(|[min, preferred, max]| BlockSizes {
+                min,
+                preferred,
+                max,
+            }),
+            structured_replies: false,
+            tls: false,
+            export_name_option: false,
+        }
+    }
 }
 
 impl DeviceRecord {
@@ -125,6 +169,7 @@ impl DeviceRecord {
                 TargetSpec::Nbd { uri } => Some(uri.to_string()),
                 _ => None,
             },
+            export: None,
         }
     }
 
@@ -470,6 +515,39 @@ mod tests {
         assert_eq!(rec.spec().unwrap().id, Some(5));
         state.remove(5);
         assert!(state.records().is_empty());
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    /// An nbd device's record keeps its export's description for the next ublkd; a
+    /// record written before it existed still reads, with none.
+    #[test]
+    fn an_export_description_round_trips_and_older_records_have_none() {
+        let root = tmp();
+        let state = StateDir::new(&root);
+        let info = ExportInfo {
+            size: 1 << 30,
+            transmission_flags: 0x4d,
+            block_sizes: Some(BlockSizes { min: 512, preferred: 4096, max: 1 << 25 }),
+            structured_replies: true,
+            tls: false,
+            export_name_option: false,
+        };
+        let rec = DeviceRecord {
+            export: Some(ExportRecord::from(&info)),
+            ..DeviceRecord::new(6, &spec())
+        };
+        state.write_record(&rec).unwrap();
+        let got = state.records().pop().unwrap().unwrap();
+        let back = got.export.expect("the export's description").info();
+        assert_eq!(
+            (back.size, back.transmission_flags, back.block_sizes),
+            (info.size, info.transmission_flags, info.block_sizes)
+        );
+        let text = serde_json::to_string(&DeviceRecord::new(6, &spec())).unwrap();
+        let older = text.replace(",\"export\":null", "");
+        assert!(!older.contains("export"), "{older}");
+        let older: DeviceRecord = serde_json::from_str(&older).unwrap();
+        assert_eq!(older.export, None);
         let _ = std::fs::remove_dir_all(root);
     }
 

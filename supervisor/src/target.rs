@@ -133,7 +133,8 @@ pub fn params(spec: &DeviceSpec, export: Option<&ExportInfo>) -> UblkParams {
                 attrs |= uapi::UBLK_ATTR_ROTATIONAL;
             }
             if let Some(b) = info.block_sizes {
-                max_sectors = max_sectors.min(b.max >> 9).max(8);
+                // At least a page: a smaller maximum is refused at the handshake.
+                max_sectors = max_sectors.min(b.max >> 9);
             }
             max_discard = if info.can_trim() { max_sectors } else { 0 };
             max_write_zeroes = if info.can_write_zeroes() { max_sectors } else { 0 };

@@ -225,6 +225,49 @@ fn a_size_that_is_not_whole_sectors_is_refused() {
     assert!(error.to_string().contains("not a multiple of 512"), "{error}");
 }
 
+/// A server whose requests may be at most 512 bytes cannot serve a block device (the
+/// kernel sends up to a page): refused, named, not raised to 4 KiB behind its back.
+#[test]
+fn an_export_whose_maximum_request_is_below_a_page_is_refused() {
+    let dir = TempDir::new("small-max");
+    let args = [
+        "--filter=blocksize-policy",
+        "memory",
+        "1M",
+        "blocksize-minimum=512",
+        "blocksize-preferred=512",
+        "blocksize-maximum=512",
+    ];
+    let (_server, uri) = nbdkit_unix(&dir, &args, "");
+    let error = refused(&uri, TIMEOUT);
+    assert!(matches!(error, NbdError::UnusableMaxBlockSize { max: 512 }), "{error}");
+    let message = connect_export(&nbd_spec(uri), DataPath::Batch).unwrap_err().to_string();
+    assert!(message.contains("maximum block size, 512 bytes, is below 4096"), "{message}");
+}
+
+/// An export of whole sectors but not whole 4 KiB blocks cannot be a device with 4 KiB
+/// logical blocks: refused with both numbers, before any kernel device is made; with
+/// 512-byte blocks it is served.
+#[test]
+fn an_export_that_is_not_whole_logical_blocks_is_refused() {
+    let dir = TempDir::new("odd-blocks");
+    let size = (1 << 20) + 512;
+    let (_server, uri) = nbdkit_unix(&dir, &["memory", &size.to_string()], "");
+    let mut spec = nbd_spec(uri);
+    assert_eq!(spec.settings.block_size, 4096, "the default logical block size");
+    let message = connect_export(&spec, DataPath::Batch).unwrap_err().to_string();
+    assert!(
+        message.contains(&format!(
+            "the export's size, {size} bytes, is not a multiple of the device's logical block \
+             size (4096 bytes)"
+        )),
+        "{message}"
+    );
+    spec.settings.block_size = 512;
+    let link = connect_export(&spec, DataPath::Batch).unwrap().expect("an nbd link");
+    assert_eq!(link.info.unwrap().size, size);
+}
+
 #[test]
 fn qemu_nbd_serves_a_qcow2_image_over_a_unix_socket() {
     let dir = TempDir::new("qemu");
@@ -421,9 +464,19 @@ fn a_reconnection_to_a_changed_export_is_refused() {
     assert!(message.contains("is no longer what device 1 was made from"), "{message}");
     assert!(message.contains("its size is 33554432 bytes, the device's 67108864"), "{message}");
 
-    let _read_only = restart(smaller, &["-r", "memory", "64M"]);
+    let read_only = restart(smaller, &["-r", "memory", "64M"]);
     let message = reconnect(&uri, &spec, &mut link).unwrap_err().to_string();
     assert!(message.contains("read-write") && message.contains("read-only"), "{message}");
+
+    // Requests the kernel was told it may send (no limit was advertised) would now be
+    // refused by the server.
+    let _smaller_max = restart(
+        read_only,
+        &["--filter=blocksize-policy", "memory", "64M", "blocksize-maximum=65536"],
+    );
+    let message = reconnect(&uri, &spec, &mut link).unwrap_err().to_string();
+    assert!(message.contains("is no longer what device 1 was made from"), "{message}");
+    assert!(message.contains("/65536 (min/preferred/max)"), "{message}");
 }
 
 /// A recovery's connection for device 1's next worker, made on ublkd's connecting

@@ -147,6 +147,23 @@ impl Server {
         Server::start("nbdkit", &args, &pid_file, uri)
     }
 
+    /// An export of `size` bytes on `socket` that takes writes but offers neither
+    /// FLUSH nor FUA (nbdkit's eval plugin with no flush script), and fails every
+    /// request: a server that came back as less than it was.
+    fn without_flush(socket: &str, size: u64) -> Server {
+        let _ = std::fs::remove_file(socket);
+        let pid_file = format!("{socket}.pid");
+        let get_size = format!("get_size=echo {size}");
+        let args = ["-U", socket, "-f", "--exit-with-parent", "-P", &pid_file, "eval", &get_size];
+        let args = [&args[..], &["pread=exit 1", "pwrite=exit 1"]].concat();
+        Server::start(
+            "nbdkit",
+            &args,
+            Path::new(&pid_file),
+            format!("nbd+unix:///?socket={socket}"),
+        )
+    }
+
     /// What the server has written to its stderr so far.
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
@@ -626,6 +643,52 @@ fn ext4_on_a_qcow2_export_stays_clean_across_worker_kills_and_a_ublkd_restart() 
     ublkd.stop();
     drop(server);
     let _ = std::fs::remove_file(&qcow2);
+}
+
+/// A device keeps what its export was across a ublkd restart (its record in the state
+/// dir): a server that comes back without FLUSH and FUA, which the kernel was told the
+/// device has, is refused and named by the next ublkd as by this one; the device's I/O
+/// is held until the server offers the export again, and nothing is lost.
+#[test]
+fn an_export_that_drops_flush_across_a_ublkd_restart_is_refused_and_named() {
+    let _serial = serial();
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-fua.img");
+    sparse_file(&file, 16 * MIB);
+    let socket = "/tmp/ublkd-test-nbd-fua.sock";
+    let nbdkit = Server::nbdkit(Listen::Unix(socket), &file, Offer::MultiConn);
+    let mut ublkd = Ublkd::start("nbd-fua");
+    let id = ublkd.add(&["-t", "nbd", "--uri", &nbdkit.uri]);
+    let log = ublkd.log();
+    assert!(log.contains(", flush, fua"), "the export did not offer FUA:\n{log}");
+    let node = block_dev(id);
+    write_at(&node, 0, &pattern(7, 65536));
+    // ublkd stops (the worker would serve on), and meanwhile the server comes back
+    // without FLUSH: the worker's connection broke, so the next ublkd reconnects.
+    let mut without_flush = None;
+    ublkd.signal_and_restart(libc::SIGTERM, || {
+        drop(nbdkit);
+        without_flush = Some(Server::without_flush(socket, 16 * MIB));
+    });
+    ublkd.wait_until("the changed export refused", || {
+        let note = ublkd.status_of(id)["note"].as_str().unwrap_or_default().to_string();
+        note.contains(&format!("is no longer what device {id} was made from"))
+    });
+    let dev = ublkd.status_of(id);
+    let note = dev["note"].as_str().unwrap();
+    assert!(note.contains("flush, fua") && note.contains("its I/O is held"), "{dev}");
+    assert_ne!(dev["state"], "LIVE", "{dev}");
+    eprintln!("the restarted ublkd says: {note}");
+    // A read meanwhile is held, not failed, and completes once the export is back.
+    let reader = std::thread::spawn(move || read_at_direct(&node, 0, 65536));
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!reader.is_finished(), "a read completed while the device had no server");
+    drop(without_flush);
+    let _nbdkit = Server::nbdkit(Listen::Unix(socket), &file, Offer::MultiConn);
+    assert!(reader.join().unwrap() == pattern(7, 65536), "the data did not survive");
+    wait_recovered(&ublkd, id, 1);
+    assert_eq!(ublkd.status_of(id)["errors"].as_u64(), Some(0));
+    ublkd.stop();
+    let _ = std::fs::remove_file(&file);
 }
 
 /// Server restarts do not use up the restart budget (meant for crashing workers): with

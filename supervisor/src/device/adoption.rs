@@ -49,6 +49,11 @@ impl Device {
             return Err(DeviceError::NeverStarted { id });
         }
         let mut dev = Self::open(ctx, id, spec, DeviceState::Adopted)?;
+        // What the kernel device was made from: a server that comes back without a
+        // feature it was told of is refused, after a restart as after a reconnect.
+        if let (Some(link), Some(export)) = (dev.nbd.as_mut(), rec.export) {
+            link.info = Some(export.info());
+        }
         // LIVE: a worker serves it still (the kernel moves a device whose server has
         // gone out of LIVE); else it is held for a recovery.
         if DevState::from_raw(info.state) != DevState::Live || !dev.take_over(ctx) {

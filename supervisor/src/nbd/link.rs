@@ -125,6 +125,12 @@ pub fn connect_export(
     match connect_set(uri, wanted, NBD_HANDSHAKE_TIMEOUT) {
         Ok(set) => {
             let info = set[0].1;
+            if let Err(source) = super::fits_device(&info, spec.settings.block_size) {
+                for (socket, other) in set {
+                    super::disconnect(socket, other.tls);
+                }
+                return Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) });
+            }
             tracing::info!(uri = %uri, event = "nbd_export", "NBD export: {info}");
             let mut link = NbdLink { info: Some(info), ..NbdLink::default() };
             let want = wanted(&info);
@@ -309,7 +315,10 @@ fn same_export(
     }
     let min_grew = info.block_sizes.is_some_and(|b| b.min > spec.settings.block_size);
     let lost_features = link.info.as_ref().is_some_and(|was| {
-        (was.can_flush() && !info.can_flush())
+        // A smaller maximum would refuse requests the kernel was told it may send.
+        let max = |i: &ExportInfo| i.block_sizes.map_or(u32::MAX, |b| b.max);
+        max(&info) < max(was)
+            || (was.can_flush() && !info.can_flush())
             || (was.can_fua() && !info.can_fua())
             || (was.can_trim() && !info.can_trim())
             || (was.can_write_zeroes() && !info.can_write_zeroes())

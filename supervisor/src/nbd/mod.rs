@@ -221,7 +221,33 @@ pub enum NbdError {
         /// The server's minimum block size.
         min: u32,
     },
+    /// The export's largest request is smaller than the least the kernel may send.
+    #[error(
+        "the export's maximum block size, {max} bytes, is below {KERNEL_MIN_REQUEST}: the \
+         kernel sends a block device requests of up to a page, which the server would \
+         refuse"
+    )]
+    UnusableMaxBlockSize {
+        /// The server's maximum block size.
+        max: u32,
+    },
+    /// The export's size is not a whole number of the device's logical blocks.
+    #[error(
+        "the export's size, {size} bytes, is not a multiple of the device's logical block \
+         size ({block_size} bytes): its last block would reach past the export's end"
+    )]
+    SizeNotBlocks {
+        /// The size the server gave.
+        size: u64,
+        /// The device's logical block size (its configured one, or the export's minimum
+        /// if larger).
+        block_size: u32,
+    },
 }
+
+/// The least a block device's requests may be limited to (a page: the kernel refuses
+/// a device whose `max_sectors` is smaller).
+pub const KERNEL_MIN_REQUEST: u32 = 4096;
 
 fn suffix(message: &str) -> String {
     if message.is_empty() { String::new() } else { format!(": {message}") }
@@ -480,10 +506,31 @@ fn fits_kernel(info: &ExportInfo) -> Result<(), NbdError> {
     } else {
         return match info.block_sizes {
             Some(b) if b.min > MAX_BLOCK_SIZE => Err(NbdError::UnusableBlockSize { min: b.min }),
+            Some(b) if b.max < KERNEL_MIN_REQUEST => {
+                Err(NbdError::UnusableMaxBlockSize { max: b.max })
+            }
             _ => Ok(()),
         };
     };
     Err(NbdError::UnusableSize { size: info.size, problem })
+}
+
+/// The logical block size a device on this export has: its configured one, or the
+/// export's minimum if that is larger (the least the kernel may send the server).
+pub fn device_block_size(info: &ExportInfo, configured: u32) -> u32 {
+    configured.max(info.block_sizes.map_or(0, |b| b.min))
+}
+
+/// The export fits a device with `configured` logical block size: its size is a whole
+/// number of the device's blocks (else the last block's I/O would reach past the
+/// export's end, and the server fail it).
+pub fn fits_device(info: &ExportInfo, configured: u32) -> Result<(), NbdError> {
+    let block_size = device_block_size(info, configured);
+    if info.size.is_multiple_of(u64::from(block_size)) {
+        Ok(())
+    } else {
+        Err(NbdError::SizeNotBlocks { size: info.size, block_size })
+    }
 }
 
 /// A connected socket of either kind.
@@ -671,6 +718,25 @@ mod tests {
         }
         let error = fits_kernel(&export(1 << 20, Some(8192))).unwrap_err();
         assert!(matches!(error, NbdError::UnusableBlockSize { min: 8192 }));
+        // A maximum below a page would have the kernel send requests the server refuses.
+        let mut small_max = export(1 << 20, Some(512));
+        small_max.block_sizes = Some(BlockSizes { min: 512, preferred: 512, max: 2048 });
+        let error = fits_kernel(&small_max).unwrap_err();
+        assert!(matches!(error, NbdError::UnusableMaxBlockSize { max: 2048 }), "{error}");
+        assert!(error.to_string().contains("2048 bytes, is below 4096"), "{error}");
+    }
+
+    #[test]
+    fn an_export_fits_a_device_only_in_whole_logical_blocks() {
+        let odd = (1 << 20) + 512;
+        assert!(fits_device(&export(odd, None), 512).is_ok());
+        let error = fits_device(&export(odd, None), 4096).unwrap_err();
+        assert!(matches!(error, NbdError::SizeNotBlocks { size, block_size: 4096 } if size == odd));
+        assert!(error.to_string().contains("not a multiple of the device's logical block"));
+        // The export's minimum raises the device's block size.
+        let error = fits_device(&export(odd, Some(4096)), 512).unwrap_err();
+        assert!(matches!(error, NbdError::SizeNotBlocks { block_size: 4096, .. }));
+        assert!(fits_device(&export(1 << 20, Some(4096)), 512).is_ok());
     }
 
     #[test]
