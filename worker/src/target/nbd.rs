@@ -76,10 +76,67 @@ struct Waiting {
     buf: usize,
     len: u32,
     reply: Reply,
-    /// READ: bytes of it the reply's data and holes have covered.
-    covered: u32,
+    /// READ: the parts of it the reply's data and holes have covered.
+    covered: Coverage,
     /// The first error the reply carried, as `-errno` (0: none).
     error: i32,
+}
+
+/// The most separate parts of a READ a structured reply may have covered at once
+/// (chunks that touch merge into one part, so a server sending them in order, or in
+/// reverse, keeps one).
+const MAX_COVERED_PARTS: usize = 16;
+
+/// Which bytes of a READ a structured reply has covered: disjoint parts, merged where
+/// they touch. A byte covered twice (overlapping or repeated chunks, which the
+/// protocol forbids) cannot be trusted to hold either chunk's data, and a sum of
+/// lengths would count it twice and call a READ with a gap whole.
+#[derive(Debug, Clone, Copy, Default)]
+struct Coverage {
+    /// `[start, end)` within the READ, sorted, `parts[..n]`.
+    parts: [(u32, u32); MAX_COVERED_PARTS],
+    n: usize,
+    /// A chunk overlapped another, or came too scattered to follow.
+    broken: bool,
+}
+
+impl Coverage {
+    /// Covers `start..start + len` (inside the READ); a part already covered breaks it.
+    fn add(&mut self, start: u32, len: u32) {
+        if len == 0 || self.broken {
+            return;
+        }
+        let end = start + len;
+        let parts = &self.parts[..self.n];
+        if parts.iter().any(|&(s, e)| start < e && s < end) {
+            self.broken = true;
+            return;
+        }
+        // Where it goes, and whether it touches its neighbours.
+        let at = parts.partition_point(|&(s, _)| s < start);
+        let joins_before = at > 0 && parts[at - 1].1 == start;
+        let joins_after = at < self.n && parts[at].0 == end;
+        match (joins_before, joins_after) {
+            (true, true) => {
+                self.parts[at - 1].1 = self.parts[at].1;
+                self.parts.copy_within(at + 1..self.n, at);
+                self.n -= 1;
+            }
+            (true, false) => self.parts[at - 1].1 = end,
+            (false, true) => self.parts[at].0 = start,
+            (false, false) if self.n == MAX_COVERED_PARTS => self.broken = true,
+            (false, false) => {
+                self.parts.copy_within(at..self.n, at + 1);
+                self.parts[at] = (start, end);
+                self.n += 1;
+            }
+        }
+    }
+
+    /// Every byte of a READ of `len` covered exactly once.
+    fn whole(&self, len: u32) -> bool {
+        !self.broken && (len == 0 || (self.n == 1 && self.parts[0] == (0, len)))
+    }
 }
 
 impl Waiting {
@@ -88,9 +145,9 @@ impl Waiting {
         if self.error != 0 {
             self.error
         } else if self.op == UBLK_IO_OP_READ {
-            // A structured reply must cover the whole READ; one that does not left
-            // bytes of the buffer unwritten.
-            if self.covered == self.len { self.len as i32 } else { -libc::EIO }
+            // A structured reply must cover the whole READ, each byte once; one that
+            // does not left bytes of the buffer unwritten, or written twice.
+            if self.covered.whole(self.len) { self.len as i32 } else { -libc::EIO }
         } else if self.op == UBLK_IO_OP_WRITE {
             self.len as i32
         } else {
@@ -99,12 +156,15 @@ impl Waiting {
     }
 
     /// Where `len` bytes at device offset `offset` go in the buffer, if they are inside
-    /// this READ.
-    fn place(&self, offset: u64, len: u32) -> Option<usize> {
+    /// this READ; they count as covered.
+    fn place(&mut self, offset: u64, len: u32) -> Option<usize> {
         let start = offset.checked_sub(self.offset)?;
         let end = start.checked_add(u64::from(len))?;
-        (self.op == UBLK_IO_OP_READ && end <= u64::from(self.len))
-            .then(|| self.buf + start as usize)
+        if self.op != UBLK_IO_OP_READ || end > u64::from(self.len) {
+            return None;
+        }
+        self.covered.add(start as u32, len);
+        Some(self.buf + start as usize)
     }
 }
 
@@ -510,7 +570,7 @@ impl ConnectionState {
         if reply.error != 0 {
             w.error = -reply.errno();
         } else if w.op == UBLK_IO_OP_READ {
-            w.covered = w.len;
+            w.covered.add(0, w.len);
             if w.len > 0 {
                 let (dest, left) = (w.buf, w.len);
                 let cookie = reply.cookie;
@@ -530,7 +590,6 @@ impl ConnectionState {
                     let what = format!("{len} bytes of data at {offset}, outside its request");
                     lost("reading a reply", &what);
                 };
-                w.covered = w.covered.saturating_add(len);
                 let (cookie, last) = (h.cookie, h.done());
                 self.reading = Reading::Data { cookie, dest, left: len, direct: false, last };
                 return;
@@ -543,7 +602,6 @@ impl ConnectionState {
                 // SAFETY: `dest..dest + len` is inside the request's tag buffer (see
                 // `Waiting::place`), which belongs to the request until it is finished.
                 unsafe { std::ptr::write_bytes(dest as *mut u8, 0, len as usize) };
-                w.covered = w.covered.saturating_add(len);
             }
             Chunk::Error { error } => {
                 if error == libc::ESHUTDOWN as u32 {
@@ -622,7 +680,7 @@ impl Target for NbdTarget {
             buf: req.buf as usize,
             len: req.len,
             reply: req.reply,
-            covered: 0,
+            covered: Coverage::default(),
             error: 0,
         };
         let data_len = if req.op == UBLK_IO_OP_WRITE { req.len } else { 0 };
@@ -959,6 +1017,64 @@ mod tests {
         server.write_all(&stream).unwrap();
         assert_eq!(lp.finished(&target, 1), [(5, -libc::EIO)]);
         std::mem::forget(server);
+    }
+
+    /// Two chunks that overlap add up to the READ's length but leave a gap: the sum of
+    /// their lengths called it whole and returned the tag buffer's stale bytes.
+    #[test]
+    fn a_structured_read_with_overlapping_or_repeated_chunks_fails() {
+        // The loop's requests are at device offset 8192.
+        for second_at in [8192 + 1024, 8192] {
+            let (target, mut servers) = target_over(1);
+            let mut server = servers.remove(0);
+            let mut lp = Loop::new(0);
+            lp.arm(&target);
+            let mut buf = vec![9u8; 4096];
+            let r = lp.req(UBLK_IO_OP_READ, 0, &mut buf, 6);
+            lp.start(&target, &r);
+            lp.settle(&target);
+            let h = request(&mut server);
+            // 0..2048 and then 1024..3072 (or 0..2048 again): 4096 bytes in all, the
+            // last 1024 (or 2048) never sent.
+            let mut stream =
+                chunk_bytes(0, nbd::REPLY_TYPE_OFFSET_DATA, &h[8..16], &at(8192, &[3u8; 2048]));
+            stream.extend(chunk_bytes(
+                nbd::REPLY_FLAG_DONE,
+                nbd::REPLY_TYPE_OFFSET_DATA,
+                &h[8..16],
+                &at(second_at, &[4u8; 2048]),
+            ));
+            server.write_all(&stream).unwrap();
+            assert_eq!(lp.finished(&target, 1), [(6, -libc::EIO)], "second chunk at {second_at}");
+            std::mem::forget(server);
+        }
+    }
+
+    #[test]
+    fn coverage_merges_touching_parts_in_any_order_and_breaks_on_overlap() {
+        let cover = |parts: &[(u32, u32)]| {
+            let mut c = Coverage::default();
+            parts.iter().for_each(|&(start, len)| c.add(start, len));
+            c
+        };
+        assert!(cover(&[(0, 4096)]).whole(4096));
+        assert!(cover(&[(0, 1024), (1024, 3072)]).whole(4096), "in order");
+        assert!(cover(&[(3072, 1024), (0, 1024), (2048, 1024), (1024, 1024)]).whole(4096));
+        assert!(!cover(&[(0, 1024), (2048, 2048)]).whole(4096), "a gap");
+        assert!(!cover(&[(0, 2048), (1024, 2048), (3072, 1024)]).whole(4096), "an overlap");
+        assert!(!cover(&[(0, 2048), (0, 2048), (2048, 2048)]).whole(4096), "a repeat");
+        assert!(!cover(&[(0, 4096), (4095, 1)]).whole(4096), "one byte twice");
+        assert!(cover(&[]).whole(0) && !cover(&[]).whole(512));
+        // Every other 512-byte piece first (more separate parts than followed), then
+        // the rest: refused rather than guessed at.
+        let scattered: Vec<(u32, u32)> = (0..40).map(|i| (i * 1024, 512)).collect();
+        let mut c = cover(&scattered);
+        (0..40).for_each(|i| c.add(i * 1024 + 512, 512));
+        assert!(!c.whole(40 * 1024));
+        // As many as are followed, then filled: whole.
+        let mut c = cover(&(0..16).map(|i| (i * 1024, 512)).collect::<Vec<_>>());
+        (0..16).for_each(|i| c.add(i * 1024 + 512, 512));
+        assert!(c.whole(16 * 1024), "{c:?}");
     }
 
     #[test]
