@@ -608,6 +608,7 @@ mod tests {
             on_restart_limit = "fail-io"
             fast_release = false
             nbd_server_wait_secs = 30
+            nbd_request_timeout_secs = 0
 
             [defaults]
             queues = 4
@@ -657,6 +658,7 @@ mod tests {
                 on_restart_limit: OnRestartLimit::FailIo,
                 fast_release: false,
                 nbd_server_wait: Some(Duration::from_secs(30)),
+                nbd_request_timeout: None,
             }
         );
         assert!(!config.recovery.automatic_recovery());

@@ -32,6 +32,13 @@ pub struct RecoveryConfig {
     /// fails it with EIO (`recovery.nbd_server_wait_secs`; `None`, from 0, the default:
     /// for ever, like a hard NFS mount).
     pub nbd_server_wait: Option<Duration>,
+    /// How long an nbd device's worker may wait for its server to answer, with no
+    /// request completing, before the connection counts as broken: the worker is
+    /// replaced, a fresh connection made and the requests re-issued, the I/O held
+    /// meanwhile (`recovery.nbd_request_timeout_secs`, default 30; `None`, from 0: for
+    /// ever). Never shorter in effect than `hung_timeout`, which is when a wait is
+    /// first judged.
+    pub nbd_request_timeout: Option<Duration>,
 }
 
 impl Default for RecoveryConfig {
@@ -43,6 +50,7 @@ impl Default for RecoveryConfig {
             on_restart_limit: OnRestartLimit::Quiesce,
             fast_release: true,
             nbd_server_wait: None,
+            nbd_request_timeout: Some(Duration::from_secs(30)),
         }
     }
 }

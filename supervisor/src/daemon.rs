@@ -784,7 +784,7 @@ impl Daemon {
             self.continue_recoveries();
             turn.mark("recoveries");
             for dev in self.devices.values_mut() {
-                recovery::kill_if_hung(dev, hung_timeout);
+                recovery::kill_if_hung(dev, &self.config.recovery);
             }
             let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
             self.notifier.watchdog(Instant::now(), hung);

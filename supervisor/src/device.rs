@@ -180,6 +180,10 @@ pub struct Device {
     standby_schedule: StandbySchedule,
     hang: HangWatch,
     hang_policy: HangPolicy,
+    /// The worker was killed because its NBD server answered nothing for
+    /// `recovery.nbd_request_timeout_secs`: its death is a lost connection (a fresh one
+    /// for the next worker, nothing from the restart budget), not a crash.
+    server_silent: bool,
     /// The worker incarnation the region is prepared for: the supervisor's own count,
     /// never read back from the region (a worker can write anything there).
     generation: u64,
@@ -452,6 +456,7 @@ impl Device {
             death_seen: None,
             hang: HangWatch::new(id),
             hang_policy: HangPolicy::default(),
+            server_silent: false,
             generation,
         })
     }
@@ -703,7 +708,8 @@ impl Device {
     pub fn worker_exited(&mut self, seen: Instant) -> Option<WorkerDeath> {
         let w = self.worker.as_mut()?;
         let how = w.exited()?;
-        let backend_lost = w.lost_backend();
+        // A connection that answers nothing is as lost as one that broke.
+        let backend_lost = w.lost_backend() || std::mem::take(&mut self.server_silent);
         let pid = w.pid();
         let served_for = w.served_for();
         w.release_device();
@@ -751,10 +757,33 @@ impl Device {
 
     /// Why the worker is hung, if it is (see [`crate::hang`] and
     /// [`crate::recovery::HangPolicy`]).
-    pub fn hung(&mut self, timeout: Duration) -> Option<String> {
+    ///
+    /// An nbd worker that waits for its server (not hung: the server is slow) is
+    /// replaced once no request has completed for `request_timeout`
+    /// (`recovery.nbd_request_timeout_secs`): its connection counts as broken.
+    pub fn hung(&mut self, timeout: Duration, request_timeout: Option<Duration>) -> Option<String> {
         let pid = self.worker.as_ref()?.pid();
         let verdict = self.hang.check(&self.shm, pid, timeout);
-        self.hang_policy.judge(self.id, pid, verdict)
+        let hung = self.hang_policy.judge(self.id, pid, verdict);
+        if hung.is_some() {
+            return hung;
+        }
+        let TargetSpec::Nbd { uri } = &self.spec.target else { return None };
+        let limit = request_timeout?;
+        let quiet = self.hang_policy.backend_wait().filter(|quiet| *quiet >= limit)?;
+        self.server_silent = true;
+        Some(format!(
+            "its NBD server {uri} has answered no request for {:.0} s \
+             (recovery.nbd_request_timeout_secs = {}): the connection counts as broken, and \
+             a fresh worker reconnects and re-issues the requests (the I/O is held)",
+            quiet.as_secs_f64(),
+            limit.as_secs()
+        ))
+    }
+
+    /// Whether the worker is being replaced because its NBD server answers nothing.
+    pub fn server_silent(&self) -> bool {
+        self.server_silent
     }
 
     /// False while the worker holds I/O and none completes for longer than `limit` (the

@@ -114,7 +114,8 @@ impl HangPolicy {
                         worker_pid = pid,
                         event = "backend_slow",
                         "no I/O completed for {:.1} s: the worker waits for its backend \
-                         (not hung; it is not replaced)",
+                         (not hung: not replaced, unless it is an nbd worker past \
+                         recovery.nbd_request_timeout_secs)",
                         quiet.as_secs_f64()
                     );
                 }
@@ -135,6 +136,12 @@ impl HangPolicy {
         }
     }
 
+    /// How long the worker has waited for its backend with nothing completing, if it
+    /// does.
+    pub fn backend_wait(&self) -> Option<Duration> {
+        self.backend_wait
+    }
+
     /// A new worker: no wait is going on.
     pub fn reset(&mut self) {
         self.backend_wait = None;
@@ -143,15 +150,25 @@ impl HangPolicy {
 
 /// Kills the device's worker if it holds I/O and makes no progress; its death is then
 /// handled like any other, with the hang as the recovery's reason.
-pub fn kill_if_hung(dev: &mut Device, timeout: Duration) {
-    let Some(reason) = dev.hung(timeout) else { return };
+pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig) {
+    let Some(reason) = dev.hung(rc.hung_timeout, rc.nbd_request_timeout) else { return };
     let pid = dev.worker().map(|w| w.pid());
-    tracing::error!(
-        dev_id = dev.id(),
-        worker_pid = pid,
-        event = "worker_hung",
-        "{reason}; killing it"
-    );
+    if dev.server_silent() {
+        tracing::warn!(
+            dev_id = dev.id(),
+            worker_pid = pid,
+            event = "nbd_request_timeout",
+            "{reason}; killing worker {}",
+            pid.unwrap_or_default()
+        );
+    } else {
+        tracing::error!(
+            dev_id = dev.id(),
+            worker_pid = pid,
+            event = "worker_hung",
+            "{reason}; killing it"
+        );
+    }
     dev.mark_hung(reason);
     dev.kill_worker();
 }

@@ -691,6 +691,54 @@ fn an_export_that_drops_flush_across_a_ublkd_restart_is_refused_and_named() {
     let _ = std::fs::remove_file(&file);
 }
 
+/// A server that keeps its connections up but answers nothing (SIGSTOPped) holds no
+/// I/O for ever: past `recovery.nbd_request_timeout_secs` the connection counts as
+/// broken, the worker is replaced and the request re-issued on a fresh connection once
+/// the server answers again; the read completes with its data, nothing fails, and the
+/// budget of crashes is not touched (`restart_max = 1`).
+#[test]
+fn a_server_that_answers_nothing_past_the_request_timeout_is_reconnected() {
+    let _serial = serial();
+    let file = PathBuf::from("/tmp/ublkd-test-nbd-silent.img");
+    sparse_file(&file, 16 * MIB);
+    let socket = "/tmp/ublkd-test-nbd-silent.sock";
+    let nbdkit = Server::nbdkit(Listen::Unix(socket), &file, Offer::MultiConn);
+    let ublkd = Ublkd::start_with(
+        "nbd-silent",
+        "\n[recovery]\nhung_timeout_secs = 2\nnbd_request_timeout_secs = 3\nrestart_max = 1\n",
+        &[],
+    );
+    let id = ublkd.add(&["-t", "nbd", "--uri", &nbdkit.uri]);
+    let node = block_dev(id);
+    write_at(&node, 0, &pattern(11, 65536));
+    let first = ublkd.worker_pid(id);
+    assert!(signal(nbdkit.child.id(), libc::SIGSTOP));
+    let stopped = Instant::now();
+    let reader = std::thread::spawn(move || read_at_direct(&node, 0, 65536));
+    ublkd.wait_until("the silent server's worker replaced", || {
+        ublkd.log().contains("event=\"nbd_request_timeout\"")
+    });
+    let noticed = stopped.elapsed();
+    assert!(noticed >= Duration::from_secs(3), "replaced after {noticed:?}, before the timeout");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!reader.is_finished(), "the read finished while the server answered nothing");
+    assert!(signal(nbdkit.child.id(), libc::SIGCONT));
+    assert!(reader.join().unwrap() == pattern(11, 65536), "the re-issued read's data differs");
+    wait_recovered(&ublkd, id, 1);
+    let dev = ublkd.status_of(id);
+    assert_ne!(dev["worker_pid"].as_u64(), Some(first.into()), "{dev}");
+    assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
+    let reason = dev["last_recovery_reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("has answered no request for"), "{dev}");
+    // Lost connections take nothing from the budget: the next crash still recovers.
+    assert!(signal(ublkd.worker_pid(id), libc::SIGKILL));
+    wait_recovered(&ublkd, id, 2);
+    eprintln!("replaced {noticed:?} after the server stopped answering: {reason}");
+    ublkd.stop();
+    drop(nbdkit);
+    let _ = std::fs::remove_file(&file);
+}
+
 /// Server restarts do not use up the restart budget (meant for crashing workers): with
 /// `restart_max = 1`, three in a row are three recoveries. With
 /// `recovery.nbd_server_wait_secs`, a server that stays away is waited for that long,
