@@ -197,6 +197,16 @@ fn a_forbidden_io_uring_opcode_is_refused_by_the_ring() {
     assert_refused("sbx-openat", "uring-openat", "Permission denied");
 }
 
+/// A memory device's ring has no socket operation, and no operation on a descriptor
+/// that was not registered for it: each is refused by the ring itself (EACCES), before
+/// the descriptor is looked at.
+#[test]
+fn socket_operations_and_raw_descriptors_are_refused_by_a_memory_workers_ring() {
+    assert_refused("sbx-sendmsg", "uring-sendmsg", "Permission denied");
+    assert_refused("sbx-recv", "uring-recv", "Permission denied");
+    assert_refused("sbx-cmd-raw", "uring-cmd-raw-fd", "Permission denied");
+}
+
 #[test]
 fn a_forbidden_io_uring_register_op_is_refused_by_the_ring() {
     // IORING_REGISTER_PERSONALITY on the queue thread's enabled ring: the ring's

@@ -22,6 +22,12 @@ pub fn requested() -> Option<&'static str> {
 
 /// Attacks the ring makes from inside a queue thread (see `hooks`).
 pub const URING_OPENAT: &str = "uring-openat";
+/// A SENDMSG, a RECV and a URING_CMD by raw descriptor (the ring's own fd), asked of
+/// the queue thread's ring: a null or memory worker's ring has no socket operation, and
+/// takes no descriptor it was not given registered.
+pub const URING_SENDMSG: &str = "uring-sendmsg";
+pub const URING_RECV: &str = "uring-recv";
+pub const URING_CMD_RAW_FD: &str = "uring-cmd-raw-fd";
 /// `io_uring_register(IORING_REGISTER_PERSONALITY)` on the queue thread's enabled ring.
 pub const URING_REGISTER_PERSONALITY: &str = "uring-register-personality";
 /// Not an attack on the sandbox but a fault towards the kernel: queue thread 0 COMMITs
@@ -306,6 +312,9 @@ pub fn run(name: &str, supervisor: i32) {
         }
         // Made by a queue thread.
         URING_OPENAT
+        | URING_SENDMSG
+        | URING_RECV
+        | URING_CMD_RAW_FD
         | URING_REGISTER_PERSONALITY
         | COMMIT_UNOWNED
         | COMMIT_UNOWNED_BATCH

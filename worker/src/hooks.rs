@@ -80,6 +80,31 @@ mod imp {
                 let sqe = io_uring::opcode::OpenAt::new(at, path.as_ptr()).build();
                 start.sqe = Some(sqe.user_data(UserData::Attack.encode()));
             }
+            // Socket operations and a command by raw descriptor, on the ring's own fd
+            // (any descriptor would do: the ring must refuse before it looks at it).
+            Some(attack::URING_SENDMSG) => {
+                // Never read if refused; a zeroed msghdr (no data, no control) if not.
+                let msg: &'static libc::msghdr = Box::leak(Box::new(
+                    // SAFETY: msghdr is plain data; all zeroes is a valid empty one.
+                    unsafe { std::mem::zeroed() },
+                ));
+                let sqe = io_uring::opcode::SendMsg::new(io_uring::types::Fd(ring_fd), msg).build();
+                start.sqe = Some(sqe.user_data(UserData::Attack.encode()));
+            }
+            Some(attack::URING_RECV) => {
+                let sqe = io_uring::opcode::Recv::new(
+                    io_uring::types::Fd(ring_fd),
+                    std::ptr::null_mut(),
+                    0,
+                )
+                .build();
+                start.sqe = Some(sqe.user_data(UserData::Attack.encode()));
+            }
+            Some(attack::URING_CMD_RAW_FD) => {
+                let sqe =
+                    io_uring::opcode::UringCmd16::new(io_uring::types::Fd(ring_fd), 0).build();
+                start.sqe = Some(sqe.user_data(UserData::Attack.encode()));
+            }
             // Give the enabled ring this thread's credentials as a personality: its
             // register restrictions must refuse.
             Some(attack::URING_REGISTER_PERSONALITY) => {
@@ -134,11 +159,12 @@ mod imp {
 
     /// The completion of a hook's SQE (see [`ThreadStart::sqe`]).
     pub fn on_attack_cqe(res: i32) {
+        let name = attack::requested().unwrap_or(attack::URING_OPENAT);
         if res < 0 {
             let err = std::io::Error::from_raw_os_error(-res);
-            attack::say(format!("attack {}: blocked ({err})", attack::URING_OPENAT));
+            attack::say(format!("attack {name}: blocked ({err})"));
         } else {
-            attack::say(format!("attack {}: ESCAPED (fd {res})", attack::URING_OPENAT));
+            attack::say(format!("attack {name}: ESCAPED (result {res})"));
             std::process::exit(99);
         }
     }

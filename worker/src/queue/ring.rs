@@ -116,7 +116,7 @@ impl StandbyRing {
         // Restricted and enabled now, not at activation: it runs nothing until then, and
         // a recovery's stall need not wait for these two syscalls.
         if restricted {
-            crate::sandbox::restrict_ring(&ring).map_err(ring_err)?;
+            crate::sandbox::restrict_ring(&ring, &setup.target).map_err(ring_err)?;
         } else {
             ring.submitter().register_enable_rings().map_err(ring_err)?;
         }

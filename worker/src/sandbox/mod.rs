@@ -70,7 +70,7 @@ use nix::sys::resource::{self, Resource};
 use nix::sys::stat::Mode;
 use nix::unistd::{self, Gid, Uid};
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
-use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report};
+use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report, TargetSetup};
 
 use crate::sys;
 
@@ -470,16 +470,22 @@ pub fn lock_down() -> Result<(), SandboxError> {
 }
 
 /// Restricts a ring created disabled (after its files and buffer rings are
-/// registered) to [`policy::URING_OPS`] and, once enabled, to
-/// [`policy::URING_REGISTER_OPS`], and enables it.
-pub fn restrict_ring(ring: &IoUring<squeue::Entry, cqueue::Entry>) -> io::Result<()> {
+/// registered) to the operations of [`policy::URING_OPS`] that `target` needs, on
+/// registered files only where it can ([`policy::fixed_files_required`]), and, once
+/// enabled, to [`policy::URING_REGISTER_OPS`]; then enables it.
+pub fn restrict_ring(
+    ring: &IoUring<squeue::Entry, cqueue::Entry>,
+    target: &TargetSetup,
+) -> io::Result<()> {
     use io_uring::register::Restriction;
-    let mut restrictions: Vec<Restriction> = policy::URING_OPS
-        .iter()
+    let mut restrictions: Vec<Restriction> = policy::uring_ops(target)
         .map(|op| Restriction::sqe_op(op.opcode))
         .chain(policy::URING_REGISTER_OPS.iter().map(|op| Restriction::register_op(op.opcode)))
         .collect();
     restrictions.push(Restriction::sqe_flags_allowed(policy::URING_SQE_FLAGS));
+    if policy::fixed_files_required(target) {
+        restrictions.push(Restriction::sqe_flags_required(squeue::Flags::FIXED_FILE.bits()));
+    }
     ring.submitter().register_restrictions(&mut restrictions)?;
     ring.submitter().register_enable_rings()
 }

@@ -10,6 +10,7 @@
 //! supervisor describes as such (`ublkd_proto::exit::describe`).
 
 use io_uring::opcode;
+use ublkd_proto::msg::TargetSetup;
 use ublkd_proto::uapi;
 
 /// One allowed system call, with the arguments it is allowed with. `name` and `why`
@@ -176,13 +177,49 @@ pub const SETUP_ONLY: &[Allowed] = &[
     ),
 ];
 
-/// One allowed io_uring operation. `name` and `why` are for the reader.
+/// One allowed io_uring operation, for the targets that need it. `name` and `why` are
+/// for the reader.
 #[derive(Debug, Clone, Copy)]
 #[allow(dead_code)]
 pub struct AllowedOp {
     pub opcode: u8,
     pub name: &'static str,
+    pub only_for: OpFor,
     pub why: &'static str,
+}
+
+/// Which targets' rings allow an operation: a null, memory or fail-io worker's ring
+/// serves the device alone and has no socket or file operation at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpFor {
+    Every,
+    Loop,
+    Nbd,
+}
+
+impl OpFor {
+    fn allows(self, target: &TargetSetup) -> bool {
+        match self {
+            OpFor::Every => true,
+            OpFor::Loop => matches!(target, TargetSetup::Loop),
+            OpFor::Nbd => matches!(target, TargetSetup::Nbd { .. }),
+        }
+    }
+}
+
+/// The operations `target`'s rings accept.
+pub fn uring_ops(target: &TargetSetup) -> impl Iterator<Item = &'static AllowedOp> + '_ {
+    URING_OPS.iter().filter(|op| op.only_for.allows(target))
+}
+
+/// Whether every SQE of `target`'s rings must name a registered file
+/// (`IORING_RESTRICTION_SQE_FLAGS_REQUIRED` with `IOSQE_FIXED_FILE`), so that the ring
+/// reaches no descriptor but those registered for it (/dev/ublkcN, the loop target's
+/// file): a URING_CMD on a raw descriptor (the control socket's socket commands, which
+/// seccomp keeps out of the worker's own system calls) is refused. Not yet for nbd,
+/// whose sockets and its threads' rings (MSG_RING) are used by descriptor.
+pub fn fixed_files_required(target: &TargetSetup) -> bool {
+    !matches!(target, TargetSetup::Nbd { .. })
 }
 
 /// The only SQE opcodes a worker's ring accepts (`IORING_REGISTER_RESTRICTIONS`),
@@ -193,48 +230,62 @@ pub const URING_OPS: &[AllowedOp] = &[
     AllowedOp {
         opcode: opcode::UringCmd16::CODE,
         name: "URING_CMD",
+        only_for: OpFor::Every,
         why: "ublk PREP/FETCH/COMMIT on /dev/ublkcN",
     },
     AllowedOp {
         opcode: opcode::Read::CODE,
         name: "READ",
+        only_for: OpFor::Loop,
         why: "loop target reads from its backing fd",
     },
     AllowedOp {
         opcode: opcode::Write::CODE,
         name: "WRITE",
+        only_for: OpFor::Loop,
         why: "loop target writes to its backing fd",
     },
     AllowedOp {
         opcode: opcode::ReadFixed::CODE,
         name: "READ_FIXED",
+        only_for: OpFor::Loop,
         why: "zero-copy loop target reads into a request's pages the kernel registered",
     },
     AllowedOp {
         opcode: opcode::WriteFixed::CODE,
         name: "WRITE_FIXED",
+        only_for: OpFor::Loop,
         why: "zero-copy loop target writes from a request's pages the kernel registered",
     },
-    AllowedOp { opcode: opcode::Fsync::CODE, name: "FSYNC", why: "loop target FLUSH (fdatasync)" },
+    AllowedOp {
+        opcode: opcode::Fsync::CODE,
+        name: "FSYNC",
+        only_for: OpFor::Loop,
+        why: "loop target FLUSH (fdatasync)",
+    },
     AllowedOp {
         opcode: opcode::Fallocate::CODE,
         name: "FALLOCATE",
+        only_for: OpFor::Loop,
         why: "loop target DISCARD/WRITE_ZEROES (punch hole)",
     },
     AllowedOp {
         opcode: opcode::SendMsg::CODE,
         name: "SENDMSG",
+        only_for: OpFor::Nbd,
         why: "nbd target: requests (and a WRITE's data) on the socket ublkd connected; \
               the worker opens and connects no socket (no SOCKET or CONNECT here)",
     },
     AllowedOp {
         opcode: opcode::Recv::CODE,
         name: "RECV",
+        only_for: OpFor::Nbd,
         why: "nbd target: replies (and a READ's data) on the socket ublkd connected",
     },
     AllowedOp {
         opcode: opcode::MsgRingData::CODE,
         name: "MSG_RING",
+        only_for: OpFor::Nbd,
         why: "nbd target: a connection's reader posting a reply's result into the ring of \
               the queue thread that sent the request; MSG_RING's other command, passing a \
               registered file, would pass only files this worker already has",
