@@ -931,7 +931,9 @@ impl Daemon {
     fn continue_recoveries(&mut self) {
         let now = Instant::now();
         for dev in self.devices.values_mut() {
-            if let Some(event) = recovery::continue_if_due(dev, &self.ctx, now) {
+            if let Some(event) =
+                recovery::continue_if_due(dev, &self.ctx, &self.config.recovery, now)
+            {
                 self.last_event = Some(event);
             }
         }

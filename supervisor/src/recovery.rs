@@ -193,7 +193,7 @@ pub fn after_death(
     }
     notifier.extend_timeout(RECOVERY_TIMEOUT_EXTENSION);
     let outcome = dev.recover(ctx, reason);
-    outcome_event(dev, outcome, reason)
+    outcome_event(dev, ctx, rc, outcome, reason)
 }
 
 /// The restart limit reached: the device waits QUIESCED for an operator, or is served
@@ -236,23 +236,51 @@ fn restart_limit(dev: &mut Device, ctx: &Context, rc: &RecoveryConfig, reason: &
 
 /// Goes on with the device's recovery if it waits for the kernel's release or its new
 /// worker and is due; returns the event for the status line if it did.
-pub fn continue_if_due(dev: &mut Device, ctx: &Context, now: Instant) -> Option<String> {
+pub fn continue_if_due(
+    dev: &mut Device,
+    ctx: &Context,
+    rc: &RecoveryConfig,
+    now: Instant,
+) -> Option<String> {
     if dev.release_due().is_none_or(|t| t > now) {
         return None;
     }
     let outcome = dev.continue_recovery(ctx, Duration::ZERO);
-    Some(outcome_event(dev, outcome, "the recovery waiting for the release or its worker"))
+    let after = "the recovery waiting for the release or its worker";
+    Some(outcome_event(dev, ctx, rc, outcome, after))
 }
 
 /// What a recovery's outcome means for the device: a failed one leaves it waiting for
-/// an operator. Returns the event for the status line.
+/// an operator, unless what failed was its new worker, lost (killed from outside, as
+/// a chaos test or the OOM killer does): that is one more worker death, and the
+/// recovery starts over with another, within the restart budget. Returns the event for
+/// the status line.
 pub fn outcome_event(
     dev: &mut Device,
+    ctx: &Context,
+    rc: &RecoveryConfig,
     outcome: Result<Recovery, DeviceError>,
     after: &str,
 ) -> String {
     let id = dev.id();
     match outcome {
+        Err(e) if e.worker_lost() => {
+            let reason = format!("{after}; then its new worker was lost: {e}");
+            if !rc.automatic_recovery()
+                || !dev.restart_budget_mut().take(rc.restart_max, rc.restart_window)
+            {
+                restart_limit(dev, ctx, rc, &reason);
+                return format!("device {id} reached its restart limit");
+            }
+            tracing::warn!(
+                dev_id = id,
+                event = "recovery_worker_lost",
+                "the recovery's new worker was lost ({e}); starting over with another \
+                 (the device's I/O stays held)"
+            );
+            let outcome = dev.recover(ctx, &reason);
+            outcome_event(dev, ctx, rc, outcome, after)
+        }
         Ok(Recovery::Done(stall)) => format!("device {id} recovered in {} ms", stall.as_millis()),
         Ok(Recovery::Waiting) if dev.awaiting_standby() => {
             format!("device {id} waits for its new worker to start")
