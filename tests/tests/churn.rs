@@ -26,17 +26,62 @@ const ROUNDS: u64 = 100;
 const MIB: usize = 1 << 20;
 /// The longest one `ublkctl` command may take before it counts as hanging.
 const HANGING: Duration = Duration::from_secs(30);
+/// The longest one command (`ublkctl`, `dd`) may take before it is killed and the
+/// client stops: a hang is reported, with what the machine looked like, rather than
+/// run into the VM's timeout.
+const HUNG: Duration = Duration::from_secs(90);
+/// The longest the whole churn may take (it takes about 3 minutes in a TCG VM).
+const WHOLE: Duration = Duration::from_secs(600);
 
-/// One client's rounds; what went wrong, one line each.
-fn client(ctl: &Ctl, client: u64, failures: &Mutex<Vec<String>>) {
+/// What a hang looked like: status, the workers, the kernel's devices, the processes
+/// blocked in the kernel, and the tail of ublkd's log.
+fn snapshot(ctl: &Ctl, log: &str) -> String {
+    let status = match ctl.run_within(&["status"], Duration::from_secs(10)) {
+        Ok(out) => describe(&out),
+        Err(e) => e,
+    };
+    let blocked: Vec<String> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let state = stat.rsplit(") ").next()?.chars().next()?;
+            (state == 'D').then(|| {
+                let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                let wchan =
+                    std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+                format!("{pid} {} in {wchan}", comm.trim_end())
+            })
+        })
+        .collect();
+    let tail: Vec<&str> =
+        log.lines().rev().take(150).collect::<Vec<_>>().into_iter().rev().collect();
+    format!(
+        "--- status\n{status}\n--- workers {:?}\n--- kernel devices {:?}\n--- blocked (D) {blocked:?}\n--- ublkd log (tail)\n{}",
+        worker_pids(),
+        kernel_devices(),
+        tail.join("\n")
+    )
+}
+
+/// One client's rounds; what went wrong, one line each. A command that hangs ends
+/// the client's rounds.
+fn client(ctl: &Ctl, client: u64, failures: &Mutex<Vec<String>>, log: &dyn Fn() -> String) {
     let fail = |what: String| failures.lock().unwrap().push(format!("client {client}: {what}"));
+    let hung = |round: u64, e: String| {
+        fail(format!("round {round}: {e}\n{}", snapshot(ctl, &log())));
+    };
     let input = PathBuf::from(format!("/tmp/ublkd-churn-{client}.in"));
     let output = PathBuf::from(format!("/tmp/ublkd-churn-{client}.out"));
     for round in 0..ROUNDS {
         let data = pattern(client << 32 | round, MIB);
         std::fs::write(&input, &data).unwrap();
         let asked = Instant::now();
-        let added = ctl.run(&["add", "-t", "memory", "-s", "1M"]);
+        let added = match ctl.run_within(&["add", "-t", "memory", "-s", "1M"], HUNG) {
+            Ok(out) => out,
+            Err(e) => return hung(round, e),
+        };
         if asked.elapsed() > HANGING {
             fail(format!("round {round}: add took {:?}", asked.elapsed()));
         }
@@ -48,16 +93,25 @@ fn client(ctl: &Ctl, client: u64, failures: &Mutex<Vec<String>>) {
         let dev = block_dev(id);
         wait_for_path(&dev);
         let dd = |from: &PathBuf, to: &PathBuf, flag: &str| {
-            common::run(Command::new("dd").args([
-                &format!("if={}", from.display()),
-                &format!("of={}", to.display()),
-                "bs=1M",
-                "count=1",
-                flag,
-            ]))
+            common::run_within(
+                Command::new("dd").args([
+                    &format!("if={}", from.display()),
+                    &format!("of={}", to.display()),
+                    "bs=1M",
+                    "count=1",
+                    flag,
+                ]),
+                HUNG,
+            )
         };
-        let wrote = dd(&input, &dev, "oflag=direct");
-        let read = dd(&dev, &output, "iflag=direct");
+        let wrote = match dd(&input, &dev, "oflag=direct") {
+            Ok(out) => out,
+            Err(e) => return hung(round, format!("device {id}: write: {e}")),
+        };
+        let read = match dd(&dev, &output, "iflag=direct") {
+            Ok(out) => out,
+            Err(e) => return hung(round, format!("device {id}: read: {e}")),
+        };
         for (what, out) in [("write", &wrote), ("read", &read)] {
             if !out.status.success() {
                 fail(format!("round {round}: device {id}: {what} failed: {}", describe(out)));
@@ -67,7 +121,10 @@ fn client(ctl: &Ctl, client: u64, failures: &Mutex<Vec<String>>) {
             fail(format!("round {round}: device {id} read back other data"));
         }
         let asked = Instant::now();
-        let deleted = ctl.run(&["del", "-n", &id.to_string()]);
+        let deleted = match ctl.run_within(&["del", "-n", &id.to_string()], HUNG) {
+            Ok(out) => out,
+            Err(e) => return hung(round, format!("del {id}: {e}")),
+        };
         if asked.elapsed() > HANGING {
             fail(format!("round {round}: del took {:?}", asked.elapsed()));
         }
@@ -107,11 +164,36 @@ fn clients_adding_and_deleting_devices_while_workers_are_killed_lose_nothing() {
     };
     let failures = Mutex::new(Vec::new());
     let started = Instant::now();
+    let log = || ublkd.log();
+    let clients_done = AtomicBool::new(false);
     std::thread::scope(|scope| {
-        for c in 0..CLIENTS {
-            let (ctl, failures) = (ublkd.ctl.clone(), &failures);
-            scope.spawn(move || client(&ctl, c, failures));
+        // Past WHOLE, what the machine looks like is printed and the test process
+        // ends: the VM's own timeout would tell nothing.
+        scope.spawn(|| {
+            while !clients_done.load(Ordering::SeqCst) {
+                if started.elapsed() > WHOLE {
+                    let so_far = failures.lock().unwrap().clone();
+                    eprintln!(
+                        "churn still running after {WHOLE:?}; {} failures so far:\n{}\n{}",
+                        so_far.len(),
+                        so_far.join("\n"),
+                        snapshot(&ublkd.ctl, &ublkd.log())
+                    );
+                    std::process::exit(101);
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|c| {
+                let (ctl, failures, log) = (ublkd.ctl.clone(), &failures, &log);
+                scope.spawn(move || client(&ctl, c, failures, log))
+            })
+            .collect();
+        for c in clients {
+            let _ = c.join();
         }
+        clients_done.store(true, Ordering::SeqCst);
     });
     done.store(true, Ordering::SeqCst);
     killer.join().unwrap();

@@ -55,6 +55,38 @@ pub fn run(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
+/// Runs `cmd` for at most `limit`; past that it is SIGKILLed and the error says so,
+/// with what it printed by then. For tests that must report a hang, not become one.
+pub fn run_within(cmd: &mut Command, limit: Duration) -> Result<Output, String> {
+    use std::io::Read;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let pid = child.id();
+    let status = wait_exit(child, limit);
+    let out = Output {
+        status: status.unwrap_or_else(|| std::os::unix::process::ExitStatusExt::from_raw(9)),
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    };
+    match status {
+        Some(_) => Ok(out),
+        None => Err(format!("{cmd:?} (pid {pid}) hung for {limit:?}:\n{}", describe(&out))),
+    }
+}
+
 /// Runs `cmd` and asserts it exits 0; returns its stdout.
 pub fn run_ok(cmd: &mut Command) -> String {
     let out = run(cmd);
@@ -90,6 +122,11 @@ impl Ctl {
     /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
     pub fn run(&self, args: &[&str]) -> Output {
         run(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args))
+    }
+
+    /// `ublkctl ARGS…` for at most `limit` (see `run_within`).
+    pub fn run_within(&self, args: &[&str], limit: Duration) -> Result<Output, String> {
+        run_within(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args), limit)
     }
 
     /// `ublkctl status --json`: the `devices` array.
