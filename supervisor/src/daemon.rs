@@ -192,6 +192,10 @@ struct PendingAdd {
 /// operator's or an OOM killer's doing) costs a new worker, not an error.
 const ADD_ATTEMPTS: u8 = 3;
 
+/// How long a never-started device's leftover worker may take to end after SIGKILL
+/// before the device is left for the next start rather than deleted under it.
+const NEVER_STARTED_GRACE: Duration = Duration::from_secs(2);
+
 #[derive(Debug)]
 enum AddStage {
     /// The nbd export is being negotiated on a thread.
@@ -281,6 +285,23 @@ impl Daemon {
                     adopted += 1;
                 }
                 Err(e @ DeviceError::NeverStarted { .. }) => {
+                    // The first worker the previous ublkd activated may still run, with
+                    // /dev/ublkcN open: deleting the device meanwhile would wait on it
+                    // (and the worker would outlive its device). It goes first.
+                    let claim = self.ctx.state.worker_claim(id).ok().flatten();
+                    if let Some(claim) = claim
+                        && !crate::worker::Worker::kill_claimed(&claim, NEVER_STARTED_GRACE)
+                    {
+                        tracing::error!(
+                            dev_id = id,
+                            worker_pid = claim.pid,
+                            "{e}, but its worker {} did not end within {} s of SIGKILL: the \
+                             device is left, and deleted at the next start",
+                            claim.pid,
+                            NEVER_STARTED_GRACE.as_secs()
+                        );
+                        continue;
+                    }
                     let deleted = self.ctx.ctrl.del_dev(id);
                     match deleted {
                         Ok(()) => tracing::warn!(dev_id = id, "{e}: deleted it"),

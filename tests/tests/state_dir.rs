@@ -7,7 +7,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-use common::{Ublkd, bin, describe, kernel_devices, run, serial};
+use common::{Ublkd, bin, describe, kernel_devices, run, serial, wait_for_path};
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient};
 use ublkd_proto::uapi::{self, UblksrvCtrlDevInfo};
 
@@ -43,13 +43,23 @@ fn a_state_dir_that_others_may_write_is_refused_at_start() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Field 22 of `/proc/PID/stat`: the process's start time, as ublkd records a worker.
+fn start_time(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 1..];
+    after_name.split_ascii_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
 #[test]
 fn a_device_left_half_created_is_deleted_at_adoption_not_leaked() {
     let _s = serial();
     // The first ublkd only makes the state dir; the device is made by hand the way a
-    // ublkd killed between ADD_DEV and START_DEV leaves one: added, tagged, recorded,
-    // never started.
+    // ublkd killed between its first worker's activation and START_DEV leaves one:
+    // added, tagged, recorded, never started, and a recorded worker still holding
+    // /dev/ublkcN (here a shell holding it open). Deleting the device under it would
+    // wait for it, and the worker would outlive its device: it is killed first.
     let mut ublkd = Ublkd::start("half-created");
+    let mut holder = None;
     ublkd.sigkill_and_restart(|| {
         let ctrl = CtrlClient::open().unwrap();
         let info = UblksrvCtrlDevInfo {
@@ -74,7 +84,39 @@ fn a_device_left_half_created_is_deleted_at_adoption_not_leaked() {
         )
         .unwrap();
         assert!(kernel_devices().contains(&id));
+        let cdev = format!("/dev/ublkc{id}");
+        wait_for_path(std::path::Path::new(&cdev));
+        let child = Command::new("sh")
+            .args(["-c", &format!("exec 3<>{cdev}; echo held; exec sleep 600")])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut child = child;
+        let mut said = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut said,
+        )
+        .unwrap();
+        assert_eq!(said, "held\n", "the shell could not open {cdev}");
+        let pid = child.id();
+        std::fs::write(
+            format!("{dir}/worker.json"),
+            format!(
+                "{{\"dev_id\":{id},\"pid\":{pid},\"start_time\":{},\"generation\":1,\
+                 \"held\":[]}}",
+                start_time(pid)
+            ),
+        )
+        .unwrap();
+        holder = Some(child);
     });
+    let mut holder = holder.unwrap();
+    let ended = holder.try_wait().unwrap();
+    assert!(
+        ended.is_some_and(|s| std::os::unix::process::ExitStatusExt::signal(&s) == Some(9)),
+        "the recorded worker was not killed before its device was deleted: {ended:?}"
+    );
     // The restarted ublkd answers only after adoption: the device is gone by now.
     assert!(kernel_devices().is_empty(), "a half-created device was left:\n{}", ublkd.log());
     assert!(
