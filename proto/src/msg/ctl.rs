@@ -1,0 +1,201 @@
+//! ublkctl ↔ supervisor: [`CtlRequest`] / [`CtlResponse`], framed on the daemon's
+//! unix stream socket (see [`super::write_frame`]); what status, list and metrics say.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::shm::{CounterSnapshot, DevLatency, LatencySnapshot};
+
+use super::{MissingLayer, SandboxLayer};
+
+/// The target kinds an operator can ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TargetKind {
+    Null,
+    Memory,
+    Loop,
+    /// An NBD server's export.
+    Nbd,
+}
+
+impl TargetKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            TargetKind::Null => "null",
+            TargetKind::Memory => "memory",
+            TargetKind::Loop => "loop",
+            TargetKind::Nbd => "nbd",
+        }
+    }
+}
+
+/// `ublkctl add`: a device described on the command line. Unset fields take the
+/// daemon's defaults; the supervisor validates everything as it would a config file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddRequest {
+    pub id: Option<u32>,
+    pub target: TargetKind,
+    /// Absolute path (ublkctl resolves it), loop only.
+    pub file: Option<PathBuf>,
+    /// The export's NBD URI as typed (ublkd parses it), nbd only.
+    pub uri: Option<String>,
+    pub size: Option<u64>,
+    pub queues: Option<u16>,
+    pub queue_depth: Option<u16>,
+    pub threads: Option<u16>,
+    /// Loop only: zero copy on (`--zero-copy`), off (`--copy`), or `None`: on where the
+    /// kernel has it (see `WorkerSetup::zero_copy`).
+    pub zero_copy: Option<bool>,
+    /// Run the worker in its sandbox; `None`: the daemon's default.
+    pub sandbox: Option<bool>,
+    /// Sandbox layers the worker may run without where they cannot be applied;
+    /// `None`: the daemon's default (`defaults.sandbox_optional`).
+    pub sandbox_optional: Option<Vec<SandboxLayer>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlRequest {
+    Add(AddRequest),
+    /// `None`: every device.
+    Del {
+        id: Option<u32>,
+    },
+    List {
+        id: Option<u32>,
+    },
+    Status {
+        id: Option<u32>,
+    },
+    Recover {
+        id: u32,
+    },
+    /// Delete every device, answer [`CtlResponse::Deleted`], then exit: the one
+    /// request (besides `Del`) that deletes devices; signals never do.
+    Shutdown,
+    /// Move device `id` (`None`: every device) to the worker binary now on disk, one
+    /// device at a time, each serving throughout.
+    Upgrade {
+        id: Option<u32>,
+    },
+    /// Every device's counters and latency histograms (`id`: only that device's), for
+    /// `ublkctl metrics`.
+    Metrics {
+        id: Option<u32>,
+    },
+}
+
+/// What `ublkctl upgrade` did to one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpgradeOutcome {
+    pub id: u32,
+    /// Whether the device is now served by the binary on disk.
+    pub upgraded: bool,
+    /// What happened (the stall), or why not.
+    pub message: String,
+}
+
+/// One device as `ublkctl list` prints it (the kernel selftests' two lines).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevListing {
+    pub id: u32,
+    pub nr_hw_queues: u16,
+    pub queue_depth: u16,
+    pub block_size: u32,
+    /// In 512-byte sectors.
+    pub dev_capacity: u64,
+    pub max_rq_size: u32,
+    pub daemon_pid: i32,
+    pub flags: u64,
+    pub state: String,
+}
+
+/// A worker's sandbox as the supervisor sees it from `/proc/<pid>` (uid, namespaces,
+/// seccomp, capabilities, no_new_privs), plus the Landlock ABI the worker reported.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxStatus {
+    pub uid: u32,
+    pub gid: u32,
+    /// Namespaces the worker does not share with the supervisor.
+    pub namespaces: Vec<String>,
+    /// `filter`, `strict` or `disabled`.
+    pub seccomp: String,
+    pub no_new_privs: bool,
+    /// Effective capabilities, as the kernel prints them (hex).
+    pub capabilities: String,
+    /// `ABI n`, or `unsupported`.
+    pub landlock: String,
+    /// The layers the worker runs without (its device allowed that), with why.
+    #[serde(default)]
+    pub missing: Vec<MissingLayer>,
+}
+
+/// One device as `ublkctl status` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevStatus {
+    pub id: u32,
+    pub state: String,
+    pub target: String,
+    pub worker_pid: Option<u32>,
+    pub size_bytes: u64,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub threads: u16,
+    pub recoveries: u64,
+    /// The last recovery's stall, from the death's detection to LIVE.
+    pub last_recovery_ms: Option<u64>,
+    pub last_recovery_reason: Option<String>,
+    pub standby_pid: Option<u32>,
+    /// `None`: the device's worker runs without a sandbox (or has none running).
+    pub sandbox: Option<SandboxStatus>,
+    pub counters: CounterSnapshot,
+    /// Why the device is not LIVE (or not served by its target), if so.
+    pub note: Option<String>,
+    /// LIVE, but every I/O fails with EIO: the restart budget is spent and the config
+    /// says `on_restart_limit = "fail-io"` (see `note`).
+    pub failing_io: bool,
+    /// The latency of every request the device's workers served, all operations in one
+    /// histogram (from the shared region: untrusted values).
+    pub latency: LatencySnapshot,
+}
+
+/// One device's numbers as `ublkctl metrics` renders them. The counters and histograms
+/// come from the shared region (untrusted values, only ever reported); the rest is the
+/// supervisor's own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevMetrics {
+    pub id: u32,
+    pub state: String,
+    pub target: String,
+    pub counters: CounterSnapshot,
+    /// Requests waiting at the worker's backend, at most the device's tag count.
+    pub inflight: u64,
+    pub recoveries: u64,
+    /// The last recovery's stall, from the death's detection to LIVE.
+    pub last_stall_ms: Option<u64>,
+    /// Times the device's serving worker exited or was killed (as hung).
+    pub worker_restarts: u64,
+    pub latency: DevLatency,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlResponse {
+    Added {
+        id: u32,
+    },
+    Deleted {
+        ids: Vec<u32>,
+    },
+    List(Vec<DevListing>),
+    Status(Vec<DevStatus>),
+    Recovered {
+        id: u32,
+        message: String,
+    },
+    Upgraded(Vec<UpgradeOutcome>),
+    /// The request failed; `message` names what and why.
+    Error {
+        message: String,
+    },
+    Metrics(Vec<DevMetrics>),
+}
