@@ -190,7 +190,7 @@ struct PendingAdd {
 /// How many times an add is begun before a lost worker fails it: a client asked for
 /// a device, not for a particular worker process, so a worker killed under it (an
 /// operator's or an OOM killer's doing) costs a new worker, not an error.
-const ADD_ATTEMPTS: u8 = 3;
+const ADD_ATTEMPTS: u8 = 10;
 
 /// How long a never-started device's leftover worker may take to end after SIGKILL
 /// before the device is left for the next start rather than deleted under it.
@@ -270,6 +270,13 @@ impl Daemon {
     /// missing or whose kernel tag is not ublkd's are never touched.
     pub fn adopt_previous(&mut self) -> usize {
         let mut adopted = 0;
+        for id in self.ctx.state.recover_set_aside() {
+            tracing::warn!(
+                dev_id = id,
+                "the previous ublkd died while deleting device {id}: its record is back, and \
+                 the device is adopted if the kernel still has it (delete it again)"
+            );
+        }
         for rec in self.ctx.state.records() {
             let rec = match rec {
                 Ok(rec) => rec,

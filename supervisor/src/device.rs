@@ -581,9 +581,18 @@ impl Device {
             }
         }
         let workers_done = Instant::now();
+        // Out of the id's place first: once deleted, the id may go to a new device.
+        let aside = state.set_aside(id);
         let deleted = ctrl.del_dev(id);
-        if deleted.is_ok() {
-            state.remove(id);
+        match (&deleted, aside) {
+            (Ok(()), Ok(Some(aside))) => state.forget_aside(&aside),
+            (Ok(()), Ok(None)) => {}
+            (Ok(()), Err(e)) => {
+                tracing::warn!(dev_id = id, "its record could not be set aside ({e}): removed");
+                state.remove(id);
+            }
+            (Err(_), Ok(Some(aside))) => state.put_back(&aside, id),
+            (Err(_), _) => {}
         }
         stopped?;
         deleted?;

@@ -229,6 +229,80 @@ impl StateDir {
         self.devices().join(id.to_string())
     }
 
+    /// Where deletes under way keep the directories they set aside.
+    fn deleting(&self) -> PathBuf {
+        self.root.join("deleting")
+    }
+
+    /// Moves device `id`'s directory out of the id's place, just before the device is
+    /// deleted from the kernel (which may then give the id to a new device at once): a
+    /// delete that finishes after a new device took the id must neither remove that
+    /// device's record nor make its creation find the old one. `None` if there was no
+    /// directory; an error leaves it in place.
+    pub fn set_aside(&self, id: u32) -> Result<Option<PathBuf>, StateError> {
+        let from = self.dir(id);
+        if std::fs::symlink_metadata(&from).is_err() {
+            return Ok(None);
+        }
+        let deleting = self.deleting();
+        match std::fs::DirBuilder::new().mode(0o700).create(&deleting) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(source) => return Err(StateError::Write { path: deleting, source }),
+        }
+        if let Some(why) = unsafe_dir(&deleting) {
+            return Err(unsafe_error(&deleting, why));
+        }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let to = deleting.join(format!("{id}.{nanos}"));
+        std::fs::rename(&from, &to)
+            .map_err(|source| StateError::Write { path: to.clone(), source })?;
+        Ok(Some(to))
+    }
+
+    /// Puts a directory [`Self::set_aside`] moved back in device `id`'s place (its
+    /// delete failed: the device stays, and so must its record).
+    pub fn put_back(&self, aside: &Path, id: u32) {
+        if let Err(e) = std::fs::rename(aside, self.dir(id)) {
+            tracing::error!(
+                dev_id = id,
+                "cannot put device {id}'s record back from {}: {e}",
+                aside.display()
+            );
+        }
+    }
+
+    /// Removes a directory [`Self::set_aside`] moved (its device is deleted).
+    pub fn forget_aside(&self, aside: &Path) {
+        let _ = std::fs::remove_dir_all(aside);
+    }
+
+    /// At start: the directories of deletes a previous ublkd did not finish (it died
+    /// between setting one aside and its end). One whose id's place is free goes back
+    /// there, so that its device (if the kernel still has it) is adopted as any other:
+    /// the operator's delete is lost, never the device. One whose id a newer device
+    /// has taken is stale and removed. Returns the ids put back.
+    pub fn recover_set_aside(&self) -> Vec<u32> {
+        let Ok(entries) = std::fs::read_dir(self.deleting()) else { return Vec::new() };
+        let mut back = Vec::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let id = name.split('.').next().and_then(|id| id.parse::<u32>().ok());
+            match id {
+                Some(id) if std::fs::symlink_metadata(self.dir(id)).is_err() => {
+                    if std::fs::rename(&path, self.dir(id)).is_ok() {
+                        back.push(id);
+                    }
+                }
+                _ => self.forget_aside(&path),
+            }
+        }
+        back
+    }
+
     /// Checks (at start) that the state dir and its `devices` directory are this user's
     /// alone, creating `devices` if missing.
     pub fn check(&self) -> Result<(), StateError> {
@@ -548,6 +622,43 @@ mod tests {
         assert!(!older.contains("export"), "{older}");
         let older: DeviceRecord = serde_json::from_str(&older).unwrap();
         assert_eq!(older.export, None);
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    /// A delete sets its device's directory aside before the kernel may reuse the id:
+    /// a new device with that id then finds its place free, and the old delete's end
+    /// never touches it; a failed delete puts the record back; one cut short by a
+    /// crash is put back at the next start, unless the id's place is taken.
+    #[test]
+    fn a_delete_sets_its_record_aside_so_a_new_device_may_take_the_id() {
+        let root = tmp();
+        let state = StateDir::new(&root);
+        state.write_record(&DeviceRecord::new(3, &spec())).unwrap();
+        let aside = state.set_aside(3).unwrap().expect("a directory to set aside");
+        assert!(state.records().is_empty());
+        // The kernel gave id 3 to a new device meanwhile.
+        let newer = DeviceRecord { size_bytes: 2 << 20, ..DeviceRecord::new(3, &spec()) };
+        state.write_record(&newer).unwrap();
+        state.forget_aside(&aside);
+        let left: Vec<DeviceRecord> = state.records().into_iter().map(Result::unwrap).collect();
+        assert_eq!(left, std::slice::from_ref(&newer));
+
+        // A failed delete: the record goes back.
+        let aside = state.set_aside(3).unwrap().unwrap();
+        state.put_back(&aside, 3);
+        assert_eq!(state.records().len(), 1);
+        assert_eq!(state.set_aside(9).unwrap(), None, "nothing to set aside");
+
+        // Cut short by a crash: back at the next start if the place is free, else
+        // forgotten.
+        let aside = state.set_aside(3).unwrap().unwrap();
+        assert_eq!(state.recover_set_aside(), [3]);
+        assert!(!aside.exists());
+        let stale = state.set_aside(3).unwrap().unwrap();
+        state.write_record(&DeviceRecord::new(3, &spec())).unwrap();
+        assert_eq!(state.recover_set_aside(), Vec::<u32>::new());
+        assert!(!stale.exists(), "a stale set-aside directory was kept");
+        assert_eq!(state.records().len(), 1);
         let _ = std::fs::remove_dir_all(root);
     }
 
