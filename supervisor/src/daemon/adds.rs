@@ -1,0 +1,274 @@
+//! `ublkctl add` and `ublkctl recover` as the loop carries them: an add is answered once
+//! its device is LIVE (its nbd export negotiated on a thread, its first worker started
+//! while the loop serves others, begun again with a new worker if one is lost), a
+//! recover once its recovery ends; both on later turns, never by waiting.
+
+use super::*;
+
+/// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
+/// that no add holds up the loop (other devices' recoveries, clients, other adds, the
+/// watchdog): an nbd device's export is first connected and negotiated on a thread of
+/// its own (up to the handshake's 10 s), then every device's first worker starts while
+/// the loop watches its control socket ([`Creation`]: 0.1-1 s under emulation). Adds
+/// issued together overlap.
+#[derive(Debug)]
+pub(super) struct PendingAdd {
+    pub(super) token: Token,
+    /// As asked (for [`Daemon::check_add`]'s conflicts).
+    pub(super) spec: DeviceSpec,
+    pub(super) stage: AddStage,
+    /// Adds of this device begun so far: one whose worker was lost (killed while the
+    /// device was being made, say) is begun again, up to [`ADD_ATTEMPTS`] in all.
+    pub(super) attempts: u8,
+}
+
+/// How many times an add is begun before a lost worker fails it: a client asked for
+/// a device, not for a particular worker process, so a worker killed under it (an
+/// operator's or an OOM killer's doing) costs a new worker, not an error.
+pub(super) const ADD_ATTEMPTS: u8 = 10;
+
+#[derive(Debug)]
+pub(super) enum AddStage {
+    /// The nbd export is being negotiated on a thread.
+    Connecting(mpsc::Receiver<Result<Option<NbdLink>, TargetError>>),
+    /// The device is made; its first worker is starting.
+    Starting(Box<Creation>),
+}
+
+/// How often the loop looks whether an nbd add's handshake is done.
+pub(super) const PENDING_ADD_POLL: Duration = Duration::from_millis(20);
+
+/// An `ublkctl recover` answered once its recovery ends (a standby still starting, a
+/// slow release, an nbd server away), so that the operator's command returns with the
+/// device served (or with why not), not while it still recovers; at the latest after
+/// [`RECOVER_ANSWER_WAIT`], with where it stands.
+#[derive(Debug)]
+pub(super) struct PendingRecover {
+    pub(super) token: Token,
+    pub(super) id: u32,
+    pub(super) deadline: Instant,
+}
+
+/// The longest an `ublkctl recover` waits for its answer: well inside ublkctl's 120 s,
+/// past a standby's 30 s start limit.
+pub(super) const RECOVER_ANSWER_WAIT: Duration = Duration::from_secs(60);
+
+impl Daemon {
+    /// `ublkctl add`: answered now if it is refused, else once its device is LIVE or
+    /// has failed ([`PendingAdd`], `None` here): an nbd device's export negotiated on a
+    /// thread of its own, then every device's worker started while the loop goes on.
+    pub(super) fn begin_add(&mut self, token: Token, add: &AddRequest) -> Option<CtlResponse> {
+        let spec = match self.check_add(add) {
+            Ok(spec) => spec,
+            Err(e) => return Some(CtlResponse::Error { message: e }),
+        };
+        match self.first_add_stage(&spec) {
+            Ok(stage) => {
+                self.pending_adds.push(PendingAdd { token, spec, stage, attempts: 1 });
+                None
+            }
+            Err(message) => Some(CtlResponse::Error { message }),
+        }
+    }
+
+    /// Where an add of `spec` (checked) begins: an nbd export negotiated on a thread
+    /// of its own, any other device made at once with its worker starting.
+    pub(super) fn first_add_stage(&self, spec: &DeviceSpec) -> Result<AddStage, String> {
+        if !matches!(spec.target, TargetSpec::Nbd { .. }) {
+            return Device::begin_create(&self.ctx, spec, None)
+                .map(|creation| AddStage::Starting(Box::new(creation)))
+                .map_err(|e| e.to_string());
+        }
+        let (tx, connected) = mpsc::channel();
+        let for_thread = spec.clone();
+        let data_path = DataPath::for_kernel(self.ctx.kernel_features);
+        std::thread::Builder::new()
+            .name("nbd-add".into())
+            .spawn(move || drop(tx.send(connect_export(&for_thread, data_path))))
+            .map_err(|e| format!("cannot start a thread to connect: {e}"))?;
+        Ok(AddStage::Connecting(connected))
+    }
+
+    /// Moves every add under way on: makes the devices of the nbd adds whose
+    /// handshakes are done, hands each new device whose worker has answered to it, and
+    /// answers the adds that are done.
+    pub(super) fn finish_pending_adds(&mut self) {
+        let mut waiting = Vec::with_capacity(self.pending_adds.len());
+        for mut pending in std::mem::take(&mut self.pending_adds) {
+            if let AddStage::Connecting(connected) = &pending.stage {
+                let begun = match connected.try_recv() {
+                    Ok(connected) => connected
+                        .map_err(DeviceError::from)
+                        .and_then(|link| Device::begin_create(&self.ctx, &pending.spec, link)),
+                    Err(mpsc::TryRecvError::Empty) => {
+                        waiting.push(pending);
+                        continue;
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        let why = "the thread negotiating the export ended without an answer";
+                        let response = CtlResponse::Error { message: why.into() };
+                        self.control.respond(pending.token, &response, Instant::now());
+                        continue;
+                    }
+                };
+                match begun {
+                    Ok(creation) => pending.stage = AddStage::Starting(Box::new(creation)),
+                    Err(e) => {
+                        let response = CtlResponse::Error { message: e.to_string() };
+                        self.control.respond(pending.token, &response, Instant::now());
+                        continue;
+                    }
+                }
+            }
+            let AddStage::Starting(creation) = pending.stage else { continue };
+            let response = match creation.progress(&self.ctx, Instant::now()) {
+                Progress::Pending(creation) => {
+                    pending.stage = AddStage::Starting(Box::new(creation));
+                    waiting.push(pending);
+                    continue;
+                }
+                Progress::Done(Ok(dev)) => {
+                    let id = dev.id();
+                    self.devices.insert(id, dev);
+                    CtlResponse::Added { id }
+                }
+                Progress::Done(Err(e)) if e.worker_lost() && pending.attempts < ADD_ATTEMPTS => {
+                    pending.attempts += 1;
+                    tracing::warn!(
+                        event = "add_retried",
+                        "adding {} again (attempt {} of {ADD_ATTEMPTS}): {e}",
+                        describe_spec(&pending.spec),
+                        pending.attempts
+                    );
+                    match self.first_add_stage(&pending.spec) {
+                        Ok(stage) => {
+                            pending.stage = stage;
+                            waiting.push(pending);
+                            continue;
+                        }
+                        Err(message) => CtlResponse::Error { message },
+                    }
+                }
+                Progress::Done(Err(e)) => CtlResponse::Error { message: e.to_string() },
+            };
+            self.control.respond(pending.token, &response, Instant::now());
+        }
+        self.pending_adds = waiting;
+    }
+
+    /// Gives up the adds under way for device `id` (every one for `None`) because of
+    /// `why`: a device already made in the kernel is deleted with its worker and record
+    /// ([`Creation::abandon`]), an export being negotiated is dropped when its thread
+    /// answers, and each add is answered with `why`. The ids of the devices that had
+    /// been made.
+    pub(super) fn give_up_pending_adds(&mut self, id: Option<u32>, why: &str) -> Vec<u32> {
+        let mut made = Vec::new();
+        let mut kept = Vec::with_capacity(self.pending_adds.len());
+        for pending in std::mem::take(&mut self.pending_adds) {
+            let pending_id = match &pending.stage {
+                AddStage::Starting(creation) => Some(creation.id()),
+                AddStage::Connecting(_) => pending.spec.id,
+            };
+            if id.is_some_and(|id| pending_id != Some(id)) {
+                kept.push(pending);
+                continue;
+            }
+            if let AddStage::Starting(creation) = pending.stage {
+                tracing::info!(dev_id = creation.id(), "{why}: giving up an add under way");
+                made.push(creation.id());
+                creation.abandon(&self.ctx);
+            }
+            let message = format!("{why} before the device was made");
+            self.control.respond(pending.token, &CtlResponse::Error { message }, Instant::now());
+        }
+        self.pending_adds = kept;
+        made
+    }
+
+    /// The adds under way with a device id, as `ublkctl status` shows them: an nbd add
+    /// still negotiating has an id only if it asked for one.
+    pub(super) fn pending_statuses(&self) -> Vec<DevStatus> {
+        self.pending_adds
+            .iter()
+            .filter_map(|pending| {
+                let (id, spec, worker_pid, note) = match &pending.stage {
+                    AddStage::Starting(creation) => (
+                        creation.id(),
+                        creation.spec(),
+                        creation.worker_pid(),
+                        "being added: its first worker is starting",
+                    ),
+                    AddStage::Connecting(_) => (
+                        pending.spec.id?,
+                        &pending.spec,
+                        None,
+                        "being added: ublkd is negotiating its NBD export",
+                    ),
+                };
+                Some(DevStatus {
+                    id,
+                    state: "ADDING".into(),
+                    target: spec.target.name().to_string(),
+                    worker_pid,
+                    size_bytes: spec.size_bytes,
+                    queues: spec.settings.queues,
+                    queue_depth: spec.settings.queue_depth,
+                    threads: spec.settings.threads,
+                    recoveries: 0,
+                    last_recovery_ms: None,
+                    last_recovery_reason: None,
+                    standby_pid: None,
+                    sandbox: None,
+                    counters: Default::default(),
+                    note: Some(note.into()),
+                    failing_io: false,
+                    latency: Default::default(),
+                })
+            })
+            .collect()
+    }
+
+    /// `ublkctl recover`: answered now if the recovery ended at once (or was refused),
+    /// else once it ends ([`PendingRecover`], `None` here).
+    pub(super) fn begin_recover(&mut self, token: Token, id: u32) -> Option<CtlResponse> {
+        match self.handle_recover(id) {
+            Ok(Some(message)) => Some(CtlResponse::Recovered { id, message }),
+            Ok(None) => {
+                let deadline = Instant::now() + RECOVER_ANSWER_WAIT;
+                self.pending_recovers.push(PendingRecover { token, id, deadline });
+                None
+            }
+            Err(message) => Some(CtlResponse::Error { message }),
+        }
+    }
+
+    /// Answers the `ublkctl recover`s whose recovery has ended, and with where it
+    /// stands those held up outside ublkd, those that waited [`RECOVER_ANSWER_WAIT`],
+    /// or all, at `stopping`.
+    pub(super) fn answer_recovers(&mut self, stopping: bool) {
+        let now = Instant::now();
+        for pending in std::mem::take(&mut self.pending_recovers) {
+            let id = pending.id;
+            let result = match self.recover_outcome(id) {
+                Some(outcome) => outcome,
+                None if stopping => Err(format!(
+                    "ublkd stopped before device {id} was recovered; the next ublkd recovers it"
+                )),
+                // Waiting on what ublkd cannot hurry (a release behind a slow backend,
+                // an NBD server away) is said at once, as status says it.
+                None if now >= pending.deadline || self.recovery_held_up(id) => {
+                    Err(self.recovering_message(id))
+                }
+                None => {
+                    self.pending_recovers.push(pending);
+                    continue;
+                }
+            };
+            let response = match result {
+                Ok(message) => CtlResponse::Recovered { id, message },
+                Err(message) => CtlResponse::Error { message },
+            };
+            self.control.respond(pending.token, &response, now);
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! The loop itself ([`Daemon::run`]): one `poll` over the signals' self-pipe, the control
+//! socket and its connections, every worker's pidfd and each starting worker's socket;
+//! each turn handles deaths first, then recoveries that are due, hangs and the
+//! watchdog, adds, upgrades, deletes and clients, and says where a slow turn's time
+//! went.
+
+use super::*;
+
+/// Where a loop turn's time went, said when the turn held the loop long enough for a
+/// client to notice ([`SLOW_TURN`]).
+pub(super) struct TurnTimes {
+    at: Instant,
+    started: Instant,
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl TurnTimes {
+    pub(super) fn new(started: Instant) -> TurnTimes {
+        TurnTimes { at: started, started, steps: Vec::new() }
+    }
+
+    pub(super) fn mark(&mut self, step: &'static str) {
+        let now = Instant::now();
+        self.steps.push((step, now - self.at));
+        self.at = now;
+    }
+
+    pub(super) fn report(&self) {
+        let took = self.started.elapsed();
+        if took < SLOW_TURN {
+            return;
+        }
+        let steps: Vec<String> =
+            self.steps.iter().map(|(s, d)| format!("{s} {} ms", d.as_millis())).collect();
+        tracing::info!(
+            event = "slow_turn",
+            "a loop turn took {} ms: {}",
+            took.as_millis(),
+            steps.join(", ")
+        );
+    }
+}
+
+/// A turn longer than this is logged, with its steps.
+pub(super) const SLOW_TURN: Duration = Duration::from_millis(100);
+
+/// How long one loop turn spends on deaths and recoveries before it serves the rest
+/// (clients, hang checks, the watchdog); the remaining deaths wait for the next turn.
+pub(super) const DEATHS_PER_TURN: Duration = Duration::from_secs(1);
+
+/// How many standbys may be starting at once. Each start (exec, sandbox, rings) takes
+/// CPU from the devices serving: after every worker died at once (an OOM kill), the
+/// recoveries, not hundreds of spares starting beside them, must have it.
+pub(super) const STANDBYS_STARTING_AT_ONCE: usize = 8;
+
+/// How many standbys one loop turn starts: each is a fork and exec on the loop (tens
+/// of milliseconds under emulation), and a turn that started eight made `ublkctl
+/// status` wait for them; the rest start on the next turns, which come at once.
+pub(super) const STANDBYS_SPAWNED_PER_TURN: usize = 2;
+
+/// How many configured devices [`Daemon::create_all`] creates at once: for the same
+/// reason, as many as standbys may start at once.
+pub(super) const CREATING_AT_ONCE: usize = STANDBYS_STARTING_AT_ONCE;
+
+/// Milliseconds from now until `at` for poll's timeout, rounded up so that the loop
+/// does not wake just before a deadline and spin until it.
+pub(super) fn millis_until(at: Instant) -> i32 {
+    let left = at.saturating_duration_since(Instant::now());
+    left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+}
+
+impl Daemon {
+    /// Serves until SIGTERM or SIGINT, then exits leaving every device in the kernel
+    /// (each LIVE device's worker serves on, for the next ublkd to take over; the
+    /// kernel holds the others' I/O until the next ublkd recovers them), or until
+    /// `ublkctl shutdown`, which deletes every device first.
+    pub fn run(mut self) -> Result<(), DaemonError> {
+        loop {
+            let hung_timeout = self.config.recovery.hung_timeout;
+            // Heartbeats are compared four times per timeout: a hang is seen within 1.5
+            // timeouts (the no-completion rule holds on two ticks in a row). No more
+            // often: an idle device's tick is the only thing that wakes
+            // ublkd, and each wake-up costs CPU (much of it on an emulated machine). The
+            // watchdog, a due standby, a recovery waiting for the kernel's release and a
+            // control connection's deadline shorten it.
+            let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));
+            if let Some(w) = self.notifier.watchdog_interval() {
+                tick = tick.min(w);
+            }
+            let mut wake_by = Instant::now() + tick;
+            let mut fds = vec![libc::pollfd {
+                fd: self.signals.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            self.control.pollfds(&mut fds);
+            let control_fds = 1..fds.len();
+            // At the cap, a due standby waits for a starting one to answer (its socket
+            // is polled), not for a timer that would spin the loop.
+            let standbys_may_start = self.standbys_starting() < STANDBYS_STARTING_AT_ONCE;
+            for dev in self.devices.values() {
+                for w in [dev.worker(), dev.standby(), dev.dying()].into_iter().flatten() {
+                    fds.push(libc::pollfd {
+                        fd: w.pidfd().as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                }
+                // A starting standby answers (or hangs up) on its control socket.
+                if let Some(w) = dev.starting() {
+                    fds.push(libc::pollfd {
+                        fd: w.control().as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                }
+                let standby_due = dev.standby_due().filter(|_| standbys_may_start);
+                for due in [standby_due, dev.release_due()].into_iter().flatten() {
+                    wake_by = wake_by.min(due);
+                }
+            }
+            let worker_fds = control_fds.end..fds.len();
+            // A new device's starting worker answers (or hangs up) on its control
+            // socket; an nbd add's handshake has no fd to poll.
+            for pending in &self.pending_adds {
+                match &pending.stage {
+                    AddStage::Starting(creation) => {
+                        wake_by = wake_by.min(creation.deadline());
+                        if let Some(fd) = creation.control() {
+                            let fd = fd.as_raw_fd();
+                            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                        }
+                    }
+                    AddStage::Connecting(_) => {
+                        wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
+                    }
+                }
+            }
+            for pending in &self.pending_recovers {
+                wake_by = wake_by.min(pending.deadline);
+            }
+            if self.deleting() {
+                wake_by = wake_by.min(Instant::now() + delete::DELETE_POLL);
+            }
+            for pending in &self.pending_upgrades {
+                let (fd, due) = pending.wake();
+                if let Some(fd) = fd {
+                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                }
+                if let Some(due) = due {
+                    wake_by = wake_by.min(due);
+                }
+            }
+            let control_due = self.control.next_deadline();
+            if let Some(due) = control_due {
+                wake_by = wake_by.min(due);
+            }
+            if let Some(writer) = &self.metrics_file {
+                wake_by = wake_by.min(writer.due());
+            }
+            let idle = self.devices.is_empty()
+                && self.pending_adds.is_empty()
+                && self.pending_recovers.is_empty()
+                && self.pending_upgrades.is_empty()
+                && self.pending_deletes.is_empty()
+                && self.notifier.watchdog_interval().is_none()
+                && control_due.is_none()
+                && self.metrics_file.is_none();
+            let timeout = if idle { -1 } else { millis_until(wake_by) };
+            // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+            if n < 0 {
+                continue; // EINTR: a signal; its flag is checked on the next turn.
+            }
+            // When a death became visible: a recovery's stall is counted from here.
+            let woke = Instant::now();
+            if fds[0].revents & libc::POLLIN != 0 {
+                self.signals.drain();
+            }
+            self.signals.child.store(false, Ordering::Relaxed);
+            crate::worker::reap_lingering();
+            if self.signals.terminate.load(Ordering::Relaxed) {
+                break;
+            }
+            if self.signals.reload.swap(false, Ordering::Relaxed) {
+                self.reload();
+            }
+            // Deaths first (pidfds), then hangs, then clients. A turn on which no pidfd
+            // or standby socket was ready saw nothing die or answer, and costs no wait4
+            // per worker.
+            let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
+            let mut turn = TurnTimes::new(woke);
+            self.handle_deaths(woke, worker_events);
+            turn.mark("deaths");
+            self.continue_recoveries();
+            turn.mark("recoveries");
+            for dev in self.devices.values_mut() {
+                recovery::kill_if_hung(dev, &self.config.recovery);
+            }
+            let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
+            self.notifier.watchdog(Instant::now(), hung);
+            let status = self.summary();
+            self.notifier.status(&status);
+            turn.mark("hangs");
+            self.finish_pending_adds();
+            turn.mark("adds");
+            self.advance_upgrades(false);
+            turn.mark("upgrades");
+            self.finish_deletes(false);
+            for (token, req) in self.control.service(&fds[control_fds], Instant::now()) {
+                let response = match req {
+                    CtlRequest::Add(_)
+                    | CtlRequest::Upgrade { .. }
+                    | CtlRequest::Recover { .. }
+                        if self.shutting_down =>
+                    {
+                        let message = "ublkd is shutting down".to_string();
+                        CtlResponse::Error { message }
+                    }
+                    CtlRequest::Del { id } => match self.begin_del(token, id, false) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::Shutdown => match self.begin_del(token, None, true) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::Add(add) => match self.begin_add(token, &add) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::Recover { id } => match self.begin_recover(token, id) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::Upgrade { id } => match self.selected(id) {
+                        Ok(ids) => {
+                            self.begin_upgrade(token, ids);
+                            continue;
+                        }
+                        Err(message) => CtlResponse::Error { message },
+                    },
+                    req => self.handle(req),
+                };
+                self.control.respond(token, &response, Instant::now());
+            }
+            turn.mark("requests");
+            turn.report();
+            // After the requests: a `del` of a device being recovered is answered in
+            // the same turn.
+            self.answer_recovers(false);
+            if let Some(mut writer) = self.metrics_file.take() {
+                writer.tick(Instant::now(), || {
+                    self.devices.keys().filter_map(|id| self.metrics(*id)).collect()
+                });
+                self.metrics_file = Some(writer);
+            }
+            if self.shutting_down && !self.deleting() {
+                break;
+            }
+        }
+        self.notifier.stopping();
+        // Adds under way are given up (their devices deleted, their workers ended),
+        // not left half-made, and their clients told so.
+        self.give_up_pending_adds(None, "ublkd stopped");
+        self.answer_recovers(true);
+        self.advance_upgrades(true);
+        self.finish_deletes(true);
+        let mut serving_on = 0;
+        if !self.devices.is_empty() {
+            // Deleting is explicit (`ublkctl del`, `shutdown`, a reload): a stop or a
+            // restart must not pull block devices from under their users.
+            let serving =
+                self.devices.values().filter(|d| d.state().kind() == StateKind::Live).count();
+            tracing::info!(
+                event = "stopping",
+                "stopping: leaving {} device(s) to the next ublkd, {serving} of them served \
+                 on by their workers meanwhile (the others' I/O is held until it recovers \
+                 them)",
+                self.devices.len()
+            );
+            self.leave_all();
+            serving_on = serving;
+        }
+        if let Some(relay) = crate::worker_log::Relay::get() {
+            relay.flush(Duration::from_secs(1), serving_on);
+        }
+        let _ = std::fs::remove_file(&self.config.daemon.socket);
+        tracing::info!("ublkd exits");
+        Ok(())
+    }
+
+    /// Recovers every device whose worker died, within its restart budget, and starts
+    /// standbys that are due. `events`: whether the poll reported a ready fd (without
+    /// one no worker died and no starting standby answered).
+    pub(super) fn handle_deaths(&mut self, woke: Instant, events: bool) {
+        let mut starting = self.standbys_starting();
+        let mut spawned = 0;
+        for (&id, dev) in &mut self.devices {
+            // A mass death (every worker OOM-killed) is hundreds of recoveries, one
+            // after another: past a turn's share, the rest wait for the next turn (their
+            // pidfds keep the poll ready), so that clients, hangs and the watchdog are
+            // served between them and `ublkctl status` shows the recovery progress.
+            if woke.elapsed() > DEATHS_PER_TURN {
+                break;
+            }
+            if events {
+                dev.standby_progress();
+            }
+            if starting < STANDBYS_STARTING_AT_ONCE
+                && spawned < STANDBYS_SPAWNED_PER_TURN
+                && dev.starting().is_none()
+            {
+                dev.refill_standby_if_due(&self.ctx);
+                let started = usize::from(dev.starting().is_some());
+                (starting, spawned) = (starting + started, spawned + started);
+            }
+            if !events {
+                continue;
+            }
+            if let Some(how) = dev.standby_exited() {
+                tracing::warn!(dev_id = id, "{how}; starting another");
+                dev.refill_standby(&self.ctx);
+            }
+            let pid = dev.worker().map(|w| w.pid());
+            let Some(death) = dev.worker_exited(woke) else { continue };
+            tracing::error!(dev_id = id, worker_pid = pid, event = "worker_died", "{}", death.how);
+            let rc = &self.config.recovery;
+            let counts = !death.backend_lost;
+            let event =
+                recovery::after_death(dev, &self.ctx, rc, &death.reason(), counts, &self.notifier);
+            self.last_event = Some(event);
+        }
+    }
+
+    /// How many standbys are starting (spawned, not yet standing by).
+    pub(super) fn standbys_starting(&self) -> usize {
+        self.devices.values().filter(|d| d.starting().is_some()).count()
+    }
+
+    /// Goes on with every recovery that waits for the kernel's release and is due.
+    pub(super) fn continue_recoveries(&mut self) {
+        let now = Instant::now();
+        for dev in self.devices.values_mut() {
+            if let Some(event) =
+                recovery::continue_if_due(dev, &self.ctx, &self.config.recovery, now)
+            {
+                self.last_event = Some(event);
+            }
+        }
+    }
+
+    /// Leaves every LIVE device's worker serving and kills the rest now (standbys would
+    /// end with their control sockets at ublkd's exit; a killed worker's device is held
+    /// by the kernel from this moment, for the next ublkd to recover), so that the
+    /// relay logs their last lines.
+    pub(super) fn leave_all(&mut self) {
+        let mut workers: Vec<crate::worker::Worker> =
+            std::mem::take(&mut self.devices).into_values().flat_map(Device::leave).collect();
+        for w in &mut workers {
+            w.kill();
+        }
+        for mut w in workers {
+            let pid = w.pid();
+            let how = w.reap(Duration::ZERO);
+            tracing::debug!(worker_pid = pid, "worker ended: {how}");
+        }
+    }
+}
