@@ -19,7 +19,9 @@
 //!    ext4 mounted: the devices stay, their I/O held, not failed; every worker then
 //!    runs the new binary;
 //! 7. `systemctl stop` leaves the devices; `systemctl start` adopts them;
-//! 8. `dpkg -r`: no device, no worker, no ublkd, no state dir left.
+//! 8. `dpkg -r` with ublkd stopped and unable to start (a broken config): removal
+//!    fails naming the devices, which stay, records and all; then `dpkg -r`: no
+//!    device, no worker, no ublkd, no state dir left.
 //!
 //! It needs PID 1 to be systemd and fails anywhere else: it never skips.
 
@@ -359,6 +361,23 @@ fn ublkd_package_under_systemd() {
     let data = std::fs::read(mnt.join("while-stopped")).unwrap();
     assert!(data == common::pattern(99, 123_457), "the file written while stopped changed");
     mount.umount();
+
+    step("8a. dpkg -r while ublkd cannot start: refused, naming the devices; nothing lost");
+    systemctl(&["stop", "ublkd"]);
+    let good_config = std::fs::read_to_string(CONFIG).unwrap();
+    std::fs::write(CONFIG, "[[device]]\ntarget = \"floppy\"\n").unwrap();
+    let out = run(Command::new("dpkg").args(["-r", "ublkd"]));
+    let said = describe(&out);
+    assert!(!out.status.success(), "dpkg -r succeeded with devices it could not delete:\n{said}");
+    assert!(said.contains("device(s) 7 8 are still recorded in /run/ublkd/devices"), "{said}");
+    eprintln!("dpkg -r refused:\n{said}");
+    assert_eq!(kernel_devices(), [7, 8].into(), "devices went with the refused removal");
+    for id in [7, 8] {
+        let record = format!("/run/ublkd/devices/{id}");
+        assert!(Path::new(&record).exists(), "{record} went with the refused removal");
+    }
+    assert!(Path::new("/usr/sbin/ublkd").exists(), "the refused removal removed ublkd");
+    std::fs::write(CONFIG, good_config).unwrap();
 
     step("8. dpkg -r: no device, no worker, no ublkd, no state left");
     let out = run(Command::new("dpkg").args(["-r", "ublkd"]));
