@@ -11,14 +11,19 @@
 //! This module creates (in two steps, so that a worker's start never holds up the
 //! loop: [`Device::begin_create`], then [`Creation::progress`] once the worker
 //! answers), adopts and deletes devices and keeps their state
-//! ([`crate::device_state`]); `workers` starts and activates their workers,
+//! ([`crate::device_state`]): `creation` makes them, `deletion` deletes them and
+//! `adoption` takes over a previous ublkd's; `workers` starts and activates their workers,
 //! `user_recovery` replaces a worker through the kernel's user recovery, and
 //! [`crate::target`] sets up what the workers are given. When to recover is
 //! [`crate::recovery`]'s decision.
 
 mod adoption;
+mod creation;
+mod deletion;
 mod user_recovery;
 mod workers;
+
+pub use creation::{Creation, Progress};
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -44,11 +49,6 @@ const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a worker may take to exit when asked.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// The most devices [`Device::destroy_all`] deletes at once. Much of a delete is
-/// waiting (STOP_DEV and DEL_DEV sleep in the kernel, the workers exit on their own
-/// CPU time), so more threads than CPUs pay, up to where the CPUs are the limit (under
-/// emulation they soon are: 300 deletes overlapped 14.5 at a time on average).
-const DELETE_THREADS: usize = 16;
 /// How long a recovery waits inline for the kernel to release a dead worker's
 /// `/dev/ublkcN` before it leaves the waiting to the loop's later turns.
 const RELEASE_WAIT_INLINE: Duration = Duration::from_millis(250);
@@ -192,211 +192,7 @@ pub struct Device {
     death_seen: Option<Instant>,
 }
 
-/// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
-/// written, its first worker started and sent its setup. Starting a worker (exec,
-/// sandbox, rings) takes 0.1-1 s under emulation: the loop watches the worker's control
-/// socket ([`Self::control`]) and moves the creation on ([`Self::progress`]) once it
-/// answers, so that it serves everything else meanwhile and creations overlap. Every
-/// creation ends in [`Progress::Done`] or [`Self::abandon`]: dropped otherwise, it would
-/// leave its kernel device (and its worker) behind.
-#[derive(Debug)]
-pub struct Creation {
-    dev: Device,
-    /// When the worker must have stood by ([`WORKER_TIMEOUT`] after its start).
-    deadline: Instant,
-}
-
-/// Where a [`Creation`] stands after [`Creation::progress`].
-#[derive(Debug)]
-pub enum Progress {
-    /// Its worker has not answered yet.
-    Pending(Creation),
-    /// LIVE, or failed and cleaned up (no kernel device, no worker, no record left).
-    Done(Result<Device, DeviceError>),
-}
-
-impl Creation {
-    /// The kernel's id of the device being created.
-    pub fn id(&self) -> u32 {
-        self.dev.id
-    }
-
-    /// What the device is being made as.
-    pub fn spec(&self) -> &DeviceSpec {
-        &self.dev.spec
-    }
-
-    /// The starting worker's pid, until it has answered.
-    pub fn worker_pid(&self) -> Option<u32> {
-        self.dev.starting.as_ref().map(Worker::pid)
-    }
-
-    /// The starting worker's control socket: readable once it stands by, fails or
-    /// ends.
-    pub fn control(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.dev.starting.as_ref().map(Worker::control)
-    }
-
-    /// When the creation fails if its worker has not answered by then.
-    pub fn deadline(&self) -> Instant {
-        self.deadline
-    }
-
-    /// Goes on once the worker has answered (or the deadline passed at `now`): hands
-    /// the device to it (activation: the worker maps it and PREPs every tag, a few
-    /// milliseconds) and starts the device. A failure cleans up after itself.
-    pub fn progress(mut self, ctx: &Context, now: Instant) -> Progress {
-        let answered = self.dev.starting.as_ref().is_some_and(Worker::has_answered);
-        if !answered && now < self.deadline && self.dev.starting.is_some() {
-            return Progress::Pending(self);
-        }
-        let id = self.dev.id;
-        let live = match self.dev.starting.take() {
-            Some(worker) if answered => self.dev.await_standby(worker, Duration::from_millis(100)),
-            Some(worker) => {
-                let source =
-                    WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() };
-                Err(self.dev.standby_failed(worker, source))
-            }
-            None => self.dev.ensure_standby(ctx),
-        }
-        .and_then(|standby| self.dev.go_live(ctx, standby));
-        match live {
-            Ok(()) => Progress::Done(Ok(self.dev)),
-            Err(e) => {
-                tracing::debug!(dev_id = id, "create failed: {e}; deleting the device");
-                self.abandon(ctx);
-                Progress::Done(Err(e))
-            }
-        }
-    }
-
-    /// Gives the creation up (it failed, or ublkd is stopping before it finished):
-    /// kills its workers and deletes the device and its record.
-    pub fn abandon(self, ctx: &Context) {
-        let mut dev = self.dev;
-        let id = dev.id;
-        for mut worker in
-            [dev.worker.take(), dev.standby.take(), dev.starting.take(), dev.dying.take()]
-                .into_iter()
-                .flatten()
-        {
-            worker.kill();
-            let pid = worker.pid();
-            let how = worker.reap(Duration::ZERO);
-            tracing::debug!(dev_id = id, worker_pid = pid, "worker of a create given up: {how}");
-        }
-        if let Err(del) = ctx.ctrl.del_dev(id) {
-            tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
-        }
-        ctx.state.remove(id);
-    }
-}
-
 impl Device {
-    /// Starts creating a device described by `spec` (already validated), with an nbd
-    /// device's export already connected and negotiated (`nbd`, from
-    /// [`crate::target::connect_export`]): makes it in the kernel and starts its first
-    /// worker, without waiting for the worker (see [`Creation`]).
-    pub fn begin_create(
-        ctx: &Context,
-        spec: &DeviceSpec,
-        nbd: Option<NbdLink>,
-    ) -> Result<Creation, DeviceError> {
-        let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
-        // An nbd device is what its export is: connected and negotiated before the
-        // kernel device is made, so a server that is not there costs nothing.
-        if let Some(info) = nbd.as_ref().and_then(|l| l.info.as_ref()) {
-            spec.size_bytes = info.size;
-            // The server's minimum is the least the kernel may send it.
-            spec.settings.block_size =
-                crate::nbd::device_block_size(info, spec.settings.block_size);
-        }
-        let spec = &spec;
-        let info = UblksrvCtrlDevInfo {
-            nr_hw_queues: spec.settings.queues,
-            queue_depth: spec.settings.queue_depth,
-            max_io_buf_bytes: MAX_IO_BUF_BYTES,
-            dev_id: spec.id.unwrap_or(AUTO_DEV_ID),
-            flags: device_flags(spec, ctx.kernel_features),
-            ublksrv_flags: OWNER_TAG,
-            ..UblksrvCtrlDevInfo::default()
-        };
-        let added = ctx.ctrl.add_dev(&info)?;
-        let id = added.dev_id;
-        let mut spec = spec.clone();
-        if added.nr_hw_queues != spec.settings.queues {
-            // The kernel gives a device at most one queue per CPU.
-            tracing::info!(
-                dev_id = id,
-                "{} queues asked, the kernel gives {} (one per CPU)",
-                spec.settings.queues,
-                added.nr_hw_queues
-            );
-            spec.settings.queues = added.nr_hw_queues;
-            let slots = spec.settings.queues.saturating_mul(spec.settings.queue_depth).max(1);
-            spec.settings.threads = spec.settings.threads.min(slots);
-        }
-        // From here on, a failure deletes the half-made device.
-        match Self::prepare(ctx, id, &spec, nbd) {
-            Ok(dev) => Ok(Creation { dev, deadline: Instant::now() + WORKER_TIMEOUT }),
-            Err(e) => {
-                if let Err(del) = ctx.ctrl.del_dev(id) {
-                    tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
-                }
-                ctx.state.remove(id);
-                Err(e)
-            }
-        }
-    }
-
-    /// A device just added to the kernel: its record, its parameters, its state, and
-    /// its first worker started (`starting`).
-    fn prepare(
-        ctx: &Context,
-        id: u32,
-        spec: &DeviceSpec,
-        nbd: Option<NbdLink>,
-    ) -> Result<Device, DeviceError> {
-        let state_err = |source| DeviceError::State { id, source };
-        let mut spec = spec.clone();
-        spec.id = Some(id);
-        let export = nbd.as_ref().and_then(|l| l.info.as_ref());
-        let record =
-            DeviceRecord { export: export.map(ExportRecord::from), ..DeviceRecord::new(id, &spec) };
-        ctx.state.write_record(&record).map_err(state_err)?;
-        ctx.ctrl.set_params(id, &params(&spec, export))?;
-        let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
-        dev.nbd = nbd;
-        dev.starting = Some(dev.spawn_worker(ctx, false)?);
-        Ok(dev)
-    }
-
-    /// Hands a new device to its first worker (standing by) and starts it.
-    fn go_live(&mut self, ctx: &Context, standby: Worker) -> Result<(), DeviceError> {
-        let id = self.id;
-        let (mut worker, activation) = self.activate(ctx, standby)?;
-        let started = ctx.ctrl.start_dev(id, std::process::id() as i32).map_err(DeviceError::from);
-        if let Err(e) = started.and_then(|()| Ok(self.transition(DeviceState::Live)?)) {
-            // Not left running beside the device it was given, which is deleted next.
-            worker.kill();
-            worker.reap(Duration::ZERO);
-            return Err(e);
-        }
-        tracing::info!(
-            dev_id = id,
-            worker_pid = worker.pid(),
-            map_us = activation.map_us,
-            prep_us = activation.prep_us,
-            backend = self.spec.target.name(),
-            event = "live",
-            "device LIVE"
-        );
-        self.worker = Some(worker);
-        self.refill_standby(ctx);
-        Ok(())
-    }
-
     /// The device's state from its record: region, target data. A device `Starting`
     /// gets a new region; an adopted one (`Recovering`) keeps its own if it is sound.
     fn open(
@@ -482,147 +278,6 @@ impl Device {
     /// The device's recent recoveries, for the recovery policy.
     pub fn restart_budget_mut(&mut self) -> &mut RestartBudget {
         &mut self.restart_budget
-    }
-
-    /// Stops and deletes the device: STOP_DEV, the workers' exit, DEL_DEV (which waits
-    /// for `/dev/ublkcN` to be released), and its state.
-    pub fn destroy(self, ctx: &Context) -> Result<(), DeviceError> {
-        self.destroy_with(&ctx.ctrl, &ctx.state)
-    }
-
-    /// Deletes every one of `devices` ([`Self::destroy`]), up to `DELETE_THREADS` (16) at
-    /// once, and returns each one's outcome. Each device's delete sleeps in the kernel
-    /// (STOP_DEV, DEL_DEV) and waits for its workers to exit: ~100 ms under emulation,
-    /// which one device after another made minutes of a thousand. Each thread sends its
-    /// commands on a control client of its own, since a client runs one command at a
-    /// time.
-    pub fn destroy_all(ctx: &Context, devices: Vec<Device>) -> Vec<(u32, Result<(), DeviceError>)> {
-        Self::destroy_each(&ctx.ctrl, &ctx.state, devices)
-    }
-
-    /// [`Self::destroy_all`] with `ctrl` as the control client of last resort (each
-    /// helper thread opens its own): for a thread of its own, off ublkd's loop.
-    pub fn destroy_each(
-        shared: &CtrlClient,
-        state: &StateDir,
-        devices: Vec<Device>,
-    ) -> Vec<(u32, Result<(), DeviceError>)> {
-        let count = devices.len();
-        let queue = Mutex::new(devices);
-        let outcomes = Mutex::new(Vec::with_capacity(count));
-        let work = |ctrl: &CtrlClient| {
-            loop {
-                // Its own statement: the guard must not live through the delete.
-                let next = lock(&queue).pop();
-                let Some(dev) = next else { break };
-                let id = dev.id;
-                let outcome = dev.destroy_with(ctrl, state);
-                lock(&outcomes).push((id, outcome));
-            }
-        };
-        std::thread::scope(|scope| {
-            // This thread works through the queue too: if no helper starts, it deletes
-            // every device itself, one after another as before.
-            for n in 1..DELETE_THREADS.min(count) {
-                let helper = std::thread::Builder::new()
-                    .name(format!("ublkd-delete-{n}"))
-                    .spawn_scoped(scope, || match CtrlClient::open() {
-                        Ok(own) => work(&own),
-                        Err(e) => {
-                            tracing::warn!("deleting with the shared control client: {e}");
-                            work(shared)
-                        }
-                    });
-                if let Err(e) = helper {
-                    tracing::warn!("deleting with fewer threads: cannot start one: {e}");
-                    break;
-                }
-            }
-            work(shared);
-        });
-        outcomes.into_inner().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn destroy_with(mut self, ctrl: &CtrlClient, state: &StateDir) -> Result<(), DeviceError> {
-        let id = self.id;
-        let started = Instant::now();
-        let stopped = ctrl.stop_dev(id);
-        let stop_done = Instant::now();
-        let serving = self.worker.as_ref().map(Worker::pid);
-        let workers: Vec<Worker> =
-            [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
-                .into_iter()
-                .flatten()
-                .collect();
-        // Asked at once, the workers exit side by side.
-        for worker in &workers {
-            worker.ask_to_exit();
-        }
-        let mut served_cleanly = false;
-        for worker in workers {
-            let pid = worker.pid();
-            let (how, clean) = worker.finish(STOP_GRACE);
-            if Some(pid) == serving {
-                served_cleanly = clean;
-            }
-            tracing::info!(dev_id = id, worker_pid = pid, "worker ended: {how}");
-        }
-        if let Some(link) = self.nbd.take() {
-            // Only once the kernel has stopped the device has every request been
-            // answered: a worker told to exit before that may leave one half sent.
-            let tls = matches!(&self.spec.target, TargetSpec::Nbd { uri } if uri.tls.is_some());
-            let ended = link.close(served_cleanly && stopped.is_ok(), tls);
-            if ended > 0 {
-                tracing::info!(
-                    dev_id = id,
-                    event = "nbd_disconnected",
-                    "ended {ended} session(s) with the NBD server (NBD_CMD_DISC)"
-                );
-            }
-        }
-        let workers_done = Instant::now();
-        // Out of the id's place first: once deleted, the id may go to a new device.
-        let aside = state.set_aside(id);
-        let deleted = ctrl.del_dev(id);
-        match (&deleted, aside) {
-            (Ok(()), Ok(Some(aside))) => state.forget_aside(&aside),
-            (Ok(()), Ok(None)) => {}
-            (Ok(()), Err(e)) => {
-                tracing::warn!(dev_id = id, "its record could not be set aside ({e}): removed");
-                state.remove(id);
-            }
-            (Err(_), Ok(Some(aside))) => state.put_back(&aside, id),
-            (Err(_), _) => {}
-        }
-        stopped?;
-        deleted?;
-        tracing::info!(
-            dev_id = id,
-            event = "deleted",
-            stop_ms = stop_done.duration_since(started).as_millis() as u64,
-            workers_ms = workers_done.duration_since(stop_done).as_millis() as u64,
-            del_ms = workers_done.elapsed().as_millis() as u64,
-            "device deleted"
-        );
-        Ok(())
-    }
-
-    /// Leaves the device to the next ublkd (a stop, not a delete): the device and its
-    /// state stay. A LIVE device's worker serves on, for the next ublkd to take over;
-    /// every other worker (standbys, a hung or failing-I/O device's) is handed back, to
-    /// be killed (see [`crate::daemon`]'s stop), so that the kernel holds that device's
-    /// I/O until the next ublkd recovers it.
-    pub fn leave(mut self) -> Vec<Worker> {
-        // A LIVE device's worker serves on, for the next ublkd to take over.
-        if self.state == DeviceState::Live
-            && let Some(worker) = self.worker.take()
-        {
-            worker.leave_serving();
-        }
-        [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
-            .into_iter()
-            .flatten()
-            .collect()
     }
 
     pub fn shm(&self) -> &ShmRegion {

@@ -1,0 +1,212 @@
+//! Making a device: ADD_DEV and SET_PARAMS at once, its first worker started without
+//! waiting for it ([`Device::begin_create`]), then, once the worker answers on a later
+//! loop turn, the hand-over and START_DEV ([`Creation::progress`]).
+
+#![allow(unused_imports)]
+use super::*;
+
+/// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
+/// written, its first worker started and sent its setup. Starting a worker (exec,
+/// sandbox, rings) takes 0.1-1 s under emulation: the loop watches the worker's control
+/// socket ([`Self::control`]) and moves the creation on ([`Self::progress`]) once it
+/// answers, so that it serves everything else meanwhile and creations overlap. Every
+/// creation ends in [`Progress::Done`] or [`Self::abandon`]: dropped otherwise, it would
+/// leave its kernel device (and its worker) behind.
+#[derive(Debug)]
+pub struct Creation {
+    dev: Device,
+    /// When the worker must have stood by ([`WORKER_TIMEOUT`] after its start).
+    deadline: Instant,
+}
+
+impl Creation {
+    /// The kernel's id of the device being created.
+    pub fn id(&self) -> u32 {
+        self.dev.id
+    }
+
+    /// What the device is being made as.
+    pub fn spec(&self) -> &DeviceSpec {
+        &self.dev.spec
+    }
+
+    /// The starting worker's pid, until it has answered.
+    pub fn worker_pid(&self) -> Option<u32> {
+        self.dev.starting.as_ref().map(Worker::pid)
+    }
+
+    /// The starting worker's control socket: readable once it stands by, fails or
+    /// ends.
+    pub fn control(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.dev.starting.as_ref().map(Worker::control)
+    }
+
+    /// When the creation fails if its worker has not answered by then.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Goes on once the worker has answered (or the deadline passed at `now`): hands
+    /// the device to it (activation: the worker maps it and PREPs every tag, a few
+    /// milliseconds) and starts the device. A failure cleans up after itself.
+    pub fn progress(mut self, ctx: &Context, now: Instant) -> Progress {
+        let answered = self.dev.starting.as_ref().is_some_and(Worker::has_answered);
+        if !answered && now < self.deadline && self.dev.starting.is_some() {
+            return Progress::Pending(self);
+        }
+        let id = self.dev.id;
+        let live = match self.dev.starting.take() {
+            Some(worker) if answered => self.dev.await_standby(worker, Duration::from_millis(100)),
+            Some(worker) => {
+                let source =
+                    WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() };
+                Err(self.dev.standby_failed(worker, source))
+            }
+            None => self.dev.ensure_standby(ctx),
+        }
+        .and_then(|standby| self.dev.go_live(ctx, standby));
+        match live {
+            Ok(()) => Progress::Done(Ok(self.dev)),
+            Err(e) => {
+                tracing::debug!(dev_id = id, "create failed: {e}; deleting the device");
+                self.abandon(ctx);
+                Progress::Done(Err(e))
+            }
+        }
+    }
+
+    /// Gives the creation up (it failed, or ublkd is stopping before it finished):
+    /// kills its workers and deletes the device and its record.
+    pub fn abandon(self, ctx: &Context) {
+        let mut dev = self.dev;
+        let id = dev.id;
+        for mut worker in
+            [dev.worker.take(), dev.standby.take(), dev.starting.take(), dev.dying.take()]
+                .into_iter()
+                .flatten()
+        {
+            worker.kill();
+            let pid = worker.pid();
+            let how = worker.reap(Duration::ZERO);
+            tracing::debug!(dev_id = id, worker_pid = pid, "worker of a create given up: {how}");
+        }
+        if let Err(del) = ctx.ctrl.del_dev(id) {
+            tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
+        }
+        ctx.state.remove(id);
+    }
+}
+
+/// Where a [`Creation`] stands after [`Creation::progress`].
+#[derive(Debug)]
+pub enum Progress {
+    /// Its worker has not answered yet.
+    Pending(Creation),
+    /// LIVE, or failed and cleaned up (no kernel device, no worker, no record left).
+    Done(Result<Device, DeviceError>),
+}
+
+impl Device {
+    /// Starts creating a device described by `spec` (already validated), with an nbd
+    /// device's export already connected and negotiated (`nbd`, from
+    /// [`crate::target::connect_export`]): makes it in the kernel and starts its first
+    /// worker, without waiting for the worker (see [`Creation`]).
+    pub fn begin_create(
+        ctx: &Context,
+        spec: &DeviceSpec,
+        nbd: Option<NbdLink>,
+    ) -> Result<Creation, DeviceError> {
+        let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
+        // An nbd device is what its export is: connected and negotiated before the
+        // kernel device is made, so a server that is not there costs nothing.
+        if let Some(info) = nbd.as_ref().and_then(|l| l.info.as_ref()) {
+            spec.size_bytes = info.size;
+            // The server's minimum is the least the kernel may send it.
+            spec.settings.block_size =
+                crate::nbd::device_block_size(info, spec.settings.block_size);
+        }
+        let spec = &spec;
+        let info = UblksrvCtrlDevInfo {
+            nr_hw_queues: spec.settings.queues,
+            queue_depth: spec.settings.queue_depth,
+            max_io_buf_bytes: MAX_IO_BUF_BYTES,
+            dev_id: spec.id.unwrap_or(AUTO_DEV_ID),
+            flags: device_flags(spec, ctx.kernel_features),
+            ublksrv_flags: OWNER_TAG,
+            ..UblksrvCtrlDevInfo::default()
+        };
+        let added = ctx.ctrl.add_dev(&info)?;
+        let id = added.dev_id;
+        let mut spec = spec.clone();
+        if added.nr_hw_queues != spec.settings.queues {
+            // The kernel gives a device at most one queue per CPU.
+            tracing::info!(
+                dev_id = id,
+                "{} queues asked, the kernel gives {} (one per CPU)",
+                spec.settings.queues,
+                added.nr_hw_queues
+            );
+            spec.settings.queues = added.nr_hw_queues;
+            let slots = spec.settings.queues.saturating_mul(spec.settings.queue_depth).max(1);
+            spec.settings.threads = spec.settings.threads.min(slots);
+        }
+        // From here on, a failure deletes the half-made device.
+        match Self::prepare(ctx, id, &spec, nbd) {
+            Ok(dev) => Ok(Creation { dev, deadline: Instant::now() + WORKER_TIMEOUT }),
+            Err(e) => {
+                if let Err(del) = ctx.ctrl.del_dev(id) {
+                    tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
+                }
+                ctx.state.remove(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// A device just added to the kernel: its record, its parameters, its state, and
+    /// its first worker started (`starting`).
+    pub(super) fn prepare(
+        ctx: &Context,
+        id: u32,
+        spec: &DeviceSpec,
+        nbd: Option<NbdLink>,
+    ) -> Result<Device, DeviceError> {
+        let state_err = |source| DeviceError::State { id, source };
+        let mut spec = spec.clone();
+        spec.id = Some(id);
+        let export = nbd.as_ref().and_then(|l| l.info.as_ref());
+        let record =
+            DeviceRecord { export: export.map(ExportRecord::from), ..DeviceRecord::new(id, &spec) };
+        ctx.state.write_record(&record).map_err(state_err)?;
+        ctx.ctrl.set_params(id, &params(&spec, export))?;
+        let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
+        dev.nbd = nbd;
+        dev.starting = Some(dev.spawn_worker(ctx, false)?);
+        Ok(dev)
+    }
+
+    /// Hands a new device to its first worker (standing by) and starts it.
+    pub(super) fn go_live(&mut self, ctx: &Context, standby: Worker) -> Result<(), DeviceError> {
+        let id = self.id;
+        let (mut worker, activation) = self.activate(ctx, standby)?;
+        let started = ctx.ctrl.start_dev(id, std::process::id() as i32).map_err(DeviceError::from);
+        if let Err(e) = started.and_then(|()| Ok(self.transition(DeviceState::Live)?)) {
+            // Not left running beside the device it was given, which is deleted next.
+            worker.kill();
+            worker.reap(Duration::ZERO);
+            return Err(e);
+        }
+        tracing::info!(
+            dev_id = id,
+            worker_pid = worker.pid(),
+            map_us = activation.map_us,
+            prep_us = activation.prep_us,
+            backend = self.spec.target.name(),
+            event = "live",
+            "device LIVE"
+        );
+        self.worker = Some(worker);
+        self.refill_standby(ctx);
+        Ok(())
+    }
+}

@@ -1,0 +1,159 @@
+//! Deleting devices: STOP_DEV, the workers' exit within their grace, the NBD sessions
+//! ended, the record set aside and DEL_DEV ([`Device::destroy`]), many at once on
+//! threads of their own; and leaving a device to the next ublkd ([`Device::leave`]).
+
+#![allow(unused_imports)]
+use super::*;
+
+/// The most devices [`Device::destroy_all`] deletes at once. Much of a delete is
+/// waiting (STOP_DEV and DEL_DEV sleep in the kernel, the workers exit on their own
+/// CPU time), so more threads than CPUs pay, up to where the CPUs are the limit (under
+/// emulation they soon are: 300 deletes overlapped 14.5 at a time on average).
+pub(super) const DELETE_THREADS: usize = 16;
+
+impl Device {
+    /// Stops and deletes the device: STOP_DEV, the workers' exit, DEL_DEV (which waits
+    /// for `/dev/ublkcN` to be released), and its state.
+    pub fn destroy(self, ctx: &Context) -> Result<(), DeviceError> {
+        self.destroy_with(&ctx.ctrl, &ctx.state)
+    }
+
+    /// Deletes every one of `devices` ([`Self::destroy`]), up to `DELETE_THREADS` (16) at
+    /// once, and returns each one's outcome. Each device's delete sleeps in the kernel
+    /// (STOP_DEV, DEL_DEV) and waits for its workers to exit: ~100 ms under emulation,
+    /// which one device after another made minutes of a thousand. Each thread sends its
+    /// commands on a control client of its own, since a client runs one command at a
+    /// time.
+    pub fn destroy_all(ctx: &Context, devices: Vec<Device>) -> Vec<(u32, Result<(), DeviceError>)> {
+        Self::destroy_each(&ctx.ctrl, &ctx.state, devices)
+    }
+
+    /// [`Self::destroy_all`] with `ctrl` as the control client of last resort (each
+    /// helper thread opens its own): for a thread of its own, off ublkd's loop.
+    pub fn destroy_each(
+        shared: &CtrlClient,
+        state: &StateDir,
+        devices: Vec<Device>,
+    ) -> Vec<(u32, Result<(), DeviceError>)> {
+        let count = devices.len();
+        let queue = Mutex::new(devices);
+        let outcomes = Mutex::new(Vec::with_capacity(count));
+        let work = |ctrl: &CtrlClient| {
+            loop {
+                // Its own statement: the guard must not live through the delete.
+                let next = lock(&queue).pop();
+                let Some(dev) = next else { break };
+                let id = dev.id;
+                let outcome = dev.destroy_with(ctrl, state);
+                lock(&outcomes).push((id, outcome));
+            }
+        };
+        std::thread::scope(|scope| {
+            // This thread works through the queue too: if no helper starts, it deletes
+            // every device itself, one after another as before.
+            for n in 1..DELETE_THREADS.min(count) {
+                let helper = std::thread::Builder::new()
+                    .name(format!("ublkd-delete-{n}"))
+                    .spawn_scoped(scope, || match CtrlClient::open() {
+                        Ok(own) => work(&own),
+                        Err(e) => {
+                            tracing::warn!("deleting with the shared control client: {e}");
+                            work(shared)
+                        }
+                    });
+                if let Err(e) = helper {
+                    tracing::warn!("deleting with fewer threads: cannot start one: {e}");
+                    break;
+                }
+            }
+            work(shared);
+        });
+        outcomes.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn destroy_with(
+        mut self,
+        ctrl: &CtrlClient,
+        state: &StateDir,
+    ) -> Result<(), DeviceError> {
+        let id = self.id;
+        let started = Instant::now();
+        let stopped = ctrl.stop_dev(id);
+        let stop_done = Instant::now();
+        let serving = self.worker.as_ref().map(Worker::pid);
+        let workers: Vec<Worker> =
+            [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
+                .into_iter()
+                .flatten()
+                .collect();
+        // Asked at once, the workers exit side by side.
+        for worker in &workers {
+            worker.ask_to_exit();
+        }
+        let mut served_cleanly = false;
+        for worker in workers {
+            let pid = worker.pid();
+            let (how, clean) = worker.finish(STOP_GRACE);
+            if Some(pid) == serving {
+                served_cleanly = clean;
+            }
+            tracing::info!(dev_id = id, worker_pid = pid, "worker ended: {how}");
+        }
+        if let Some(link) = self.nbd.take() {
+            // Only once the kernel has stopped the device has every request been
+            // answered: a worker told to exit before that may leave one half sent.
+            let tls = matches!(&self.spec.target, TargetSpec::Nbd { uri } if uri.tls.is_some());
+            let ended = link.close(served_cleanly && stopped.is_ok(), tls);
+            if ended > 0 {
+                tracing::info!(
+                    dev_id = id,
+                    event = "nbd_disconnected",
+                    "ended {ended} session(s) with the NBD server (NBD_CMD_DISC)"
+                );
+            }
+        }
+        let workers_done = Instant::now();
+        // Out of the id's place first: once deleted, the id may go to a new device.
+        let aside = state.set_aside(id);
+        let deleted = ctrl.del_dev(id);
+        match (&deleted, aside) {
+            (Ok(()), Ok(Some(aside))) => state.forget_aside(&aside),
+            (Ok(()), Ok(None)) => {}
+            (Ok(()), Err(e)) => {
+                tracing::warn!(dev_id = id, "its record could not be set aside ({e}): removed");
+                state.remove(id);
+            }
+            (Err(_), Ok(Some(aside))) => state.put_back(&aside, id),
+            (Err(_), _) => {}
+        }
+        stopped?;
+        deleted?;
+        tracing::info!(
+            dev_id = id,
+            event = "deleted",
+            stop_ms = stop_done.duration_since(started).as_millis() as u64,
+            workers_ms = workers_done.duration_since(stop_done).as_millis() as u64,
+            del_ms = workers_done.elapsed().as_millis() as u64,
+            "device deleted"
+        );
+        Ok(())
+    }
+
+    /// Leaves the device to the next ublkd (a stop, not a delete): the device and its
+    /// state stay. A LIVE device's worker serves on, for the next ublkd to take over;
+    /// every other worker (standbys, a hung or failing-I/O device's) is handed back, to
+    /// be killed (see [`crate::daemon`]'s stop), so that the kernel holds that device's
+    /// I/O until the next ublkd recovers it.
+    pub fn leave(mut self) -> Vec<Worker> {
+        // A LIVE device's worker serves on, for the next ublkd to take over.
+        if self.state == DeviceState::Live
+            && let Some(worker) = self.worker.take()
+        {
+            worker.leave_serving();
+        }
+        [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+}
