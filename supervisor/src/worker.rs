@@ -62,6 +62,9 @@ pub const WORKER_CONTROL_FD: i32 = 3;
 /// How long a worker may take to exit after SIGKILL before it is left to be reaped
 /// once it does.
 const KILL_GRACE: Duration = Duration::from_millis(500);
+/// How long after its control socket closed a worker's exit may take to show on its
+/// pidfd (the files close first in an exit): a bound on the loop's wait.
+const CLOSED_EXIT_GRACE: Duration = Duration::from_millis(250);
 
 /// How long a stopped worker's last lines may take to reach the log.
 const STDERR_END_WAIT: Duration = Duration::from_millis(200);
@@ -494,9 +497,21 @@ impl Worker {
         };
         match received {
             Ok(got) => Ok(got),
-            Err(MsgError::Closed) => {
-                let status = self.reap(Duration::from_secs(2));
+            // Its socket closes as it exits, and the exit completes moments later. One
+            // that closed it and lives on (or whose exit is slow: a loaded machine) is
+            // killed, not waited for on the loop, and reaped once it ends
+            // (`reap_lingering`): a death by ublkd's signal.
+            Err(MsgError::Closed) if exits_within(self.pidfd.as_fd(), CLOSED_EXIT_GRACE) => {
+                let status = self.reap(Duration::ZERO);
                 Err(WorkerError::Died { pid, status, by_signal: self.ended_by_signal() })
+            }
+            Err(MsgError::Closed) => {
+                self.kill();
+                let status = format!(
+                    "closed its control socket and had not exited {} ms later: killed",
+                    CLOSED_EXIT_GRACE.as_millis()
+                );
+                Err(WorkerError::Died { pid, status, by_signal: true })
             }
             Err(e) => Err(WorkerError::Protocol { pid, what: e.to_string() }),
         }
@@ -582,6 +597,35 @@ mod tests {
             let path = format!("ublkd-worker-{tag}-{}", std::process::id());
             let _ = std::fs::remove_file(std::env::temp_dir().join(path));
         }
+    }
+
+    /// A worker that closes its control socket and lives on holds the loop for at
+    /// most `CLOSED_EXIT_GRACE`, not the 2 s it once did: it is killed, and says so.
+    #[test]
+    fn a_worker_that_closes_its_socket_and_lives_on_is_killed_not_waited_for() {
+        let mut closer = spawn_script(
+            "closer",
+            "#!/bin/sh
+exec 3>&-
+exec sleep 30
+",
+        );
+        let asked = Instant::now();
+        let answer = closer.standby_answer(Duration::from_secs(10));
+        let took = asked.elapsed();
+        assert!(
+            matches!(&answer, Err(WorkerError::Died { status, by_signal: true, .. })
+                if status.contains("closed its control socket and had not exited")),
+            "{answer:?}"
+        );
+        assert!(took < Duration::from_secs(1), "the closed socket held the caller {took:?}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !closer.has_exited() {
+            assert!(Instant::now() < deadline, "the worker was not killed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let path = format!("ublkd-worker-closer-{}", std::process::id());
+        let _ = std::fs::remove_file(std::env::temp_dir().join(path));
     }
 
     #[test]
