@@ -62,22 +62,49 @@ impl Daemon {
             Ok(spec) => spec,
             Err(e) => return Some(CtlResponse::Error { message: e }),
         };
-        match self.first_add_stage(&spec) {
+        let mut attempts = 1;
+        match self.first_add_stage(&spec, &mut attempts) {
             Ok(stage) => {
-                self.pending_adds.push(PendingAdd { token, spec, stage, attempts: 1 });
+                self.pending_adds.push(PendingAdd { token, spec, stage, attempts });
                 None
             }
             Err(message) => Some(CtlResponse::Error { message }),
         }
     }
 
+    /// Whether an add that failed with `e` is begun again (its worker was lost: killed
+    /// before it stood by, say), counting it in `attempts`; says so if it is.
+    fn add_again(spec: &DeviceSpec, e: &DeviceError, attempts: &mut u8) -> bool {
+        if !e.worker_lost() || *attempts >= ADD_ATTEMPTS {
+            return false;
+        }
+        *attempts += 1;
+        tracing::warn!(
+            event = "add_retried",
+            "adding {} again (attempt {} of {ADD_ATTEMPTS}): {e}",
+            describe_spec(spec),
+            *attempts
+        );
+        true
+    }
+
     /// Where an add of `spec` (checked) begins: an nbd export negotiated on a thread
     /// of its own, any other device made at once with its worker starting.
-    pub(super) fn first_add_stage(&self, spec: &DeviceSpec) -> Result<AddStage, String> {
+    /// A worker lost at once (killed before it took its setup) costs another attempt,
+    /// counted in `attempts`, not the add.
+    pub(super) fn first_add_stage(
+        &self,
+        spec: &DeviceSpec,
+        attempts: &mut u8,
+    ) -> Result<AddStage, String> {
         if !matches!(spec.target, TargetSpec::Nbd { .. }) {
-            return Device::begin_create(&self.ctx, spec, None)
-                .map(|creation| AddStage::Starting(Box::new(creation)))
-                .map_err(|e| e.to_string());
+            loop {
+                match Device::begin_create(&self.ctx, spec, None) {
+                    Ok(creation) => return Ok(AddStage::Starting(Box::new(creation))),
+                    Err(e) if Self::add_again(spec, &e, attempts) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
         }
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
@@ -113,6 +140,20 @@ impl Daemon {
                 };
                 match begun {
                     Ok(creation) => pending.stage = AddStage::Starting(Box::new(creation)),
+                    // Connected again, for a new worker.
+                    Err(e) if Self::add_again(&pending.spec, &e, &mut pending.attempts) => {
+                        match self.first_add_stage(&pending.spec, &mut pending.attempts) {
+                            Ok(stage) => {
+                                pending.stage = stage;
+                                waiting.push(pending);
+                            }
+                            Err(message) => {
+                                let response = CtlResponse::Error { message };
+                                self.control.respond(pending.token, &response, Instant::now());
+                            }
+                        }
+                        continue;
+                    }
                     Err(e) => {
                         let response = CtlResponse::Error { message: e.to_string() };
                         self.control.respond(pending.token, &response, Instant::now());
@@ -132,15 +173,10 @@ impl Daemon {
                     self.devices.insert(id, dev);
                     CtlResponse::Added { id }
                 }
-                Progress::Done(Err(e)) if e.worker_lost() && pending.attempts < ADD_ATTEMPTS => {
-                    pending.attempts += 1;
-                    tracing::warn!(
-                        event = "add_retried",
-                        "adding {} again (attempt {} of {ADD_ATTEMPTS}): {e}",
-                        describe_spec(&pending.spec),
-                        pending.attempts
-                    );
-                    match self.first_add_stage(&pending.spec) {
+                Progress::Done(Err(e))
+                    if Self::add_again(&pending.spec, &e, &mut pending.attempts) =>
+                {
+                    match self.first_add_stage(&pending.spec, &mut pending.attempts) {
                         Ok(stage) => {
                             pending.stage = stage;
                             waiting.push(pending);
