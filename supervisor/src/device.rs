@@ -49,9 +49,9 @@ const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a worker may take to exit when asked.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How long a recovery waits inline for the kernel to release a dead worker's
-/// `/dev/ublkcN` before it leaves the waiting to the loop's later turns.
-const RELEASE_WAIT_INLINE: Duration = Duration::from_millis(250);
+/// How long a recovery asks the kernel every few milliseconds whether it released a
+/// dead worker's `/dev/ublkcN`, from the loop's turns, before it asks less often.
+const RELEASE_QUICK: Duration = Duration::from_millis(250);
 /// A release that has taken this long is logged and shown in status (and still
 /// waited for).
 const RELEASE_SLOW: Duration = Duration::from_secs(15);

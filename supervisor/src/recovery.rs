@@ -245,7 +245,7 @@ pub fn continue_if_due(
     if dev.release_due().is_none_or(|t| t > now) {
         return None;
     }
-    let outcome = dev.continue_recovery(ctx, Duration::ZERO);
+    let outcome = dev.continue_recovery(ctx);
     let after = "the recovery waiting for the release or its worker";
     Some(outcome_event(dev, ctx, rc, outcome, after))
 }

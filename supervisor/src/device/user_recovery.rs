@@ -6,9 +6,7 @@
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use super::{
-    Context, Device, DeviceError, RELEASE_SLOW, RELEASE_WAIT_INLINE, Recovery, WORKER_TIMEOUT,
-};
+use super::{Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, WORKER_TIMEOUT};
 use ublkd_config::TargetSpec;
 
 use crate::device_state::{DeviceState, Release, StateKind};
@@ -79,7 +77,7 @@ impl Device {
             old.kill();
             self.dying = Some(old);
         }
-        self.continue_recovery(ctx, RELEASE_WAIT_INLINE)
+        self.continue_recovery(ctx)
     }
 
     /// When a recovery waiting for the kernel's release tries again, if one waits: at
@@ -97,18 +95,14 @@ impl Device {
 
     /// Goes on with a recovery that waits for its standby to stand by
     /// ([`Self::standby_ready`]) or for the kernel to release the dead worker's
-    /// `/dev/ublkcN` (START_USER_RECOVERY answers EBUSY until then): tries again,
-    /// waiting here at most `inline` (short: the release usually takes tens of
-    /// milliseconds, and a recovery's stall should not wait for the loop's next turn),
-    /// then leaves the rest to the loop ([`Self::release_due`]), which is never held up
-    /// by a release that takes long (a dead worker's write stuck in a slow backend).
-    /// The device's I/O is held meanwhile, for as long as it takes. A recovery that
-    /// fails leaves the device `Recovering`, for the recovery policy to decide on.
-    pub fn continue_recovery(
-        &mut self,
-        ctx: &Context,
-        inline: Duration,
-    ) -> Result<Recovery, DeviceError> {
+    /// `/dev/ublkcN` (START_USER_RECOVERY answers EBUSY until then): tries once, and
+    /// leaves the next try to the loop ([`Self::release_due`]), never waiting here: every
+    /// few milliseconds for the first [`RELEASE_QUICK`] (the release usually takes tens
+    /// of milliseconds, and the stall should not wait long for a turn), then less and
+    /// less often (a dead worker's write stuck in a slow backend). The device's I/O is
+    /// held meanwhile, for as long as it takes. A recovery that fails leaves the device
+    /// `Recovering`, for the recovery policy to decide on.
+    pub fn continue_recovery(&mut self, ctx: &Context) -> Result<Recovery, DeviceError> {
         let id = self.id;
         if let Some(old) = &self.dying {
             if !old.has_exited() {
@@ -134,37 +128,33 @@ impl Device {
             }
         }
         let DeviceState::Releasing(r) = &mut self.state else { return Ok(Recovery::Waiting) };
-        let inline_until = Instant::now() + inline;
-        loop {
-            match ctx.ctrl.start_user_recovery(id) {
-                Ok(()) => break,
-                Err(e) if e.errno() == Some(libc::EBUSY) => {
-                    let now = Instant::now();
-                    let waited = now.saturating_duration_since(r.started);
-                    if waited > RELEASE_SLOW && r.slow.is_none() {
-                        let why = format!(
-                            "waiting for the kernel to release /dev/ublkc{id} ({:.0} s so far: \
+        match ctx.ctrl.start_user_recovery(id) {
+            Ok(()) => {}
+            Err(e) if e.errno() == Some(libc::EBUSY) => {
+                let now = Instant::now();
+                let waited = now.saturating_duration_since(r.started);
+                if waited > RELEASE_SLOW && r.slow.is_none() {
+                    let why = format!(
+                        "waiting for the kernel to release /dev/ublkc{id} ({:.0} s so far: \
                              the dead worker's I/O has not ended); its I/O is held",
-                            waited.as_secs_f64()
-                        );
-                        tracing::warn!(dev_id = id, event = "release_slow", "{why}");
-                        r.slow = Some(why);
-                    }
-                    if now + r.delay > inline_until {
-                        // The loop tries again, less and less often.
-                        r.delay = r.delay.max(Duration::from_millis(5));
-                        r.next_try = now + r.delay;
-                        r.delay = (r.delay * 2).min(Duration::from_millis(100));
-                        return Ok(Recovery::Waiting);
-                    }
-                    std::thread::sleep(r.delay);
-                    // A short cap keeps the overshoot past a quick release small.
-                    r.delay = (r.delay * 2).min(Duration::from_millis(4));
+                        waited.as_secs_f64()
+                    );
+                    tracing::warn!(dev_id = id, event = "release_slow", "{why}");
+                    r.slow = Some(why);
                 }
-                Err(e) => {
-                    self.enter(DeviceState::Recovering);
-                    return Err(e.into());
-                }
+                // A short cap at first keeps the overshoot past a quick release
+                // small; past RELEASE_QUICK the loop tries less and less often.
+                r.delay = if waited < RELEASE_QUICK {
+                    (r.delay * 2).clamp(Duration::from_micros(400), Duration::from_millis(4))
+                } else {
+                    (r.delay * 2).clamp(Duration::from_millis(5), Duration::from_millis(100))
+                };
+                r.next_try = now + r.delay;
+                return Ok(Recovery::Waiting);
+            }
+            Err(e) => {
+                self.enter(DeviceState::Recovering);
+                return Err(e.into());
             }
         }
         let (reason, fail_io, seen, started, standby_waited) =
