@@ -124,19 +124,17 @@ fn forward_mixed<A: Duplex, B: Duplex>(client: A, upstream: B, forwarded: &Arc<A
             }
         }
     };
-    let other = done.clone();
+    pump(client, upstream, done.clone());
+    pump(upstream_copy, client_copy, done);
+}
+
+/// Copies `from` into `to` on a thread of its own until `from` ends, then ends both
+/// halves and calls `done`.
+fn pump<R: Duplex, W: Duplex>(mut from: R, mut to: W, done: impl FnOnce() + Send + 'static) {
     std::thread::spawn(move || {
-        let (mut from, mut to) = (client, upstream);
         let _ = std::io::copy(&mut from, &mut to);
         to.end(Shutdown::Write);
         from.end(Shutdown::Read);
         done();
-    });
-    std::thread::spawn(move || {
-        let (mut from, mut to) = (upstream_copy, client_copy);
-        let _ = std::io::copy(&mut from, &mut to);
-        to.end(Shutdown::Write);
-        from.end(Shutdown::Read);
-        other();
     });
 }
