@@ -47,6 +47,7 @@ mod takeover;
 
 use ending::linger;
 pub use ending::reap_lingering;
+pub use pidfd::process_start_time;
 pub use takeover::AttachClaim;
 
 use pidfd::{exits_within, pidfd_kill, pidfd_open};

@@ -5,11 +5,14 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::process::Command;
 
 use common::{Ublkd, bin, describe, kernel_devices, run, serial, wait_for_path};
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient};
 use ublkd_proto::uapi::{self, UblksrvCtrlDevInfo};
+use ublkd_supervisor::state::StateDir;
+use ublkd_supervisor::worker::{AttachClaim, process_start_time};
 
 /// ublkd's tag in `ublksrv_flags` (supervisor/src/state.rs's OWNER_TAG).
 const OWNER_TAG: u64 = u64::from_be_bytes(*b"ublkd\0\0\x01");
@@ -41,13 +44,6 @@ fn a_state_dir_that_others_may_write_is_refused_at_start() {
     assert!(text.contains("its mode 777 lets others write to it"), "{text}");
     assert!(!dir.join("ublkd.sock").exists(), "ublkd listened anyway");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Field 22 of `/proc/PID/stat`: the process's start time, as ublkd records a worker.
-fn start_time(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after_name = &stat[stat.rfind(')').unwrap() + 1..];
-    after_name.split_ascii_whitespace().nth(19).unwrap().parse().unwrap()
 }
 
 #[test]
@@ -85,7 +81,7 @@ fn a_device_left_half_created_is_deleted_at_adoption_not_leaked() {
         .unwrap();
         assert!(kernel_devices().contains(&id));
         let cdev = format!("/dev/ublkc{id}");
-        wait_for_path(std::path::Path::new(&cdev));
+        wait_for_path(Path::new(&cdev));
         let child = Command::new("sh")
             .args(["-c", &format!("exec 3<>{cdev}; echo held; exec sleep 600")])
             .stdout(std::process::Stdio::piped())
@@ -100,15 +96,18 @@ fn a_device_left_half_created_is_deleted_at_adoption_not_leaked() {
         .unwrap();
         assert_eq!(said, "held\n", "the shell could not open {cdev}");
         let pid = child.id();
-        std::fs::write(
-            format!("{dir}/worker.json"),
-            format!(
-                "{{\"dev_id\":{id},\"pid\":{pid},\"start_time\":{},\"generation\":1,\
-                 \"held\":[]}}",
-                start_time(pid)
-            ),
-        )
-        .unwrap();
+        // Recorded as ublkd records an activated worker.
+        let claim = AttachClaim {
+            dev_id: id,
+            pid,
+            start_time: process_start_time(pid).unwrap(),
+            generation: 1,
+            held: Vec::new(),
+            sandbox: None,
+        };
+        StateDir::new(Path::new("/run/ublkd-test-half-created/state"))
+            .write_worker_claim(&claim)
+            .unwrap();
         holder = Some(child);
     });
     let mut holder = holder.unwrap();

@@ -12,7 +12,7 @@ use super::poll_timeout;
 
 /// A process's start time, field 22 of `/proc/PID/stat` (after the command name,
 /// which may hold spaces and parentheses: the last `)` ends it).
-pub(super) fn process_start_time(pid: u32) -> Option<u64> {
+pub fn process_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after_name = &stat[stat.rfind(')')? + 1..];
     // Field 3 (state) is the first after the name; 22 is the 20th.
