@@ -24,7 +24,7 @@ pub const KERNEL_REFUSED: u8 = 121;
 /// The guest kernel's ublk lacks a feature its series must have
 /// ([`crate::check::required`]), or the feature check failed.
 pub const FEATURE_MISSING: u8 = 122;
-/// The guest never printed its READY marker, in two boots.
+/// The guest never printed its READY marker, in every boot tried (three).
 pub const BOOT_FAILED: u8 = 123;
 /// The run exceeded its timeout.
 pub const TIMEOUT: u8 = 124;
