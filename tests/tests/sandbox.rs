@@ -20,10 +20,18 @@ use common::{Ublkd, block_dev, hooked_worker, run_ok, serial, wait_for_path};
 /// Starts ublkd with the hooked worker making `attack`, adds a memory device and
 /// returns ublkd and the device id.
 fn attacked(name: &str, attack: &str) -> (Ublkd, u32) {
+    attacked_device(name, attack, MEMORY_DEVICE)
+}
+
+/// `ublkctl add`'s arguments for the attacked device, unless a test says otherwise.
+const MEMORY_DEVICE: &[&str] = &["-t", "memory", "-s", "16M"];
+
+/// [`attacked`] with the device `add_args` describe.
+fn attacked_device(name: &str, attack: &str, add_args: &[&str]) -> (Ublkd, u32) {
     let extra =
         format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
     let ublkd = Ublkd::start_with(name, &extra, &[("UBLKD_WORKER_ATTACK", attack)]);
-    let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    let id = ublkd.add(add_args);
     (ublkd, id)
 }
 
@@ -80,8 +88,13 @@ fn assert_killed_and_recovered(name: &str, attack: &str) -> String {
 
 /// An attack the sandbox answers with an error: the worker reports it and serves on.
 fn assert_refused(name: &str, attack: &str, error: &str) {
+    assert_refused_on(name, attack, error, MEMORY_DEVICE);
+}
+
+/// [`assert_refused`] on the device `add_args` describe.
+fn assert_refused_on(name: &str, attack: &str, error: &str, add_args: &[&str]) {
     let _serial = serial();
-    let (ublkd, id) = attacked(name, attack);
+    let (ublkd, id) = attacked_device(name, attack, add_args);
     let line = format!("attack {attack}: blocked");
     ublkd.wait_until("the attack's outcome", || {
         ublkd.log().contains(&line) || ublkd.log().contains("ESCAPED")
@@ -205,6 +218,30 @@ fn socket_operations_and_raw_descriptors_are_refused_by_a_memory_workers_ring() 
     assert_refused("sbx-sendmsg", "uring-sendmsg", "Permission denied");
     assert_refused("sbx-recv", "uring-recv", "Permission denied");
     assert_refused("sbx-cmd-raw", "uring-cmd-raw-fd", "Permission denied");
+}
+
+/// An nbd worker's ring sends with WRITEV and has no SENDMSG: a SENDMSG passing a
+/// descriptor (`SCM_RIGHTS`), as a compromised worker would hand one to its server over
+/// `nbd+unix`, is refused by the ring itself (EACCES; were SENDMSG allowed, sending on
+/// the ring's own fd would answer ENOTSOCK instead).
+#[test]
+fn a_descriptor_passing_sendmsg_is_refused_by_an_nbd_workers_ring() {
+    let socket = "/tmp/ublkd-sbx-nbd.sock";
+    let _ = std::fs::remove_file(socket);
+    let mut nbdkit = std::process::Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "--unix", socket, "memory", "16M"])
+        .spawn()
+        .expect("nbdkit");
+    wait_for_path(std::path::Path::new(socket));
+    let uri = format!("nbd+unix:///?socket={socket}");
+    assert_refused_on(
+        "sbx-sendmsg-rights",
+        "uring-sendmsg-rights",
+        "Permission denied",
+        &["-t", "nbd", "--uri", &uri],
+    );
+    let _ = nbdkit.kill();
+    let _ = nbdkit.wait();
 }
 
 #[test]

@@ -28,6 +28,10 @@ pub const URING_OPENAT: &str = "uring-openat";
 pub const URING_SENDMSG: &str = "uring-sendmsg";
 pub const URING_RECV: &str = "uring-recv";
 pub const URING_CMD_RAW_FD: &str = "uring-cmd-raw-fd";
+/// A SENDMSG carrying a descriptor (`SCM_RIGHTS`, the ring's own fd), as a worker would
+/// pass one to its server over `nbd+unix`: even an nbd worker's ring has no SENDMSG
+/// (it sends with WRITEV, which carries no control message).
+pub const URING_SENDMSG_RIGHTS: &str = "uring-sendmsg-rights";
 /// `io_uring_register(IORING_REGISTER_PERSONALITY)` on the queue thread's enabled ring.
 pub const URING_REGISTER_PERSONALITY: &str = "uring-register-personality";
 /// Not an attack on the sandbox but a fault towards the kernel: queue thread 0 COMMITs
@@ -313,6 +317,7 @@ pub fn run(name: &str, supervisor: i32) {
         // Made by a queue thread.
         URING_OPENAT
         | URING_SENDMSG
+        | URING_SENDMSG_RIGHTS
         | URING_RECV
         | URING_CMD_RAW_FD
         | URING_REGISTER_PERSONALITY

@@ -91,6 +91,9 @@ mod imp {
                 let sqe = io_uring::opcode::SendMsg::new(io_uring::types::Fd(ring_fd), msg).build();
                 start.sqe = Some(sqe.user_data(UserData::Attack.encode()));
             }
+            Some(attack::URING_SENDMSG_RIGHTS) => {
+                start.sqe = Some(sendmsg_passing(ring_fd).user_data(UserData::Attack.encode()));
+            }
             Some(attack::URING_RECV) => {
                 let sqe = io_uring::opcode::Recv::new(
                     io_uring::types::Fd(ring_fd),
@@ -133,6 +136,38 @@ mod imp {
             _ => {}
         }
         start
+    }
+
+    /// A SENDMSG on `fd` of one byte and an `SCM_RIGHTS` message passing `fd` itself.
+    /// The message and what it points at are leaked: the ring may read them any time
+    /// until the SQE completes.
+    fn sendmsg_passing(fd: RawFd) -> io_uring::squeue::Entry {
+        let space = {
+            // SAFETY: CMSG_SPACE is arithmetic on its argument.
+            unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) as usize }
+        };
+        let control: &'static mut [u64] = vec![0u64; space.div_ceil(8)].leak();
+        let byte: &'static mut [u8; 1] = Box::leak(Box::new([0u8]));
+        let iov: &'static mut libc::iovec =
+            Box::leak(Box::new(libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 }));
+        let msg: &'static mut libc::msghdr = Box::leak(Box::new(
+            // SAFETY: msghdr is plain data; all zeroes is a valid empty one.
+            unsafe { std::mem::zeroed() },
+        ));
+        msg.msg_iov = iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: `msg` has a control buffer of CMSG_SPACE(one fd) bytes, 8-aligned, so
+        // its first header and that header's data are inside it.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+        }
+        io_uring::opcode::SendMsg::new(io_uring::types::Fd(fd), msg).build()
     }
 
     /// `io_uring_register(ring_fd, opcode, NULL, 0)`: the register operations these

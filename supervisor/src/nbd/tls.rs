@@ -1,6 +1,6 @@
 //! TLS for `nbds://` exports: the client's TLS session (rustls), set up after
 //! `NBD_OPT_STARTTLS` and handed to the kernel (kTLS) once the export is chosen, so
-//! that the worker's data path stays plain SENDMSG and RECV on the same socket and the
+//! that the worker's data path stays plain WRITEV and RECV on the same socket and the
 //! worker never holds a key file.
 //!
 //! Only TLS 1.2 with AES-GCM is offered. The kernel's TLS receive path hands a plain

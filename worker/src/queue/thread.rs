@@ -179,7 +179,7 @@ impl QueueThread {
             // or for one-element COMMITs in `sent_unacked` and then `spare`: never freed
             // while the thread runs, so even a COMMIT the kernel read late would read
             // live memory (at worst a later batch's elements, which it would refuse).
-            // A target's own SQEs (`nbd`'s SENDMSG and RECV) reference its
+            // A target's own SQEs (`nbd`'s WRITEV and RECV) reference its
             // connections' buffers and tag buffers, which the target (owned by the
             // device, which outlives this ring) keeps until their completions.
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {

@@ -21,7 +21,7 @@ pub enum UserData {
     /// The target's SQE for request `tag` of queue `q_id`.
     Target { q_id: u16, tag: u16 },
     /// An SQE the target made for itself rather than for one request (`nbd`: a
-    /// connection's SENDMSG or RECV), named by the target's own `key`.
+    /// connection's WRITEV or RECV), named by the target's own `key`.
     TargetOwn { key: u32 },
     /// A test hook's SQE (see `crate::hooks`).
     Attack,

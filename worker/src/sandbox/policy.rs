@@ -216,8 +216,13 @@ pub fn uring_ops(target: &TargetSetup) -> impl Iterator<Item = &'static AllowedO
 /// (`IORING_RESTRICTION_SQE_FLAGS_REQUIRED` with `IOSQE_FIXED_FILE`), so that the ring
 /// reaches no descriptor but those registered for it (/dev/ublkcN, the loop target's
 /// file): a URING_CMD on a raw descriptor (the control socket's socket commands, which
-/// seccomp keeps out of the worker's own system calls) is refused. Not yet for nbd,
-/// whose sockets and its threads' rings (MSG_RING) are used by descriptor.
+/// seccomp keeps out of the worker's own system calls) is refused. Not for nbd: a
+/// shared connection's reader posts results into the other threads' rings with
+/// MSG_RING, which names the ring by descriptor or by registered file, and the kernel
+/// refuses to register a ring in a file table (`io_uring/rsrc.c`: "Don't allow io_uring
+/// instances to be registered", EBADF). The flag is required of every SQE or of none,
+/// so an nbd ring takes descriptors; what it can do with one is still only WRITEV, RECV,
+/// MSG_RING and URING_CMD.
 pub fn fixed_files_required(target: &TargetSetup) -> bool {
     !matches!(target, TargetSetup::Nbd { .. })
 }
@@ -270,11 +275,13 @@ pub const URING_OPS: &[AllowedOp] = &[
         why: "loop target DISCARD/WRITE_ZEROES (punch hole)",
     },
     AllowedOp {
-        opcode: opcode::SendMsg::CODE,
-        name: "SENDMSG",
+        opcode: opcode::Writev::CODE,
+        name: "WRITEV",
         only_for: OpFor::Nbd,
-        why: "nbd target: requests (and a WRITE's data) on the socket ublkd connected; \
-              the worker opens and connects no socket (no SOCKET or CONNECT here)",
+        why: "nbd target: requests (and a WRITE's data) on the socket ublkd connected, \
+              as a gathered write: never SENDMSG, whose control messages could pass a \
+              descriptor to the server; the worker opens and connects no socket (no \
+              SOCKET or CONNECT here)",
     },
     AllowedOp {
         opcode: opcode::Recv::CODE,

@@ -7,8 +7,8 @@
 //! only where the export allows it: the supervisor decides), and thread `c` reads
 //! connection `c`:
 //! - **Sending.** A request's header (and a WRITE's data, straight from the tag's
-//!   buffer) is queued on its connection, and the turn's requests go in one SENDMSG
-//!   before the thread waits. At most one SENDMSG is in flight per connection, so that
+//!   buffer) is queued on its connection, and the turn's requests go in one WRITEV
+//!   before the thread waits. At most one WRITEV is in flight per connection, so that
 //!   two requests never interleave on the stream; requests queued meanwhile go together
 //!   in the next one, when it completes, in whichever ring submitted it.
 //! - **Receiving.** One RECV per connection is always armed, into the connection's
@@ -48,7 +48,7 @@ const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 /// the receive buffer, in one RECV rather than two.
 const DIRECT_RECEIVE_MIN_BYTES: u32 = 16 << 10;
 
-/// The most parts one SENDMSG carries (the kernel's limit): a request is one part (its
+/// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
 /// header) or two (and a WRITE's data).
 const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
 
@@ -177,14 +177,13 @@ struct Queued {
     len: u32,
 }
 
-/// One SENDMSG and everything it points at, kept (boxed, so it does not move) until it
-/// completes: the headers, the parts (into `headers` and tag buffers), and the message.
+/// One WRITEV and everything it points at, kept (boxed, so it does not move) until it
+/// completes: the headers and the parts (into `headers` and tag buffers).
 struct SendBatch {
     headers: Vec<[u8; nbd::REQUEST_BYTES]>,
     parts: Vec<libc::iovec>,
     /// The first part not yet sent whole.
     first: usize,
-    msg: libc::msghdr,
 }
 
 // SAFETY: the raw pointers are into the batch's own heap (`headers`, `parts`) and into
@@ -204,16 +203,12 @@ impl std::fmt::Debug for SendBatch {
 
 impl SendBatch {
     fn new() -> Box<SendBatch> {
-        // SAFETY: `msghdr` is plain data, for which all zeroes is a valid (empty) value.
-        let msg = unsafe { std::mem::zeroed::<libc::msghdr>() };
-        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0, msg })
+        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0 })
     }
 
-    /// Points the message at the parts not yet sent.
-    fn aim(&mut self) {
-        let rest = &mut self.parts[self.first..];
-        self.msg.msg_iov = rest.as_mut_ptr();
-        self.msg.msg_iovlen = rest.len() as _;
+    /// The parts not yet sent.
+    fn rest(&self) -> &[libc::iovec] {
+        &self.parts[self.first..]
     }
 
     /// `sent` more bytes went out: whether any are left.
@@ -278,7 +273,7 @@ struct ConnectionState {
     /// `Reply::user_data`, unique while a request is in flight).
     waiting: Cookies,
     queued: Vec<Queued>,
-    /// The SENDMSG in flight, if any.
+    /// The WRITEV in flight, if any.
     sending: Option<Box<SendBatch>>,
     /// The last batch sent, for its allocations.
     spare: Option<Box<SendBatch>>,
@@ -287,16 +282,7 @@ struct ConnectionState {
     start: usize,
     end: usize,
     reading: Reading,
-    /// SENDMSG's flags: [`SEND_FLAGS`] until the socket refuses MSG_WAITALL (the
-    /// kernel's TLS, an `nbds://` export, does: EOPNOTSUPP, before sending a byte), then
-    /// without it, short sends being continued by [`Self::on_sent`] anyway.
-    send_flags: i32,
 }
-
-/// SENDMSG's flags. MSG_WAITALL: the kernel sends the whole message before it
-/// completes (a short send is still handled, by sending the rest). MSG_NOSIGNAL: a
-/// closed connection is an error to handle, not a signal.
-const SEND_FLAGS: i32 = libc::MSG_NOSIGNAL | libc::MSG_WAITALL;
 
 impl Default for ConnectionState {
     fn default() -> Self {
@@ -309,7 +295,6 @@ impl Default for ConnectionState {
             start: 0,
             end: 0,
             reading: Reading::Header,
-            send_flags: SEND_FLAGS,
         }
     }
 }
@@ -359,7 +344,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ConnectionState {
-    /// The next SENDMSG, if none is in flight and requests are queued: as many of them
+    /// The next WRITEV, if none is in flight and requests are queued: as many of them
     /// as one message carries.
     fn next_send(&mut self, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
         if self.sending.is_some() || self.queued.is_empty() {
@@ -390,23 +375,13 @@ impl ConnectionState {
                 batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
             }
         }
-        batch.aim();
-        let sqe = send_sqe(socket, &batch.msg, self.send_flags, connection);
+        let sqe = send_sqe(socket, batch.rest(), connection);
         self.sending = Some(batch);
         Some(sqe)
     }
 
-    /// The SENDMSG in flight sent `res` bytes: the rest of it, else the next one.
+    /// The WRITEV in flight sent `res` bytes: the rest of it, else the next one.
     fn on_sent(&mut self, res: i32, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
-        if res == -libc::EOPNOTSUPP
-            && self.send_flags & libc::MSG_WAITALL != 0
-            && let Some(batch) = self.sending.as_ref()
-        {
-            // Nothing was sent: the same message again, without the flag.
-            self.send_flags &= !libc::MSG_WAITALL;
-            tracing::debug!(connection, "the socket refuses MSG_WAITALL on send; sending without");
-            return Some(send_sqe(socket, &batch.msg, self.send_flags, connection));
-        }
         if res <= 0 {
             let cause = if res == 0 {
                 std::io::Error::from(std::io::ErrorKind::WriteZero)
@@ -419,8 +394,7 @@ impl ConnectionState {
             lost("sending requests", &"a send completed that was never submitted");
         };
         if batch.advance(res as usize) {
-            batch.aim();
-            return Some(send_sqe(socket, &batch.msg, self.send_flags, connection));
+            return Some(send_sqe(socket, batch.rest(), connection));
         }
         self.spare = self.sending.take();
         self.next_send(socket, connection)
@@ -618,9 +592,13 @@ impl ConnectionState {
     }
 }
 
-fn send_sqe(socket: RawFd, msg: &libc::msghdr, flags: i32, connection: usize) -> squeue::Entry {
-    opcode::SendMsg::new(types::Fd(socket), msg)
-        .flags(flags as u32)
+/// A WRITEV of `parts` on the socket, not a SENDMSG: a write carries no control
+/// message, so the ring cannot pass a descriptor to the server (`SCM_RIGHTS` over
+/// `nbd+unix`), and the sandbox allows the ring no SENDMSG at all. A short write is
+/// continued by [`ConnectionState::on_sent`]; a broken connection is EPIPE, not a
+/// signal (Rust's runtime ignores SIGPIPE).
+fn send_sqe(socket: RawFd, parts: &[libc::iovec], connection: usize) -> squeue::Entry {
+    opcode::Writev::new(types::Fd(socket), parts.as_ptr(), parts.len() as u32)
         .build()
         .user_data(own_user_data(key(connection, KEY_SEND)))
 }
@@ -1147,7 +1125,7 @@ mod tests {
         let mut server = servers.remove(0);
         let mut lp = Loop::new(0);
         lp.arm(&target);
-        // More requests than one SENDMSG carries, each WRITE with its own data: the
+        // More requests than one WRITEV carries, each WRITE with its own data: the
         // server reads them only later, so sends fill the socket and wait.
         let n = 700;
         let mut bufs: Vec<Vec<u8>> = (0..n).map(|i| vec![(i % 256) as u8; 4096]).collect();
@@ -1177,25 +1155,6 @@ mod tests {
         done.sort();
         assert_eq!(done, (0..n).map(|i| (1000 + i as u64, 4096)).collect::<Vec<_>>());
         std::mem::forget(server);
-    }
-
-    #[test]
-    fn a_socket_that_refuses_msg_waitall_gets_the_same_message_without_it() {
-        // The kernel's TLS answers a SENDMSG with MSG_WAITALL with EOPNOTSUPP before
-        // sending anything: the same message goes again without the flag, and every
-        // later one without it too.
-        let mut state = ConnectionState::default();
-        let header = [7u8; nbd::REQUEST_BYTES];
-        state.queued.push(Queued { header, data: 0, len: 0 });
-        assert!(state.next_send(5, 0).is_some(), "a send");
-        assert_eq!(state.send_flags, SEND_FLAGS);
-        assert!(state.on_sent(-libc::EOPNOTSUPP, 5, 0).is_some(), "the same send again");
-        assert_eq!(state.send_flags, libc::MSG_NOSIGNAL);
-        let batch = state.sending.as_ref().expect("still in flight");
-        assert_eq!((batch.msg.msg_iovlen, batch.first), (1, 0), "the whole message again");
-        state.queued.push(Queued { header, data: 0, len: 0 });
-        assert!(state.on_sent(nbd::REQUEST_BYTES as i32, 5, 0).is_some(), "the next send");
-        assert_eq!(state.send_flags, libc::MSG_NOSIGNAL, "and without the flag");
     }
 
     #[test]
