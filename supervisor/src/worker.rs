@@ -23,10 +23,8 @@
 //! child: its end is seen on its pidfd, and its exit status is not known.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::process::CommandExt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -34,8 +32,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::{
-    self, Activation, FromWorker, LayerSet, MsgError, SandboxLayer, SandboxReport, SandboxStatus,
-    TargetSetup, ToWorker, WorkerSetup,
+    self, Activation, FromWorker, LayerSet, MissingLayer, MsgError, SandboxLayer, SandboxReport,
+    SandboxStatus, TargetSetup, ToWorker, WorkerSetup,
 };
 
 use crate::worker_log::PipeEnd;
@@ -43,6 +41,7 @@ use crate::worker_log::PipeEnd;
 mod ending;
 mod pidfd;
 mod rings;
+mod spawn;
 mod takeover;
 
 use ending::linger;
@@ -50,8 +49,9 @@ pub use ending::reap_lingering;
 pub use pidfd::process_start_time;
 pub use takeover::AttachClaim;
 
-use pidfd::{exits_within, pidfd_kill, pidfd_open};
+use pidfd::{exits_within, pidfd_kill};
 use rings::{copy_rings, unregister_files_and_buffers};
+use spawn::{ChildProcess, SpawnError, SpawnSpec, Spawned};
 
 /// The most entries of a worker's sandbox report's lists kept (there are seven
 /// namespace kinds and four layers).
@@ -78,7 +78,12 @@ static LINGERING: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error("cannot start worker {}: {source}", binary.display())]
-    Spawn { binary: std::path::PathBuf, source: io::Error },
+    Spawn { binary: std::path::PathBuf, source: SpawnError },
+    #[error(
+        "cannot start the worker in a pid namespace of its own ({0}); the device requires \
+         its sandbox's \"namespaces\" layer (list it in sandbox_optional to run without)"
+    )]
+    PidNamespace(#[source] io::Error),
     #[error("cannot create the worker's control socket: {0}")]
     Socket(#[source] nix::Error),
     #[error("cannot send the worker its setup: {0}")]
@@ -130,7 +135,7 @@ pub struct WorkerSandbox {
 #[derive(Debug)]
 pub struct Worker {
     /// `None` for a worker taken over from a previous supervisor (not our child).
-    child: Option<Child>,
+    child: Option<ChildProcess>,
     pid: u32,
     control: OwnedFd,
     /// A copy of the read end of the worker's stderr pipe, handed to the worker at
@@ -168,6 +173,9 @@ pub struct Worker {
     fast_release: bool,
     /// When it answered Ready to its activation (`None`: not activated by this ublkd).
     activated: Option<Instant>,
+    /// A layer ublkd could not give it as it started it (its pid namespace), added to
+    /// what it reports missing once it stands by.
+    spawned_without: Option<MissingLayer>,
 }
 
 impl Worker {
@@ -180,77 +188,73 @@ impl Worker {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(WorkerError::Socket)?;
-        let theirs_raw = theirs.as_raw_fd();
-        let mut cmd = Command::new(binary);
-        cmd.arg("--control-fd")
-            .arg(WORKER_CONTROL_FD.to_string())
-            .arg("--dev-id")
-            .arg(dev_id.to_string())
-            .stdin(Stdio::null());
+        let mut args = vec![
+            "--control-fd".to_string(),
+            WORKER_CONTROL_FD.to_string(),
+            "--dev-id".to_string(),
+            dev_id.to_string(),
+        ];
         let relay = crate::worker_log::Relay::get();
         let mut stderr_read = None;
         let mut stderr_write = None;
         if relay.is_some() {
             let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
                 .map_err(|e| WorkerError::Pipe(e.into()))?;
-            stderr_write = write.try_clone().ok();
-            cmd.stderr(Stdio::from(write));
+            stderr_write = Some(write);
             stderr_read = Some(read);
         }
-        match sandbox {
+        let new_pid_namespace = match sandbox {
             Some(WorkerSandbox { identity: id, optional }) => {
-                cmd.arg("--sandbox-uid")
-                    .arg(id.uid.to_string())
-                    .arg("--sandbox-gid")
-                    .arg(id.gid.to_string());
+                args.extend(["--sandbox-uid".into(), id.uid.to_string()]);
+                args.extend(["--sandbox-gid".into(), id.gid.to_string()]);
                 if !optional.is_empty() {
-                    cmd.arg("--sandbox-optional").arg(SandboxLayer::join(&optional.layers()));
+                    args.push("--sandbox-optional".into());
+                    args.push(SandboxLayer::join(&optional.layers()));
                 }
+                true
             }
             None => {
-                cmd.arg("--no-sandbox");
-            }
-        }
-        // ublkd's raised fd limit is its own (see crate::rlimit): the worker starts with
-        // the one ublkd was given.
-        let nofile = crate::rlimit::inherited_nofile()
-            .map(|(soft, hard)| libc::rlimit { rlim_cur: soft, rlim_max: hard });
-        // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (dup2, fcntl) and setrlimit (one prlimit64
-        // syscall in glibc) on values captured by copy; it allocates nothing and takes
-        // no locks.
-        unsafe {
-            cmd.pre_exec(move || {
-                if let Some(limit) = &nofile
-                    && libc::setrlimit(libc::RLIMIT_NOFILE, limit) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::dup2(theirs_raw, WORKER_CONTROL_FD) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // dup2 to the same number keeps CLOEXEC; the control fd must survive exec.
-                if theirs_raw == WORKER_CONTROL_FD {
-                    let flags = libc::fcntl(WORKER_CONTROL_FD, libc::F_GETFD);
-                    libc::fcntl(WORKER_CONTROL_FD, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|source| WorkerError::Spawn { binary: binary.to_path_buf(), source })?;
-        drop(theirs);
-        // The child is ours and not yet reaped, so its pid cannot have been reused.
-        let pid = child.id();
-        let pidfd = match pidfd_open(pid) {
-            Ok(fd) => fd,
-            Err(source) => {
-                let _ = child.kill();
-                linger(pid);
-                return Err(WorkerError::Pidfd { pid, source });
+                args.push("--no-sandbox".into());
+                false
             }
         };
+        let mut fds = vec![(theirs.as_fd(), WORKER_CONTROL_FD)];
+        if let Some(write) = &stderr_write {
+            fds.push((write.as_fd(), 2));
+        }
+        let spec = SpawnSpec {
+            binary,
+            args,
+            fds,
+            // ublkd's raised fd limit is its own (see crate::rlimit): the worker starts
+            // with the one ublkd was given.
+            nofile: crate::rlimit::inherited_nofile()
+                .map(|(soft, hard)| libc::rlimit { rlim_cur: soft, rlim_max: hard }),
+            new_pid_namespace,
+        };
+        let mut spawned_without = None;
+        let spawned = match spawn::spawn(&spec) {
+            // The pid namespace is part of the `namespaces` layer: where the kernel
+            // refuses it and the device allows running without that layer, the worker
+            // runs without it (it then finds the others refused too, and says so).
+            Err(SpawnError::Clone(e))
+                if new_pid_namespace
+                    && sandbox.is_some_and(|s| s.optional.contains(SandboxLayer::Namespaces)) =>
+            {
+                spawned_without = Some(MissingLayer {
+                    layer: SandboxLayer::Namespaces,
+                    cause: format!("clone3(CLONE_NEWPID) (its pid namespace): {e}"),
+                });
+                spawn::spawn(&SpawnSpec { new_pid_namespace: false, ..spec })
+            }
+            other => other,
+        };
+        let Spawned { child, pidfd } = spawned.map_err(|source| match source {
+            SpawnError::Clone(e) if new_pid_namespace => WorkerError::PidNamespace(e),
+            source => WorkerError::Spawn { binary: binary.to_path_buf(), source },
+        })?;
+        drop(theirs);
+        let pid = child.id();
         let mut worker = Worker {
             child: Some(child),
             pid,
@@ -266,6 +270,7 @@ impl Worker {
             target: TargetSetup::Null,
             fast_release: false,
             activated: None,
+            spawned_without,
         };
         if let (Some(relay), Some(read)) = (relay, stderr_read) {
             worker.stderr_copy = read.try_clone().ok();
@@ -358,6 +363,11 @@ impl Worker {
                     }
                     report
                 });
+                if let (Some(report), Some(missing)) =
+                    (&mut self.sandbox, self.spawned_without.take())
+                {
+                    report.missing.push(missing);
+                }
                 self.rings = self.copy_rings(&rings)?;
                 self.see_sandbox();
                 Ok(())
@@ -563,8 +573,8 @@ mod tests {
         let mut tries = 0;
         loop {
             match Worker::spawn(&path, 1, None) {
-                Err(WorkerError::Spawn { source, .. })
-                    if source.raw_os_error() == Some(libc::ETXTBSY) && tries < 50 =>
+                Err(WorkerError::Spawn { source: SpawnError::Exec(e), .. })
+                    if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 50 =>
                 {
                     tries += 1;
                     std::thread::sleep(Duration::from_millis(20));
@@ -631,7 +641,8 @@ exec sleep 30
 
     #[test]
     fn a_worker_let_go_before_it_exited_is_reaped_once_it_has() {
-        let child = Command::new("/bin/sh").args(["-c", "sleep 0.2"]).spawn().unwrap();
+        let child =
+            std::process::Command::new("/bin/sh").args(["-c", "sleep 0.2"]).spawn().unwrap();
         let pid = child.id();
         drop(child); // std neither kills nor reaps a dropped child
         linger(pid);

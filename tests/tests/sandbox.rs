@@ -299,9 +299,15 @@ fn status_shows_the_sandbox_in_force() {
     assert_eq!(sbx["capabilities"], "0000000000000000");
     let namespaces: Vec<&str> =
         sbx["namespaces"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
-    for ns in ["user", "mnt", "net", "ipc", "uts", "cgroup"] {
+    for ns in ["user", "mnt", "net", "ipc", "uts", "cgroup", "pid"] {
         assert!(namespaces.contains(&ns), "{ns} missing from {namespaces:?}");
     }
+    // The worker is the first process of its pid namespace: pid 1 there.
+    let pid = status["worker_pid"].as_u64().unwrap();
+    let proc_status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let nspid = proc_status.lines().find(|l| l.starts_with("NSpid:")).unwrap();
+    let pids: Vec<&str> = nspid.split_whitespace().skip(1).collect();
+    assert_eq!(pids, [pid.to_string().as_str(), "1"], "{nspid}");
     assert!(sbx["landlock"].as_str().unwrap().starts_with("ABI "), "{sbx}");
     ublkd.stop();
 }
@@ -354,7 +360,7 @@ fn assert_runs_without_the_user_namespace(ublkd: &Ublkd, id: u32, cause: &str) {
     let sbx = &status["sandbox"];
     let namespaces: Vec<&str> =
         sbx["namespaces"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
-    assert_eq!(namespaces, ["mnt", "net", "ipc", "uts", "cgroup"], "{status}");
+    assert_eq!(namespaces, ["mnt", "net", "ipc", "uts", "cgroup", "pid"], "{status}");
     let missing = sbx["missing"].as_array().expect("missing layers listed");
     assert_eq!(missing.len(), 1, "{status}");
     assert_eq!(missing[0]["layer"], "user-namespace");
@@ -437,6 +443,67 @@ fn a_configured_device_without_its_user_namespace_fails_naming_the_layer() {
     let status: serde_json::Value =
         serde_json::from_str(&ublkd.ctl_ok(&["status", "--json"])).unwrap();
     assert_eq!(status["devices"], serde_json::json!([]), "{status}");
+    ublkd.stop();
+}
+
+/// While alive, the guest refuses new pid namespaces (`user.max_pid_namespaces = 0`).
+struct PidNamespacesRefused {
+    old: String,
+}
+
+const MAX_PID_NAMESPACES: &str = "/proc/sys/user/max_pid_namespaces";
+
+impl PidNamespacesRefused {
+    fn new() -> Self {
+        let old = std::fs::read_to_string(MAX_PID_NAMESPACES).unwrap();
+        std::fs::write(MAX_PID_NAMESPACES, "0").unwrap();
+        PidNamespacesRefused { old }
+    }
+}
+
+impl Drop for PidNamespacesRefused {
+    fn drop(&mut self) {
+        std::fs::write(MAX_PID_NAMESPACES, self.old.trim()).unwrap();
+    }
+}
+
+/// ublkd starts each sandboxed worker in a pid namespace of its own, part of the
+/// `namespaces` layer: where the kernel refuses one, the add fails naming it, unless
+/// the device may run without that layer; then the worker runs without it and status
+/// and the journal say so.
+#[test]
+fn a_refused_pid_namespace_refuses_the_device_unless_namespaces_are_optional() {
+    let _serial = serial();
+    let _refused = PidNamespacesRefused::new();
+    let ublkd = Ublkd::start_with("sbx-no-pidns", "worker_user = \"nobody\"\n", &[]);
+    let out = ublkd.ctl(&["add", "-t", "memory", "-s", "16M"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "add must fail without a pid namespace:\n{err}");
+    for part in ["pid namespace of its own", "No space left on device", "sandbox_optional"] {
+        assert!(err.contains(part), "{part:?} missing from the refusal:\n{err}");
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&ublkd.ctl_ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["devices"], serde_json::json!([]), "a refused device is left: {status}");
+
+    let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "namespaces"]);
+    let status = ublkd.status_of(id);
+    let sbx = &status["sandbox"];
+    let namespaces: Vec<&str> =
+        sbx["namespaces"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
+    assert!(!namespaces.contains(&"pid"), "{status}");
+    assert!(namespaces.contains(&"mnt"), "the other namespaces are still made: {status}");
+    let missing = sbx["missing"].as_array().expect("missing layers listed");
+    assert!(
+        missing
+            .iter()
+            .any(|m| m["layer"] == "namespaces"
+                && m["cause"].as_str().unwrap().contains("CLONE_NEWPID")),
+        "{status}"
+    );
+    let text = ublkd.ctl_ok(&["status"]);
+    assert!(text.contains("runs without the sandbox layer(s) namespaces"), "{text}");
+    assert_device_serves(id);
     ublkd.stop();
 }
 

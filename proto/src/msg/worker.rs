@@ -130,7 +130,8 @@ pub enum SandboxLayer {
     /// chroot, and where user namespaces are restricted (`user.max_user_namespaces=0`,
     /// Debian's `kernel.unprivileged_userns_clone=0`, Ubuntu's AppArmor restriction).
     UserNamespace,
-    /// Its own mount, network, IPC, UTS and cgroup namespaces.
+    /// Its own pid (made by the supervisor as it starts the worker), mount, network,
+    /// IPC, UTS and cgroup namespaces.
     Namespaces,
     /// An empty read-only root instead of the host's.
     EmptyRoot,

@@ -66,6 +66,7 @@ impl Worker {
             target: TargetSetup::Null,
             fast_release,
             activated: None,
+            spawned_without: None,
         };
         worker.send(&ToWorker::Attach, &[])?;
         let deadline = Instant::now() + timeout;

@@ -48,9 +48,11 @@
 //! sandboxed device shows no partitions (`/dev/ublkbNpM`). ublkd keeps that kernel
 //! protection: a device whose partitions are needed runs with `sandbox = false`.
 //!
-//! Not done: a pid namespace. The worker would have to fork after `unshare` to enter
-//! one, and the supervisor watches the worker itself by pidfd; other processes are
-//! already out of reach (another uid, no capabilities, no `kill`/`ptrace` syscalls).
+//! Before all of these, the supervisor starts a sandboxed worker as the first process
+//! of a pid namespace of its own (`clone3` with `CLONE_NEWPID`, in
+//! `supervisor/src/worker/spawn.rs`): the worker sees no other process, and whatever
+//! it might start dies with it. Entering one from here would need a fork after
+//! `unshare`, with the supervisor watching a parent that is not the worker.
 
 pub mod policy;
 
