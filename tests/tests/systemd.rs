@@ -20,7 +20,8 @@
 //!    runs the new binary;
 //! 7. `systemctl stop` leaves the devices; `systemctl start` adopts them;
 //! 8. `dpkg -r` with ublkd stopped and unable to start (a broken config): removal
-//!    fails naming the devices, which stay, records and all; then `dpkg -r`: no
+//!    fails naming the devices, which stay, records and all; then, with a device whose
+//!    worker ignores shutdown (it never reads ublkd's messages again), `dpkg -r`: no
 //!    device, no worker, no ublkd, no state dir left.
 //!
 //! It needs PID 1 to be systemd and fails anywhere else: it never skips.
@@ -42,9 +43,10 @@ use common::{
 /// The worst `systemd-analyze security` exposure the unit may have (0.0 best, 10.0
 /// worst): measured 3.2 ("OK") with the hardening in packaging/ublkd.service, on
 /// systemd 252 (5.2 before the knobs this test was written with; 3.0 until the unit
-/// allowed pidfd_getfd, out of @debug, for the fast release of a dead worker's device).
-/// A unit that loses hardening fails here.
-const MAX_EXPOSURE: f64 = 3.2;
+/// allowed pidfd_getfd, out of @debug, for the fast release of a dead worker's device;
+/// 3.2 until RestrictNamespaces= allowed pid, to start each worker in a pid namespace of
+/// its own). A unit that loses hardening fails here.
+const MAX_EXPOSURE: f64 = 3.3;
 
 /// The watchdog the test's drop-in sets (the packaged unit has 30 s): short, so that
 /// a stopped ublkd is caught quickly, yet several of ublkd's pings (every third of it)
@@ -377,11 +379,44 @@ fn ublkd_package_under_systemd() {
         assert!(Path::new(&record).exists(), "{record} went with the refused removal");
     }
     assert!(Path::new("/usr/sbin/ublkd").exists(), "the refused removal removed ublkd");
-    std::fs::write(CONFIG, good_config).unwrap();
+    std::fs::write(CONFIG, &good_config).unwrap();
+
+    step("8b. a device whose worker ignores shutdown (it stopped reading ublkd's messages)");
+    // The test-hooks worker for new workers, its fill-control attack on device 9 only:
+    // devices 7 and 8 keep the workers ublkd takes over.
+    let hooked = common::hooked_worker();
+    std::fs::write(
+        CONFIG,
+        good_config.replacen(
+            "[daemon]\n",
+            &format!("[daemon]\nworker_binary = \"{}\"\n", hooked.display()),
+            1,
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        DROP_IN,
+        format!(
+            "[Service]\nWatchdogSec={WATCHDOG_SECS}s\n\
+             Environment=UBLKD_WORKER_ATTACK=fill-control UBLKD_WORKER_ATTACK_DEV=9\n"
+        ),
+    )
+    .unwrap();
+    systemctl(&["daemon-reload"]);
+    systemctl(&["restart", "ublkd"]);
+    assert_live(&[7, 8]);
+    run_ok(Command::new("ublkctl").args(["add", "-t", "memory", "-s", "16M", "-n", "9"]));
+    let journal =
+        || run_ok(Command::new("journalctl").args(["-u", "ublkd", "-o", "cat", "--no-pager"]));
+    wait_for("device 9's worker to stop reading ublkd's messages", Duration::from_secs(30), || {
+        journal().contains("attack fill-control: queued")
+    });
+    let ignoring = worker_of(9);
 
     step("8. dpkg -r: no device, no worker, no ublkd, no state left");
     let out = run(Command::new("dpkg").args(["-r", "ublkd"]));
     assert!(out.status.success(), "dpkg -r ublkd failed:\n{}", describe(&out));
+    assert!(!pid_exists(ignoring), "device 9's worker {ignoring} outlived the removal");
     assert_eq!(ublk_nodes(), Default::default(), "device nodes left after dpkg -r");
     assert_eq!(kernel_devices(), Default::default(), "ublk devices left after dpkg -r");
     assert_eq!(worker_pids(), Vec::<u32>::new(), "workers left after dpkg -r");
