@@ -10,7 +10,7 @@
 //! allows that address only (`IPAddressDeny=any` stays). The workers get nothing from
 //! it: each runs in its own empty network namespace (see the worker's sandbox). A host
 //! given by name cannot be allowed here (a generator must not resolve names): the
-//! drop-in says so in a comment, and README.md says how to allow it by hand.
+//! drop-in says so in a comment, and docs/operators-guide.md ("NBD under systemd") says how to allow it by hand.
 //!
 //! An `nbds://` device also needs the kernel's TLS, which ublkd under the unit cannot
 //! have the kernel load on demand (loading a TCP upper layer takes CAP_NET_ADMIN, which

@@ -4,7 +4,7 @@
 //! inside it, so that kernel-dependent tests run on hosts whose own kernel has no ublk
 //! driver.
 //!
-//! The design, measured in `/work/shared/notes/vm.md`:
+//! The design (the VM and its timings: docs/testing.md, "The test VM"):
 //!
 //! - [`kernel`]: `apt-get download`s the kernel of the chosen [`kernel::Series`] — sid's
 //!   newest `linux-binary-<abi>` / `linux-modules-<abi>` for a `*-cloud-amd64` ABI ≥ 7.0,

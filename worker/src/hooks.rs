@@ -26,7 +26,7 @@ mod imp {
     /// serves before they end it: seen in the 6.12 VM, a device whose server dies while
     /// START_DEV runs stays LIVE without a server and is never released for recovery,
     /// and these attacks would otherwise end the worker exactly then. A real crash in
-    /// that window is the kernel's limitation (README, "Kernel requirements").
+    /// that window is the kernel's limitation (docs/troubleshooting.md, "Known kernel limits").
     const PER_IO_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
     use crate::device::Device;
     use crate::queue::user_data::UserData;

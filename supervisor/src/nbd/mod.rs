@@ -211,7 +211,7 @@ pub fn disconnect(socket: OwnedFd, tls: bool) {
 /// truncated), and what the server still answers is read and thrown away until it
 /// closes its side. That orders the dead worker's writes before its successor's for a
 /// server that closes only once it has finished the requests it read (not checked for
-/// nbdkit or qemu-nbd: see the README). A server that has not closed by `deadline` is
+/// nbdkit or qemu-nbd: see docs/operators-guide.md, "NBD and nbds devices"). A server that has not closed by `deadline` is
 /// left to it. Returns how many connections the server closed in time.
 pub fn drain(sockets: Vec<OwnedFd>, deadline: Instant) -> usize {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
