@@ -502,6 +502,9 @@ fn install_package() {
         "/usr/share/man/man8/ublkd.8.gz",
         "/usr/share/man/man8/ublkctl.8.gz",
         "/usr/share/man/man8/ublkctl-recover.8.gz",
+        "/usr/share/man/man5/ublkd.toml.5.gz",
+        "/usr/share/doc/ublkd/docs/operators-guide.md",
+        "/usr/share/doc/ublkd/docs/troubleshooting.md",
         CONFIG,
     ] {
         assert!(Path::new(path).exists(), "the package did not install {path}");
