@@ -377,3 +377,57 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
     }
     ublkd.stop();
 }
+
+/// Configured device `id`: a memory device of `size`.
+fn configured_memory(id: u32, size: &str) -> String {
+    format!("\n[[device]]\nid = {id}\ntarget = \"memory\"\nsize = \"{size}\"\n")
+}
+
+/// A configured device whose description changes is never changed under its users: a
+/// reload says it serves on as it is and how to make it anew; a restart adopts it as it
+/// is (not a failed add of its id); after `ublkctl del`, a reload makes it as
+/// configured.
+#[test]
+fn a_changed_configured_device_serves_on_as_it_is_until_deleted_and_reloaded() {
+    let _serial = serial();
+    let mut ublkd = Ublkd::start_with("reload-changed", &configured_memory(3, "16M"), &[]);
+    let dev = block_dev(3);
+    wait_for_path(&dev);
+    let data = pattern(3, MIB as usize);
+    write_file(&dev, &data);
+    run_ok(&mut Command::new("sync"));
+    assert_eq!(ublkd_size(&ublkd, 3), 16 * MIB);
+
+    let outcome = ublkd.reload_with(&configured_memory(3, "32M"));
+    for part in ["device 3 differs from the config and serves on as it is", "ublkctl del -n 3"] {
+        assert!(outcome.contains(part), "{part:?} missing from the reload's outcome: {outcome}");
+    }
+    assert_eq!(ublkd_size(&ublkd, 3), 16 * MIB, "the reload changed the device");
+
+    ublkd.signal_and_restart(libc::SIGTERM, || {});
+    let log = ublkd.log();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("device 3 differs from the config and serves on as it is")),
+        "the restarted ublkd does not say device 3 differs:\n{log}"
+    );
+    assert!(!log.contains("configured device"), "the restart tried to add device 3 again:\n{log}");
+    assert_eq!(ublkd_size(&ublkd, 3), 16 * MIB);
+    assert_eq!(ublkd.status_of(3)["state"], "LIVE");
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let mut read = vec![0u8; data.len()];
+    std::io::Read::read_exact(&mut std::fs::File::open(&dev).unwrap(), &mut read).unwrap();
+    assert!(read == data, "device 3's data changed across the restart");
+
+    ublkd.del(3);
+    let outcome = ublkd.reload_with(&configured_memory(3, "32M"));
+    assert!(outcome.contains("1 device(s) added"), "{outcome}");
+    wait_for_path(&dev);
+    assert_eq!(ublkd_size(&ublkd, 3), 32 * MIB, "the reload did not make device 3 as configured");
+    ublkd.stop();
+}
+
+/// Device `id`'s size as status gives it.
+fn ublkd_size(ublkd: &Ublkd, id: u32) -> u64 {
+    ublkd.status_of(id)["size_bytes"].as_u64().unwrap()
+}

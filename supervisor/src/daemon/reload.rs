@@ -1,6 +1,8 @@
 //! SIGHUP: the config file read again and compared with the running one; devices
-//! added to it are created, devices removed from it deleted, and any other change is
-//! reported as waiting for a restart.
+//! added to it are created (and configured devices deleted with `ublkctl del` created
+//! anew), devices removed from it deleted. A device with a fixed id whose description
+//! changed serves on as it is, and the outcome says how to make it anew: a restart
+//! would not (the next ublkd adopts the device as the kernel has it).
 
 use ublkd_config::{Config, DeviceSpec};
 
@@ -10,8 +12,9 @@ use crate::device::Device;
 
 impl Daemon {
     /// SIGHUP: re-reads the config file. Devices added to it are created, devices removed
-    /// from it deleted; a changed device or daemon setting is reported as needing a
-    /// restart. A config with errors is rejected whole and nothing changes.
+    /// from it deleted; a changed device with a fixed id is reported as served on
+    /// unchanged, a changed daemon setting as needing a restart. A config with errors
+    /// is rejected whole and nothing changes.
     pub(super) fn reload(&mut self) {
         self.notifier.reloading();
         let outcome = match &self.config_path {
@@ -40,6 +43,10 @@ impl Daemon {
         if new.daemon != self.config.daemon {
             restart_needed.push("[daemon] settings".to_string());
         }
+        let mut served_as_is = Vec::new();
+        // A configured device deleted since (`ublkctl del`) is configured no more: if
+        // the config still lists it, it is made again below, like a new one.
+        self.configured.retain(|(_, id)| self.devices.contains_key(id));
         let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
         let mut added = 0;
         let mut removed = 0;
@@ -52,7 +59,7 @@ impl Daemon {
             }
             let changed = spec.id.is_some() && new.devices.iter().any(|d| d.id == spec.id);
             if changed {
-                restart_needed.push(format!("device {id}"));
+                served_as_is.push(id);
                 self.configured.push((spec, id));
                 continue;
             }
@@ -92,6 +99,9 @@ impl Daemon {
         // Socket, state dir and worker settings only change with a restart.
         self.config.daemon = daemon;
         let mut msg = format!("reloaded: {added} device(s) added, {removed} deleted");
+        for id in served_as_is {
+            msg.push_str(&format!("; {}", changed_but_served(id)));
+        }
         if !restart_needed.is_empty() {
             msg.push_str(&format!(
                 "; changed, applied at the next restart: {}",
@@ -100,4 +110,14 @@ impl Daemon {
         }
         msg
     }
+}
+
+/// What ublkd says of configured device `id`, whose description in the config is not
+/// the device's: it is not changed under its users (a change needs a new device, and a
+/// memory device's data would go with the old one), so it serves on as it is.
+pub(super) fn changed_but_served(id: u32) -> String {
+    format!(
+        "device {id} differs from the config and serves on as it is: to make it as \
+         configured, delete it (ublkctl del -n {id}; what it holds is lost), then reload"
+    )
 }

@@ -300,7 +300,9 @@ impl Daemon {
 
     /// Creates the configured devices; one that fails is reported and skipped. A
     /// configured device that was adopted from a previous ublkd (same description, and
-    /// the same id if the config gives one) is not created again.
+    /// the same id if the config gives one) is not created again, nor is one whose id an
+    /// adopted device with another description holds (it serves on as it is, and the
+    /// journal says how to make it as configured).
     pub fn create_configured(&mut self) -> usize {
         let mut failed = 0;
         let mut missing = Vec::new();
@@ -313,6 +315,21 @@ impl Daemon {
                 if let Some(id) = adopted_spec.id {
                     self.configured.push((spec.clone(), id));
                 }
+                continue;
+            }
+            // Adopted under the configured id, but not as configured (changed since):
+            // making it would fail (the id is taken), and replacing it would lose what
+            // it holds.
+            if let Some(id) = spec.id
+                && self.devices.contains_key(&id)
+            {
+                tracing::warn!(
+                    dev_id = id,
+                    event = "configured_device_differs",
+                    "{}",
+                    reload::changed_but_served(id)
+                );
+                self.configured.push((spec.clone(), id));
                 continue;
             }
             missing.push(spec);

@@ -267,6 +267,20 @@ impl Ublkd {
         assert_eq!(status.code(), None, "ublkd exited by itself ({status}) before SIGKILL");
     }
 
+    /// Replaces what follows the `[daemon]` table's socket and state dir in ublkd's
+    /// config (the `extra` of [`Self::start_with`]), then has ublkd reload it (SIGHUP)
+    /// and waits for the reload's outcome line in the log, which it returns.
+    pub fn reload_with(&self, extra: &str) -> String {
+        let config = std::fs::read_to_string(&self.config).unwrap();
+        let header: String = config.lines().take(3).map(|l| format!("{l}\n")).collect();
+        std::fs::write(&self.config, format!("{header}{extra}\n")).unwrap();
+        let outcomes = |log: &str| log.lines().filter(|l| l.contains("reload")).count();
+        let before = outcomes(&self.log());
+        assert!(signal(self.pid(), libc::SIGHUP), "SIGHUP to ublkd");
+        self.wait_until("the reload's outcome", || outcomes(&self.log()) > before);
+        self.log().lines().filter(|l| l.contains("reload")).nth(before).unwrap().to_string()
+    }
+
     /// Starts a new ublkd on the same config and state dir (after this one died).
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "ublkd is still running");
