@@ -505,10 +505,24 @@ fn install_package() {
         "/usr/share/man/man5/ublkd.toml.5.gz",
         "/usr/share/doc/ublkd/docs/operators-guide.md",
         "/usr/share/doc/ublkd/docs/troubleshooting.md",
+        "/usr/share/bash-completion/completions/ublkctl",
+        "/usr/share/zsh/vendor-completions/_ublkctl",
+        "/usr/share/fish/vendor_completions.d/ublkctl.fish",
         CONFIG,
     ] {
         assert!(Path::new(path).exists(), "the package did not install {path}");
     }
+    // bash completes ublkctl's subcommands and a device's targets from what was
+    // installed, called as bash calls it (the command, the word, the word before).
+    let complete = |words: &str, cword: u32, cur: &str, prev: &str| {
+        let script = format!(
+            "source /usr/share/bash-completion/completions/ublkctl; COMP_WORDS=({words}); \
+             COMP_CWORD={cword}; _ublkctl ublkctl '{cur}' '{prev}'; echo \"${{COMPREPLY[*]}}\""
+        );
+        run_ok(Command::new("bash").args(["-c", &script])).trim().to_string()
+    };
+    assert_eq!(complete("ublkctl re", 1, "re", "ublkctl"), "recover", "`ublkctl re<TAB>`");
+    assert_eq!(complete("ublkctl add -t ''", 3, "", "-t"), "null memory loop nbd");
     let conffiles = run_ok(Command::new("dpkg-query").args(["-W", "-f=${Conffiles}", "ublkd"]));
     assert!(conffiles.contains(CONFIG), "{CONFIG} is not a conffile: {conffiles:?}");
     assert!(user_uid("ublkd-worker") > 0, "postinst did not create the ublkd-worker user");

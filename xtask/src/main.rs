@@ -4,6 +4,10 @@
 //! `ublkctl` subcommand) into DIR, generated from the same clap definitions the
 //! binaries parse (`ublkd_supervisor::cli`), so the pages cannot drift from `--help`.
 //! `packaging/build-deb` calls it; the pages are in section 8 (system administration).
+//!
+//! `cargo xtask completions DIR` writes `ublkctl`'s and `ublkd`'s completions for bash,
+//! zsh and fish into `DIR/{bash,zsh,fish}/`, named as each shell's completion
+//! directory expects them, from the same definitions.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -26,7 +30,13 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        _ => bail!("usage: cargo xtask man DIR"),
+        ["completions", dir] => {
+            for file in completions(Path::new(dir))? {
+                println!("{}", file.display());
+            }
+            Ok(())
+        }
+        _ => bail!("usage: cargo xtask man DIR | cargo xtask completions DIR"),
     }
 }
 
@@ -37,6 +47,33 @@ fn man_pages(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         let mut cmd = cmd.disable_help_subcommand(true);
         cmd.build();
         write_tree(cmd, dir, &mut written)?;
+    }
+    Ok(written)
+}
+
+/// Each program's completion script for each shell, in `dir/<shell>/` under the name
+/// that shell's completion directory wants (bash: the program's name, zsh: `_name`,
+/// fish: `name.fish`); returns their paths.
+fn completions(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    use clap_complete::Shell;
+    let mut written = Vec::new();
+    for shell in [Shell::Bash, Shell::Zsh, Shell::Fish] {
+        let shell_dir = dir.join(shell.to_string());
+        std::fs::create_dir_all(&shell_dir)
+            .with_context(|| format!("creating {}", shell_dir.display()))?;
+        for (name, mut cmd) in [("ublkd", UblkdCli::command()), ("ublkctl", UblkctlCli::command())]
+        {
+            let file = match shell {
+                Shell::Zsh => format!("_{name}"),
+                Shell::Fish => format!("{name}.fish"),
+                _ => name.to_string(),
+            };
+            let path = shell_dir.join(file);
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, name, &mut script);
+            std::fs::write(&path, script).with_context(|| format!("writing {}", path.display()))?;
+            written.push(path);
+        }
     }
     Ok(written)
 }
@@ -80,6 +117,20 @@ mod tests {
         assert!(ublkd.contains(".TH ublkd 8"), "{ublkd}");
         assert!(ublkd.contains("check\\-kernel"), "the options are missing");
         assert!(ublkd.contains("Exit status"), "the exit codes are missing");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn each_shell_gets_both_programs_completions_under_its_own_names() {
+        let dir = std::env::temp_dir().join(format!("ublkd-xtask-compl-{}", std::process::id()));
+        let files = completions(&dir).unwrap();
+        assert_eq!(files.len(), 6, "{files:?}");
+        let bash = std::fs::read_to_string(dir.join("bash/ublkctl")).unwrap();
+        assert!(bash.contains("complete -F _ublkctl"), "{bash}");
+        for sub in ["add", "del", "recover", "upgrade", "shutdown"] {
+            assert!(bash.contains(sub), "bash completion lacks {sub}");
+        }
+        assert!(dir.join("zsh/_ublkctl").is_file() && dir.join("fish/ublkd.fish").is_file());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
