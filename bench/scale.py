@@ -70,8 +70,25 @@ def host(args):
 
 
 def summarize(results):
-    return {str(r["n"]): {k: r.get(k) for k in ("pss_kib_per_dev", "add_ms_mean", "stall_ms_median")}
+    return {str(r["n"]): {k: r.get(k) for k in ("pss_kib_per_dev", "add_ms_mean", "stall_ms_median",
+                                                 "kills_cpu_pct_ublkd")}
             for r in results["records"] if not r.get("error")}
+
+
+def growth(results):
+    """The most devices against the fewest: ublkd's CPU in the kill phase and the median
+    stall, as ratios (the goal: at most 1.5, a turn's cost not growing with devices)."""
+    ok = [r for r in results["records"] if not r.get("error") and r.get("stalls_ms")]
+    if len(ok) < 2:
+        return []
+    lo, hi = min(ok, key=lambda r: r["n"]), max(ok, key=lambda r: r["n"])
+    out = []
+    for key, what in (("kills_cpu_pct_ublkd", "ublkd CPU while killing"),
+                      ("stall_ms_median", "median recovery stall")):
+        if lo.get(key) and hi.get(key) is not None:
+            out.append(f"{what}: {hi[key]:.2f} at {hi['n']} devices / {lo[key]:.2f} at "
+                       f"{lo['n']} = x{hi[key] / lo[key]:.2f}")
+    return out
 
 
 def fmt(v, nd=0):
@@ -81,7 +98,7 @@ def fmt(v, nd=0):
 def table(results):
     rows = [("devices", "add ms/dev", "PSS KiB/dev", "vs 3.6 MiB", "ublkd idle CPU %",
              "workers idle CPU %", "status all ms", "status -n ms", "list ms", "metrics ms",
-             "stall ms median (max)", "del -a ms/dev")]
+             "stall ms median (max)", "ublkd CPU % killing", "del -a ms/dev")]
     for r in results["records"]:
         if r.get("error"):
             rows.append((str(r["n"]), f"failed: {r['error'][:100]}"))
@@ -93,7 +110,7 @@ def table(results):
             fmt(r["status_all_ms"]), fmt(r["status_one_ms"]), fmt(r["list_ms"]),
             fmt(r["metrics_ms"]),
             f"{fmt(r['stall_ms_median'])} ({fmt(r['stall_ms_max'])})" if r.get("stalls_ms") else "-",
-            fmt(r["del_ms_per_dev"])))
+            fmt(r.get("kills_cpu_pct_ublkd"), 2), fmt(r["del_ms_per_dev"])))
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(widths[i]) for i, c in enumerate(row)) for row in rows]
     for r in results["records"]:
@@ -108,7 +125,10 @@ def table(results):
               "3.6 MiB is round 1's ~1.8 MiB per process, two per device.",
               f"stall: SIGKILL of device 0's worker -> first I/O completed after, with fio "
               f"reading 4k at {results['params']['SCALE_BYSTANDER_IOPS']} IOPS spread over "
-              f"the other devices; {results['params']['SCALE_KILLS']} kills."]
+              f"the other devices; {results['params']['SCALE_KILLS']} kills, about one a second "
+              "(each after the last recovery, then 1 s); ublkd CPU % killing: its CPU over "
+              "that phase."]
+    lines += growth(results)
     lines += L.footer(results)
     return "\n".join(lines)
 
@@ -125,6 +145,14 @@ class Ublkd(L.Ublkd):
     CFG = "/run/ublkd-bench-scale.toml"
     LOG = "/run/ublkd-bench-scale.log"
     EXPECTED = r"killed by signal 9\b|the worker user ublkd-worker does not exist"
+
+    def config(self):
+        # The kills come about one a second: never the restart limit (5 in 60 s by
+        # default), which would hold device 0's I/O until `ublkctl recover`.
+        text = super().config()
+        if "[recovery]" not in text:
+            text += "[recovery]\n"
+        return text + f'restart_max = {self.prm["RECOVERY_RESTART_MAX"]}\n'
 
 
 def pss_kib(pid):
@@ -210,7 +238,11 @@ def one_count(n, plan):
         rec["metrics_ms"] = timed_ms(lambda: u.ctl("metrics"), reps)
         log(f"{n} devices: {rec['pss_kib_per_dev']:.0f} KiB each, status of all "
             f"{rec['status_all_ms']:.0f} ms; starting fio and the kills")
+        c0, t0 = L.proc_cpu_s(u.proc.pid), time.monotonic()
         rec["stalls_ms"], hung = kills(u, n, prm)
+        # ublkd's CPU over the kill phase: one kill about every second, with the
+        # recoveries, the bystanders' fio and every other device on its loop.
+        rec["kills_cpu_pct_ublkd"] = 100 * (L.proc_cpu_s(u.proc.pid) - c0) / (time.monotonic() - t0)
         if hung:
             rec["fio_hung"] = hung
         if rec["stalls_ms"]:
