@@ -16,8 +16,10 @@ fi
 # nbd-client: the kernel's NBD client beside ublkd's nbd target in `bench/run nbd`
 # (in the VM; nothing of it starts at boot: its nbd-client.service is masked and
 # /etc/nbdtab lists no device).
+# prometheus: its promtool checks and unit-tests packaging/monitoring/'s alert rules
+# (tests/tests/monitoring.rs, a host test).
 need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client
-  nbdkit qemu-utils nbd-client)
+  nbdkit qemu-utils nbd-client prometheus)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -55,6 +57,11 @@ fi
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "install-host-deps: installing ${missing[*]}" >&2
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm --no-install-recommends "${missing[@]}" >/dev/null
+  # Only promtool is wanted of prometheus: the server its package enables and starts
+  # is not (installed here, so nobody else's).
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 else
   echo "install-host-deps: all host packages present" >&2
 fi
