@@ -43,6 +43,7 @@ mod pidfd;
 mod rings;
 mod spawn;
 mod takeover;
+pub mod wait_set;
 
 use ending::linger;
 pub use ending::reap_lingering;
@@ -255,6 +256,7 @@ impl Worker {
         })?;
         drop(theirs);
         let pid = child.id();
+        wait_set::register(&pidfd, pid);
         let mut worker = Worker {
             child: Some(child),
             pid,

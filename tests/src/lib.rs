@@ -51,3 +51,13 @@ macro_rules! progress {
     ($($arg:tt)*) => { $crate::print_progress(format_args!($($arg)*)) };
 }
 pub(crate) use progress;
+
+/// The repository's root (this crate is `tests/`), for the host tests that read the
+/// tree (docs, monitoring).
+pub fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate has a parent directory")
+        .canonicalize()
+        .expect("the repository root resolves")
+}

@@ -39,13 +39,9 @@ const MIN_MESSAGES: usize = 60;
 /// The directories whose code the quoted messages must come from.
 const MESSAGE_SOURCES: [&str; 4] = ["supervisor/src", "config/src", "proto/src", "worker/src"];
 
-/// The repository's root (this crate is `tests/`).
+/// The repository's root.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate has a parent directory")
-        .canonicalize()
-        .expect("the repository root resolves")
+    ublkd_tests::repo_root()
 }
 
 fn read(path: &Path) -> String {

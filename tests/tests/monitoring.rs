@@ -25,7 +25,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::ErrorKind;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
@@ -45,13 +45,9 @@ const FOREIGN_METRICS: [(&str, &str); 2] = [
 /// collector's `file` on `node_textfile_mtime_seconds`.
 const FOREIGN_LABELS: [&str; 3] = ["instance", "job", "file"];
 
-/// The repository's root (this crate is `tests/`).
+/// The repository's root.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate has a parent directory")
-        .canonicalize()
-        .expect("the repository root resolves")
+    ublkd_tests::repo_root()
 }
 
 fn read(relative: &str) -> String {

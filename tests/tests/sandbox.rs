@@ -312,28 +312,30 @@ fn status_shows_the_sandbox_in_force() {
     ublkd.stop();
 }
 
-/// While alive, the guest refuses user namespaces to everyone
-/// (`user.max_user_namespaces = 0`, what a restricted kernel does); the old limit comes
-/// back on drop.
-struct UserNamespacesRefused {
+/// While alive, the guest's namespace limit `path` (under /proc/sys/user) is 0, so the
+/// kernel refuses that kind of namespace to everyone, as a restricted kernel does; the
+/// old limit comes back on drop.
+struct NamespacesRefused {
+    path: &'static str,
     old: String,
 }
 
-const MAX_USER_NAMESPACES: &str = "/proc/sys/user/max_user_namespaces";
-
-impl UserNamespacesRefused {
-    fn new() -> Self {
-        let old = std::fs::read_to_string(MAX_USER_NAMESPACES).unwrap();
-        std::fs::write(MAX_USER_NAMESPACES, "0").unwrap();
-        UserNamespacesRefused { old }
+impl NamespacesRefused {
+    fn new(path: &'static str) -> Self {
+        let old = std::fs::read_to_string(path).unwrap();
+        std::fs::write(path, "0").unwrap();
+        NamespacesRefused { path, old }
     }
 }
 
-impl Drop for UserNamespacesRefused {
+impl Drop for NamespacesRefused {
     fn drop(&mut self) {
-        std::fs::write(MAX_USER_NAMESPACES, self.old.trim()).unwrap();
+        std::fs::write(self.path, self.old.trim()).unwrap();
     }
 }
+
+const MAX_USER_NAMESPACES: &str = "/proc/sys/user/max_user_namespaces";
+const MAX_PID_NAMESPACES: &str = "/proc/sys/user/max_pid_namespaces";
 
 /// `ublkctl add ARGS` fails, naming the user-namespace layer, `cause`, and the setting
 /// that would allow it; no device is left.
@@ -397,7 +399,7 @@ fn assert_host_root_out_of_sight(ublkd: &Ublkd) {
 #[test]
 fn a_refused_user_namespace_refuses_the_device_unless_allowed_and_then_says_so() {
     let _serial = serial();
-    let _refused = UserNamespacesRefused::new();
+    let _refused = NamespacesRefused::new(MAX_USER_NAMESPACES);
     let extra =
         format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
     let env = [("UBLKD_WORKER_ATTACK", "stat-host-path")];
@@ -416,7 +418,7 @@ fn a_refused_user_namespace_refuses_the_device_unless_allowed_and_then_says_so()
 #[test]
 fn the_config_default_allows_running_without_the_user_namespace() {
     let _serial = serial();
-    let _refused = UserNamespacesRefused::new();
+    let _refused = NamespacesRefused::new(MAX_USER_NAMESPACES);
     let extra = "worker_user = \"nobody\"\n\n[defaults]\nsandbox_optional = [\"user-namespace\"]\n";
     let ublkd = Ublkd::start_with("sbx-no-userns-config", extra, &[]);
     let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
@@ -428,7 +430,7 @@ fn the_config_default_allows_running_without_the_user_namespace() {
 #[test]
 fn a_configured_device_without_its_user_namespace_fails_naming_the_layer() {
     let _serial = serial();
-    let _refused = UserNamespacesRefused::new();
+    let _refused = NamespacesRefused::new(MAX_USER_NAMESPACES);
     let extra = "worker_user = \"nobody\"\n\n[[device]]\ntarget = \"memory\"\nsize = \"16M\"\n";
     let ublkd = Ublkd::start_with("sbx-no-userns-configured", extra, &[]);
     ublkd.wait_until("the configured device's outcome", || {
@@ -446,27 +448,6 @@ fn a_configured_device_without_its_user_namespace_fails_naming_the_layer() {
     ublkd.stop();
 }
 
-/// While alive, the guest refuses new pid namespaces (`user.max_pid_namespaces = 0`).
-struct PidNamespacesRefused {
-    old: String,
-}
-
-const MAX_PID_NAMESPACES: &str = "/proc/sys/user/max_pid_namespaces";
-
-impl PidNamespacesRefused {
-    fn new() -> Self {
-        let old = std::fs::read_to_string(MAX_PID_NAMESPACES).unwrap();
-        std::fs::write(MAX_PID_NAMESPACES, "0").unwrap();
-        PidNamespacesRefused { old }
-    }
-}
-
-impl Drop for PidNamespacesRefused {
-    fn drop(&mut self) {
-        std::fs::write(MAX_PID_NAMESPACES, self.old.trim()).unwrap();
-    }
-}
-
 /// ublkd starts each sandboxed worker in a pid namespace of its own, part of the
 /// `namespaces` layer: where the kernel refuses one, the add fails naming it, unless
 /// the device may run without that layer; then the worker runs without it and status
@@ -474,7 +455,7 @@ impl Drop for PidNamespacesRefused {
 #[test]
 fn a_refused_pid_namespace_refuses_the_device_unless_namespaces_are_optional() {
     let _serial = serial();
-    let _refused = PidNamespacesRefused::new();
+    let _refused = NamespacesRefused::new(MAX_PID_NAMESPACES);
     let ublkd = Ublkd::start_with("sbx-no-pidns", "worker_user = \"nobody\"\n", &[]);
     let out = ublkd.ctl(&["add", "-t", "memory", "-s", "16M"]);
     let err = String::from_utf8_lossy(&out.stderr);

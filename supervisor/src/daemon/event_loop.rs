@@ -98,8 +98,15 @@ impl Daemon {
             // At the cap, a due standby waits for a starting one to answer (its socket
             // is polled), not for a timer that would spin the loop.
             let standbys_may_start = self.standbys_starting() < STANDBYS_STARTING_AT_ONCE;
+            // Every worker's pidfd is in the wait set, polled as one fd; without it
+            // (epoll refused at start), each is polled here.
+            let wait_set = crate::worker::wait_set::fd();
+            if let Some(set) = wait_set {
+                fds.push(libc::pollfd { fd: set.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
             for dev in self.devices.values() {
-                for w in [dev.worker(), dev.standby(), dev.dying()].into_iter().flatten() {
+                let workers = [dev.worker(), dev.standby(), dev.dying()];
+                for w in workers.into_iter().flatten().filter(|_| wait_set.is_none()) {
                     fds.push(libc::pollfd {
                         fd: w.pidfd().as_raw_fd(),
                         events: libc::POLLIN,

@@ -144,6 +144,8 @@ pub(super) fn listen(path: &Path) -> Result<UnixListener, DaemonError> {
 impl Daemon {
     /// Checks the kernel, prepares the state dir and socket, installs signal handling.
     pub fn start(config: Config, config_path: Option<PathBuf>) -> Result<Daemon, DaemonError> {
+        // Before any worker is started or taken over: each registers in it.
+        crate::worker::wait_set::init();
         let ctrl = CtrlClient::open()?;
         let kernel_features = ctrl.get_features()?;
         let missing = features::missing_required(kernel_features);
