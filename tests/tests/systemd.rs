@@ -383,8 +383,12 @@ fn ublkd_package_under_systemd() {
 
     step("8b. a device whose worker ignores shutdown (it stopped reading ublkd's messages)");
     // The test-hooks worker for new workers, its fill-control attack on device 9 only:
-    // devices 7 and 8 keep the workers ublkd takes over.
-    let hooked = common::hooked_worker();
+    // devices 7 and 8 keep the workers ublkd takes over. Copied out of the checkout,
+    // which may be under /tmp or /home: the unit's PrivateTmp= and ProtectHome= hide
+    // both from ublkd.
+    let hooked = Path::new("/usr/local/lib/ublkd-test/ublkd-worker");
+    std::fs::create_dir_all(hooked.parent().unwrap()).unwrap();
+    std::fs::copy(common::hooked_worker(), hooked).unwrap();
     std::fs::write(
         CONFIG,
         good_config.replacen(
