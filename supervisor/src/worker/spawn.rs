@@ -16,7 +16,7 @@
 
 use std::ffi::{CString, OsStr};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -157,9 +157,9 @@ pub(super) fn spawn(spec: &SpawnSpec<'_>) -> Result<Spawned, SpawnError> {
     let prepare = |e: nix::Error| SpawnError::Prepare(e.into());
     let dev_null =
         open("/dev/null", OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()).map_err(prepare)?;
-    let mut sources = vec![(above_targets(dev_null.as_raw_fd()).map_err(prepare)?, 0)];
+    let mut sources = vec![(above_targets(dev_null.as_fd()).map_err(prepare)?, 0)];
     for (fd, target) in &spec.fds {
-        sources.push((above_targets(fd.as_raw_fd()).map_err(prepare)?, *target));
+        sources.push((above_targets(*fd).map_err(prepare)?, *target));
     }
     let placements: Vec<(RawFd, RawFd)> =
         sources.iter().map(|(fd, target)| (fd.as_raw_fd(), *target)).collect();
@@ -215,9 +215,7 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
 }
 
 /// A close-on-exec copy of `fd` at [`ABOVE_TARGETS`] or above.
-fn above_targets(fd: RawFd) -> nix::Result<OwnedFd> {
-    // SAFETY: `fd` is open for the duration of this call (borrowed by the caller).
-    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+fn above_targets(fd: BorrowedFd<'_>) -> nix::Result<OwnedFd> {
     let copy = fcntl(fd, FcntlArg::F_DUPFD_CLOEXEC(ABOVE_TARGETS))?;
     // SAFETY: F_DUPFD_CLOEXEC returned a new fd owned by nothing else.
     Ok(unsafe { OwnedFd::from_raw_fd(copy) })

@@ -15,21 +15,18 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 
 static WAIT_SET: OnceLock<Epoll> = OnceLock::new();
 
-/// Creates the wait set (once, at ublkd's start); `None` if it cannot, in which case
-/// the loop polls every pidfd itself.
-pub fn init() -> Option<BorrowedFd<'static>> {
-    if WAIT_SET.get().is_none() {
-        match Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC) {
-            Ok(epoll) => {
-                let _ = WAIT_SET.set(epoll);
-            }
-            Err(e) => {
-                tracing::warn!("cannot create the workers' wait set (epoll: {e}); polling each");
-                return None;
-            }
-        }
+/// Creates the wait set (once, at ublkd's start). If it cannot, the loop polls every
+/// pidfd itself.
+pub fn init() {
+    if WAIT_SET.get().is_some() {
+        return;
     }
-    fd()
+    match Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC) {
+        Ok(epoll) => {
+            let _ = WAIT_SET.set(epoll);
+        }
+        Err(e) => tracing::warn!("cannot create the workers' wait set (epoll: {e}); polling each"),
+    }
 }
 
 /// The wait set's fd, readable when a registered worker has exited.
