@@ -124,7 +124,9 @@ SCALE_SETTLE_S = 5              # after the last add, before memory and idle CPU
 SCALE_IDLE_S = 10               # ublkd's (and its workers') CPU with every device idle
 SCALE_STATUS_REPS = 3           # `status --json` of all, `status -n`, `list`, `metrics`: median of
 SCALE_KILLS = 5                 # SIGKILLs of device 0's worker while the others serve fio
-SCALE_BYSTANDER_IOPS = 500      # the others' fio: 4k randread over all of them, at this rate
+SCALE_BYSTANDER_IOPS = 500      # the bystanders' fio: 4k randread over them, at this rate
+SCALE_BYSTANDERS = 9            # devices besides 0 that serve fio during the kills, spread
+                                # over 1..N-1, the same few at every N (the rest stay idle)
 SCALE_RECOVERY_TIMEOUT_S = 60   # a kill whose I/O does not resume within this fails
 SCALE_VM_MEM_MB = 6144          # 1000 devices: ~1.1 GiB of workers plus the kernel's queues
 SCALE_NOFILE = 65536            # ublkd's RLIMIT_NOFILE, as packaging/ublkd.service sets it

@@ -6,7 +6,7 @@ fresh ublkd adds N null devices one `ublkctl add` after another, then the table 
 add time per device, memory per idle device (PSS of ublkd and all its processes, divided
 by N), ublkd's idle CPU (and its workers'), how long `status --json` of every device,
 `status -n` of one, `list` and `metrics` take, the recovery stall of device 0 (SIGKILL of
-its worker, stall = kill -> first I/O completed after) while fio reads from the N-1
+its worker, stall = kill -> first I/O completed after) while fio reads from 9 of the
 others, and `del -a` per device.
 
   host    build ublkd, boot the VM, collect its records, write the results
@@ -36,7 +36,6 @@ REC = "@@UBLKD-SCALE-REC@@ "
 META = "@@UBLKD-SCALE-META@@ "
 DONE = "@@UBLKD-SCALE-DONE@@"
 FIO_STOP = "/run/ublkd-bench-scale.stop"
-FILES_PER_FIO = 100
 # The issue's baseline: two processes of ~1.8 MiB PSS each per idle device (round 1).
 BEFORE_KIB = 3.6 * 1024
 
@@ -268,14 +267,23 @@ def one_count(n, plan):
     return rec
 
 
+def bystanders(n, count):
+    """`count` device ids spread evenly over 1..n-1 (all of them if there are fewer)."""
+    if n - 1 <= count:
+        return list(range(1, n))
+    return sorted({1 + (k * (n - 1)) // count for k in range(count)})
+
+
 def kills(u, n, prm):
     """SIGKILLs device 0's worker SCALE_KILLS times while fio reads from device 0 and,
-    at a bounded rate, from every other device; the stalls in ms."""
+    at a bounded rate, from SCALE_BYSTANDERS others spread over the rest (one fio, the
+    same load at every N: the other devices are idle, as the control-plane issue's
+    comparison asks); the stalls in ms."""
     if prm["SCALE_KILLS"] == 0:
         return [], []
-    # One stop file per fio (fio deletes the file it triggered on); the others' devices
-    # in groups of at most FILES_PER_FIO (a longer --filename list makes fio fail).
-    groups = [list(range(i, min(i + FILES_PER_FIO, n))) for i in range(1, n, FILES_PER_FIO)]
+    # One stop file per fio (fio deletes the file it triggered on).
+    groups = [bystanders(n, prm["SCALE_BYSTANDERS"])]
+    groups = [g for g in groups if g]
     stops = [f"{FIO_STOP}.dev0"] + [f"{FIO_STOP}.others{g}" for g in range(len(groups))]
     for stop in stops:
         if os.path.exists(stop):
@@ -287,7 +295,7 @@ def kills(u, n, prm):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     for g, group in enumerate(groups):
         files = ":".join(f"/dev/ublkb{i}" for i in group)
-        rate = max(1, prm["SCALE_BYSTANDER_IOPS"] * len(group) // max(1, n - 1))
+        rate = prm["SCALE_BYSTANDER_IOPS"]
         fios.append(subprocess.Popen(
             ["fio", f"--name=others{g}", f"--filename={files}", "--iodepth=4",
              "--file_service_type=random", f"--rate_iops={rate}",

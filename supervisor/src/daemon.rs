@@ -21,7 +21,6 @@
 //! hands a snapshot of every device's numbers to [`crate::metrics::FileWriter`]'s thread
 //! each interval.
 
-use std::collections::BTreeMap;
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -37,6 +36,7 @@ use ublkd_proto::msg::{AddRequest, CtlRequest, CtlResponse, DataPath, DevStatus}
 
 mod adds;
 mod delete;
+mod device_table;
 mod event_loop;
 mod handlers;
 mod reload;
@@ -44,6 +44,7 @@ mod startup;
 mod upgrade;
 
 use adds::{AddStage, PENDING_ADD_POLL, PendingAdd, PendingRecover};
+use device_table::DeviceTable;
 use event_loop::{CREATING_AT_ONCE, millis_until};
 use handlers::describe_spec;
 pub use handlers::spec_from_request;
@@ -145,7 +146,16 @@ pub struct Daemon {
     notifier: Notifier,
     last_event: Option<String>,
     ctx: Context,
-    devices: BTreeMap<u32, Device>,
+    devices: DeviceTable,
+    /// When the loop next scans every device for hangs.
+    next_scan: Instant,
+    /// How many devices the last scan found making no progress (for the watchdog).
+    hung_devices: usize,
+    /// Whether the STATUS line's counts may be out of date, when they may be counted
+    /// again, and the event it last showed.
+    status_stale: bool,
+    status_due: Instant,
+    status_event: Option<String>,
     control: ControlServer,
     signals: Signals,
     /// `ublkctl shutdown` deleted every device: the loop ends after this turn.

@@ -269,8 +269,8 @@ impl Device {
         self.standby_schedule.due_now();
     }
 
-    pub fn refill_standby_if_due(&mut self, ctx: &Context) {
-        if self.standby_schedule.take_due(Instant::now()) {
+    pub fn refill_standby_if_due(&mut self, ctx: &Context, now: Instant) {
+        if self.standby_schedule.take_due(now) {
             self.refill_standby(ctx);
         }
     }
@@ -315,6 +315,17 @@ impl Device {
     /// A worker a recovery killed and waits for the end of, if there is one.
     pub fn dying(&self) -> Option<&Worker> {
         self.dying.as_ref()
+    }
+
+    /// Whether the loop must look at the device on its next turn even if nothing wakes
+    /// it: a standby starting or due to start, a recovery under way, a killed worker
+    /// not yet ended. A device without any of these changes only when a worker of it
+    /// ends (its pidfd wakes the loop), on the tick's hang scan, or by a request.
+    pub fn needs_turns(&self) -> bool {
+        self.starting.is_some()
+            || self.dying.is_some()
+            || self.standby_schedule.due().is_some()
+            || self.release_due().is_some()
     }
 
     /// How many times the device was recovered (fail-io workers not counted).
@@ -419,15 +430,20 @@ impl Device {
         Some(format!("standby worker {pid} {how}"))
     }
 
-    /// Why the worker is hung, if it is (see [`crate::hang`] and
+    /// Why the worker is hung at `now`, if it is (see [`crate::hang`] and
     /// [`crate::recovery::HangPolicy`]).
     ///
     /// An nbd worker that waits for its server (not hung: the server is slow) is
     /// replaced once no request has completed for `request_timeout`
     /// (`recovery.nbd_request_timeout_secs`): its connection counts as broken.
-    pub fn hung(&mut self, timeout: Duration, request_timeout: Option<Duration>) -> Option<String> {
+    pub fn hung(
+        &mut self,
+        now: Instant,
+        timeout: Duration,
+        request_timeout: Option<Duration>,
+    ) -> Option<String> {
         let pid = self.worker.as_ref()?.pid();
-        let verdict = self.hang.check(&self.shm, pid, timeout);
+        let verdict = self.hang.check(now, &self.shm, pid, timeout);
         let hung = self.hang_policy.judge(self.id, pid, verdict);
         if hung.is_some() {
             return hung;
@@ -450,12 +466,12 @@ impl Device {
         self.server_silent
     }
 
-    /// False while the worker holds I/O and none completes for longer than `limit` (the
-    /// loop counts such devices; the watchdog does not wait for them). Devices without a
-    /// worker (waiting for an operator or a release) and idle ones count as fine: they
-    /// are not wedged, they are waiting.
-    pub fn progressing(&self, limit: Duration) -> bool {
-        self.worker.is_none() || self.hang.quiet_for() <= limit
+    /// False while the worker holds I/O and none completes for longer than `limit` at
+    /// `now` (the loop counts such devices; the watchdog does not wait for them). Devices
+    /// without a worker (waiting for an operator or a release) and idle ones count as
+    /// fine: they are not wedged, they are waiting.
+    pub fn progressing(&self, now: Instant, limit: Duration) -> bool {
+        self.worker.is_none() || self.hang.quiet_for(now) <= limit
     }
 
     /// Kills the active worker (its death is then handled like any other).

@@ -178,11 +178,11 @@ impl HangWatch {
         }
     }
 
-    /// One tick's check of the worker `pid` serving `shm`.
-    pub fn check(&mut self, shm: &ShmRegion, pid: u32, timeout: Duration) -> Verdict {
+    /// One tick's check, at `now`, of the worker `pid` serving `shm`.
+    pub fn check(&mut self, now: Instant, shm: &ShmRegion, pid: u32, timeout: Duration) -> Verdict {
         let kernel = self.kernel_stat();
         let threads = read_threads(shm);
-        self.judge(Instant::now(), kernel, &threads, || process_stopped(pid), timeout)
+        self.judge(now, kernel, &threads, || process_stopped(pid), timeout)
     }
 
     /// The decision, apart from where its inputs come from.
@@ -268,9 +268,9 @@ impl HangWatch {
     }
 
     /// For the watchdog and status: how long the device has had I/O in flight and
-    /// none completed (zero while it progresses or is idle).
-    pub fn quiet_for(&self) -> Duration {
-        self.since.elapsed()
+    /// none completed, as of `now` (zero while it progresses or is idle).
+    pub fn quiet_for(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.since)
     }
 }
 

@@ -148,10 +148,11 @@ impl HangPolicy {
     }
 }
 
-/// Kills the device's worker if it holds I/O and makes no progress; its death is then
-/// handled like any other, with the hang as the recovery's reason.
-pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig) {
-    let Some(reason) = dev.hung(rc.hung_timeout, rc.nbd_request_timeout) else { return };
+/// Kills the device's worker if it holds I/O and has made no progress by `now` (the
+/// tick's scan); its death is then handled like any other, with the hang as the
+/// recovery's reason.
+pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig, now: Instant) {
+    let Some(reason) = dev.hung(now, rc.hung_timeout, rc.nbd_request_timeout) else { return };
     let pid = dev.worker().map(|w| w.pid());
     if dev.server_silent() {
         tracing::warn!(

@@ -256,7 +256,7 @@ impl Worker {
         })?;
         drop(theirs);
         let pid = child.id();
-        wait_set::register(&pidfd, pid);
+        wait_set::register(&pidfd, dev_id, pid);
         let mut worker = Worker {
             child: Some(child),
             pid,

@@ -1,8 +1,10 @@
 //! The loop itself ([`Daemon::run`]): one `poll` over the signals' self-pipe, the control
-//! socket and its connections, every worker's pidfd and each starting worker's socket;
-//! each turn handles deaths first, then recoveries that are due, hangs and the
+//! socket and its connections, the workers' wait set and each starting worker's socket;
+//! each turn handles the deaths and recoveries of the busy devices (those something
+//! woke or that wait on a timer: `device_table`), the tick's hang scan when due, the
 //! watchdog, adds, upgrades, deletes and clients, and says where a slow turn's time
-//! went.
+//! went. A turn costs in proportion to what woke it, not to the devices; only the
+//! tick's scan visits every device.
 
 use super::*;
 
@@ -41,6 +43,10 @@ impl TurnTimes {
     }
 }
 
+/// How often at most the STATUS line is counted again while devices change without an
+/// event (a recovery's turns): each count visits every device.
+pub(super) const STATUS_EVERY: Duration = Duration::from_millis(250);
+
 /// A turn longer than this is logged, with its steps.
 pub(super) const SLOW_TURN: Duration = Duration::from_millis(100);
 
@@ -75,19 +81,10 @@ impl Daemon {
     /// kernel holds the others' I/O until the next ublkd recovers them), or until
     /// `ublkctl shutdown`, which deletes every device first.
     pub fn run(mut self) -> Result<(), DaemonError> {
+        let mut woken = Vec::new();
         loop {
-            let hung_timeout = self.config.recovery.hung_timeout;
-            // Heartbeats are compared four times per timeout: a hang is seen within 1.5
-            // timeouts (the no-completion rule holds on two ticks in a row). No more
-            // often: an idle device's tick is the only thing that wakes
-            // ublkd, and each wake-up costs CPU (much of it on an emulated machine). The
-            // watchdog, a due standby, a recovery waiting for the kernel's release and a
-            // control connection's deadline shorten it.
-            let mut tick = (hung_timeout / 4).max(Duration::from_millis(100));
-            if let Some(w) = self.notifier.watchdog_interval() {
-                tick = tick.min(w);
-            }
-            let mut wake_by = Instant::now() + tick;
+            let tick = self.tick();
+            let mut wake_by = self.next_scan;
             let mut fds = vec![libc::pollfd {
                 fd: self.signals.wake.as_raw_fd(),
                 events: libc::POLLIN,
@@ -101,20 +98,29 @@ impl Daemon {
             // Every worker's pidfd is in the wait set, polled as one fd; without it
             // (epoll refused at start), each is polled here.
             let wait_set = crate::worker::wait_set::fd();
-            if let Some(set) = wait_set {
-                fds.push(libc::pollfd { fd: set.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            }
-            for dev in self.devices.values() {
-                let workers = [dev.worker(), dev.standby(), dev.dying()];
-                for w in workers.into_iter().flatten().filter(|_| wait_set.is_none()) {
-                    fds.push(libc::pollfd {
-                        fd: w.pidfd().as_raw_fd(),
-                        events: libc::POLLIN,
-                        revents: 0,
-                    });
+            match wait_set {
+                Some(set) => fds.push(libc::pollfd {
+                    fd: set.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }),
+                None => {
+                    for dev in self.devices.values() {
+                        for w in [dev.worker(), dev.standby(), dev.dying()].into_iter().flatten() {
+                            let fd = w.pidfd().as_raw_fd();
+                            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                        }
+                    }
                 }
+            }
+            let pidfds = control_fds.end..fds.len();
+            // Only busy devices have a standby starting, one due, or a recovery's next
+            // try (see `device_table`).
+            let mut starting_fds = Vec::new();
+            for dev in self.devices.busy() {
                 // A starting standby answers (or hangs up) on its control socket.
                 if let Some(w) = dev.starting() {
+                    starting_fds.push((fds.len(), dev.id()));
                     fds.push(libc::pollfd {
                         fd: w.control().as_raw_fd(),
                         events: libc::POLLIN,
@@ -126,7 +132,6 @@ impl Daemon {
                     wake_by = wake_by.min(due);
                 }
             }
-            let worker_fds = control_fds.end..fds.len();
             // A new device's starting worker answers (or hangs up) on its control
             // socket; an nbd add's handshake has no fd to poll.
             for pending in &self.pending_adds {
@@ -165,6 +170,13 @@ impl Daemon {
             if let Some(writer) = &self.metrics_file {
                 wake_by = wake_by.min(writer.due());
             }
+            if self.status_stale {
+                wake_by = wake_by.min(self.status_due);
+            }
+            // Deaths the last turn had no time for are handled on this one, at once.
+            if self.devices.any_woken() {
+                wake_by = Instant::now();
+            }
             let idle = self.devices.is_empty()
                 && self.pending_adds.is_empty()
                 && self.pending_recovers.is_empty()
@@ -172,7 +184,8 @@ impl Daemon {
                 && self.pending_deletes.is_empty()
                 && self.notifier.watchdog_interval().is_none()
                 && control_due.is_none()
-                && self.metrics_file.is_none();
+                && self.metrics_file.is_none()
+                && !self.status_stale;
             let timeout = if idle { -1 } else { millis_until(wake_by) };
             // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
@@ -192,22 +205,36 @@ impl Daemon {
             if self.signals.reload.swap(false, Ordering::Relaxed) {
                 self.reload();
             }
-            // Deaths first (pidfds), then hangs, then clients. A turn on which no pidfd
-            // or standby socket was ready saw nothing die or answer, and costs no wait4
-            // per worker.
-            let worker_events = fds[worker_fds].iter().any(|p| p.revents != 0);
+            // Which devices woke: those the wait set names (a worker of theirs ended)
+            // and those whose starting standby answered. A turn on which nothing woke
+            // saw nothing die or answer, and costs no wait4 per worker.
+            let pid_events = fds[pidfds].iter().any(|p| p.revents != 0);
+            if pid_events && wait_set.is_some() {
+                crate::worker::wait_set::ready(&mut woken);
+            }
+            for &(at, id) in &starting_fds {
+                if fds[at].revents != 0 {
+                    woken.push(id);
+                }
+            }
+            if pid_events && (wait_set.is_none() || crate::worker::wait_set::incomplete()) {
+                self.devices.wake_all();
+            }
+            for id in woken.drain(..) {
+                self.devices.wake(id);
+            }
             let mut turn = TurnTimes::new(woke);
-            self.handle_deaths(woke, worker_events);
+            self.handle_deaths(woke);
             turn.mark("deaths");
             self.continue_recoveries();
             turn.mark("recoveries");
-            for dev in self.devices.values_mut() {
-                recovery::kill_if_hung(dev, &self.config.recovery);
+            let now = Instant::now();
+            if now >= self.next_scan {
+                self.scan(now);
+                self.next_scan = now + tick;
             }
-            let hung = self.devices.values().filter(|d| !d.progressing(hung_timeout)).count();
-            self.notifier.watchdog(Instant::now(), hung);
-            let status = self.summary();
-            self.notifier.status(&status);
+            self.notifier.watchdog(now, self.hung_devices);
+            self.update_status(now);
             turn.mark("hangs");
             self.finish_pending_adds();
             turn.mark("adds");
@@ -258,9 +285,12 @@ impl Daemon {
             self.answer_recovers(false);
             if let Some(mut writer) = self.metrics_file.take() {
                 writer.tick(Instant::now(), || {
-                    self.devices.keys().filter_map(|id| self.metrics(*id)).collect()
+                    self.devices.ids().filter_map(|id| self.metrics(id)).collect()
                 });
                 self.metrics_file = Some(writer);
+            }
+            for id in self.devices.busy_ids() {
+                self.devices.settle(id);
             }
             if self.shutting_down && !self.deleting() {
                 break;
@@ -297,20 +327,22 @@ impl Daemon {
         Ok(())
     }
 
-    /// Recovers every device whose worker died, within its restart budget, and starts
-    /// standbys that are due. `events`: whether the poll reported a ready fd (without
-    /// one no worker died and no starting standby answered).
-    pub(super) fn handle_deaths(&mut self, woke: Instant, events: bool) {
+    /// Recovers every woken device whose worker died, within its restart budget, and
+    /// starts the busy devices' standbys that are due. A device not woken saw no worker
+    /// of its end and no starting standby answer, and costs no wait4 per worker.
+    pub(super) fn handle_deaths(&mut self, woke: Instant) {
         let mut starting = self.standbys_starting();
         let mut spawned = 0;
-        for (&id, dev) in &mut self.devices {
+        for id in self.devices.busy_ids() {
             // A mass death (every worker OOM-killed) is hundreds of recoveries, one
-            // after another: past a turn's share, the rest wait for the next turn (their
-            // pidfds keep the poll ready), so that clients, hangs and the watchdog are
+            // after another: past a turn's share, the rest wait for the next turn (the
+            // wait set names them again), so that clients, hangs and the watchdog are
             // served between them and `ublkctl status` shows the recovery progress.
             if woke.elapsed() > DEATHS_PER_TURN {
                 break;
             }
+            let events = self.devices.take_woken(id);
+            let Some(dev) = self.devices.visit(id) else { continue };
             if events {
                 dev.standby_progress();
             }
@@ -318,7 +350,7 @@ impl Daemon {
                 && spawned < STANDBYS_SPAWNED_PER_TURN
                 && dev.starting().is_none()
             {
-                dev.refill_standby_if_due(&self.ctx);
+                dev.refill_standby_if_due(&self.ctx, woke);
                 let started = usize::from(dev.starting().is_some());
                 (starting, spawned) = (starting + started, spawned + started);
             }
@@ -340,15 +372,18 @@ impl Daemon {
         }
     }
 
-    /// How many standbys are starting (spawned, not yet standing by).
+    /// How many standbys are starting (spawned, not yet standing by): every device with
+    /// one is busy.
     pub(super) fn standbys_starting(&self) -> usize {
-        self.devices.values().filter(|d| d.starting().is_some()).count()
+        self.devices.busy().filter(|d| d.starting().is_some()).count()
     }
 
-    /// Goes on with every recovery that waits for the kernel's release and is due.
+    /// Goes on with every recovery that waits for the kernel's release and is due
+    /// (every device with one is busy).
     pub(super) fn continue_recoveries(&mut self) {
         let now = Instant::now();
-        for dev in self.devices.values_mut() {
+        for id in self.devices.busy_ids() {
+            let Some(dev) = self.devices.visit(id) else { continue };
             if let Some(event) =
                 recovery::continue_if_due(dev, &self.ctx, &self.config.recovery, now)
             {
@@ -357,13 +392,58 @@ impl Daemon {
         }
     }
 
+    /// How often the loop scans every device for hangs: heartbeats are compared four
+    /// times per timeout, so a hang is seen within 1.5 timeouts (the no-completion rule
+    /// holds on two scans in a row). No more often: an idle device's scan is the only
+    /// thing that wakes ublkd, and each costs CPU in proportion to the devices (much of
+    /// it on an emulated machine). The watchdog's interval shortens it.
+    fn tick(&self) -> Duration {
+        let tick = (self.config.recovery.hung_timeout / 4).max(Duration::from_millis(100));
+        match self.notifier.watchdog_interval() {
+            Some(w) => tick.min(w),
+            None => tick,
+        }
+    }
+
+    /// The tick's scan of every device at `now`: kills hung workers (their deaths then
+    /// wake the loop like any other), counts the devices making no progress for the
+    /// watchdog's log line, and marks every device busy for this turn, which sets the
+    /// busy set right again on the turn's end.
+    fn scan(&mut self, now: Instant) {
+        let rc = &self.config.recovery;
+        for (_, dev) in self.devices.all_mut() {
+            recovery::kill_if_hung(dev, rc, now);
+        }
+        let hung_timeout = rc.hung_timeout;
+        self.hung_devices =
+            self.devices.values().filter(|d| !d.progressing(now, hung_timeout)).count();
+        self.status_stale = true;
+        self.status_due = now;
+    }
+
+    /// Counts the devices by state for systemd's STATUS line when a device changed: at
+    /// once for a new event, else at most every [`STATUS_EVERY`], since each count
+    /// visits every device.
+    fn update_status(&mut self, now: Instant) {
+        self.status_stale |= self.devices.take_changed();
+        let new_event = self.last_event != self.status_event;
+        if !self.status_stale || (now < self.status_due && !new_event) {
+            return;
+        }
+        let status = self.summary();
+        self.notifier.status(&status);
+        self.status_event.clone_from(&self.last_event);
+        self.status_stale = false;
+        self.status_due = now + STATUS_EVERY;
+    }
+
     /// Leaves every LIVE device's worker serving and kills the rest now (standbys would
     /// end with their control sockets at ublkd's exit; a killed worker's device is held
     /// by the kernel from this moment, for the next ublkd to recover), so that the
     /// relay logs their last lines.
     pub(super) fn leave_all(&mut self) {
         let mut workers: Vec<crate::worker::Worker> =
-            std::mem::take(&mut self.devices).into_values().flat_map(Device::leave).collect();
+            self.devices.take_all().into_iter().flat_map(Device::leave).collect();
         for w in &mut workers {
             w.kill();
         }

@@ -26,7 +26,7 @@ impl Daemon {
             }),
             // Adds under way are shown too (ADDING), so that no device a client asked
             // for is missing from the list meanwhile.
-            CtlRequest::Status { id: Some(id) } if !self.devices.contains_key(&id) => {
+            CtlRequest::Status { id: Some(id) } if !self.devices.contains(id) => {
                 match self.pending_statuses().into_iter().find(|s| s.id == id) {
                     Some(status) => Ok(CtlResponse::Status(vec![status])),
                     None => Err(self.unknown(id)),
@@ -59,14 +59,14 @@ impl Daemon {
 
     pub(super) fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
         match id {
-            None => Ok(self.devices.keys().copied().collect()),
-            Some(id) if self.devices.contains_key(&id) => Ok(vec![id]),
+            None => Ok(self.devices.ids().collect()),
+            Some(id) if self.devices.contains(id) => Ok(vec![id]),
             Some(id) => Err(self.unknown(id)),
         }
     }
 
     fn unknown(&self, id: u32) -> String {
-        let ids: Vec<String> = self.devices.keys().map(u32::to_string).collect();
+        let ids: Vec<String> = self.devices.ids().map(|id| id.to_string()).collect();
         if ids.is_empty() {
             format!("no device {id}: ublkd serves no devices")
         } else {
@@ -130,7 +130,7 @@ impl Daemon {
         let all = |daemon: &mut Daemon, why: &str| {
             // Adds under way too: none of them may come up after the answer.
             let made = daemon.give_up_pending_adds(None, why);
-            let devices: Vec<Device> = std::mem::take(&mut daemon.devices).into_values().collect();
+            let devices: Vec<Device> = daemon.devices.take_all();
             (devices, made)
         };
         let (devices, one, given_up) = match id {
@@ -148,7 +148,7 @@ impl Daemon {
                 let (devices, made) = all(self, "deleted by `ublkctl del -a`");
                 (devices, false, made)
             }
-            Some(id) if !self.devices.contains_key(&id) => {
+            Some(id) if !self.devices.contains(id) => {
                 let before = self.pending_adds.len();
                 self.give_up_pending_adds(Some(id), &format!("deleted by `ublkctl del {id}`"));
                 if self.pending_adds.len() == before {
@@ -157,7 +157,7 @@ impl Daemon {
                 return Some(CtlResponse::Deleted { ids: vec![id] });
             }
             Some(id) => {
-                let dev = self.devices.remove(&id).expect("checked above");
+                let dev = self.devices.remove(id).expect("checked above");
                 (vec![dev], true, Vec::new())
             }
         };
@@ -171,7 +171,7 @@ impl Daemon {
     pub(super) fn handle_recover(&mut self, id: u32) -> Result<Option<String>, String> {
         let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
         let dev =
-            self.devices.get_mut(&id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
+            self.devices.get_mut(id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
         dev.restart_budget_mut().reset();
         let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
         if live && dev.state().has_worker() && !dev.state().failing_io() {
@@ -197,7 +197,7 @@ impl Daemon {
     /// (deleted, a failed recovery waiting for an operator, a server that stayed away
     /// past `recovery.nbd_server_wait_secs`), with status's note.
     pub(super) fn recover_outcome(&self, id: u32) -> Option<Result<String, String>> {
-        let Some(dev) = self.devices.get(&id) else {
+        let Some(dev) = self.devices.get(id) else {
             return Some(Err(format!("device {id} was deleted before its recovery ended")));
         };
         let state = dev.state();
@@ -222,7 +222,7 @@ impl Daemon {
     /// status names (the kernel's release past `RELEASE_SLOW`, an unreachable NBD
     /// server), rather than on its own new worker.
     pub(super) fn recovery_held_up(&self, id: u32) -> bool {
-        self.devices.get(&id).is_some_and(|dev| {
+        self.devices.get(id).is_some_and(|dev| {
             dev.state().kind() == StateKind::Releasing && dev.state().note().is_some()
         })
     }
@@ -231,7 +231,7 @@ impl Daemon {
     /// `ublkctl recover` gets when it cannot wait for the end (a script's `ublkctl
     /// recover N && mount` must not go on with a device that is not served yet).
     pub(super) fn recovering_message(&self, id: u32) -> String {
-        if !self.devices.contains_key(&id) {
+        if !self.devices.contains(id) {
             return format!("device {id} was deleted before its recovery ended");
         }
         format!("device {id}: {}", self.recovery_wait(id))
@@ -241,7 +241,7 @@ impl Daemon {
     pub(super) fn recovery_wait(&self, id: u32) -> String {
         let rest =
             format!("ublkd finishes the recovery by itself; `ublkctl status {id}` shows when");
-        let Some(dev) = self.devices.get(&id) else { return rest };
+        let Some(dev) = self.devices.get(id) else { return rest };
         if dev.awaiting_standby() {
             return format!(
                 "not recovered yet: its new worker is still starting, its I/O held; {rest}"
@@ -258,7 +258,7 @@ impl Daemon {
     }
 
     fn listing(&self, id: u32) -> Option<DevListing> {
-        self.devices.contains_key(&id).then_some(())?;
+        self.devices.contains(id).then_some(())?;
         let info = self.ctx.ctrl.get_dev_info(id).ok()?;
         let params = self.ctx.ctrl.get_params(id).ok()?;
         Some(DevListing {
@@ -275,7 +275,7 @@ impl Daemon {
     }
 
     fn status(&self, id: u32) -> Option<DevStatus> {
-        let dev = self.devices.get(&id)?;
+        let dev = self.devices.get(id)?;
         let state = match self.ctx.ctrl.get_dev_info(id) {
             Ok(info) => DevState::from_raw(info.state).to_string(),
             Err(e) => format!("UNKNOWN ({e})"),
@@ -305,7 +305,7 @@ impl Daemon {
     /// Device `id`'s numbers for `ublkctl metrics` and the metrics file: read from
     /// memory only (ublkd's own state and the device's region), no system call.
     pub(super) fn metrics(&self, id: u32) -> Option<DevMetrics> {
-        let dev = self.devices.get(&id)?;
+        let dev = self.devices.get(id)?;
         let (counters, latency) = region_numbers(dev);
         Some(DevMetrics {
             id,

@@ -46,7 +46,7 @@ impl Daemon {
         let mut served_as_is = Vec::new();
         // A configured device deleted since (`ublkctl del`) is configured no more: if
         // the config still lists it, it is made again below, like a new one.
-        self.configured.retain(|(_, id)| self.devices.contains_key(id));
+        self.configured.retain(|(_, id)| self.devices.contains(*id));
         let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
         let mut added = 0;
         let mut removed = 0;
@@ -63,7 +63,7 @@ impl Daemon {
                 self.configured.push((spec, id));
                 continue;
             }
-            if let Some(dev) = self.devices.remove(&id) {
+            if let Some(dev) = self.devices.remove(id) {
                 dropped.push(dev);
             }
         }
@@ -79,7 +79,7 @@ impl Daemon {
             .iter()
             .filter(|spec| {
                 !old_specs.contains(spec)
-                    && !spec.id.is_some_and(|id| self.devices.contains_key(&id))
+                    && !spec.id.is_some_and(|id| self.devices.contains(id))
             })
             .cloned()
             .collect();

@@ -190,7 +190,12 @@ impl Daemon {
             last_event: None,
             shutting_down: false,
             ctx,
-            devices: BTreeMap::new(),
+            devices: DeviceTable::default(),
+            next_scan: Instant::now(),
+            hung_devices: 0,
+            status_stale: true,
+            status_due: Instant::now(),
+            status_event: None,
             control,
             signals,
             metrics_file,
@@ -272,7 +277,7 @@ impl Daemon {
         // Every adopted device's standby is starting: recover each device whose worker
         // was not taken over onto its own. The recoveries wait for their standbys side
         // by side (see below).
-        for (&id, dev) in &mut self.devices {
+        for (id, dev) in self.devices.all_mut() {
             if dev.state().kind() == StateKind::Live {
                 continue;
             }
@@ -323,7 +328,7 @@ impl Daemon {
             // making it would fail (the id is taken), and replacing it would lose what
             // it holds.
             if let Some(id) = spec.id
-                && self.devices.contains_key(&id)
+                && self.devices.contains(id)
             {
                 tracing::warn!(
                     dev_id = id,

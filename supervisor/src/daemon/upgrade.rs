@@ -120,7 +120,7 @@ impl Daemon {
     fn start_upgrade(&mut self, id: u32) -> Result<Step, UpgradeOutcome> {
         let binary = self.ctx.worker_binary.display().to_string();
         let outcome = |message| UpgradeOutcome { id, upgraded: false, message };
-        let Some(dev) = self.devices.get_mut(&id) else {
+        let Some(dev) = self.devices.get_mut(id) else {
             return Err(outcome(format!("device {id}: no longer served by ublkd")));
         };
         if !dev.state().has_worker() || dev.state().failing_io() {
@@ -158,7 +158,7 @@ impl Daemon {
         let now = Instant::now();
         match step {
             Step::Starting { worker, deadline } => {
-                let Some(dev) = self.devices.get_mut(&id) else {
+                let Some(dev) = self.devices.get_mut(id) else {
                     worker.kill();
                     return Err(failed(format!("device {id}: no longer served by ublkd")));
                 };
@@ -192,7 +192,7 @@ impl Daemon {
             Step::Settling { until } => {
                 let releasing = self
                     .devices
-                    .get(&id)
+                    .get(id)
                     .is_some_and(|dev| dev.state().kind() == StateKind::Releasing);
                 if releasing && now < until && !stopping && !self.recovery_held_up(id) {
                     return Ok(Step::Settling { until });
@@ -206,7 +206,7 @@ impl Daemon {
     fn upgrade_outcome(&self, id: u32) -> UpgradeOutcome {
         let binary = self.ctx.worker_binary.display().to_string();
         let outcome = |upgraded, message| UpgradeOutcome { id, upgraded, message };
-        let Some(dev) = self.devices.get(&id) else {
+        let Some(dev) = self.devices.get(id) else {
             return outcome(false, format!("device {id}: no longer served by ublkd"));
         };
         match dev.state().kind() {

@@ -35,7 +35,7 @@ impl Worker {
         let pid = claim.pid;
         let refused = |what: String| WorkerError::Attach { pid, what };
         let pidfd = pidfd_open(pid).map_err(|e| refused(format!("no such process ({e})")))?;
-        super::wait_set::register(&pidfd, pid);
+        super::wait_set::register(&pidfd, claim.dev_id, pid);
         // The pidfd pins the process: if the start time matches now, it is the worker
         // the record names and not a later process that reused its pid.
         match process_start_time(pid) {

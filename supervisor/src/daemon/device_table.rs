@@ -1,0 +1,152 @@
+//! The device table: every device ublkd serves, by id, and which of them the loop must
+//! visit on its next turn.
+//!
+//! A turn's cost must not grow with the devices (a thousand idle ones cost a recovery
+//! nothing), so the loop does not visit every device each turn. It visits the *busy*
+//! ones: a device is busy from the moment anything outside the loop's own visit gets
+//! it mutably (a request, an add, an upgrade step, a reload: [`DeviceTable::get_mut`]
+//! and [`DeviceTable::insert`] mark it) or the wait set names it (a worker of it
+//! ended, its starting standby answered), until a visit finds that it waits for
+//! nothing on a timer or a turn ([`Device::needs_turns`]). Everything else about an
+//! idle device (hangs, the watchdog's count, the status line) is the tick's scan,
+//! which visits all of them a few times per hung-worker timeout and sets the busy set
+//! right again in case anything was missed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::device::Device;
+
+#[derive(Debug, Default)]
+pub(super) struct DeviceTable {
+    devices: BTreeMap<u32, Device>,
+    /// Devices the loop visits every turn until they need no turn.
+    busy: BTreeSet<u32>,
+    /// Busy devices the wait set or a standby's socket named, not yet visited: the
+    /// wait set names each ended worker once, so a device stays here until a visit
+    /// has looked at its workers' ends.
+    woken: BTreeSet<u32>,
+    /// Whether a device was added, removed or touched since the status line was
+    /// last counted.
+    changed: bool,
+}
+
+impl DeviceTable {
+    pub(super) fn get(&self, id: u32) -> Option<&Device> {
+        self.devices.get(&id)
+    }
+
+    /// The device, marked busy: whatever the caller does to it, the loop looks at it on
+    /// its next turns.
+    pub(super) fn get_mut(&mut self, id: u32) -> Option<&mut Device> {
+        let dev = self.devices.get_mut(&id)?;
+        self.busy.insert(id);
+        self.changed = true;
+        Some(dev)
+    }
+
+    pub(super) fn insert(&mut self, id: u32, dev: Device) {
+        self.busy.insert(id);
+        self.changed = true;
+        self.devices.insert(id, dev);
+    }
+
+    pub(super) fn remove(&mut self, id: u32) -> Option<Device> {
+        self.busy.remove(&id);
+        self.woken.remove(&id);
+        self.changed = true;
+        self.devices.remove(&id)
+    }
+
+    /// Every device, out of the table.
+    pub(super) fn take_all(&mut self) -> Vec<Device> {
+        self.busy.clear();
+        self.woken.clear();
+        self.changed = true;
+        std::mem::take(&mut self.devices).into_values().collect()
+    }
+
+    pub(super) fn contains(&self, id: u32) -> bool {
+        self.devices.contains_key(&id)
+    }
+
+    pub(super) fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.devices.keys().copied()
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Device> {
+        self.devices.values()
+    }
+
+    /// Every device, mutably, each marked busy: for the tick's scan and for startup,
+    /// which visit all of them anyway.
+    pub(super) fn all_mut(&mut self) -> impl Iterator<Item = (u32, &mut Device)> {
+        self.busy.extend(self.devices.keys().copied());
+        self.changed = true;
+        self.devices.iter_mut().map(|(&id, dev)| (id, dev))
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// Marks `id` woken and busy (the wait set or its standby's socket named it), if
+    /// it is in the table.
+    pub(super) fn wake(&mut self, id: u32) {
+        if self.devices.contains_key(&id) {
+            self.busy.insert(id);
+            self.woken.insert(id);
+        }
+    }
+
+    /// Marks every device woken: without a wait set, each worker's pidfd is polled, and
+    /// any of them may be the one that woke the loop.
+    pub(super) fn wake_all(&mut self) {
+        self.busy.extend(self.devices.keys().copied());
+        self.woken.extend(self.devices.keys().copied());
+    }
+
+    /// Whether `id` was woken since its last visit; clears it.
+    pub(super) fn take_woken(&mut self, id: u32) -> bool {
+        self.woken.remove(&id)
+    }
+
+    /// Whether a woken device waits for its visit (a turn's share ran out first).
+    pub(super) fn any_woken(&self) -> bool {
+        !self.woken.is_empty()
+    }
+
+    /// The busy devices' ids, in order.
+    pub(super) fn busy_ids(&self) -> Vec<u32> {
+        self.busy.iter().copied().collect()
+    }
+
+    /// The busy devices.
+    pub(super) fn busy(&self) -> impl Iterator<Item = &Device> {
+        self.busy.iter().filter_map(|id| self.devices.get(id))
+    }
+
+    /// The busy device `id`, mutably, for the loop's own visit (not marking anything).
+    pub(super) fn visit(&mut self, id: u32) -> Option<&mut Device> {
+        self.changed = true;
+        self.devices.get_mut(&id)
+    }
+
+    /// Ends `id`'s busy spell if it waits for nothing the loop must look at.
+    pub(super) fn settle(&mut self, id: u32) {
+        if self.woken.contains(&id) {
+            return;
+        }
+        if self.devices.get(&id).is_none_or(|dev| !dev.needs_turns()) {
+            self.busy.remove(&id);
+        }
+    }
+
+    /// Whether the status line must be counted again; clears it.
+    pub(super) fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+}
