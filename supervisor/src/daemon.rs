@@ -170,6 +170,8 @@ pub struct Daemon {
     pending_upgrades: Vec<upgrade::PendingUpgrade>,
     /// `ublkctl del`s and `shutdown`s under way.
     pending_deletes: Vec<delete::PendingDelete>,
+    /// A SIGHUP's reload under way.
+    pending_reload: Option<reload::PendingReload>,
 }
 
 impl Daemon {
@@ -180,9 +182,14 @@ impl Daemon {
     }
 
     fn summary(&self) -> String {
-        let count = |s| self.devices.values().filter(|d| d.state().summary() == s).count();
-        let (live, recovering, waiting) =
-            (count(Summary::Live), count(Summary::Recovering), count(Summary::Waiting));
+        let (mut live, mut recovering, mut waiting) = (0, 0, 0);
+        for dev in self.devices.values() {
+            match dev.state().summary() {
+                Summary::Live => live += 1,
+                Summary::Recovering => recovering += 1,
+                Summary::Waiting => waiting += 1,
+            }
+        }
         crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
     }
 }

@@ -150,9 +150,11 @@ impl HangPolicy {
 
 /// Kills the device's worker if it holds I/O and has made no progress by `now` (the
 /// tick's scan); its death is then handled like any other, with the hang as the
-/// recovery's reason.
-pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig, now: Instant) {
-    let Some(reason) = dev.hung(now, rc.hung_timeout, rc.nbd_request_timeout) else { return };
+/// recovery's reason. Whether it did.
+pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig, now: Instant) -> bool {
+    let Some(reason) = dev.hung(now, rc.hung_timeout, rc.nbd_request_timeout) else {
+        return false;
+    };
     let pid = dev.worker().map(|w| w.pid());
     if dev.server_silent() {
         tracing::warn!(
@@ -172,6 +174,7 @@ pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig, now: Instant) {
     }
     dev.mark_hung(reason);
     dev.kill_worker();
+    true
 }
 
 /// After the device's worker died: recovers it within its restart budget, else does

@@ -814,9 +814,6 @@ fn read_at_direct(dev: &Path, offset: u64, len: usize) -> Vec<u8> {
     buf.as_ref().to_vec()
 }
 
-/// A server that accepts and then says nothing holds up only its own `ublkctl add`:
-/// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` and
-/// adds another device; the add then fails after the handshake's 10 s, naming why.
 /// A server at `socket` that accepts every connection and never says a word.
 fn silent_unix_server(socket: &Path) {
     let _ = std::fs::remove_file(socket);
@@ -867,6 +864,61 @@ fn configured_exports_are_negotiated_side_by_side_at_start() {
     ublkd.stop();
 }
 
+/// A reload that adds a device whose server says nothing holds up nothing but that
+/// device: ublkd answers `list` at once meanwhile, the reload's other new device is
+/// LIVE before the silent one fails, and the outcome, logged once both are done, counts
+/// the one made and names why the other was not.
+#[test]
+fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
+    let _serial = serial();
+    let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent-reload.sock");
+    silent_unix_server(&socket);
+    let null = |id: u32| format!("\n[[device]]\nid = {id}\ntarget = \"null\"\nsize = \"64M\"\n");
+    let ublkd = Ublkd::start_with("nbd-silent-reload", &null(30), &[]);
+    let silent = format!(
+        "\n[[device]]\nid = 21\ntarget = \"nbd\"\nuri = \"nbd+unix:///?socket={}\"\n",
+        socket.display()
+    );
+    let started = Instant::now();
+    let outcome = std::thread::scope(|scope| {
+        let reload =
+            scope.spawn(|| ublkd.reload_with(&format!("{}{silent}{}", null(30), null(31))));
+        let mut slowest = Duration::ZERO;
+        let mut seen_31 = None;
+        while !reload.is_finished() {
+            let t = Instant::now();
+            let listed = ublkd.status();
+            slowest = slowest.max(t.elapsed());
+            let live_31 = listed.iter().any(|d| d["id"] == 31 && d["state"] == "LIVE");
+            if live_31 && seen_31.is_none() {
+                seen_31 = Some(started.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        eprintln!("during the reload: slowest status {slowest:?}, device 31 LIVE at {seen_31:?}");
+        assert!(slowest < Duration::from_secs(1), "a status took {slowest:?} during the reload");
+        let seen_31 = seen_31.expect("device 31 was never LIVE during the reload");
+        assert!(seen_31 < Duration::from_secs(8), "device 31 was LIVE only at {seen_31:?}");
+        reload.join().unwrap()
+    });
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(10), "the reload ended after {took:?}");
+    assert!(outcome.contains("reloaded: 1 device(s) added, 0 deleted"), "{outcome}");
+    let log = ublkd.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("reload: configured device")
+                && l.contains("did not answer within 10 s")),
+        "no error for the silent server's device:\n{log}"
+    );
+    let ids: Vec<u64> = ublkd.status().iter().filter_map(|d| d["id"].as_u64()).collect();
+    assert_eq!(ids, [30, 31], "after the reload");
+    ublkd.stop();
+}
+
+/// A server that accepts and then says nothing holds up only its own `ublkctl add`:
+/// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` and
+/// adds another device; the add then fails after the handshake's 10 s, naming why.
 #[test]
 fn a_silent_server_holds_up_only_its_own_add() {
     let _serial = serial();

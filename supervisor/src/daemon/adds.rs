@@ -13,13 +13,23 @@ use super::*;
 /// issued together overlap.
 #[derive(Debug)]
 pub(super) struct PendingAdd {
-    pub(super) token: Token,
+    pub(super) for_whom: AddFor,
     /// As asked (for [`Daemon::check_add`]'s conflicts).
     pub(super) spec: DeviceSpec,
     pub(super) stage: AddStage,
     /// Adds of this device begun so far: one whose worker was lost (killed while the
     /// device was being made, say) is begun again, up to [`ADD_ATTEMPTS`] in all.
     pub(super) attempts: u8,
+}
+
+/// Who an add is for, and so who hears how it ended.
+#[derive(Debug)]
+pub(super) enum AddFor {
+    /// An `ublkctl add`, answered on its connection.
+    Client(Token),
+    /// A device a reload found in the config file (as the file describes it), counted
+    /// in the reload's outcome.
+    Reload(DeviceSpec),
 }
 
 /// How many times an add is begun before a lost worker fails it: a client asked for
@@ -65,7 +75,8 @@ impl Daemon {
         let mut attempts = 1;
         match self.first_add_stage(&spec, &mut attempts) {
             Ok(stage) => {
-                self.pending_adds.push(PendingAdd { token, spec, stage, attempts });
+                let for_whom = AddFor::Client(token);
+                self.pending_adds.push(PendingAdd { for_whom, spec, stage, attempts });
                 None
             }
             Err(message) => Some(CtlResponse::Error { message }),
@@ -133,8 +144,7 @@ impl Daemon {
                     }
                     Err(mpsc::TryRecvError::Disconnected) => {
                         let why = "the thread negotiating the export ended without an answer";
-                        let response = CtlResponse::Error { message: why.into() };
-                        self.control.respond(pending.token, &response, Instant::now());
+                        self.add_done(pending.for_whom, Err(why.into()));
                         continue;
                     }
                 };
@@ -147,22 +157,18 @@ impl Daemon {
                                 pending.stage = stage;
                                 waiting.push(pending);
                             }
-                            Err(message) => {
-                                let response = CtlResponse::Error { message };
-                                self.control.respond(pending.token, &response, Instant::now());
-                            }
+                            Err(message) => self.add_done(pending.for_whom, Err(message)),
                         }
                         continue;
                     }
                     Err(e) => {
-                        let response = CtlResponse::Error { message: e.to_string() };
-                        self.control.respond(pending.token, &response, Instant::now());
+                        self.add_done(pending.for_whom, Err(e.to_string()));
                         continue;
                     }
                 }
             }
             let AddStage::Starting(creation) = pending.stage else { continue };
-            let response = match creation.progress(&self.ctx, Instant::now()) {
+            let outcome = match creation.progress(&self.ctx, Instant::now()) {
                 Progress::Pending(creation) => {
                     pending.stage = AddStage::Starting(Box::new(creation));
                     waiting.push(pending);
@@ -171,7 +177,7 @@ impl Daemon {
                 Progress::Done(Ok(dev)) => {
                     let id = dev.id();
                     self.devices.insert(id, dev);
-                    CtlResponse::Added { id }
+                    Ok(id)
                 }
                 Progress::Done(Err(e))
                     if Self::add_again(&pending.spec, &e, &mut pending.attempts) =>
@@ -182,14 +188,28 @@ impl Daemon {
                             waiting.push(pending);
                             continue;
                         }
-                        Err(message) => CtlResponse::Error { message },
+                        Err(message) => Err(message),
                     }
                 }
-                Progress::Done(Err(e)) => CtlResponse::Error { message: e.to_string() },
+                Progress::Done(Err(e)) => Err(e.to_string()),
             };
-            self.control.respond(pending.token, &response, Instant::now());
+            self.add_done(pending.for_whom, outcome);
         }
         self.pending_adds = waiting;
+    }
+
+    /// Tells whom an add was for how it ended: the device's id, or why it failed.
+    fn add_done(&mut self, for_whom: AddFor, outcome: Result<u32, String>) {
+        match for_whom {
+            AddFor::Client(token) => {
+                let response = match outcome {
+                    Ok(id) => CtlResponse::Added { id },
+                    Err(message) => CtlResponse::Error { message },
+                };
+                self.control.respond(token, &response, Instant::now());
+            }
+            AddFor::Reload(spec) => self.reload_add_done(spec, outcome),
+        }
     }
 
     /// Gives up the adds under way for device `id` (every one for `None`) because of
@@ -214,8 +234,7 @@ impl Daemon {
                 made.push(creation.id());
                 creation.abandon(&self.ctx);
             }
-            let message = format!("{why} before the device was made");
-            self.control.respond(pending.token, &CtlResponse::Error { message }, Instant::now());
+            self.add_done(pending.for_whom, Err(format!("{why} before the device was made")));
         }
         self.pending_adds = kept;
         made

@@ -23,27 +23,35 @@ type Outcomes = Vec<(u32, Result<(), String>)>;
 /// A delete under way, answered once its thread is done.
 #[derive(Debug)]
 pub(super) struct PendingDelete {
-    token: Token,
-    /// `del -n ID` (answered with its error, if any), or many (`del -a`, `shutdown`:
-    /// answered with what was deleted and what failed).
-    one: bool,
-    /// Adds under way given up by the same request (deleted before they were made).
-    given_up: Vec<u32>,
+    for_whom: DeleteFor,
     done: mpsc::Receiver<Outcomes>,
 }
 
+/// Who a delete is for, and so who hears how it ended.
+#[derive(Debug)]
+pub(super) enum DeleteFor {
+    Client {
+        token: Token,
+        /// `del -n ID` (answered with its error, if any), or many (`del -a`, `shutdown`:
+        /// answered with what was deleted and what failed).
+        one: bool,
+        /// Adds under way given up by the same request (deleted before they were made).
+        given_up: Vec<u32>,
+    },
+    /// The devices a reload found gone from the config file, counted in its outcome.
+    Reload,
+}
+
 impl Daemon {
-    /// Deletes `devices` off the loop, for the client at `token`; `one`: a single
-    /// device's `del`. Answered now if there is nothing to delete.
+    /// Deletes `devices` off the loop, for `for_whom`. A client is answered now (the
+    /// answer returned) if there is nothing to delete or no thread to delete them on.
     pub(super) fn begin_delete(
         &mut self,
-        token: Token,
+        for_whom: DeleteFor,
         devices: Vec<Device>,
-        one: bool,
-        given_up: Vec<u32>,
     ) -> Option<CtlResponse> {
         if devices.is_empty() {
-            return Some(response(Vec::new(), one, given_up));
+            return self.delete_done(for_whom, Vec::new());
         }
         let (tx, done) = mpsc::channel();
         // Shared, so that the devices come back if no thread can be had.
@@ -76,10 +84,21 @@ impl Daemon {
                 .into_iter()
                 .map(|(id, outcome)| (id, outcome.map_err(|e| e.to_string())))
                 .collect();
-            return Some(response(outcomes, one, given_up));
+            return self.delete_done(for_whom, outcomes);
         }
-        self.pending_deletes.push(PendingDelete { token, one, given_up, done });
+        self.pending_deletes.push(PendingDelete { for_whom, done });
         None
+    }
+
+    /// A delete's end: a client's answer (returned, not sent), or the reload told.
+    fn delete_done(&mut self, for_whom: DeleteFor, outcomes: Outcomes) -> Option<CtlResponse> {
+        match for_whom {
+            DeleteFor::Client { one, given_up, .. } => Some(response(outcomes, one, given_up)),
+            DeleteFor::Reload => {
+                self.reload_deletes_done(outcomes);
+                None
+            }
+        }
     }
 
     /// Answers the deletes whose threads are done; with `wait`, waits for every one
@@ -95,8 +114,15 @@ impl Daemon {
                 Err(mpsc::TryRecvError::Empty) => pending.done.recv().unwrap_or_default(),
                 Err(mpsc::TryRecvError::Disconnected) => Vec::new(),
             };
-            let reply = response(outcomes, pending.one, pending.given_up);
-            self.control.respond(pending.token, &reply, Instant::now());
+            let token = match &pending.for_whom {
+                DeleteFor::Client { token, .. } => Some(*token),
+                DeleteFor::Reload => None,
+            };
+            if let (Some(reply), Some(token)) =
+                (self.delete_done(pending.for_whom, outcomes), token)
+            {
+                self.control.respond(token, &reply, Instant::now());
+            }
         }
     }
 

@@ -8,7 +8,7 @@
 //! and [`DeviceTable::insert`] mark it) or the wait set names it (a worker of it
 //! ended, its starting standby answered), until a visit finds that it waits for
 //! nothing on a timer or a turn ([`Device::needs_turns`]). Everything else about an
-//! idle device (hangs, the watchdog's count, the status line) is the tick's scan,
+//! idle device (hangs, the watchdog's count) is the tick's scan ([`DeviceTable::scan`]),
 //! which visits all of them a few times per hung-worker timeout and sets the busy set
 //! right again in case anything was missed.
 
@@ -77,12 +77,22 @@ impl DeviceTable {
         self.devices.values()
     }
 
-    /// Every device, mutably, each marked busy: for the tick's scan and for startup,
-    /// which visit all of them anyway.
+    /// Every device, mutably, each marked busy: for startup, which visits all of them.
     pub(super) fn all_mut(&mut self) -> impl Iterator<Item = (u32, &mut Device)> {
         self.busy.extend(self.devices.keys().copied());
         self.changed = true;
         self.devices.iter_mut().map(|(&id, dev)| (id, dev))
+    }
+
+    /// The tick's scan: `look` at every device (true if it changed one), then marks busy
+    /// each that needs turns, setting the busy set right in case anything was missed.
+    pub(super) fn scan(&mut self, mut look: impl FnMut(&mut Device) -> bool) {
+        for (&id, dev) in &mut self.devices {
+            self.changed |= look(dev);
+            if dev.needs_turns() {
+                self.busy.insert(id);
+            }
+        }
     }
 
     pub(super) fn len(&self) -> usize {

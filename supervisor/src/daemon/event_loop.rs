@@ -99,11 +99,9 @@ impl Daemon {
             // (epoll refused at start), each is polled here.
             let wait_set = crate::worker::wait_set::fd();
             match wait_set {
-                Some(set) => fds.push(libc::pollfd {
-                    fd: set.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                }),
+                Some(set) => {
+                    fds.push(libc::pollfd { fd: set.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+                }
                 None => {
                     for dev in self.devices.values() {
                         for w in [dev.worker(), dev.standby(), dev.dying()].into_iter().flatten() {
@@ -173,8 +171,10 @@ impl Daemon {
             if self.status_stale {
                 wake_by = wake_by.min(self.status_due);
             }
-            // Deaths the last turn had no time for are handled on this one, at once.
-            if self.devices.any_woken() {
+            // Deaths the last turn had no time for are handled on this one, at once, as
+            // is a SIGHUP that came during the reload that just ended.
+            let reload_waiting = !self.reloading() && self.signals.reload.load(Ordering::Relaxed);
+            if self.devices.any_woken() || reload_waiting {
                 wake_by = Instant::now();
             }
             let idle = self.devices.is_empty()
@@ -185,7 +185,8 @@ impl Daemon {
                 && self.notifier.watchdog_interval().is_none()
                 && control_due.is_none()
                 && self.metrics_file.is_none()
-                && !self.status_stale;
+                && !self.status_stale
+                && !reload_waiting;
             let timeout = if idle { -1 } else { millis_until(wake_by) };
             // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
             let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
@@ -202,7 +203,8 @@ impl Daemon {
             if self.signals.terminate.load(Ordering::Relaxed) {
                 break;
             }
-            if self.signals.reload.swap(false, Ordering::Relaxed) {
+            // A SIGHUP during a reload is taken once that reload is done.
+            if !self.reloading() && self.signals.reload.swap(false, Ordering::Relaxed) {
                 self.reload();
             }
             // Which devices woke: those the wait set names (a worker of theirs ended)
@@ -297,6 +299,9 @@ impl Daemon {
             }
         }
         self.notifier.stopping();
+        // A reload under way ends with ublkd: its adds are given up below, its deletes
+        // finished; nothing tells systemd READY again.
+        self.pending_reload = None;
         // Adds under way are given up (their devices deleted, their workers ended),
         // not left half-made, and their clients told so.
         self.give_up_pending_adds(None, "ublkd stopped");
@@ -407,18 +412,16 @@ impl Daemon {
 
     /// The tick's scan of every device at `now`: kills hung workers (their deaths then
     /// wake the loop like any other), counts the devices making no progress for the
-    /// watchdog's log line, and marks every device busy for this turn, which sets the
-    /// busy set right again on the turn's end.
+    /// watchdog's log line, and marks busy any device that needs turns.
     fn scan(&mut self, now: Instant) {
         let rc = &self.config.recovery;
-        for (_, dev) in self.devices.all_mut() {
-            recovery::kill_if_hung(dev, rc, now);
-        }
-        let hung_timeout = rc.hung_timeout;
-        self.hung_devices =
-            self.devices.values().filter(|d| !d.progressing(now, hung_timeout)).count();
-        self.status_stale = true;
-        self.status_due = now;
+        let mut stalled = 0;
+        self.devices.scan(|dev| {
+            let killed = recovery::kill_if_hung(dev, rc, now);
+            stalled += usize::from(!dev.progressing(now, rc.hung_timeout));
+            killed
+        });
+        self.hung_devices = stalled;
     }
 
     /// Counts the devices by state for systemd's STATUS line when a device changed: at

@@ -16,11 +16,13 @@ use crate::device_state::StateKind;
 impl Daemon {
     pub(super) fn handle(&mut self, req: CtlRequest) -> CtlResponse {
         let result = match req {
-            CtlRequest::Add(add) => self.handle_add(&add).map(|id| CtlResponse::Added { id }),
-            // Answered by the loop once the devices are deleted (`Daemon::begin_del`).
-            CtlRequest::Del { .. } | CtlRequest::Shutdown => {
-                Err("a delete is answered by the loop".into())
-            }
+            // Begun by the loop and answered once done (`Daemon::begin_add`,
+            // `begin_del`, `begin_recover`, `begin_upgrade`): never waited for here.
+            CtlRequest::Add(_)
+            | CtlRequest::Del { .. }
+            | CtlRequest::Shutdown
+            | CtlRequest::Recover { .. }
+            | CtlRequest::Upgrade { .. } => Err("this request is answered by the loop".into()),
             CtlRequest::List { id } => self.selected(id).map(|ids| {
                 CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
             }),
@@ -44,15 +46,6 @@ impl Daemon {
             CtlRequest::Metrics { id } => self.selected(id).map(|ids| {
                 CtlResponse::Metrics(ids.iter().filter_map(|id| self.metrics(*id)).collect())
             }),
-            // The loop defers a recovery that goes on (`Daemon::begin_recover`): a
-            // caller here is told where it stands now.
-            CtlRequest::Recover { id } => match self.handle_recover(id) {
-                Ok(Some(message)) => Ok(CtlResponse::Recovered { id, message }),
-                Ok(None) => Err(self.recovering_message(id)),
-                Err(e) => Err(e),
-            },
-            // Answered by the loop once the hand-over ends (`Daemon::begin_upgrade`).
-            CtlRequest::Upgrade { .. } => Err("an upgrade is answered by the loop".into()),
         };
         result.unwrap_or_else(|message| CtlResponse::Error { message })
     }
@@ -71,16 +64,6 @@ impl Daemon {
             format!("no device {id}: ublkd serves no devices")
         } else {
             format!("no device {id}: ublkd serves {}", ids.join(", "))
-        }
-    }
-
-    fn handle_add(&mut self, add: &AddRequest) -> Result<u32, String> {
-        let spec = self.check_add(add)?;
-        // The loop answers adds itself without waiting (`Daemon::begin_add`): this one
-        // waits, for a caller that wants the answer now.
-        match self.create_all(std::slice::from_ref(&spec), false).pop() {
-            Some(made) => made.map_err(|e| e.to_string()),
-            None => Err("the device was not created".to_string()),
         }
     }
 
@@ -161,7 +144,7 @@ impl Daemon {
                 (vec![dev], true, Vec::new())
             }
         };
-        self.begin_delete(token, devices, one, given_up)
+        self.begin_delete(super::delete::DeleteFor::Client { token, one, given_up }, devices)
     }
 
     /// `ublkctl recover`: recovers the device now and resets its restart budget. The

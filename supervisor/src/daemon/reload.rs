@@ -1,55 +1,81 @@
 //! SIGHUP: the config file read again and compared with the running one; devices
 //! added to it are created (and configured devices deleted with `ublkctl del` created
-//! anew), devices removed from it deleted. A device with a fixed id whose description
+//! anew), devices removed from it deleted, both from later turns of the loop
+//! ([`PendingReload`]), never holding it. A device with a fixed id whose description
 //! changed serves on as it is, and the outcome says how to make it anew: a restart
 //! would not (the next ublkd adopts the device as the kernel has it).
+
+use std::collections::VecDeque;
 
 use ublkd_config::{Config, DeviceSpec};
 
 use super::Daemon;
+use super::adds::{AddFor, PendingAdd};
+use super::delete::DeleteFor;
+use super::event_loop::CREATING_AT_ONCE;
 use super::handlers::describe_spec;
-use crate::device::Device;
+
+/// A reload under way: its deletes run on a thread and its adds as `ublkctl add`s do,
+/// while the loop serves every client and device (and feeds the watchdog). systemd
+/// hears READY once it is done, so `systemctl reload` returns with the devices made.
+#[derive(Debug, Default)]
+pub(super) struct PendingReload {
+    /// What the outcome says after its counts: devices served as they are, settings
+    /// applied at the next restart.
+    notes: Vec<String>,
+    added: usize,
+    removed: usize,
+    /// The devices gone from the file are being deleted (the adds begin after).
+    deleting: bool,
+    /// Devices new in the file, not yet begun ([`CREATING_AT_ONCE`] are made at once).
+    queued: VecDeque<DeviceSpec>,
+    /// Adds begun and not yet ended.
+    adding: usize,
+}
 
 impl Daemon {
     /// SIGHUP: re-reads the config file. Devices added to it are created, devices removed
     /// from it deleted; a changed device with a fixed id is reported as served on
     /// unchanged, a changed daemon setting as needing a restart. A config with errors
-    /// is rejected whole and nothing changes.
+    /// is rejected whole and nothing changes. The deletes and adds go on from later
+    /// turns; the outcome is logged, and systemd told READY, once they are done.
     pub(super) fn reload(&mut self) {
         self.notifier.reloading();
-        let outcome = match &self.config_path {
-            None => "reload: ublkd runs on built-in defaults, without a config file".to_string(),
+        match &self.config_path {
+            None => {
+                let msg = "reload: ublkd runs on built-in defaults, without a config file";
+                tracing::info!(event = "reloaded", "{msg}");
+                self.reload_ended(msg.to_string());
+            }
             Some(path) => match Config::load(path) {
                 Err(e) => {
                     let msg =
                         format!("reload rejected, nothing changed: {}", crate::error_chain(&e));
                     tracing::error!(event = "reload_rejected", "{msg}");
-                    msg
+                    self.reload_ended(msg);
                 }
-                Ok(new) => {
-                    let msg = self.apply_config(new);
-                    tracing::info!(event = "reloaded", "{msg}");
-                    msg
-                }
+                Ok(new) => self.begin_reload(new),
             },
-        };
+        }
+    }
+
+    /// Whether a reload is under way (a SIGHUP meanwhile waits for it to end).
+    pub(super) fn reloading(&self) -> bool {
+        self.pending_reload.is_some()
+    }
+
+    fn reload_ended(&mut self, outcome: String) {
         self.last_event = Some(outcome);
         let status = self.summary();
         self.notifier.ready(&status);
     }
 
-    fn apply_config(&mut self, new: Config) -> String {
-        let mut restart_needed = Vec::new();
-        if new.daemon != self.config.daemon {
-            restart_needed.push("[daemon] settings".to_string());
-        }
-        let mut served_as_is = Vec::new();
+    fn begin_reload(&mut self, new: Config) {
+        let mut reload = PendingReload::default();
         // A configured device deleted since (`ublkctl del`) is configured no more: if
         // the config still lists it, it is made again below, like a new one.
         self.configured.retain(|(_, id)| self.devices.contains(*id));
         let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
-        let mut added = 0;
-        let mut removed = 0;
         // Removed (or changed) devices, deleted together once all are known.
         let mut dropped = Vec::new();
         for (spec, id) in std::mem::take(&mut self.configured) {
@@ -59,7 +85,7 @@ impl Daemon {
             }
             let changed = spec.id.is_some() && new.devices.iter().any(|d| d.id == spec.id);
             if changed {
-                served_as_is.push(id);
+                reload.notes.push(changed_but_served(id));
                 self.configured.push((spec, id));
                 continue;
             }
@@ -67,30 +93,16 @@ impl Daemon {
                 dropped.push(dev);
             }
         }
-        for (id, outcome) in Device::destroy_all(&self.ctx, dropped) {
-            match outcome {
-                Ok(()) => removed += 1,
-                Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
-            }
-        }
-        // New devices, created side by side.
-        let fresh: Vec<DeviceSpec> = new
+        reload.queued = new
             .devices
             .iter()
             .filter(|spec| {
-                !old_specs.contains(spec)
-                    && !spec.id.is_some_and(|id| self.devices.contains(id))
+                !old_specs.contains(spec) && !spec.id.is_some_and(|id| self.devices.contains(id))
             })
             .cloned()
             .collect();
-        for (spec, made) in fresh.iter().zip(self.create_all(&fresh, false)) {
-            match made {
-                Ok(id) => {
-                    self.configured.push((spec.clone(), id));
-                    added += 1;
-                }
-                Err(e) => tracing::error!("reload: configured device {}: {e}", describe_spec(spec)),
-            }
+        if new.daemon != self.config.daemon {
+            reload.notes.push("changed, applied at the next restart: [daemon] settings".into());
         }
         let daemon = self.config.daemon.clone();
         self.ctx.fast_release = new.recovery.fast_release;
@@ -98,17 +110,84 @@ impl Daemon {
         self.config = new;
         // Socket, state dir and worker settings only change with a restart.
         self.config.daemon = daemon;
-        let mut msg = format!("reloaded: {added} device(s) added, {removed} deleted");
-        for id in served_as_is {
-            msg.push_str(&format!("; {}", changed_but_served(id)));
+        reload.deleting = !dropped.is_empty();
+        self.pending_reload = Some(reload);
+        // The devices gone from the file first: a new one may need what an old one
+        // held (its file, its export's connections).
+        if !dropped.is_empty() {
+            self.begin_delete(DeleteFor::Reload, dropped);
         }
-        if !restart_needed.is_empty() {
-            msg.push_str(&format!(
-                "; changed, applied at the next restart: {}",
-                restart_needed.join(", ")
-            ));
+        self.advance_reload();
+    }
+
+    /// The reload's deletes are done.
+    pub(super) fn reload_deletes_done(&mut self, outcomes: Vec<(u32, Result<(), String>)>) {
+        let Some(reload) = &mut self.pending_reload else { return };
+        for (id, outcome) in outcomes {
+            match outcome {
+                Ok(()) => reload.removed += 1,
+                Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
+            }
         }
-        msg
+        reload.deleting = false;
+        self.advance_reload();
+    }
+
+    /// One of the reload's adds ended: the device made from `spec`, or why not.
+    pub(super) fn reload_add_done(&mut self, spec: DeviceSpec, outcome: Result<u32, String>) {
+        let made = match outcome {
+            Ok(id) => {
+                self.configured.push((spec, id));
+                true
+            }
+            Err(e) => {
+                tracing::error!("reload: configured device {}: {e}", describe_spec(&spec));
+                false
+            }
+        };
+        if let Some(reload) = &mut self.pending_reload {
+            reload.adding = reload.adding.saturating_sub(1);
+            reload.added += usize::from(made);
+        }
+        self.advance_reload();
+    }
+
+    /// Begins the reload's next adds, once its deletes are done, [`CREATING_AT_ONCE`]
+    /// at a time; ends the reload when nothing is left.
+    fn advance_reload(&mut self) {
+        let Some(mut reload) = self.pending_reload.take() else { return };
+        while !reload.deleting && reload.adding < CREATING_AT_ONCE {
+            let Some(spec) = reload.queued.pop_front() else { break };
+            if self.shutting_down {
+                tracing::error!(
+                    "reload: configured device {}: ublkd is shutting down",
+                    describe_spec(&spec)
+                );
+                continue;
+            }
+            let mut attempts = 1;
+            match self.first_add_stage(&spec, &mut attempts) {
+                Ok(stage) => {
+                    let for_whom = AddFor::Reload(spec.clone());
+                    self.pending_adds.push(PendingAdd { for_whom, spec, stage, attempts });
+                    reload.adding += 1;
+                }
+                Err(e) => {
+                    tracing::error!("reload: configured device {}: {e}", describe_spec(&spec));
+                }
+            }
+        }
+        if reload.deleting || reload.adding > 0 || !reload.queued.is_empty() {
+            self.pending_reload = Some(reload);
+            return;
+        }
+        let mut msg =
+            format!("reloaded: {} device(s) added, {} deleted", reload.added, reload.removed);
+        for note in &reload.notes {
+            msg.push_str(&format!("; {note}"));
+        }
+        tracing::info!(event = "reloaded", "{msg}");
+        self.reload_ended(msg);
     }
 }
 

@@ -203,6 +203,7 @@ impl Daemon {
             pending_recovers: Vec::new(),
             pending_upgrades: Vec::new(),
             pending_deletes: Vec::new(),
+            pending_reload: None,
         })
     }
 
@@ -341,7 +342,7 @@ impl Daemon {
             }
             missing.push(spec);
         }
-        for (spec, made) in missing.iter().zip(self.create_all(&missing, true)) {
+        for (spec, made) in missing.iter().zip(self.create_all(&missing)) {
             match made {
                 Ok(id) => self.configured.push((spec.clone(), id)),
                 Err(e) => {
@@ -355,16 +356,12 @@ impl Daemon {
         failed
     }
 
-    /// Creates the devices of `specs` (configured ones, at start or in a reload),
+    /// Creates the configured devices of `specs` at start (before READY),
     /// [`CREATING_AT_ONCE`] at a time so that their workers' start-ups overlap, and
     /// waits until each is LIVE or has failed: the outcome of each, in order. An nbd
-    /// device's export is negotiated here first. `starting`: ublkd is starting, and
-    /// tells systemd that it needs time for each device.
-    pub(super) fn create_all(
-        &mut self,
-        specs: &[DeviceSpec],
-        starting: bool,
-    ) -> Vec<Result<u32, DeviceError>> {
+    /// device's export is negotiated here first. systemd is told that each batch needs
+    /// time.
+    fn create_all(&mut self, specs: &[DeviceSpec]) -> Vec<Result<u32, DeviceError>> {
         let mut outcomes: Vec<(usize, Result<u32, DeviceError>)> = Vec::with_capacity(specs.len());
         let mut creating: Vec<(usize, Creation)> = Vec::new();
         let mut next = specs.iter().enumerate();
@@ -377,9 +374,7 @@ impl Daemon {
                 if batch.is_empty() {
                     break;
                 }
-                if starting {
-                    self.notifier.extend_timeout(Duration::from_secs(60));
-                }
+                self.notifier.extend_timeout(Duration::from_secs(60));
                 let data_path = DataPath::for_kernel(self.ctx.kernel_features);
                 let links = connect_exports(batch.iter().map(|(_, spec)| *spec), data_path);
                 for ((at, spec), link) in batch.into_iter().zip(links) {

@@ -274,11 +274,15 @@ impl Ublkd {
         let config = std::fs::read_to_string(&self.config).unwrap();
         let header: String = config.lines().take(3).map(|l| format!("{l}\n")).collect();
         std::fs::write(&self.config, format!("{header}{extra}\n")).unwrap();
-        let outcomes = |log: &str| log.lines().filter(|l| l.contains("reload")).count();
+        // The outcome's line, not a device's error logged on the way.
+        let is_outcome = |l: &&str| {
+            ["reloaded: ", "reload rejected", "reload: ublkd runs"].iter().any(|o| l.contains(o))
+        };
+        let outcomes = |log: &str| log.lines().filter(is_outcome).count();
         let before = outcomes(&self.log());
         assert!(signal(self.pid(), libc::SIGHUP), "SIGHUP to ublkd");
         self.wait_until("the reload's outcome", || outcomes(&self.log()) > before);
-        self.log().lines().filter(|l| l.contains("reload")).nth(before).unwrap().to_string()
+        self.log().lines().filter(is_outcome).nth(before).unwrap().to_string()
     }
 
     /// Starts a new ublkd on the same config and state dir (after this one died).
