@@ -151,6 +151,8 @@ pub struct Daemon {
     next_scan: Instant,
     /// How many devices the last scan found making no progress (for the watchdog).
     hung_devices: usize,
+    /// The kernel's numbers of every ublk disk, read once per scan.
+    disk_stats: crate::hang::DiskStats,
     /// Whether the STATUS line's counts may be out of date, when they may be counted
     /// again, and the event it last showed.
     status_stale: bool,

@@ -430,7 +430,8 @@ impl Device {
         Some(format!("standby worker {pid} {how}"))
     }
 
-    /// Why the worker is hung at `now`, if it is (see [`crate::hang`] and
+    /// Why the worker is hung at `now`, with the kernel's numbers of the scan's `disks`,
+    /// if it is (see [`crate::hang`] and
     /// [`crate::recovery::HangPolicy`]).
     ///
     /// An nbd worker that waits for its server (not hung: the server is slow) is
@@ -439,11 +440,12 @@ impl Device {
     pub fn hung(
         &mut self,
         now: Instant,
+        disks: &crate::hang::DiskStats,
         timeout: Duration,
         request_timeout: Option<Duration>,
     ) -> Option<String> {
         let pid = self.worker.as_ref()?.pid();
-        let verdict = self.hang.check(now, &self.shm, pid, timeout);
+        let verdict = self.hang.check(now, disks, &self.shm, pid, timeout);
         let hung = self.hang_policy.judge(self.id, pid, verdict);
         if hung.is_some() {
             return hung;

@@ -24,7 +24,9 @@
 //! compromised worker can claim to wait for its backend to escape being killed; it
 //! only stalls its own device, which it could do anyway.
 
+use std::collections::HashMap;
 use std::fs::File;
+use std::io::{Read, Seek};
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -48,13 +50,21 @@ impl ThreadReading {
 
 /// Every thread slot of `shm`, in thread order.
 pub fn read_threads(shm: &ShmRegion) -> Vec<ThreadReading> {
-    (0..usize::from(shm.geometry().nr_threads))
-        .filter_map(|t| shm.thread(t))
-        .map(|slot| ThreadReading {
+    let mut readings = Vec::new();
+    read_threads_into(shm, &mut readings);
+    readings
+}
+
+/// [`read_threads`] into `readings` (cleared first): a scan reuses one buffer per
+/// device rather than allocating one each time.
+fn read_threads_into(shm: &ShmRegion, readings: &mut Vec<ThreadReading>) {
+    readings.clear();
+    readings.extend((0..usize::from(shm.geometry().nr_threads)).filter_map(|t| shm.thread(t)).map(
+        |slot| ThreadReading {
             heartbeat: slot.heartbeat.load(Ordering::Relaxed),
             at_backend: slot.inflight.load(Ordering::Relaxed),
-        })
-        .collect()
+        },
+    ));
 }
 
 /// What the kernel says of a block device.
@@ -69,19 +79,90 @@ pub struct KernelStat {
 /// field 1, writes 5, in flight 9, discards 12, flushes 16. Anything unparsable counts
 /// as nothing in flight: never a reason to kill a worker.
 pub fn parse_stat(text: &[u8]) -> KernelStat {
-    let fields: Vec<u64> = std::str::from_utf8(text)
-        .unwrap_or("")
-        .split_whitespace()
-        .map_while(|n| n.parse::<u64>().ok())
-        .collect();
-    let at = |i: usize| fields.get(i - 1).copied().unwrap_or(0);
-    if fields.len() < 11 {
+    // Without allocating: a scan parses one of these per device.
+    let mut fields = [0u64; 17];
+    let mut parsed = 0;
+    for word in text.split(u8::is_ascii_whitespace).filter(|w| !w.is_empty()) {
+        let Some(field) = fields.get_mut(parsed) else { break };
+        match std::str::from_utf8(word).ok().and_then(|w| w.parse::<u64>().ok()) {
+            Some(n) => *field = n,
+            None => break,
+        }
+        parsed += 1;
+    }
+    if parsed < 11 {
         return KernelStat::default();
     }
+    let at = |i: usize| fields[i - 1];
     KernelStat {
         inflight: at(9),
         completed: at(1).wrapping_add(at(5)).wrapping_add(at(12)).wrapping_add(at(16)),
     }
+}
+
+/// Every ublk disk's numbers, from one read of `/proc/diskstats` per scan: the same
+/// fields as each disk's `/sys/block/ublkbN/stat` (Documentation/admin-guide/
+/// iostats.rst), without a file read per device, which was most of what a scan of
+/// idle devices cost. A device missing from it is read from its own stat file.
+#[derive(Debug, Default)]
+pub struct DiskStats {
+    file: Option<File>,
+    text: Vec<u8>,
+    by_id: HashMap<u32, KernelStat>,
+}
+
+impl DiskStats {
+    /// Reads `/proc/diskstats` afresh; without it, every device is read on its own.
+    pub fn refresh(&mut self) {
+        self.by_id.clear();
+        if self.file.is_none() {
+            self.file = File::open("/proc/diskstats").ok();
+        }
+        let Some(file) = &mut self.file else { return };
+        self.text.clear();
+        if file.rewind().and_then(|()| file.read_to_end(&mut self.text)).is_err() {
+            self.file = None;
+            return;
+        }
+        parse_diskstats(&self.text, &mut self.by_id);
+    }
+
+    /// The last refresh's numbers of `/dev/ublkb<dev_id>`, if it had them.
+    pub fn get(&self, dev_id: u32) -> Option<KernelStat> {
+        self.by_id.get(&dev_id).copied()
+    }
+}
+
+/// Parses `/proc/diskstats` into `out`, by ublk disk id: each line is the major and
+/// minor numbers, the name, then the fields of [`parse_stat`]. Partitions
+/// (`ublkb0p1`) and other disks are skipped.
+pub fn parse_diskstats(text: &[u8], out: &mut HashMap<u32, KernelStat>) {
+    for line in text.split(|&b| b == b'\n') {
+        let Some(name) = line.split(u8::is_ascii_whitespace).filter(|w| !w.is_empty()).nth(2)
+        else {
+            continue;
+        };
+        let Some(id) = name
+            .strip_prefix(b"ublkb")
+            .filter(|digits| !digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
+            .and_then(|digits| std::str::from_utf8(digits).ok()?.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        out.insert(id, parse_stat(after_words(line, 3)));
+    }
+}
+
+/// `line` after its first `n` whitespace-separated words.
+fn after_words(line: &[u8], n: usize) -> &[u8] {
+    let mut rest = line;
+    for _ in 0..n {
+        let start = rest.iter().position(|b| !b.is_ascii_whitespace()).unwrap_or(rest.len());
+        rest = &rest[start..];
+        let end = rest.iter().position(u8::is_ascii_whitespace).unwrap_or(rest.len());
+        rest = &rest[end..];
+    }
+    rest
 }
 
 /// Whether process `pid` is stopped (a SIGSTOP or a tracer): `/proc/PID/stat`'s state.
@@ -139,6 +220,8 @@ pub struct HangWatch {
     /// slot says nothing is at the backend) and the kernel counting its COMMIT: a hang
     /// by the no-completion rule is declared on the second such tick in a row.
     suspected: bool,
+    /// The last scan's reading of the worker's thread slots (kept to reuse its memory).
+    readings: Vec<ThreadReading>,
 }
 
 impl HangWatch {
@@ -150,6 +233,7 @@ impl HangWatch {
             since: Instant::now(),
             stat_file: None,
             suspected: false,
+            readings: Vec::new(),
         }
     }
 
@@ -178,11 +262,22 @@ impl HangWatch {
         }
     }
 
-    /// One tick's check, at `now`, of the worker `pid` serving `shm`.
-    pub fn check(&mut self, now: Instant, shm: &ShmRegion, pid: u32, timeout: Duration) -> Verdict {
-        let kernel = self.kernel_stat();
-        let threads = read_threads(shm);
-        self.judge(now, kernel, &threads, || process_stopped(pid), timeout)
+    /// One tick's check, at `now`, of the worker `pid` serving `shm`; the kernel's
+    /// numbers from the scan's `disks`, else from the device's own stat file.
+    pub fn check(
+        &mut self,
+        now: Instant,
+        disks: &DiskStats,
+        shm: &ShmRegion,
+        pid: u32,
+        timeout: Duration,
+    ) -> Verdict {
+        let kernel = disks.get(self.dev_id).unwrap_or_else(|| self.kernel_stat());
+        let mut threads = std::mem::take(&mut self.readings);
+        read_threads_into(shm, &mut threads);
+        let verdict = self.judge(now, kernel, &threads, || process_stopped(pid), timeout);
+        self.readings = threads;
+        verdict
     }
 
     /// The decision, apart from where its inputs come from.
@@ -290,6 +385,24 @@ mod tests {
 
     fn waiting(heartbeat: u64, at_backend: u32) -> ThreadReading {
         ThreadReading { heartbeat, at_backend }
+    }
+
+    #[test]
+    fn diskstats_gives_each_ublk_disk_the_fields_of_its_stat_file() {
+        let text = b"   7       0 loop0 5 0 10 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n\
+ 259       0 ublkb12 1200 0 9600 300 3400 0 27200 1100 5 900 1400 7 0 56 2 9 30\n\
+ 259       1 ublkb12p1 1 0 8 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n\
+ 259       2 ublkb3 1 0 8 0 2 0 0 0 0 0 0\n\
+ 259       3 ublkbx 1 0 8 0 2 0 0 0 0 0 0 0 0 0 0 0 0\n\
+ 259       4 ublkb4 garbage\n";
+        let mut out = HashMap::new();
+        parse_diskstats(text, &mut out);
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert_eq!(out[&12], stat(5, 1200 + 3400 + 7 + 9));
+        assert_eq!(out[&3], KernelStat { inflight: 0, completed: 3 });
+        assert_eq!(out[&4], KernelStat::default());
+        assert_eq!(after_words(b"  a bb  ccc rest of it", 3), b" rest of it");
+        assert_eq!(after_words(b"a", 3), b"");
     }
 
     #[test]

@@ -151,8 +151,13 @@ impl HangPolicy {
 /// Kills the device's worker if it holds I/O and has made no progress by `now` (the
 /// tick's scan); its death is then handled like any other, with the hang as the
 /// recovery's reason. Whether it did.
-pub fn kill_if_hung(dev: &mut Device, rc: &RecoveryConfig, now: Instant) -> bool {
-    let Some(reason) = dev.hung(now, rc.hung_timeout, rc.nbd_request_timeout) else {
+pub fn kill_if_hung(
+    dev: &mut Device,
+    rc: &RecoveryConfig,
+    now: Instant,
+    disks: &crate::hang::DiskStats,
+) -> bool {
+    let Some(reason) = dev.hung(now, disks, rc.hung_timeout, rc.nbd_request_timeout) else {
         return false;
     };
     let pid = dev.worker().map(|w| w.pid());

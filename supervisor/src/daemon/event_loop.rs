@@ -415,9 +415,11 @@ impl Daemon {
     /// watchdog's log line, and marks busy any device that needs turns.
     fn scan(&mut self, now: Instant) {
         let rc = &self.config.recovery;
+        self.disk_stats.refresh();
+        let disks = &self.disk_stats;
         let mut stalled = 0;
         self.devices.scan(|dev| {
-            let killed = recovery::kill_if_hung(dev, rc, now);
+            let killed = recovery::kill_if_hung(dev, rc, now, disks);
             stalled += usize::from(!dev.progressing(now, rc.hung_timeout));
             killed
         });

@@ -193,6 +193,7 @@ impl Daemon {
             devices: DeviceTable::default(),
             next_scan: Instant::now(),
             hung_devices: 0,
+            disk_stats: Default::default(),
             status_stale: true,
             status_due: Instant::now(),
             status_event: None,
