@@ -144,7 +144,7 @@ pub struct Daemon {
     /// Devices created from the config file, by the spec the file gave, for reloads.
     configured: Vec<(DeviceSpec, u32)>,
     notifier: Notifier,
-    last_event: Option<String>,
+    last_event: Option<crate::event::Event>,
     ctx: Context,
     devices: DeviceTable,
     /// When the loop next scans every device for hangs.
@@ -157,7 +157,7 @@ pub struct Daemon {
     /// again, and the event it last showed.
     status_stale: bool,
     status_due: Instant,
-    status_event: Option<String>,
+    status_event: Option<crate::event::Event>,
     control: ControlServer,
     signals: Signals,
     /// `ublkctl shutdown` deleted every device: the loop ends after this turn.
@@ -192,7 +192,7 @@ impl Daemon {
                 Summary::Waiting => waiting += 1,
             }
         }
-        crate::systemd::summary(live, recovering, waiting, self.last_event.as_deref())
+        crate::systemd::summary(live, recovering, waiting, self.last_event.as_ref())
     }
 }
 

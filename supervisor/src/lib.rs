@@ -25,6 +25,7 @@ pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod device_state;
+pub mod event;
 pub mod exit;
 pub mod features;
 pub mod generator;

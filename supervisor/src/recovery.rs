@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ublkd_config::{OnRestartLimit, RecoveryConfig};
 
 use crate::device::{Context, Device, DeviceError, Recovery};
+use crate::event::Event;
 use crate::hang::Verdict;
 use crate::systemd::Notifier;
 
@@ -185,7 +186,7 @@ pub fn kill_if_hung(
 /// After the device's worker died: recovers it within its restart budget, else does
 /// what `on_restart_limit` says. A death that does not `count` (the worker's NBD server
 /// went away) takes nothing from the budget: a server restarted often is not a
-/// crashing worker. Returns the event for the status line.
+/// crashing worker. Returns the event for the STATUS line.
 pub fn after_death(
     dev: &mut Device,
     ctx: &Context,
@@ -193,12 +194,12 @@ pub fn after_death(
     reason: &str,
     counts: bool,
     notifier: &Notifier,
-) -> String {
+) -> Event {
     let id = dev.id();
     let within_budget = !counts || dev.restart_budget_mut().take(rc.restart_max, rc.restart_window);
     if !rc.automatic_recovery() || !within_budget {
         restart_limit(dev, ctx, rc, reason);
-        return format!("device {id} reached its restart limit");
+        return Event::RestartLimit { id };
     }
     notifier.extend_timeout(RECOVERY_TIMEOUT_EXTENSION);
     let outcome = dev.recover(ctx, reason);
@@ -250,7 +251,7 @@ pub fn continue_if_due(
     ctx: &Context,
     rc: &RecoveryConfig,
     now: Instant,
-) -> Option<String> {
+) -> Option<Event> {
     if dev.release_due().is_none_or(|t| t > now) {
         return None;
     }
@@ -270,7 +271,7 @@ pub fn outcome_event(
     rc: &RecoveryConfig,
     outcome: Result<Recovery, DeviceError>,
     after: &str,
-) -> String {
+) -> Event {
     let id = dev.id();
     match outcome {
         Err(e) if e.worker_lost() => {
@@ -279,7 +280,7 @@ pub fn outcome_event(
                 || !dev.restart_budget_mut().take(rc.restart_max, rc.restart_window)
             {
                 restart_limit(dev, ctx, rc, &reason);
-                return format!("device {id} reached its restart limit");
+                return Event::RestartLimit { id };
             }
             tracing::warn!(
                 dev_id = id,
@@ -290,15 +291,13 @@ pub fn outcome_event(
             let outcome = dev.recover(ctx, &reason);
             outcome_event(dev, ctx, rc, outcome, after)
         }
-        Ok(Recovery::Done(stall)) => format!("device {id} recovered in {} ms", stall.as_millis()),
-        Ok(Recovery::Waiting) if dev.awaiting_standby() => {
-            format!("device {id} waits for its new worker to start")
-        }
-        Ok(Recovery::Waiting) => format!("device {id} waits for the kernel to release it"),
+        Ok(Recovery::Done(stall)) => Event::Recovered { id, stall },
+        Ok(Recovery::Waiting) if dev.awaiting_standby() => Event::WaitsForWorker { id },
+        Ok(Recovery::Waiting) => Event::WaitsForRelease { id },
         Err(e) => {
             tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
             dev.wait_for_operator(format!("recovery failed: {e} (after: {after})"));
-            format!("device {id}: recovery failed")
+            Event::RecoveryFailed { id }
         }
     }
 }

@@ -99,7 +99,12 @@ impl Default for Notifier {
 }
 
 /// The STATUS line: device counts by state and the last event.
-pub fn summary(live: usize, recovering: usize, waiting: usize, last_event: Option<&str>) -> String {
+pub fn summary(
+    live: usize,
+    recovering: usize,
+    waiting: usize,
+    last_event: Option<&crate::event::Event>,
+) -> String {
     let mut s = format!("{} device(s): {live} live", live + recovering + waiting);
     if recovering > 0 {
         s.push_str(&format!(", {recovering} recovering"));
@@ -108,8 +113,7 @@ pub fn summary(live: usize, recovering: usize, waiting: usize, last_event: Optio
         s.push_str(&format!(", {waiting} waiting for `ublkctl recover`"));
     }
     if let Some(event) = last_event {
-        s.push_str("; last: ");
-        s.push_str(event);
+        s.push_str(&format!("; last: {event}"));
     }
     s
 }
@@ -122,7 +126,12 @@ mod tests {
     fn summary_names_counts_and_the_last_event() {
         assert_eq!(summary(2, 0, 0, None), "2 device(s): 2 live");
         assert_eq!(
-            summary(1, 1, 1, Some("device 3 recovered in 410 ms")),
+            summary(
+                1,
+                1,
+                1,
+                Some(&crate::event::Event::Recovered { id: 3, stall: Duration::from_millis(410) })
+            ),
             "3 device(s): 1 live, 1 recovering, 1 waiting for `ublkctl recover`; last: device 3 recovered in 410 ms"
         );
     }

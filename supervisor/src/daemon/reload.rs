@@ -65,7 +65,7 @@ impl Daemon {
     }
 
     fn reload_ended(&mut self, outcome: String) {
-        self.last_event = Some(outcome);
+        self.last_event = Some(crate::event::Event::Reload(outcome));
         let status = self.summary();
         self.notifier.ready(&status);
     }

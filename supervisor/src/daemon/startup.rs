@@ -348,8 +348,10 @@ impl Daemon {
                 Ok(id) => self.configured.push((spec.clone(), id)),
                 Err(e) => {
                     tracing::error!("configured device {}: {e}", describe_spec(spec));
-                    self.last_event =
-                        Some(format!("configured device {} failed: {e}", describe_spec(spec)));
+                    self.last_event = Some(crate::event::Event::ConfiguredDeviceFailed {
+                        device: describe_spec(spec),
+                        error: e.to_string(),
+                    });
                     failed += 1;
                 }
             }
