@@ -381,8 +381,7 @@ mod tests {
     fn turn(server: &mut ControlServer, now: Instant) -> Vec<(Token, CtlRequest)> {
         let mut fds = Vec::new();
         server.pollfds(&mut fds);
-        // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        let _ = crate::sys::poll(&mut fds, 0);
         server.service(&fds, now)
     }
 

@@ -39,6 +39,7 @@ pub mod render;
 pub mod replace_file;
 pub mod rlimit;
 pub mod state;
+pub mod sys;
 pub mod systemd;
 pub mod target;
 pub mod worker;

@@ -10,11 +10,14 @@
 //! checked first: a directory every user may write could be emptied and refilled
 //! under ublkd between two writes, so it is refused with the reason.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{OsStr, OsString};
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
 
 /// Why a file could not be replaced.
 #[derive(Debug, thiserror::Error)]
@@ -45,20 +48,8 @@ pub struct Planted {
 /// write it.
 pub fn open_dir(dir: &Path) -> Result<OwnedFd, ReplaceError> {
     let open_err = |source| ReplaceError::OpenDir { dir: dir.to_path_buf(), source };
-    let c = CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| open_err(io::Error::from(io::ErrorKind::InvalidInput)))?;
-    // SAFETY: `c` is NUL-terminated and lives across the call.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(open_err(io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just opened and nothing else owns it.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let flags = OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_RDONLY | OFlag::O_CLOEXEC;
+    let fd = nix::fcntl::open(dir, flags, Mode::empty()).map_err(|e| open_err(e.into()))?;
     let st = nix::sys::stat::fstat(&fd).map_err(|e| open_err(e.into()))?;
     let mode = st.st_mode & 0o7777;
     if mode & 0o002 != 0 {
@@ -77,7 +68,7 @@ pub fn replace(path: &Path, data: &[u8], mode: u32) -> Result<Option<Planted>, R
     let io_err = |step| move |source| ReplaceError::Io { path: path.to_path_buf(), step, source };
     let (tmp, file) = create_unique(&dir_fd, name).map_err(io_err("creating a temporary file"))?;
     let written = (|| {
-        nix::sys::stat::fchmod(&file, nix::sys::stat::Mode::from_bits_truncate(mode))
+        nix::sys::stat::fchmod(&file, Mode::from_bits_truncate(mode))
             .map_err(io::Error::from)
             .map_err(io_err("setting its mode"))?;
         let mut file = std::fs::File::from(file);
@@ -106,24 +97,12 @@ fn create_unique(dir: &OwnedFd, name: &OsStr) -> io::Result<(OsString, OwnedFd)>
         let mut tmp = OsString::from(".");
         tmp.push(name);
         tmp.push(format!(".{:016x}.tmp", random_u64()?));
-        let c = CString::new(tmp.as_bytes())
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: `c` is NUL-terminated and lives across the call; `dir` is open.
-        let fd = unsafe {
-            libc::openat(
-                dir.as_raw_fd(),
-                c.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY | libc::O_CLOEXEC,
-                0o600 as libc::c_uint,
-            )
-        };
-        if fd >= 0 {
-            // SAFETY: `fd` was just opened and nothing else owns it.
-            return Ok((tmp, unsafe { OwnedFd::from_raw_fd(fd) }));
-        }
-        last = io::Error::last_os_error();
-        if last.raw_os_error() != Some(libc::EEXIST) {
-            break;
+        let flags =
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_WRONLY | OFlag::O_CLOEXEC;
+        match nix::fcntl::openat(dir, tmp.as_os_str(), flags, Mode::from_bits_truncate(0o600)) {
+            Ok(fd) => return Ok((tmp, fd)),
+            Err(Errno::EEXIST) => last = io::Error::from(Errno::EEXIST),
+            Err(e) => return Err(e.into()),
         }
     }
     Err(last)
@@ -146,11 +125,7 @@ fn planted_at(dir: &OwnedFd, name: &OsStr) -> Option<Planted> {
 
 fn random_u64() -> io::Result<u64> {
     let mut bytes = [0u8; 8];
-    // SAFETY: `bytes` is writable for its length across the call.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if n != bytes.len() as isize {
-        return Err(io::Error::last_os_error());
-    }
+    crate::sys::getrandom(&mut bytes)?;
     Ok(u64::from_ne_bytes(bytes))
 }
 
@@ -177,11 +152,8 @@ mod tests {
         std::os::unix::fs::symlink(&victim, &path).unwrap();
         // The old fixed temporary name, and a FIFO at another name ublkd never opens.
         std::os::unix::fs::symlink(&victim, dir.join(".ublkd.prom.tmp")).unwrap();
-        nix::unistd::mkfifo(
-            &dir.join(".ublkd.prom.fifo.tmp"),
-            nix::sys::stat::Mode::from_bits_truncate(0o644),
-        )
-        .unwrap();
+        nix::unistd::mkfifo(&dir.join(".ublkd.prom.fifo.tmp"), Mode::from_bits_truncate(0o644))
+            .unwrap();
         let planted = replace(&path, b"metrics\n", 0o644).unwrap();
         assert_eq!(planted.map(|p| p.kind), Some("a symlink"));
         assert_eq!(std::fs::read(&victim).unwrap(), b"secret");

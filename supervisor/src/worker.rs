@@ -28,7 +28,6 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::{
@@ -418,8 +417,7 @@ impl Worker {
 
     /// Whether the worker has something to say (a message, or its end) right now.
     pub fn has_answered(&self) -> bool {
-        let mut pfd = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
-        poll(&mut pfd, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+        crate::sys::readable_now(self.control.as_fd())
     }
 
     /// The target it was set up for.
@@ -488,8 +486,7 @@ impl Worker {
             if left.is_zero() {
                 return Err(WorkerError::Timeout { pid, secs: timeout.as_secs() });
             }
-            let mut pfd = [PollFd::new(self.control.as_fd(), PollFlags::POLLIN)];
-            if poll(&mut pfd, poll_timeout(left)).is_ok_and(|n| n == 0) {
+            if crate::sys::wait_readable(self.control.as_fd(), left).is_ok_and(|ready| !ready) {
                 continue;
             }
             // Never a blocking read: a serving worker holds a copy of this end, and
@@ -552,11 +549,6 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
     let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL)?;
     let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
     nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(flags)).map(drop)
-}
-
-/// `left` as poll's timeout, capped at the longest poll takes.
-fn poll_timeout(left: Duration) -> PollTimeout {
-    PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
 }
 
 #[cfg(test)]

@@ -15,12 +15,13 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
 /// The longest line relayed whole, in bytes.
 pub const MAX_LINE: usize = 1024;
@@ -35,7 +36,7 @@ const READ_BUDGET: usize = 64 * 1024;
 /// The relay: an epoll set of pipes, and the thread that reads them.
 #[derive(Debug)]
 pub struct Relay {
-    epoll: OwnedFd,
+    epoll: Epoll,
     /// Pipes handed over but not yet taken by the relay thread.
     pending: Mutex<Vec<(u64, Pipe)>>,
     next_key: AtomicU64,
@@ -71,13 +72,7 @@ impl Relay {
     }
 
     fn new() -> io::Result<Relay> {
-        // SAFETY: epoll_create1 takes flags and returns a new fd or -1.
-        let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a new fd owned by nothing else.
-        let epoll = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
         Ok(Relay {
             epoll,
             pending: Mutex::new(Vec::new()),
@@ -94,10 +89,18 @@ impl Relay {
             tracing::warn!(dev_id, worker_pid, "cannot make the worker's stderr nonblocking: {e}");
         }
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let raw = pipe.as_raw_fd();
+        // Added before it is queued: an event the thread sees before it has taken the
+        // pipe from the queue comes again on its next wait (the set is level-triggered).
+        if let Err(e) = self.epoll.add(&pipe, EpollEvent::new(EpollFlags::EPOLLIN, key)) {
+            end.0.store(true, Ordering::Release);
+            tracing::error!(
+                dev_id,
+                worker_pid,
+                "cannot watch the worker's stderr ({e}): its lines are lost"
+            );
+            return end;
+        }
         self.open.fetch_add(1, Ordering::Relaxed);
-        // Queued before the fd is added: the thread takes the queue on every wake-up, so
-        // it holds the pipe by the time the pipe's first event reaches it.
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).push((
             key,
             Pipe {
@@ -109,22 +112,6 @@ impl Relay {
                 end: PipeEnd(Arc::clone(&end.0)),
             },
         ));
-        let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
-        // SAFETY: `event` is a valid epoll_event for the call; `raw` is open (the pipe is
-        // held in `pending` or by the thread until its end).
-        let rc = unsafe {
-            libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, raw, &mut event)
-        };
-        if rc < 0 {
-            self.open.fetch_sub(1, Ordering::Release);
-            end.0.store(true, Ordering::Release);
-            tracing::error!(
-                dev_id,
-                worker_pid,
-                "cannot watch the worker's stderr ({}): its lines are lost",
-                io::Error::last_os_error()
-            );
-        }
         end
     }
 
@@ -142,28 +129,20 @@ impl Relay {
 
     fn run(&self) {
         let mut pipes: HashMap<u64, Pipe> = HashMap::new();
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut events = [EpollEvent::empty(); 64];
         loop {
-            // SAFETY: `events` is a valid, writable array of `events.len()` entries.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.epoll.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    events.len() as i32,
-                    -1,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
+            let n = match self.epoll.wait(&mut events, EpollTimeout::NONE) {
+                Ok(n) => n,
+                Err(Errno::EINTR) => continue,
+                Err(e) => {
                     tracing::error!("the workers' stderr relay failed: {e}");
                     std::thread::sleep(Duration::from_millis(100));
+                    continue;
                 }
-                continue;
-            }
+            };
             pipes.extend(self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..));
-            for event in &events[..n as usize] {
-                let key = event.u64;
+            for event in &events[..n] {
+                let key = event.data();
                 let Some(pipe) = pipes.get_mut(&key) else { continue };
                 if !pipe.pump(Instant::now()) {
                     // Dropping the pipe closes it, which takes it out of the epoll set.
@@ -369,13 +348,10 @@ impl Bucket {
 /// block the relay and with it every other worker's stderr. RWF_NOWAIT is the call's
 /// own; a kernel whose pipes lack it (EOPNOTSUPP, before 5.x) gets the plain read.
 fn read_nowait(fd: &OwnedFd, buf: &mut [u8]) -> nix::Result<usize> {
-    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: `iov` describes `buf`, writable and alive for the call; offset -1 reads
-    // at the file's position, as read does (a pipe has none).
-    let n = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
-    match Errno::result(n) {
-        Err(Errno::EOPNOTSUPP) => nix::unistd::read(fd, buf),
-        other => other.map(|n| n as usize),
+    match crate::sys::read_nowait(fd.as_fd(), buf) {
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => nix::unistd::read(fd, buf),
+        Err(e) => Err(Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))),
+        Ok(n) => Ok(n),
     }
 }
 

@@ -188,9 +188,7 @@ impl Daemon {
                 && !self.status_stale
                 && !reload_waiting;
             let timeout = if idle { -1 } else { millis_until(wake_by) };
-            // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-            if n < 0 {
+            if crate::sys::poll(&mut fds, timeout).is_err() {
                 continue; // EINTR: a signal; its flag is checked on the next turn.
             }
             // When a death became visible: a recovery's stall is counted from here.

@@ -111,9 +111,8 @@ pub(super) fn wait_for_workers<'a>(creating: impl Iterator<Item = &'a Creation>)
             fds.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         }
     }
-    // SAFETY: `fds` is a valid array of pollfds for the duration of the call. Its
-    // outcome is not needed: each creation then looks at its own worker.
-    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, millis_until(wake_by)) };
+    // Its outcome is not needed: each creation then looks at its own worker.
+    let _ = crate::sys::poll(&mut fds, millis_until(wake_by));
 }
 
 pub(super) fn make_dir(path: &Path, mode: u32) -> Result<(), DaemonError> {

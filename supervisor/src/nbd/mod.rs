@@ -214,7 +214,6 @@ pub fn disconnect(socket: OwnedFd, tls: bool) {
 /// nbdkit or qemu-nbd: see docs/operators-guide.md, "NBD and nbds devices"). A server that has not closed by `deadline` is
 /// left to it. Returns how many connections the server closed in time.
 pub fn drain(sockets: Vec<OwnedFd>, deadline: Instant) -> usize {
-    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     use nix::sys::socket::{Shutdown, shutdown};
     let mut closed = 0;
     for socket in sockets {
@@ -228,12 +227,10 @@ pub fn drain(sockets: Vec<OwnedFd>, deadline: Instant) -> usize {
             if left.is_zero() {
                 break;
             }
-            let ms = PollTimeout::try_from(left.as_millis().min(10_000) as i32)
-                .unwrap_or(PollTimeout::MAX);
-            let mut fds = [PollFd::new(socket.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut fds, ms) {
-                Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
-                Ok(_) => {}
+            match crate::sys::wait_readable(socket.as_fd(), left.min(Duration::from_secs(10))) {
+                Ok(false) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(true) => {}
                 Err(_) => break,
             }
             match nix::unistd::read(&socket, &mut buf) {

@@ -14,18 +14,16 @@ pub(super) fn linger(pid: u32) {
 pub fn reap_lingering() {
     let mut lingering = LINGERING.lock().unwrap_or_else(|p| p.into_inner());
     lingering.retain(|&pid| {
-        let mut status = 0;
-        // SAFETY: waitpid with WNOHANG on a child of ours writes only `status`.
-        match unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) } {
-            0 => true,
-            n if n > 0 => {
+        match crate::sys::waitpid_nohang(pid) {
+            Ok(None) => true,
+            Ok(Some(status)) => {
                 let how = ublkd_proto::exit::describe(
                     &std::os::unix::process::ExitStatusExt::from_raw(status),
                 );
                 tracing::info!(worker_pid = pid, "a worker let go earlier has ended: {how}");
                 false
             }
-            _ => false, // not ours (ECHILD): nothing to reap
+            Err(_) => false, // not ours (ECHILD): nothing to reap
         }
     });
 }

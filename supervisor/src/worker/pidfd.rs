@@ -2,13 +2,8 @@
 //! a worker without ever reaching a process that reused its pid.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
-
-use nix::errno::Errno;
-use nix::poll::{PollFd, PollFlags, poll};
-
-use super::poll_timeout;
 
 /// A process's start time, field 22 of `/proc/PID/stat` (after the command name,
 /// which may hold spaces and parentheses: the last `)` ends it).
@@ -19,41 +14,11 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     after_name.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
-pub(super) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a new fd returned by pidfd_open, owned by nothing else.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) })
-}
+pub(super) use crate::sys::{pidfd_getfd as getfd, pidfd_open};
 
 /// SIGKILL through the pidfd: never a process that reused the pid.
 pub(super) fn pidfd_kill(pidfd: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: pidfd_send_signal takes a pidfd, a signal, a null siginfo and flags.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            libc::SIGKILL,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
-}
-
-/// A copy of the fd numbered `number` in the process behind `pidfd`.
-pub(super) fn getfd(pidfd: BorrowedFd<'_>, number: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_getfd takes a pidfd, an fd number and flags (0), and returns a new
-    // fd (close-on-exec) or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), number, 0) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a new fd returned by pidfd_getfd, owned by nothing else.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) })
+    crate::sys::pidfd_send_signal(pidfd, libc::SIGKILL)
 }
 
 /// Whether the process behind `pidfd` exits within `limit` (the pidfd turns readable).
@@ -61,10 +26,9 @@ pub(super) fn exits_within(pidfd: BorrowedFd<'_>, limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = [PollFd::new(pidfd, PollFlags::POLLIN)];
-        match poll(&mut pfd, poll_timeout(left)) {
-            Ok(n) => return n > 0,
-            Err(Errno::EINTR) => {}
+        match crate::sys::wait_readable(pidfd, left) {
+            Ok(ended) => return ended,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return false,
         }
     }
@@ -72,7 +36,7 @@ pub(super) fn exits_within(pidfd: BorrowedFd<'_>, limit: Duration) -> bool {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use std::os::fd::AsFd;
+    use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
     use super::*;
 

@@ -2,7 +2,6 @@
 //! dies, the supervisor can unregister their files and buffers, and the kernel lets go
 //! of `/dev/ublkcN` at once (see [`super::Worker::release_device`]).
 
-use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use ublkd_proto::uapi;
@@ -57,18 +56,8 @@ pub(super) fn unregister_files_and_buffers(rings: &[OwnedFd]) -> usize {
     // waits for those before it lets the device go.
     for opcode in [uapi::IORING_UNREGISTER_BUFFERS, uapi::IORING_UNREGISTER_FILES] {
         for ring in rings {
-            // SAFETY: io_uring_register with a null argument and no entries only reads
-            // its scalar arguments; `ring` is an open fd.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_io_uring_register,
-                    ring.as_raw_fd(),
-                    opcode,
-                    std::ptr::null::<libc::c_void>(),
-                    0,
-                )
-            };
-            if rc < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
+            let rc = crate::sys::io_uring_unregister(ring.as_fd(), opcode);
+            if rc.is_err_and(|e| e.raw_os_error() != Some(libc::ENXIO)) {
                 refused += 1;
             }
         }
@@ -88,6 +77,7 @@ fn not_an_io_uring(fd: BorrowedFd<'_>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use std::fs::File;
+    use std::io;
     use std::os::fd::RawFd;
 
     use super::*;

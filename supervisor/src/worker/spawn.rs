@@ -112,18 +112,14 @@ impl ChildProcess {
         if let Some(status) = self.status {
             return Ok(Some(status));
         }
-        let mut raw = 0;
         loop {
-            // SAFETY: waitpid on our own child writes only `raw`.
-            let n = unsafe { libc::waitpid(self.pid as libc::pid_t, &mut raw, flags) };
-            match n {
-                0 => return Ok(None),
-                n if n > 0 => {
+            match crate::sys::waitpid(self.pid, flags) {
+                Ok(None) => return Ok(None),
+                Ok(Some(raw)) => {
                     self.status = Some(ExitStatus::from_raw(raw));
                     return Ok(self.status);
                 }
-                _ => {
-                    let e = io::Error::last_os_error();
+                Err(e) => {
                     if e.kind() != io::ErrorKind::Interrupted {
                         return Err(e);
                     }
