@@ -24,6 +24,13 @@
 //!   kernel must offer what its series promises (`UBLK_F_BATCH_IO` on 7.x).
 //! - [`exit`]: the exit codes of `ublkd-vm`'s own failures.
 //!
+//! What the system tests in `tests/tests/` use inside the VM:
+//!
+//! - [`harness`]: a `ublkd` per test, `ublkctl`, fio, processes and the machine-wide
+//!   state a test checks, and the chaos tests' worker killer.
+//! - [`prng`]: seeded randomness for the chaos and churn tests.
+//! - [`proxy`]: a hostile NBD peer in front of nbdkit.
+//!
 //! `ublkd-vm run -- CMD` is also a cargo runner:
 //! `CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="target/debug/ublkd-vm run --" cargo test`
 //! runs every test binary inside the VM (the host paths are valid in the guest);
@@ -34,6 +41,7 @@ pub mod cache;
 pub mod check;
 pub mod console;
 pub mod exit;
+pub mod harness;
 pub mod initramfs;
 pub mod kernel;
 pub mod prng;

@@ -20,21 +20,22 @@
 //! The tests use machine-wide state (every ublk device, every worker process), so they
 //! run one at a time even without `--test-threads=1`.
 
-mod chaos_support;
-mod common;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use chaos_support::{
-    Blow, Fio, FioJob, MIB, Prng, Recovery, SetOnDrop, block_dev, chaos_seed, describe,
-    fio_running, kernel_state, pauses, prefill, randrw_passes, signal, sparse_file, strike,
-    timed_randrw_args, verify_region, wait_for, wait_for_io, worker_pids,
+use ublkd_tests::harness::chaos::{
+    self, Blow, MIB, Recovery, SetOnDrop, kernel_state, pauses, prefill, randrw_passes, strike,
+    timed_randrw_args, verify_region, wait_for, wait_for_io,
 };
-use common::{Ublkd, serial};
+use ublkd_tests::harness::fio::{Fio, FioJob, fio_running};
+use ublkd_tests::harness::machine::{block_dev, serial, worker_pids};
+use ublkd_tests::harness::process::{self, describe, signal};
+use ublkd_tests::harness::storage::sparse_file;
+use ublkd_tests::harness::ublkd::Ublkd;
+use ublkd_tests::prng::{Prng, chaos_seed};
 
 /// The region fio works on in a device under chaos (the whole device).
 const VICTIM_SIZE: u64 = 64 * MIB;
@@ -160,7 +161,7 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
     let hung_timeout_secs = if blow == Blow::Stop { 1 } else { 10 };
     let recovery =
         Recovery { hung_timeout_secs, restart_max: 1000, restart_window_secs: 60, fail_io: false };
-    let daemon = chaos_support::start(&name, recovery);
+    let daemon = chaos::start(&name, recovery);
     let victim = TestDevice::add(&daemon, target, &name, VICTIM_SIZE);
     let bystander = (blow == Blow::Kill)
         .then(|| TestDevice::add(&daemon, Target::Memory, "bystander", BYSTANDER_SIZE));
@@ -298,7 +299,7 @@ fn adopt_after_sigkill(workers_too: bool) {
     let started = Instant::now();
     let name = if workers_too { "adopt-all" } else { "adopt" };
     const SIZE: u64 = 64 * MIB;
-    let mut daemon = chaos_support::start(
+    let mut daemon = chaos::start(
         name,
         Recovery { hung_timeout_secs: 10, restart_max: 5, restart_window_secs: 60, fail_io: false },
     );
@@ -486,7 +487,7 @@ fn budgeted_device(name: &str, restart_max: u64, fail_io: bool, size: u64) -> (U
 exec {} \"$@\"\n",
         slow_start_marker(name).display(),
         SLOW_START.as_secs(),
-        common::bin("ublkd-worker").display()
+        process::bin("ublkd-worker").display()
     );
     std::fs::write(&wrapper, script).unwrap();
     std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))

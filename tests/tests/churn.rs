@@ -6,8 +6,6 @@
 //! data, no command may hang, and afterwards no kernel device, worker process or
 //! state-dir record may be left.
 
-mod common;
-
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -16,10 +14,12 @@ use std::time::{Duration, Instant};
 
 use ublkd_tests::prng::{Prng, chaos_seed};
 
-use common::{
-    Ctl, Ublkd, block_dev, describe, kernel_devices, pattern, serial, signal, wait_for_path,
-    worker_pids,
+use ublkd_tests::harness::machine::{
+    block_dev, kernel_devices, serial, wait_for_path, worker_pids,
 };
+use ublkd_tests::harness::process::{self, describe, signal};
+use ublkd_tests::harness::storage::pattern;
+use ublkd_tests::harness::ublkd::{Ctl, Ublkd};
 
 const CLIENTS: u64 = 3;
 const ROUNDS: u64 = 100;
@@ -93,7 +93,7 @@ fn client(ctl: &Ctl, client: u64, failures: &Mutex<Vec<String>>, log: &dyn Fn() 
         let dev = block_dev(id);
         wait_for_path(&dev);
         let dd = |from: &PathBuf, to: &PathBuf, flag: &str| {
-            common::run_within(
+            process::run_within(
                 Command::new("dd").args([
                     &format!("if={}", from.display()),
                     &format!("of={}", to.display()),

@@ -50,13 +50,14 @@
 //! asks it for the device's status then. (Stacking a loop device on another ublk device
 //! also means deleting the loop device first: ublkd holds its backing device open.)
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Ublkd, WriteThrottle, block_dev, pattern, run, serial, signal};
+use ublkd_tests::harness::machine::{self, block_dev, serial};
+use ublkd_tests::harness::process::{run, signal};
+use ublkd_tests::harness::storage::{WriteThrottle, pattern};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 const BLOCK: usize = 4096;
 /// The block the test writes (any will do; not the first, which other things read).
@@ -119,7 +120,7 @@ fn wait_child(child: &mut Child, limit: Duration) -> bool {
 /// The kernel stacks of the writer's and the workers' threads and the block devices' counters, for a failure.
 fn stacks(writer: u32) -> String {
     let mut out = String::new();
-    for pid in [writer].into_iter().chain(common::worker_pids()) {
+    for pid in [writer].into_iter().chain(machine::worker_pids()) {
         for task in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
             let p = task.path();
             let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();

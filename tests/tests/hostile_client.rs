@@ -7,8 +7,6 @@
 //!   built with `test-hooks`) is relayed with its identity, rate-limited, and a line it
 //!   forges in the supervisor's format is marked as the worker's.
 
-mod common;
-
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -17,8 +15,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{Ublkd, block_dev, hooked_worker, serial, signal};
 use ublkd_proto::msg::{self, CtlRequest, CtlResponse};
+use ublkd_tests::harness::machine::{block_dev, serial};
+use ublkd_tests::harness::process::{hooked_worker, signal};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 /// A client that connects and sends a request one byte every 100 ms, never finishing
 /// it; when ublkd drops it, it connects again and starts over.

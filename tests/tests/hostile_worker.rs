@@ -6,16 +6,15 @@
 //! The faults come from the worker built with the test-only `test-hooks` feature
 //! (worker/src/attack.rs), limited to one device by `UBLKD_WORKER_ATTACK_DEV`.
 
-mod common;
-
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 
-use common::{
-    FioJob, Ublkd, WriteThrottle, assert_fio_clean, block_dev, fio, fio_verify_args, hooked_worker,
-    kernel_devices, run_ok, serial, sha256, sparse_file,
-};
+use ublkd_tests::harness::fio::{FioJob, assert_fio_clean, fio, fio_verify_args};
+use ublkd_tests::harness::machine::{block_dev, kernel_devices, serial};
+use ublkd_tests::harness::process::{self, hooked_worker, run_ok};
+use ublkd_tests::harness::storage::{WriteThrottle, sha256, sparse_file};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 const MIB: u64 = 1 << 20;
 
@@ -158,9 +157,9 @@ fn a_worker_stopped_and_continued_briefly_serves_on() {
     let fio = verify_in_background(id, 48 * MIB);
     for _ in 0..5 {
         std::thread::sleep(std::time::Duration::from_millis(300));
-        assert!(common::signal(worker, libc::SIGSTOP));
+        assert!(process::signal(worker, libc::SIGSTOP));
         std::thread::sleep(std::time::Duration::from_millis(200));
-        assert!(common::signal(worker, libc::SIGCONT));
+        assert!(process::signal(worker, libc::SIGCONT));
     }
     assert_fio_clean(&fio.join().expect("fio"), 1);
     let status = ublkd.status_of(id);

@@ -2,17 +2,15 @@
 //! `/dev/ublk-control` and root: they run inside the test VM (`./run-tests` does
 //! that, with `ublkd-vm` as the cargo runner) and fail anywhere else.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::serial;
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlCmd, CtrlError, DevTarget};
 use ublkd_proto::uapi::{
     self, UBLK_PARAM_TYPE_BASIC, UblkParamBasic, UblkParams, UblksrvCtrlDevInfo,
 };
+use ublkd_tests::harness::machine::serial;
 
 const RECOVERY_FLAGS: u64 =
     uapi::UBLK_F_BATCH_IO | uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;

@@ -9,14 +9,14 @@
 //! errno. And the supervisor's close_notify (what ends an `nbds://` device's session) is
 //! an alert record that a kTLS receiver decrypts as one. Runs inside the test VM.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
 use std::process::Command;
 
-use common::{pattern, run, serial};
+use ublkd_tests::harness::machine::serial;
+use ublkd_tests::harness::process::run;
+use ublkd_tests::harness::storage::pattern;
 
 const MIB: usize = 1 << 20;
 /// A TLS record's header: content type, version, length.

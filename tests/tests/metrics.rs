@@ -3,15 +3,16 @@
 //! by tests/vm/install-host-deps.sh), its latency histograms holding fio's I/O, p50/p99
 //! in status, and `daemon.metrics_file` written and replaced whole.
 
-mod common;
-
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Fio, Ublkd, block_dev, describe, serial};
+use ublkd_tests::harness::fio::Fio;
+use ublkd_tests::harness::machine::{block_dev, serial};
+use ublkd_tests::harness::process::describe;
+use ublkd_tests::harness::ublkd::Ublkd;
 
 /// Reads metrics text on stdin with prometheus_client's parser for the format named by
 /// argv[1] and prints every sample as JSON; a text the parser refuses makes it fail.

@@ -6,8 +6,6 @@
 //! recovery with the I/O held, never an I/O error; and a server that is not there is
 //! named without a kernel device being made. Runs inside the test VM.
 
-mod common;
-
 use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -15,7 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use ublkd_tests::harness::fio::{Fio, assert_fio_clean, fio_verify_args};
+use ublkd_tests::harness::machine::{block_dev, kernel_devices, serial, wait_for_path};
+use ublkd_tests::harness::process::{bin, describe, run, signal};
+use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file};
+use ublkd_tests::harness::ublkd::{StatusProber, Ublkd};
 use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
 
 const MIB: u64 = 1 << 20;

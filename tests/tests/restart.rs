@@ -3,13 +3,17 @@
 //! serving; the next ublkd takes the workers over. Deleting is explicit: `ublkctl del`
 //! or `ublkctl shutdown`.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use ublkd_tests::harness::fio::{Fio, assert_fio_clean, fio_args, fio_verify_args};
+use ublkd_tests::harness::machine::{
+    block_dev, kernel_devices, serial, wait_for_path, worker_pids,
+};
+use ublkd_tests::harness::process::{bin, describe, run, run_ok, signal};
+use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file};
+use ublkd_tests::harness::ublkd::{StatusProber, Ublkd, ask};
 
 const MIB: u64 = 1 << 20;
 

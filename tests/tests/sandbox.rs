@@ -13,9 +13,9 @@
 //! The rest of the suite (serve, chaos) runs with the sandbox on by default, which is
 //! what proves the allowlist complete for the real data path.
 
-mod common;
-
-use common::{Ublkd, block_dev, hooked_worker, run_ok, serial, wait_for_path};
+use ublkd_tests::harness::machine::{block_dev, serial, wait_for_path};
+use ublkd_tests::harness::process::{hooked_worker, run_ok};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 /// Starts ublkd with the hooked worker making `attack`, adds a memory device and
 /// returns ublkd and the device id.
@@ -396,6 +396,19 @@ fn assert_host_root_out_of_sight(ublkd: &Ublkd) {
     assert!(outcome.contains("No such file or directory"), "{outcome}");
 }
 
+/// Where the kernel refuses `ublkd`'s workers a user namespace for `cause`: a memory
+/// device is refused unless it may run without that layer; then its worker runs
+/// without it and says so, the hooked worker's `stat-host-path` attack still finds the
+/// host's root out of sight, and the device serves. Stops ublkd.
+fn assert_serves_only_without_the_user_namespace(ublkd: Ublkd, cause: &str) {
+    assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
+    let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
+    assert_runs_without_the_user_namespace(&ublkd, id, cause);
+    assert_host_root_out_of_sight(&ublkd);
+    assert_device_serves(id);
+    ublkd.stop();
+}
+
 #[test]
 fn a_refused_user_namespace_refuses_the_device_unless_allowed_and_then_says_so() {
     let _serial = serial();
@@ -407,12 +420,7 @@ fn a_refused_user_namespace_refuses_the_device_unless_allowed_and_then_says_so()
     // The kernel's answer to unshare(CLONE_NEWUSER) over the limit: ENOSPC, with the
     // setting that limits it.
     let cause = "user.max_user_namespaces is reached, or 0): No space left on device";
-    assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
-    let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
-    assert_runs_without_the_user_namespace(&ublkd, id, cause);
-    assert_host_root_out_of_sight(&ublkd);
-    assert_device_serves(id);
-    ublkd.stop();
+    assert_serves_only_without_the_user_namespace(ublkd, cause);
 }
 
 #[test]
@@ -520,12 +528,7 @@ fn inside_a_chroot_the_worker_keeps_every_other_layer_and_the_host_root_out_of_s
     let ublkd = Ublkd::start_wrapped("sbx-chroot", &extra, &env, &chroot_wrapper());
     // Inside a chroot the kernel refuses CLONE_NEWUSER to anyone, root included: EPERM.
     let cause = "inside a chroot, or by a sysctl or security policy): Operation not permitted";
-    assert_add_refused_for_the_user_namespace(&ublkd, &["-t", "memory", "-s", "16M"], cause);
-    let id = ublkd.add(&["-t", "memory", "-s", "16M", "--sandbox-optional", "user-namespace"]);
-    assert_runs_without_the_user_namespace(&ublkd, id, cause);
     // pivot_root is refused there too (`/` is not a mount point): the worker chroots
     // into a detached empty tmpfs instead, and the chroot's files are out of sight.
-    assert_host_root_out_of_sight(&ublkd);
-    assert_device_serves(id);
-    ublkd.stop();
+    assert_serves_only_without_the_user_namespace(ublkd, cause);
 }

@@ -19,16 +19,16 @@
 //! Configured devices are created side by side too, and a recovery whose standby is
 //! still starting waits for it without holding up `status` or an add.
 
-mod common;
-
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{Ublkd, bin, describe, fd_targets, kernel_devices, serial, worker_pids};
 use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, TargetKind};
+use ublkd_tests::harness::machine::{fd_targets, kernel_devices, serial, worker_pids};
+use ublkd_tests::harness::process::{self, bin, describe};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 /// How many devices the test adds.
 const DEVICES: usize = 300;
@@ -139,7 +139,7 @@ fn three_hundred_null_devices_are_added_listed_and_deleted_in_seconds() {
     let workers: Vec<u64> = status.iter().map(|d| d["worker_pid"].as_u64().unwrap()).collect();
     let kill_started = Instant::now();
     for pid in &workers {
-        common::signal(*pid as u32, libc::SIGKILL);
+        process::signal(*pid as u32, libc::SIGKILL);
     }
     // Watched in ublkd's log, not with `status` of every device, which would hold the
     // loop that is recovering them.
@@ -487,7 +487,7 @@ fn a_recovery_waiting_for_its_new_worker_holds_up_nothing_else() {
     let id = ublkd.add(&small);
     // Its standby has just begun its start (SLOW_START): the recovery must wait for it.
     let killed = ublkd.worker_pid(id);
-    assert!(common::signal(killed, libc::SIGKILL));
+    assert!(process::signal(killed, libc::SIGKILL));
     std::thread::sleep(Duration::from_millis(300));
     let asked = Instant::now();
     let status = answer(ask(&ublkd.ctl.socket, CtlRequest::Status { id: None }));

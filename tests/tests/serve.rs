@@ -6,18 +6,19 @@
 //! Each test starts its own `ublkd` on its own socket and ends by stopping it with
 //! `ublkctl shutdown` and checking that no device, device node or worker is left.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use ublkd_proto::uapi::{UBLK_F_AUTO_BUF_REG, UBLK_F_BATCH_IO};
 
-use common::{
-    FioJob, Mount, Ublkd, assert_fio_clean, block_dev, fd_targets, fio, fio_args, fio_verify_args,
-    holders, kernel_devices, kernel_features, pattern, pid_exists, run, run_ok, serial, sha256,
-    sparse_file, ublk_nodes, worker_pids, write_file,
+use ublkd_tests::harness::fio::{FioJob, assert_fio_clean, fio, fio_args, fio_verify_args};
+use ublkd_tests::harness::machine::{
+    self, block_dev, fd_targets, holders, kernel_devices, kernel_features, pid_exists, serial,
+    ublk_nodes, worker_pids,
 };
+use ublkd_tests::harness::process::{self, run, run_ok};
+use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 const MIB: u64 = 1 << 20;
 
@@ -107,7 +108,7 @@ fn more_queues_than_cpus_are_served_or_refused_clearly() {
     let out = ublkd.ctl(&["add", "-t", "memory", "-s", "16M", "-q", &asked.to_string()]);
     if out.status.success() {
         let id: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-        common::wait_for_path(&block_dev(id));
+        machine::wait_for_path(&block_dev(id));
         let list = ublkd.ctl_ok(&["list", "-n", &id.to_string()]);
         assert!(list.contains(&format!(" nr_hw_queues {cpus} ")), "{list}");
         assert_eq!(ublkd.status_of(id)["queues"], cpus, "status disagrees with the kernel");
@@ -154,7 +155,7 @@ fn ext4_on_a_loop_device_survives_umount_fsck_and_remount() {
         fsck.status.code(),
         Some(0),
         "fsck.ext4 -fn found problems:\n{}",
-        common::describe(&fsck)
+        process::describe(&fsck)
     );
 
     // Read the files back from the device, not from the page cache.
@@ -170,7 +171,7 @@ fn ext4_on_a_loop_device_survives_umount_fsck_and_remount() {
         fsck.status.code(),
         Some(0),
         "the backing file is not a clean ext4:\n{}",
-        common::describe(&fsck)
+        process::describe(&fsck)
     );
     let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
     let mount = Mount::new(&block_dev(id), &mnt);
@@ -210,7 +211,7 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     write_file(&expected_file, &expected);
     dd_to(&whole, &dev, &["bs=1M"]);
     // A recovery between the two writes.
-    assert!(common::signal(ublkd.worker_pid(id), libc::SIGKILL));
+    assert!(process::signal(ublkd.worker_pid(id), libc::SIGKILL));
     ublkd.wait_until("the recovery", || {
         let st = ublkd.status_of(id);
         st["recoveries"] == 1 && st["state"] == "LIVE"
@@ -303,7 +304,7 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
 
     // The new worker serves zero copy too: kill the worker, read everything back.
     let worker = ublkd.worker_pid(id);
-    assert!(common::signal(worker, libc::SIGKILL));
+    assert!(process::signal(worker, libc::SIGKILL));
     ublkd.wait_until("the recovery", || {
         let st = ublkd.status_of(id);
         st["recoveries"] == 1 && st["state"] == "LIVE"
@@ -536,8 +537,8 @@ fn assert_device_gone(id: u32, worker_pid: u32) {
 /// `ublkctl: …`, that contains `needle`; returns that line.
 fn assert_one_line_error(out: &std::process::Output, code: i32, needle: &str) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(code), "{}", common::describe(out));
-    assert!(out.stdout.is_empty(), "output on stdout: {}", common::describe(out));
+    assert_eq!(out.status.code(), Some(code), "{}", process::describe(out));
+    assert!(out.stdout.is_empty(), "output on stdout: {}", process::describe(out));
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "not one line on stderr: {stderr:?}");
     assert!(lines[0].starts_with("ublkctl: "), "{stderr:?}");
@@ -579,7 +580,8 @@ fn status_without_a_running_ublkd_exits_8_saying_it_is_unreachable() {
     ublkd.stop();
 
     for args in [&["status"][..], &["status", "--json"]] {
-        let out = run(Command::new(common::bin("ublkctl")).arg("--socket").arg(&socket).args(args));
+        let out =
+            run(Command::new(process::bin("ublkctl")).arg("--socket").arg(&socket).args(args));
         let line = assert_one_line_error(&out, 8, "cannot reach ublkd");
         assert!(line.contains(socket.to_str().unwrap()), "the socket is not named: {line}");
     }

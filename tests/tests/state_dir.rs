@@ -2,17 +2,17 @@
 //! ublkd refuses a state dir others may write to, and a device its previous self left
 //! half-created is deleted at adoption, not leaked as a kernel id nobody serves.
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 
-use common::{Ublkd, bin, describe, kernel_devices, run, serial, wait_for_path};
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient};
 use ublkd_proto::uapi::{self, UblksrvCtrlDevInfo};
 use ublkd_supervisor::state::StateDir;
 use ublkd_supervisor::worker::{AttachClaim, process_start_time};
+use ublkd_tests::harness::machine::{kernel_devices, serial, wait_for_path};
+use ublkd_tests::harness::process::{bin, describe, run};
+use ublkd_tests::harness::ublkd::Ublkd;
 
 /// ublkd's tag in `ublksrv_flags` (supervisor/src/state.rs's OWNER_TAG).
 const OWNER_TAG: u64 = u64::from_be_bytes(*b"ublkd\0\0\x01");

@@ -1,6 +1,6 @@
-//! Plumbing for the chaos tests on top of `common` (whose `Ublkd`, `Ctl` and `Fio`
-//! they use): the recovery settings, the fio passes that verify a region, a seeded
-//! PRNG, and the killer that strikes a device's current worker and waits for the
+//! The chaos tests' plumbing, on top of [`super::ublkd`] and [`super::fio`]: the
+//! recovery settings, the fio passes that verify a region, and the killer that strikes
+//! a device's current worker (at pauses from a seeded [`Prng`]) and waits for the
 //! recovery.
 
 use std::path::Path;
@@ -8,14 +8,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::find_device;
-pub use crate::common::{
-    Ctl, Fio, FioJob, Ublkd, block_dev, describe, fio_running, signal, sparse_file, worker_pids,
-};
 use serde_json::Value;
 use ublkd_proto::ctrl::CtrlClient;
 use ublkd_proto::uapi::DevState;
 
+use super::fio::{Fio, FioJob};
+use super::process::signal;
+use super::ublkd::{Ctl, Ublkd, find_device};
+use crate::prng::Prng;
+
+/// A mebibyte, for region and device sizes.
 pub const MIB: u64 = 1 << 20;
 
 /// How long a struck worker may take to be replaced: a SIGSTOPped one is only noticed
@@ -88,8 +90,6 @@ pub fn wait_for_io(ctl: &Ctl, ids: &[u32]) {
     .unwrap();
 }
 
-pub use ublkd_tests::prng::{Prng, chaos_seed};
-
 /// Sets the flag when dropped, also while a panic unwinds: it tells fio loops and
 /// killers to end.
 #[derive(Debug)]
@@ -146,7 +146,7 @@ pub fn verify_region(dev: &Path, region: u64) -> Result<(), String> {
 /// wrote and checks its header, including the per-write random seed (`seed` makes
 /// each pass's differ), so stale data (a lost write) fails it as well as a torn or
 /// misplaced block. Blocks of 4k–128k.
-pub fn randrw_pass_args(dev: &Path, region: u64, seed: u64) -> Vec<String> {
+fn randrw_pass_args(dev: &Path, region: u64, seed: u64) -> Vec<String> {
     let mut args = fio_base("randrw-pass", dev, region);
     args.extend(["--rw=randrw".into(), "--bsrange=4k-128k".into(), format!("--randseed={seed}")]);
     args
@@ -156,14 +156,14 @@ pub fn randrw_pass_args(dev: &Path, region: u64, seed: u64) -> Vec<String> {
 /// plus writes, the random map touching each block once), and the verify phase then
 /// reads back all it wrote: so the reads add up to the region exactly when everything
 /// written was verified.
-pub fn check_pass(job: FioJob, region: u64) -> Result<FioJob, String> {
+fn check_pass(job: FioJob, region: u64) -> Result<FioJob, String> {
     if job.read_bytes != region || job.write_bytes == 0 {
         return Err(format!("the pass did not verify everything it wrote: {job:?}"));
     }
     Ok(job)
 }
 
-/// Runs passes of 4k–128k random reads and writes ([`randrw_pass_args`]) with fresh
+/// Runs passes of 4k–128k random reads and writes (`randrw_pass_args`) with fresh
 /// seeds until `stop` is set, at least one. Returns the passes, or the first failure.
 pub fn randrw_passes(
     dev: &Path,
