@@ -6,6 +6,7 @@
 //!
 //! 1. the package: files, the `ublkd-worker` user, the unit enabled and started on the
 //!    packaged config; `systemd-analyze verify` and `security` on the installed unit;
+//!    then README.md's five-minute tour, command by command, as the README has it;
 //! 2. start: `systemctl start` returns only once the configured device is LIVE;
 //!    the journal carries the structured fields (DEV_ID, WORKER_PID, EVENT);
 //! 3. reload: a device added to the config appears; a broken config is rejected,
@@ -26,8 +27,6 @@
 //!
 //! It needs PID 1 to be systemd and fails anywhere else: it never skips.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::thread::JoinHandle;
@@ -35,10 +34,12 @@ use std::time::{Duration, Instant};
 
 use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
 
-use common::{
-    FioJob, assert_succeeded, describe, fd_targets, kernel_devices, pid_exists, run, run_ok,
-    ublk_nodes, worker_pids,
+use ublkd_tests::harness::fio::{self, FioJob};
+use ublkd_tests::harness::machine::{
+    fd_targets, kernel_devices, pid_exists, ublk_nodes, worker_pids,
 };
+use ublkd_tests::harness::process::{self, assert_succeeded, describe, run, run_ok};
+use ublkd_tests::harness::storage;
 
 /// The worst `systemd-analyze security` exposure the unit may have (0.0 best, 10.0
 /// worst): measured 3.2 ("OK") with the hardening in packaging/ublkd.service, on
@@ -86,6 +87,9 @@ fn ublkd_package_under_systemd() {
     install_package();
     let exposure = verify_unit();
     eprintln!("systemd-analyze security ublkd.service: overall exposure {exposure}");
+
+    step("1b. README.md's five-minute tour, as written there");
+    readme_tour();
 
     step("2. start with a configured device");
     std::fs::create_dir_all(Path::new(DROP_IN).parent().unwrap()).unwrap();
@@ -244,7 +248,7 @@ fn ublkd_package_under_systemd() {
     let fio = Fio::start("worker-stop", 7, 20);
     wait_for_io(7);
     let stopped = worker_of(7);
-    assert!(common::signal(stopped, libc::SIGSTOP), "SIGSTOP {stopped}");
+    assert!(process::signal(stopped, libc::SIGSTOP), "SIGSTOP {stopped}");
     wait_for("ublkd to replace the stopped worker", Duration::from_secs(60), || {
         worker_of_opt(7).is_some_and(|w| w != stopped) && live_ids().contains(&7)
     });
@@ -263,7 +267,7 @@ fn ublkd_package_under_systemd() {
     let fio = Fio::start("ublkd-stop", 7, 30);
     wait_for_io(7);
     let main_pid = prop("MainPID");
-    assert!(common::signal(main_pid.parse().unwrap(), libc::SIGSTOP), "SIGSTOP ublkd");
+    assert!(process::signal(main_pid.parse().unwrap(), libc::SIGSTOP), "SIGSTOP ublkd");
     wait_for_restart("the watchdog to restart ublkd", restarts + 2, &main_pid);
     let log = run_ok(Command::new("journalctl").args(["-u", "ublkd", "-o", "cat", "--no-pager"]));
     assert!(log.contains("Watchdog timeout"), "systemd did not log a watchdog timeout:\n{log}");
@@ -275,12 +279,12 @@ fn ublkd_package_under_systemd() {
     // the stop below.
     let mnt = Path::new("/tmp/systemd-mnt");
     run_ok(Command::new("mkfs.ext4").args(["-F", "-q", "/dev/ublkb8"]));
-    let mount = common::Mount::new(Path::new("/dev/ublkb8"), mnt);
+    let mount = storage::Mount::new(Path::new("/dev/ublkb8"), mnt);
     let files: Vec<PathBuf> = (0..4).map(|i| mnt.join(format!("f{i}"))).collect();
     for (i, f) in files.iter().enumerate() {
-        common::write_file(f, &common::pattern(i as u64 + 3, 300_000 * (i + 1)));
+        storage::write_file(f, &storage::pattern(i as u64 + 3, 300_000 * (i + 1)));
     }
-    let sums = || -> Vec<String> { files.iter().map(|f| common::sha256(f)).collect() };
+    let sums = || -> Vec<String> { files.iter().map(|f| storage::sha256(f)).collect() };
     let written = sums();
     let fio = Fio::start("restart", 7, 15);
     wait_for_io(7);
@@ -304,7 +308,7 @@ fn ublkd_package_under_systemd() {
     // dpkg -i takes tens of seconds under emulation before its postinst restarts
     // ublkd, then moves every device to the new worker binary (minutes on a loaded
     // host): fio runs until it is done.
-    let mut fio = common::Fio::spawn(Fio::args("upgrade", 7, 1800));
+    let mut fio = fio::Fio::spawn(Fio::args("upgrade", 7, 1800));
     wait_for_io(7);
     let t = Instant::now();
     let out = run(Command::new("dpkg").arg("-i").arg(&newer));
@@ -319,7 +323,7 @@ fn ublkd_package_under_systemd() {
     assert!(fio.running(), "fio ended before dpkg -i did: it spans no restart");
     assert_live(&[7, 8]);
     let jobs = fio.interrupt().unwrap_or_else(|e| panic!("{e}"));
-    common::assert_fio_clean(&jobs, 1);
+    fio::assert_fio_clean(&jobs, 1);
     eprintln!("fio across the package upgrade: longest completion {:?}", jobs[0].clat_max);
     let version = run_ok(Command::new("dpkg-query").args(["-W", "-f=${Version}", "ublkd"]));
     assert!(version.ends_with("+upgrade"), "the newer package is not installed: {version}");
@@ -347,7 +351,7 @@ fn ublkd_package_under_systemd() {
         assert!(pid_exists(*pid), "worker {pid} did not serve on after the stop");
     }
     // The filesystem stays usable with no ublkd at all.
-    common::write_file(&mnt.join("while-stopped"), &common::pattern(99, 123_457));
+    storage::write_file(&mnt.join("while-stopped"), &storage::pattern(99, 123_457));
     run_ok(&mut Command::new("sync"));
     systemctl(&["start", "ublkd"]);
     assert_live(&[7, 8]);
@@ -358,10 +362,10 @@ fn ublkd_package_under_systemd() {
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
     let fsck = run(Command::new("fsck.ext4").args(["-fn", "/dev/ublkb8"]));
     assert_eq!(fsck.status.code(), Some(0), "fsck.ext4 -fn found problems:\n{}", describe(&fsck));
-    let mount = common::Mount::new(Path::new("/dev/ublkb8"), mnt);
+    let mount = storage::Mount::new(Path::new("/dev/ublkb8"), mnt);
     assert_eq!(sums(), written, "files changed across restart, upgrade, stop and start");
     let data = std::fs::read(mnt.join("while-stopped")).unwrap();
-    assert!(data == common::pattern(99, 123_457), "the file written while stopped changed");
+    assert!(data == storage::pattern(99, 123_457), "the file written while stopped changed");
     mount.umount();
 
     step("8a. dpkg -r while ublkd cannot start: refused, naming the devices; nothing lost");
@@ -388,7 +392,7 @@ fn ublkd_package_under_systemd() {
     // both from ublkd.
     let hooked = Path::new("/usr/local/lib/ublkd-test/ublkd-worker");
     std::fs::create_dir_all(hooked.parent().unwrap()).unwrap();
-    std::fs::copy(common::hooked_worker(), hooked).unwrap();
+    std::fs::copy(process::hooked_worker(), hooked).unwrap();
     std::fs::write(
         CONFIG,
         good_config.replacen(
@@ -427,6 +431,73 @@ fn ublkd_package_under_systemd() {
     assert_eq!(pids_named("ublkd"), Vec::<u32>::new(), "a ublkd process is left after dpkg -r");
     assert!(!Path::new("/run/ublkd").exists(), "/run/ublkd is left after dpkg -r");
     step("done");
+}
+
+/// The device README.md's tour adds to the config file (its `$EDITOR` line).
+const TOUR_CONFIGURED: u32 = 5;
+
+/// Runs README.md's "A five-minute tour" block on the freshly installed package, each
+/// line with `sh -c` as an operator would type it (its comment dropped), asserting
+/// that each succeeds and does what its comment says. Two lines stand for the
+/// operator: `kill -9 PID` gets the worker's pid from `ublkctl status`, and `$EDITOR`
+/// appends a `[[device]]` table. A README whose tour no longer works fails here.
+fn readme_tour() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let tour = readme
+        .split("## A five-minute tour")
+        .nth(1)
+        .and_then(|rest| rest.split("```sh\n").nth(1))
+        .and_then(|block| block.split("```").next())
+        .expect("README.md has a five-minute tour with a sh block");
+    let lines: Vec<&str> = tour
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .collect();
+    assert!(lines.len() >= 10, "the tour is {} commands: {lines:?}", lines.len());
+    for line in lines {
+        eprintln!("[tour] {line}");
+        if line.starts_with("$EDITOR ") {
+            let path = line.trim_start_matches("$EDITOR ").trim();
+            let mut config = std::fs::read_to_string(path).unwrap();
+            config += &format!(
+                "\n[[device]]\nid = {TOUR_CONFIGURED}\ntarget = \"null\"\nsize = \"64M\"\n"
+            );
+            std::fs::write(path, config).unwrap();
+            continue;
+        }
+        let command = match line {
+            "kill -9 PID" => format!("kill -9 {}", worker_of(0)),
+            _ => line.to_string(),
+        };
+        let out = run_ok(Command::new("sh").args(["-c", &command]));
+        match line {
+            l if l.starts_with("ublkctl add ") => {
+                assert_eq!(out.trim(), "0", "the tour's first device is not device 0")
+            }
+            "ublkctl status" => assert!(out.contains("LIVE"), "{out}"),
+            l if l.starts_with("kill -9") => {
+                wait_for("the tour's device to be recovered", Duration::from_secs(30), || {
+                    status()
+                        .iter()
+                        .any(|d| d["id"] == 0 && d["recoveries"] == 1 && d["state"] == "LIVE")
+                });
+            }
+            l if l.starts_with("journalctl") => {
+                assert!(out.contains("recovered"), "no recovery in the journal: {out}")
+            }
+            l if l.starts_with("ublkctl metrics") => {
+                assert!(out.contains("ublkd_device_io") && out.contains("# EOF"), "{out}")
+            }
+            l if l.starts_with("systemctl reload") => assert_live(&[0, TOUR_CONFIGURED]),
+            _ => {}
+        }
+    }
+    assert_eq!(live_ids(), [TOUR_CONFIGURED], "after the tour's `del -n 0`");
+    // Back to the package as installed, for the steps that follow.
+    run_ok(Command::new("ublkctl").args(["del", "-n", &TOUR_CONFIGURED.to_string()]));
+    assert_eq!(kernel_devices(), Default::default(), "devices left after the tour");
 }
 
 /// nbdkit serving 64 MiB of RAM, listening as `listen` says (`-U PATH` or `-i ADDR -p
@@ -477,7 +548,7 @@ fn nbd_add(uri: &str) -> u32 {
 /// cache dropped in between): the unit lets ublkd reach it.
 fn nbd_round_trip(id: u32) {
     let node = PathBuf::from(format!("/dev/ublkb{id}"));
-    let data = common::pattern(77 + u64::from(id), 3 << 20);
+    let data = storage::pattern(77 + u64::from(id), 3 << 20);
     let mut dev = std::fs::OpenOptions::new().write(true).open(&node).unwrap();
     std::io::Write::write_all(&mut dev, &data).unwrap();
     dev.sync_all().unwrap();
@@ -764,7 +835,7 @@ struct Fio {
 impl Fio {
     fn start(name: &str, id: u32, secs: u64) -> Fio {
         let args = Fio::args(name, id, secs);
-        let handle = std::thread::spawn(move || common::fio(&args));
+        let handle = std::thread::spawn(move || fio::fio(&args));
         Fio { name: name.to_string(), handle }
     }
 
@@ -793,7 +864,7 @@ impl Fio {
     fn finish(self) -> Vec<FioJob> {
         let jobs =
             self.handle.join().unwrap_or_else(|_| panic!("fio {} failed (above)", self.name));
-        common::assert_fio_clean(&jobs, 1);
+        fio::assert_fio_clean(&jobs, 1);
         jobs
     }
 }
