@@ -1,29 +1,26 @@
-"""What bench.py (throughput) and recovery.py (recovery stall) share: building ublkd and
-the peers, a host run (results dir, plan, the VM and its console, the outputs), the
-guest's measurement helpers, and the servers as both drive them.
+"""What the benchmark scripts (bench.py, recovery.py, scale.py, nbd.py) share: a host
+run (results dir, ublkd built, the plan, the VM and its console, the outputs), the
+results' statistics, formats and files, and the guest's measurement helpers.
 
 Each benchmark keeps its own parameters, jobs, summary and table; this module knows
-none of them. Python 3 standard library only.
+none of them. The peers' builds are in builds.py, the servers in servers.py, the
+command line in cli.py. Python 3 standard library only.
 """
 
-import argparse
 import datetime
-import glob
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+import params as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import params as P  # noqa: E402
 
 
 def log(msg):
@@ -35,8 +32,14 @@ def die(msg, code=1):
     sys.exit(code)
 
 
+def markers(name):
+    """The console markers of a benchmark's guest half, (record, meta, done): each
+    record and meta line is the marker and a JSON object."""
+    return (f"@@UBLKD-{name}-REC@@ ", f"@@UBLKD-{name}-META@@ ", f"@@UBLKD-{name}-DONE@@")
+
+
 # ======================================================================================
-# host: builds
+# host: commands
 # ======================================================================================
 
 def run(cmd, **kw):
@@ -50,102 +53,6 @@ def run(cmd, **kw):
         tail = "\n    ".join(out[-15:])
         raise RuntimeError(f"`{' '.join(cmd)}` exited {p.returncode}:\n    {tail}")
     return p.stdout or ""
-
-
-def apt_version(pkg, release):
-    out = run(["apt-cache", "show", "--no-all-versions", f"{pkg}/{release}"])
-    m = re.search(r"^Version: (\S+)", out, re.M)
-    if not m:
-        raise RuntimeError(f"apt has no {pkg} in {release} (try `apt-get update`)")
-    return m.group(1)
-
-
-def pick_linux_source():
-    if P.KUBLK_SOURCE_PACKAGE != "auto":
-        return P.KUBLK_SOURCE_PACKAGE
-    names = run(["apt-cache", "pkgnames", "linux-source-"]).split()
-    best = None
-    for n in names:
-        m = re.fullmatch(r"linux-source-(\d+)\.(\d+)", n)
-        if m and (best is None or (int(m[1]), int(m[2])) > best[0]):
-            best = ((int(m[1]), int(m[2])), n)
-    if not best:
-        raise RuntimeError("apt knows no linux-source-X.Y package (try `apt-get update`)")
-    return best[1]
-
-
-def build_kublk(cache, rebuild):
-    """kublk, the kernel's ublk selftest server, from Debian's linux-source, compiled
-    against the same release's uapi headers and liburing (static), none installed.
-    Returns (path, its versions: a dict)."""
-    rel = P.KUBLK_RELEASE
-    src = pick_linux_source()
-    vsrc = apt_version(src, rel)
-    vlibc = apt_version("linux-libc-dev", rel)
-    vuring = apt_version("liburing-dev", rel)
-    m = re.match(r"(\d+)\.(\d+)", vuring)
-    if not m or (int(m[1]), int(m[2])) < P.LIBURING_MIN:
-        raise RuntimeError(f"liburing-dev/{rel} is {vuring}, need >= "
-                           + ".".join(map(str, P.LIBURING_MIN)))
-    versions = {"source": f"{src} {vsrc}", "linux-libc-dev": vlibc, "liburing-dev": vuring}
-    key = f"{src}_{vsrc}+libc_{vlibc}+uring_{vuring}".replace(":", "_")
-    out = os.path.join(cache, "kublk", key, "kublk")
-    if os.path.exists(out) and not rebuild:
-        return out, versions
-    log(f"building kublk from {src} {vsrc} ({rel}), liburing {vuring}, headers {vlibc}")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    work = tempfile.mkdtemp(prefix="build-", dir=os.path.join(cache, "kublk"))
-    try:
-        os.chmod(work, 0o755)  # lets apt's _apt user write there (else a warning)
-        run(["apt-get", "download", "-q", f"{src}/{rel}", f"linux-libc-dev/{rel}",
-             f"liburing-dev/{rel}"], cwd=work)
-        x = os.path.join(work, "x")
-        for deb in glob.glob(os.path.join(work, "*.deb")):
-            run(["dpkg-deb", "-x", deb, x])
-        tarball = glob.glob(os.path.join(x, "usr/src/linux-source-*.tar.*"))
-        if not tarball:
-            raise RuntimeError(f"{src} holds no usr/src/linux-source-*.tar.*")
-        run(["tar", "-xf", tarball[0], "-C", work, "--wildcards",
-             "*/tools/testing/selftests/ublk/*"])
-        srcdir = glob.glob(os.path.join(work, "*/tools/testing/selftests/ublk"))[0]
-        sources = sorted(f for f in glob.glob(os.path.join(srcdir, "*.c"))
-                         if os.path.basename(f) != "metadata_size.c")
-        triplet = run(["gcc", "-print-multiarch"]).strip() or "x86_64-linux-gnu"
-        inc = os.path.join(x, "usr/include")
-        run(["gcc", "-O3", "-Wall", "-D_GNU_SOURCE", "-I", inc,
-             "-I", os.path.join(inc, triplet), "-o", out + ".tmp", *sources,
-             os.path.join(x, "usr/lib", triplet, "liburing.a"), "-lpthread", "-lm"])
-        os.rename(out + ".tmp", out)
-        with open(os.path.join(os.path.dirname(out), "versions.json"), "w") as f:
-            json.dump(versions, f, indent=1)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out, versions
-
-
-def build_rublk(cache, rebuild):
-    """rublk from crates.io with `cargo install`, into the cache. Returns (path, its
-    version: a string)."""
-    root = os.path.join(cache, "rublk")
-    binp = os.path.join(root, "bin", "rublk")
-    if os.path.exists(binp) and not rebuild:
-        return binp, run([binp, "--version"]).strip()
-    if subprocess.run(["dpkg", "-s", "libclang-dev"], stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL).returncode != 0:
-        log("installing libclang-dev (rublk's bindgen needs it)")
-        run(["apt-get", "install", "-y", "-q", "-t", "bookworm",
-             "--no-install-recommends", "libclang-dev"],
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-    spec = ["rublk"] + (["--version", P.RUBLK_VERSION] if P.RUBLK_VERSION else [])
-    log(f"building rublk with cargo install (a few minutes) into {root}")
-    cmd = ["cargo", "install", *spec, "--locked", "--force", "--root", root]
-    env = {**os.environ, "CARGO_TARGET_DIR": os.path.join(cache, "rublk-target")}
-    try:
-        # cwd = the cache: the repository's rust-toolchain.toml must not apply.
-        run(cmd, cwd=cache, env=env, timeout=P.RUBLK_BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"`cargo install rublk` took over {P.RUBLK_BUILD_TIMEOUT_S} s")
-    return binp, run([binp, "--version"]).strip()
 
 
 def git_rev():
@@ -164,13 +71,6 @@ def git_rev():
 def need_root():
     if os.geteuid() != 0:
         die("needs root (the VM harness, apt-get download, the cache dir)")
-
-
-def add_kernel_arg(h):
-    """`--kernel 7.2|6.12`, the kernel the VM boots (bench.py and recovery.py)."""
-    h.add_argument("--kernel", choices=list(P.KERNELS), default=P.KERNEL,
-                   help=f"the guest kernel (default {P.KERNEL}); 6.12 has no "
-                        "UBLK_F_BATCH_IO: ublkd's per-I/O path, kublk without -b")
 
 
 def apply_kernel(prm, kernel, servers_key, chosen):
@@ -361,7 +261,7 @@ def link_latest(outdir, name):
 
 
 # ======================================================================================
-# results: statistics, the footer, the output files
+# results: statistics, formats, the footer, the output files
 # ======================================================================================
 
 def stats(vals):
@@ -371,6 +271,31 @@ def stats(vals):
     q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else [vals[0]] * 3
     return {"n": len(vals), "median": statistics.median(vals), "min": vals[0],
             "max": vals[-1], "q1": q[0], "q3": q[2]}
+
+
+def fmt_num(v, unit=""):
+    """A figure in a table cell: three significant digits or so, 12.3k above 10 000."""
+    if v is None:
+        return "-"
+    if v >= 100_000:
+        return f"{v / 1000:.0f}k{unit}"
+    if v >= 10_000:
+        return f"{v / 1000:.1f}k{unit}"
+    if v >= 100:
+        return f"{v:.0f}{unit}"
+    if v >= 10:
+        return f"{v:.1f}{unit}"
+    return f"{v:.2f}{unit}"
+
+
+def fms(v):
+    """Milliseconds in a table cell."""
+    return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def ruled(head):
+    """A table's first lines: its head and a rule as long."""
+    return [head, "-" * len(head)]
 
 
 def footer(results):
@@ -553,159 +478,3 @@ def zero_file(path, mb):
 def rotated(servers, rnd):
     """Round `rnd`'s order: each round starts one server later."""
     return servers[rnd % len(servers):] + servers[:rnd % len(servers)]
-
-
-# ======================================================================================
-# guest: servers
-# ======================================================================================
-
-class Ublkd:
-    """ublkd started with its own config (socket, state dir, log under /run), devices
-    added and deleted with ublkctl."""
-    SOCK = "/run/ublkd-bench.sock"
-    CFG = "/run/ublkd-bench.toml"
-    LOG = "/run/ublkd-bench.log"
-    # log lines that are expected (a regex), not counted by log_problems
-    EXPECTED = None
-
-    def __init__(self, plan, copy=False, sandbox=True, fast_release=True, build="ublkd"):
-        self.bindir = plan["paths"][build]
-        self.prm = plan["params"]
-        self.copy, self.sandbox, self.fast_release = copy, sandbox, fast_release
-        self.proc = None
-
-    def ctl(self, *a):
-        return sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
-
-    def config(self):
-        text = f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
-        if not self.fast_release:
-            text += "[recovery]\nfast_release = false\n"
-        return text
-
-    def start(self):
-        with open(self.CFG, "w") as f:
-            f.write(self.config())
-        logf = open(self.LOG, "a")
-        self.proc = subprocess.Popen([os.path.join(self.bindir, "ublkd"), "--config", self.CFG],
-                                     stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
-        end = time.monotonic() + 20
-        while not os.path.exists(self.SOCK):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ublkd exited {self.proc.returncode} at start: "
-                                   + tail(self.LOG))
-            if time.monotonic() > end:
-                raise RuntimeError("ublkd's socket did not appear within 20 s")
-            time.sleep(0.05)
-
-    def add(self, target):
-        a = ["add", "-q", str(self.prm["QUEUES"]), "-d", str(self.prm["QUEUE_DEPTH"])]
-        if target == "null":
-            a += ["-t", "null", "-s", self.prm["NULL_SIZE"]]
-        else:
-            a += ["-t", "loop", "-f", self.prm["LOOP_FILE"]]
-            if self.copy:
-                a.append("--copy")
-        if not self.sandbox:
-            a.append("--no-sandbox")
-        out = self.ctl(*a).strip().splitlines()
-        return int(out[-1])
-
-    def pids(self, dev_id):
-        pids = {self.proc.pid}
-        st = json.loads(self.ctl("status", "--json"))
-        for d in st.get("devices", []):
-            if d.get("id") == dev_id:
-                for k in ("worker_pid", "standby_pid"):
-                    if d.get(k):
-                        pids.add(int(d[k]))
-        return pids | fd_holders(f"/dev/ublkc{dev_id}")
-
-    def delete(self, dev_id):
-        self.ctl("del", "-n", str(dev_id))
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise RuntimeError("ublkd did not stop within 20 s of SIGTERM")
-        self.proc = None
-
-    @classmethod
-    def log_problems(cls):
-        """(how many, the last) of the WARN and ERROR lines in ublkd's log, but the
-        EXPECTED ones; None if there are none."""
-        if not os.path.exists(cls.LOG):
-            return None
-        errs = [ln for ln in open(cls.LOG, errors="replace")
-                if re.search(r"\b(ERROR|WARN)\b", ln)
-                and not (cls.EXPECTED and re.search(cls.EXPECTED, ln))]
-        return (len(errs), errs[-1].strip()[:300]) if errs else None
-
-
-class Peer:
-    """A peer server driven by its command line, kublk or rublk (whose `add` prints the
-    same "dev id N:" and "daemon pid P" lines): there is nothing to start or stop, its
-    daemon lives as long as its device."""
-    NEED_PID = False  # whether _parse refuses output without the daemon's pid
-
-    def __init__(self, plan, peer="kublk"):
-        self.bin = plan["paths"][peer]
-        self.prm = plan["params"]
-        self.daemon = {}
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def _parse(self, out):
-        """The device id in `add` (or `list`, `recover`) output; keeps its daemon pid."""
-        m = re.search(r"dev id (\d+):", out)
-        p = re.search(r"daemon pid (\d+)", out)
-        if self.NEED_PID and not (m and p):
-            raise RuntimeError(f"no 'dev id N:' / 'daemon pid P' in: {out.strip()[:300]}")
-        if not m:
-            raise RuntimeError(f"no 'dev id N:' in the add output: {out.strip()[:300]}")
-        dev_id = int(m.group(1))
-        if p:
-            self.daemon[dev_id] = int(p.group(1))
-        return dev_id
-
-    def pids(self, dev_id):
-        p = fd_holders(f"/dev/ublkc{dev_id}")
-        if dev_id in self.daemon:
-            p.add(self.daemon[dev_id])
-        return p
-
-    def delete(self, dev_id):
-        sh([self.bin, "del", "-n", str(dev_id)])
-
-    def log_problems(self):
-        return None
-
-
-# ======================================================================================
-
-def main(prog, doc, host_args, commands, guest_help, report_help):
-    """The command line both scripts share: `host` (the default; its flags added by
-    `host_args`), `guest PLAN` and `report DIR`, each run by `commands[name](args)`."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd")
-    h = sub.add_parser("host", help="build, run the VM, write the results (the default)")
-    host_args(h)
-    g = sub.add_parser("guest", help=guest_help)
-    g.add_argument("plan")
-    r = sub.add_parser("report", help=report_help)
-    r.add_argument("dir")
-    argv = sys.argv[1:]
-    if not argv or argv[0] not in ("host", "guest", "report", "-h", "--help"):
-        argv = ["host"] + argv
-    args = ap.parse_args(argv)
-    commands[args.cmd](args)

@@ -8,7 +8,7 @@ RUNTIME_S = 4             # fio --runtime (time_based), per run
 RAMP_S = 1                # fio --ramp_time, per run (its I/O is excluded from fio's stats)
 IDLE_S = 2                # per server turn: the server's CPU use with its device idle; 0: skip
 # (fio itself takes ~2 s to start under TCG: a run lasts RUNTIME_S + RAMP_S + ~3 s; the
-# CPU window excludes that, see measure() in bench.py. 4 s keeps the full run near 30 min.)
+# CPU window excludes that, see measure() in measure.py. 4 s keeps the full run near 30 min.)
 
 # ---- servers, in the order of round 1 (later rounds rotate it) -----------------------
 # ublkd: its defaults (loop devices zero-copy, UBLK_F_AUTO_BUF_REG, where the kernel

@@ -22,19 +22,16 @@ import resource
 import signal
 import statistics
 import subprocess
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import params as P  # noqa: E402
-import benchlib as L  # noqa: E402
-import recovery as R  # noqa: E402
-from benchlib import log, emit  # noqa: E402
+import benchlib as L
+import cli
+import params as P
+import servers as S
+from benchlib import log, emit
+from stall import kill_and_watch
 
-REC = "@@UBLKD-SCALE-REC@@ "
-META = "@@UBLKD-SCALE-META@@ "
-DONE = "@@UBLKD-SCALE-DONE@@"
+REC, META, DONE = L.markers("SCALE")
 FIO_STOP = "/run/ublkd-bench-scale.stop"
 # The issue's baseline: two processes of ~1.8 MiB PSS each per idle device (round 1).
 BEFORE_KIB = 3.6 * 1024
@@ -43,6 +40,16 @@ BEFORE_KIB = 3.6 * 1024
 # ======================================================================================
 # host
 # ======================================================================================
+
+# the flags of `host` (cli.py: the shared ones)
+HOST_ARGS = {
+    "--counts": {"help": "comma-separated device counts (default SCALE_COUNTS)"},
+    "--kills": cli.override("SCALE_KILLS"),
+    "--timeout": {"type": int,
+                  "help": "the VM run's timeout in s (default: twice the estimate)"},
+    "--out": cli.OUT,
+}
+
 
 def effective_params(args):
     prm = {k: getattr(P, k) for k in dir(P) if k.isupper()}
@@ -132,15 +139,11 @@ def table(results):
     return "\n".join(lines)
 
 
-def report(args):
-    L.report(args, summarize, table)
-
-
 # ======================================================================================
 # guest
 # ======================================================================================
 
-class Ublkd(L.Ublkd):
+class Ublkd(S.Ublkd):
     CFG = "/run/ublkd-bench-scale.toml"
     LOG = "/run/ublkd-bench-scale.log"
     EXPECTED = r"killed by signal 9\b|the worker user ublkd-worker does not exist"
@@ -314,7 +317,7 @@ def kills(u, n, prm):
         for k in range(prm["SCALE_KILLS"]):
             pid = worker_of(u, 0)
             log(f"{n} devices: kill {k + 1} of device 0's worker {pid}")
-            _, _, res = R.kill_and_watch(pid, ctr, kprm)
+            _, _, res = kill_and_watch(pid, ctr, kprm)
             if res is None:
                 raise RuntimeError("device 0's I/O did not resume within "
                                    f"{prm['SCALE_RECOVERY_TIMEOUT_S']} s of a kill")
@@ -439,16 +442,7 @@ def guest(args):
     print(DONE, flush=True)
 
 
-def host_args(h):
-    h.add_argument("--counts", help="comma-separated device counts (default SCALE_COUNTS)")
-    h.add_argument("--kills", type=int, help="override SCALE_KILLS")
-    h.add_argument("--timeout", type=int, help="the VM run's timeout in s (default: twice the estimate)")
-    h.add_argument("--out", help="results parent dir (default bench/results)")
-
-
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    L.main("bench/run scale", __doc__, host_args,
-           {"host": host, "guest": guest, "report": report},
-           guest_help="(inside the VM) run the counts of a plan",
-           report_help="re-print the table of a results dir")
+    cli.main("bench/run scale", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
+             "(inside the VM) run the counts of a plan", "re-print the table of a results dir")
