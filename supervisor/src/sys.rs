@@ -2,7 +2,7 @@
 //! loop cannot use), each as a safe function with its one SAFETY argument. Everything
 //! else goes through std or nix.
 //!
-//! Not here: starting a worker (`clone3` and what the child does before `execve`,
+//! Not here: starting a worker (`clone` and what the child does before `execve`,
 //! `worker/spawn.rs`, where the child's async-signal-safe steps must stay together) and
 //! the kernel TLS hand-over's socket options and control message (`nbd/tls.rs`, whose
 //! layouts are the kernel's TLS uapi).

@@ -49,7 +49,7 @@
 //! protection: a device whose partitions are needed runs with `sandbox = false`.
 //!
 //! Before all of these, the supervisor starts a sandboxed worker as the first process
-//! of a pid namespace of its own (`clone3` with `CLONE_NEWPID`, in
+//! of a pid namespace of its own (`clone` with `CLONE_NEWPID`, in
 //! `supervisor/src/worker/spawn.rs`): the worker sees no other process, and whatever
 //! it might start dies with it. Entering one from here would need a fork after
 //! `unshare`, with the supervisor watching a parent that is not the worker.
