@@ -24,6 +24,7 @@ mod user_recovery;
 mod workers;
 
 pub use creation::{Creation, Progress};
+pub use workers::Activating;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -71,6 +72,8 @@ pub enum DeviceError {
     NotOurs { id: u32, why: String },
     #[error("device {id} was created by ublkd but never started (a create cut short)")]
     NeverStarted { id: u32 },
+    #[error("device {id}: no worker stands by to be handed the device")]
+    NoStandby { id: u32 },
     #[error(transparent)]
     Target(#[from] TargetError),
     #[error(transparent)]
@@ -171,6 +174,10 @@ pub struct Device {
     /// recovery waits for, on later loop turns (its pidfd is polled), before the
     /// device is released from it.
     dying: Option<Worker>,
+    /// A recovery's new worker being handed the device, once the kernel released the
+    /// old one's (only while [`DeviceState::Releasing`]): the loop watches its control
+    /// socket for its answer.
+    activating: Option<Activating>,
     recoveries: u64,
     last_recovery_ms: Option<u64>,
     last_recovery_reason: Option<String>,
@@ -243,6 +250,7 @@ impl Device {
             standby: None,
             starting: None,
             dying: None,
+            activating: None,
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
@@ -315,6 +323,11 @@ impl Device {
     /// A worker a recovery killed and waits for the end of, if there is one.
     pub fn dying(&self) -> Option<&Worker> {
         self.dying.as_ref()
+    }
+
+    /// A recovery's new worker being handed the device, whose answer the loop awaits.
+    pub fn activating(&self) -> Option<&Worker> {
+        self.activating.as_ref().map(Activating::worker)
     }
 
     /// Whether the loop must look at the device on its next turn even if nothing wakes

@@ -56,6 +56,9 @@ pub struct Release {
     pub standby_wait: Option<Instant>,
     /// How long it waited for its standby (part of the stall, logged apart).
     pub standby_waited: Duration,
+    /// How long after its start the kernel released the old worker's file (set once
+    /// it has, and the new worker is being handed the device).
+    pub released: Option<Duration>,
 }
 
 /// The states without their data, for the transition table and its errors.
@@ -211,6 +214,7 @@ mod tests {
             slow: None,
             standby_wait: None,
             standby_waited: Duration::ZERO,
+            released: None,
         }
     }
 

@@ -173,6 +173,8 @@ pub struct Worker {
     fast_release: bool,
     /// When it answered Ready to its activation (`None`: not activated by this ublkd).
     activated: Option<Instant>,
+    /// How many fds its activation asked it to hold (checked against its Ready).
+    held_sent: usize,
     /// A layer ublkd could not give it as it started it (its pid namespace), added to
     /// what it reports missing once it stands by.
     spawned_without: Option<MissingLayer>,
@@ -243,7 +245,7 @@ impl Worker {
             {
                 spawned_without = Some(MissingLayer {
                     layer: SandboxLayer::Namespaces,
-                    cause: format!("clone3(CLONE_NEWPID) (its pid namespace): {e}"),
+                    cause: format!("clone(CLONE_NEWPID) (its pid namespace): {e}"),
                 });
                 spawn::spawn(&SpawnSpec { new_pid_namespace: false, ..spec })
             }
@@ -271,6 +273,7 @@ impl Worker {
             target: TargetSetup::Null,
             fast_release: false,
             activated: None,
+            held_sent: 0,
             spawned_without,
         };
         if let (Some(relay), Some(read)) = (relay, stderr_read) {
@@ -426,15 +429,16 @@ impl Worker {
     }
 
     /// Hands the worker the device (`/dev/ublkcN`) and its target's connections, if it
-    /// has any (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), and
-    /// waits until it has PREPed every tag and armed FETCH.
-    pub fn activate(
+    /// has any (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), without
+    /// waiting for its answer: it maps the device and PREPs every tag (a few
+    /// milliseconds), then says Ready on its control socket, which the loop watches
+    /// ([`Self::has_answered`]) before it takes the answer ([`Self::activation_answer`]).
+    pub fn begin_activation(
         &mut self,
         generation: u64,
         ublkc: BorrowedFd<'_>,
         target: &[OwnedFd],
-        timeout: Duration,
-    ) -> Result<Activation, WorkerError> {
+    ) -> Result<(), WorkerError> {
         let mut fds = vec![ublkc];
         fds.extend(target.iter().map(AsFd::as_fd));
         if fds.len() != 1 + self.target.activation_fds() {
@@ -446,14 +450,23 @@ impl Worker {
         fds.push(self.control.as_fd());
         fds.extend(self.stderr_copy.as_ref().map(AsFd::as_fd));
         self.send(&ToWorker::Activate { generation }, &fds)?;
-        let sent_held = fds.len() - fixed;
+        self.held_sent = fds.len() - fixed;
         // The worker has its own copy now.
         self.stderr_copy = None;
+        Ok(())
+    }
+
+    /// The worker's answer to its activation ([`Self::begin_activation`]), once it has
+    /// answered ([`Self::has_answered`]: this then does not wait), or within `timeout`.
+    pub fn activation_answer(&mut self, timeout: Duration) -> Result<Activation, WorkerError> {
         match self.receive(timeout)? {
             (FromWorker::Ready(activation), _) => {
-                if activation.held.len() != sent_held {
-                    let what =
-                        format!("held {} fds of the {sent_held} sent", activation.held.len());
+                if activation.held.len() != self.held_sent {
+                    let what = format!(
+                        "held {} fds of the {} sent",
+                        activation.held.len(),
+                        self.held_sent
+                    );
                     return Err(WorkerError::Protocol { pid: self.pid, what });
                 }
                 self.held.clone_from(&activation.held);

@@ -537,9 +537,15 @@ fn restart_limit_with_fail_io_fails_io_fast_until_ublkctl_recover() {
     const RESTART_MAX: u64 = 2;
     let (daemon, device) = budgeted_device("failio", RESTART_MAX, true, SIZE);
     let id = device.id;
-    let (dev, killed) = kill_until_restart_limit(&daemon, id);
+    let (_, killed) = kill_until_restart_limit(&daemon, id);
 
-    // LIVE, served by a worker that fails everything, and the status says so.
+    // LIVE, served by a worker that fails everything, and the status says so. That
+    // worker starts, and is handed the device, on the loop's later turns.
+    let dev = wait_for("the fail-io worker", Duration::from_secs(60), || {
+        let dev = daemon.ctl.device(id)?;
+        Ok((dev["state"] == "LIVE").then_some(dev))
+    })
+    .unwrap();
     let note = dev["note"].as_str().unwrap();
     assert!(note.contains("fails with EIO") && note.contains("fail-io"), "{note}");
     assert!(note.contains(&format!("ublkctl recover {id}")), "{note}");

@@ -289,3 +289,54 @@ fn a_worker_that_stuffs_its_control_socket_cannot_make_ublkd_wait() {
     assert_eq!(sha256(&dev), before, "the device's data changed");
     ublkd.stop();
 }
+
+/// A worker that takes its activation and never answers it (`silent-activation`: the
+/// worker a recovery hands one device to). ublkd waits for it on no turn: clients are
+/// answered in under 1 s throughout, another device's worker kill recovers with its
+/// usual stall, and once the activation's 30 s are up the device waits for an operator,
+/// whose `ublkctl recover` serves it again with its data intact.
+#[test]
+fn a_worker_that_never_answers_its_activation_holds_up_nothing_else() {
+    use std::time::{Duration, Instant};
+    use ublkd_tests::harness::ublkd::StatusProber;
+    let _s = serial();
+    let mut ublkd = hostile("silent-activation", "silent-activation", 3, "");
+    let bystander = ublkd.add(&["-n", "2", "-t", "memory", "-s", "16M"]);
+    let victim = ublkd.add(&["-n", "3", "-t", "memory", "-s", "16M"]);
+    let dev = block_dev(victim);
+    let before = fill_random(&dev);
+    let prober = StatusProber::start(&ublkd.ctl);
+    let killed = Instant::now();
+    assert!(process::signal(ublkd.worker_pid(victim), libc::SIGKILL));
+    ublkd.wait_until("the silent worker", || {
+        ublkd.log().contains("attack silent-activation: generation 2 will not answer")
+    });
+    // Another device's recovery goes on while the silent worker is awaited.
+    let pid = ublkd.worker_pid(bystander);
+    assert!(process::signal(pid, libc::SIGKILL));
+    ublkd.wait_until("the bystander's recovery", || {
+        ublkd.status_of(bystander)["recoveries"].as_u64() == Some(1)
+    });
+    let stall = ublkd.stall_after_kill(pid);
+    assert!(stall < 2_000, "the bystander's recovery stalled {stall} ms:\n{}", ublkd.log());
+    assert!(
+        killed.elapsed() < Duration::from_secs(25),
+        "the bystander recovered only after the silent worker's deadline"
+    );
+    let status = ublkd.status_of(victim);
+    assert_ne!(status["state"], "LIVE", "the silent worker serves? {status}");
+    // At its deadline the activation ends, and the device waits for an operator.
+    ublkd.wait_until("the activation's deadline", || {
+        ublkd.status_of(victim)["note"].as_str().is_some_and(|n| n.contains("did not answer"))
+    });
+    let waited = killed.elapsed();
+    assert!(waited >= Duration::from_secs(29), "the activation ended after {waited:?}");
+    let slowest = prober.finish();
+    assert!(slowest < Duration::from_secs(1), "status took {slowest:?}:\n{}", ublkd.log());
+    ublkd.ctl_ok(&["recover", &victim.to_string()]);
+    let status = ublkd.status_of(victim);
+    assert_eq!(status["state"], "LIVE", "{status}");
+    assert_eq!(sha256(&dev), before, "the device's data changed");
+    assert!(ublkd.alive(), "ublkd died:\n{}", ublkd.log());
+    ublkd.stop();
+}

@@ -67,6 +67,12 @@ pub const DROP_ZERO_COPY_BUFFERS: &str = "drop-zero-copy-buffers";
 /// device, and take it over after a restart (killing and recovering it) all the same.
 pub const FILL_CONTROL: &str = "fill-control";
 
+/// Not a sandbox attack but a worker that makes its supervisor wait for its answer:
+/// the targeted device's second incarnation (the one a recovery hands the device to)
+/// takes its activation and never answers it. ublkd must serve everything else
+/// meanwhile, end the activation at its deadline, and recover the device when asked.
+pub const SILENT_ACTIVATION: &str = "silent-activation";
+
 /// Makes [`FILL_CONTROL`] on the control thread, which then parks for good.
 pub fn fill_control(control: std::os::fd::RawFd, held: &[std::os::fd::RawFd]) {
     let into_own = held.first().map_or(0, |&ublkds_end| stuff(ublkds_end));
@@ -325,7 +331,8 @@ pub fn run(name: &str, supervisor: i32) {
         | COMMIT_UNOWNED_BATCH
         | SCRIBBLE_REGION
         | STALL_THREAD
-        | FILL_CONTROL => {}
+        | FILL_CONTROL
+        | SILENT_ACTIVATION => {}
         STDERR_FLOOD => {
             // The supervisor's own text format, a device event it never logged, and a
             // carriage return that would hide the line's start on a terminal.

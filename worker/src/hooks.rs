@@ -44,6 +44,24 @@ mod imp {
         }
     }
 
+    /// When the worker receives its activation (device `dev_id`, `generation`): with
+    /// [`attack::SILENT_ACTIVATION`], the second incarnation (a recovery's) of the
+    /// targeted device never answers it.
+    pub fn on_activate(dev_id: u32, generation: u64) {
+        if attack::requested() == Some(attack::SILENT_ACTIVATION)
+            && generation == 2
+            && attack::targets(dev_id)
+        {
+            attack::say(format!(
+                "attack {}: generation {generation} will not answer",
+                attack::SILENT_ACTIVATION
+            ));
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+
     /// On the control thread once the device `generation` is served (`per_io`: on the
     /// per-I/O path): the first incarnation makes the requested process-level attack.
     /// `control`: the worker's end of its control socket; `held`: the fds it holds for
@@ -214,6 +232,9 @@ mod imp {
 
     #[inline(always)]
     pub fn before_sandbox() {}
+
+    #[inline(always)]
+    pub fn on_activate(_dev_id: u32, _generation: u64) {}
 
     #[inline(always)]
     pub fn on_serving(_generation: u64, _per_io: bool, _control: RawFd, _held: &[RawFd]) {}

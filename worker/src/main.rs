@@ -232,6 +232,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
         // The supervisor let a standby go (or died): nothing to do.
         Err(_) => return WorkerExit::Orphaned,
     };
+    hooks::on_activate(setup.dev_id, generation);
     let activating = std::time::Instant::now();
     let dev = match standby.activate(ublkc.as_fd(), target_fds, generation) {
         Ok(dev) => Arc::new(dev),

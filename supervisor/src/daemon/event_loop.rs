@@ -104,7 +104,8 @@ impl Daemon {
                 }
                 None => {
                     for dev in self.devices.values() {
-                        for w in [dev.worker(), dev.standby(), dev.dying()].into_iter().flatten() {
+                        let workers = [dev.worker(), dev.standby(), dev.dying(), dev.activating()];
+                        for w in workers.into_iter().flatten() {
                             let fd = w.pidfd().as_raw_fd();
                             fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
                         }
@@ -116,8 +117,9 @@ impl Daemon {
             // try (see `device_table`).
             let mut starting_fds = Vec::new();
             for dev in self.devices.busy() {
-                // A starting standby answers (or hangs up) on its control socket.
-                if let Some(w) = dev.starting() {
+                // A starting standby (or a recovery's worker being handed the device)
+                // answers, or hangs up, on its control socket.
+                for w in [dev.starting(), dev.activating()].into_iter().flatten() {
                     starting_fds.push((fds.len(), dev.id()));
                     fds.push(libc::pollfd {
                         fd: w.control().as_raw_fd(),

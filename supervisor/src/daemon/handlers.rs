@@ -230,6 +230,13 @@ impl Daemon {
                 "not recovered yet: its new worker is still starting, its I/O held; {rest}"
             );
         }
+        if let Some(worker) = dev.activating() {
+            return format!(
+                "not recovered yet: its new worker (pid {}) is being handed the device, its \
+                 I/O held; {rest}",
+                worker.pid()
+            );
+        }
         // The notes say what is held.
         match dev.state().note() {
             Some(note) => format!("not recovered yet: {note}; {rest}"),

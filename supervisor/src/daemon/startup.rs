@@ -299,7 +299,8 @@ impl Daemon {
         }
         // READY (which follows) still means every adopted device is served, failed, or
         // waiting for the kernel's release (which only the loop waits for).
-        while self.devices.values().any(Device::awaiting_standby) {
+        let waiting = |dev: &Device| dev.awaiting_standby() || dev.activating().is_some();
+        while self.devices.values().any(waiting) {
             std::thread::sleep(Duration::from_millis(10));
             self.continue_recoveries();
         }

@@ -4,6 +4,7 @@
 
 #![allow(unused_imports)]
 use super::*;
+use ublkd_proto::msg::Activation;
 
 /// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
 /// written, its first worker started and sent its setup. Starting a worker (exec,
@@ -17,6 +18,8 @@ pub struct Creation {
     dev: Device,
     /// When the worker must have stood by ([`WORKER_TIMEOUT`] after its start).
     deadline: Instant,
+    /// Its worker, once standing by, being handed the device.
+    activating: Option<Box<Activating>>,
 }
 
 impl Creation {
@@ -30,41 +33,65 @@ impl Creation {
         &self.dev.spec
     }
 
-    /// The starting worker's pid, until it has answered.
+    /// The worker's pid, until the device is LIVE.
     pub fn worker_pid(&self) -> Option<u32> {
-        self.dev.starting.as_ref().map(Worker::pid)
+        let activating = self.activating.as_deref().map(Activating::worker);
+        self.dev.starting.as_ref().or(activating).map(Worker::pid)
     }
 
-    /// The starting worker's control socket: readable once it stands by, fails or
-    /// ends.
+    /// The worker's control socket: readable once it stands by (or answers its
+    /// activation), fails or ends.
     pub fn control(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.dev.starting.as_ref().map(Worker::control)
+        match &self.activating {
+            Some(activating) => Some(activating.control()),
+            None => self.dev.starting.as_ref().map(Worker::control),
+        }
     }
 
     /// When the creation fails if its worker has not answered by then.
     pub fn deadline(&self) -> Instant {
-        self.deadline
+        self.activating.as_deref().map_or(self.deadline, Activating::deadline)
     }
 
     /// Goes on once the worker has answered (or the deadline passed at `now`): hands
     /// the device to it (activation: the worker maps it and PREPs every tag, a few
-    /// milliseconds) and starts the device. A failure cleans up after itself.
+    /// milliseconds, answered on a later turn), then starts the device. A failure
+    /// cleans up after itself.
     pub fn progress(mut self, ctx: &Context, now: Instant) -> Progress {
-        let answered = self.dev.starting.as_ref().is_some_and(Worker::has_answered);
-        if !answered && now < self.deadline && self.dev.starting.is_some() {
-            return Progress::Pending(self);
-        }
         let id = self.dev.id;
-        let live = match self.dev.starting.take() {
-            Some(worker) if answered => self.dev.await_standby(worker, Duration::from_millis(100)),
-            Some(worker) => {
-                let source =
-                    WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() };
-                Err(self.dev.standby_failed(worker, source))
+        let live = if let Some(activating) = self.activating.take() {
+            if !activating.due(now) {
+                self.activating = Some(activating);
+                return Progress::Pending(self);
             }
-            None => self.dev.ensure_standby(ctx),
-        }
-        .and_then(|standby| self.dev.go_live(ctx, standby));
+            self.dev
+                .end_activation(ctx, *activating)
+                .and_then(|(worker, activation)| self.dev.go_live(ctx, worker, &activation))
+        } else {
+            let answered = self.dev.starting.as_ref().is_some_and(Worker::has_answered);
+            if !answered && now < self.deadline && self.dev.starting.is_some() {
+                return Progress::Pending(self);
+            }
+            let activating = match self.dev.starting.take() {
+                Some(worker) if answered => {
+                    self.dev.await_standby(worker, Duration::from_millis(100))
+                }
+                Some(worker) => {
+                    let source =
+                        WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() };
+                    Err(self.dev.standby_failed(worker, source))
+                }
+                None => self.dev.take_standby(),
+            }
+            .and_then(|standby| self.dev.begin_activation(ctx, standby));
+            match activating {
+                Ok(activating) => {
+                    self.activating = Some(Box::new(activating));
+                    return Progress::Pending(self);
+                }
+                Err(e) => Err(e),
+            }
+        };
         match live {
             Ok(()) => Progress::Done(Ok(self.dev)),
             Err(e) => {
@@ -80,11 +107,8 @@ impl Creation {
     pub fn abandon(self, ctx: &Context) {
         let mut dev = self.dev;
         let id = dev.id;
-        for mut worker in
-            [dev.worker.take(), dev.standby.take(), dev.starting.take(), dev.dying.take()]
-                .into_iter()
-                .flatten()
-        {
+        let activating = self.activating.map(|a| a.into_worker());
+        for mut worker in dev.take_workers().into_iter().chain(activating) {
             worker.kill();
             let pid = worker.pid();
             let how = worker.reap(Duration::ZERO);
@@ -152,7 +176,10 @@ impl Device {
         }
         // From here on, a failure deletes the half-made device.
         match Self::prepare(ctx, id, &spec, nbd) {
-            Ok(dev) => Ok(Creation { dev, deadline: Instant::now() + WORKER_TIMEOUT }),
+            Ok(dev) => {
+                let deadline = Instant::now() + WORKER_TIMEOUT;
+                Ok(Creation { dev, deadline, activating: None })
+            }
             Err(e) => {
                 if let Err(del) = ctx.ctrl.del_dev(id) {
                     tracing::error!(dev_id = id, "cleanup after a failed create: {del}");
@@ -185,10 +212,14 @@ impl Device {
         Ok(dev)
     }
 
-    /// Hands a new device to its first worker (standing by) and starts it.
-    pub(super) fn go_live(&mut self, ctx: &Context, standby: Worker) -> Result<(), DeviceError> {
+    /// Starts a new device whose first worker has just been activated.
+    pub(super) fn go_live(
+        &mut self,
+        ctx: &Context,
+        mut worker: Worker,
+        activation: &Activation,
+    ) -> Result<(), DeviceError> {
         let id = self.id;
-        let (mut worker, activation) = self.activate(ctx, standby)?;
         let started = ctx.ctrl.start_dev(id, std::process::id() as i32).map_err(DeviceError::from);
         if let Err(e) = started.and_then(|()| Ok(self.transition(DeviceState::Live)?)) {
             // Not left running beside the device it was given, which is deleted next.

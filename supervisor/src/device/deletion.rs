@@ -81,11 +81,7 @@ impl Device {
         let stopped = ctrl.stop_dev(id);
         let stop_done = Instant::now();
         let serving = self.worker.as_ref().map(Worker::pid);
-        let workers: Vec<Worker> =
-            [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
-                .into_iter()
-                .flatten()
-                .collect();
+        let workers = self.take_workers();
         // Asked at once, the workers exit side by side.
         for worker in &workers {
             worker.ask_to_exit();
@@ -151,8 +147,15 @@ impl Device {
         {
             worker.leave_serving();
         }
+        self.take_workers()
+    }
+
+    /// Every worker the device has, whatever it is doing.
+    pub(super) fn take_workers(&mut self) -> Vec<Worker> {
+        let activating = self.activating.take().map(Activating::into_worker);
         [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
             .into_iter()
+            .chain([activating])
             .flatten()
             .collect()
     }

@@ -70,6 +70,7 @@ impl Device {
             slow: None,
             standby_wait: None,
             standby_waited: Duration::ZERO,
+            released: None,
         }))?;
         if let Some(old) = self.worker.take() {
             // A live worker (an operator's recover, an upgrade) must go first: killed
@@ -88,6 +89,12 @@ impl Device {
             DeviceState::Releasing(r) if self.dying.as_ref().is_some_and(Worker::has_exited) => {
                 Some(r.started)
             }
+            // Its new worker answered its activation: due at once.
+            DeviceState::Releasing(r)
+                if self.activating.as_ref().is_some_and(|a| a.due(Instant::now())) =>
+            {
+                Some(r.started)
+            }
             DeviceState::Releasing(r) => Some(r.next_try),
             _ => None,
         }
@@ -104,6 +111,9 @@ impl Device {
     /// `Recovering`, for the recovery policy to decide on.
     pub fn continue_recovery(&mut self, ctx: &Context) -> Result<Recovery, DeviceError> {
         let id = self.id;
+        if let Some(activating) = self.activating.take() {
+            return self.continue_activation(ctx, activating);
+        }
         if let Some(old) = &self.dying {
             if !old.has_exited() {
                 if let DeviceState::Releasing(r) = &mut self.state {
@@ -157,9 +167,39 @@ impl Device {
                 return Err(e.into());
             }
         }
-        let (reason, fail_io, seen, started, standby_waited) =
-            (r.reason.clone(), r.fail_io.clone(), r.seen, r.started, r.standby_waited);
-        let finished = self.finish_recovery(ctx, &reason, fail_io, seen, started, standby_waited);
+        r.released = Some(r.started.elapsed());
+        // `standby_ready` made sure of a standby (one that fails I/O, if that is what
+        // the recovery serves with).
+        match self.take_standby().and_then(|next| self.begin_activation(ctx, next)) {
+            Ok(activating) => {
+                if let DeviceState::Releasing(r) = &mut self.state {
+                    r.next_try = activating.deadline();
+                }
+                self.activating = Some(activating);
+                Ok(Recovery::Waiting)
+            }
+            Err(e) => {
+                self.enter(DeviceState::Recovering);
+                Err(e)
+            }
+        }
+    }
+
+    /// Goes on with a recovery whose new worker is being handed the device: once it
+    /// has answered (or its time is up), ends the recovery.
+    fn continue_activation(
+        &mut self,
+        ctx: &Context,
+        activating: super::Activating,
+    ) -> Result<Recovery, DeviceError> {
+        if !activating.due(Instant::now()) {
+            if let DeviceState::Releasing(r) = &mut self.state {
+                r.next_try = activating.deadline();
+            }
+            self.activating = Some(activating);
+            return Ok(Recovery::Waiting);
+        }
+        let finished = self.finish_recovery(ctx, activating);
         if finished.is_err() {
             self.enter(DeviceState::Recovering);
         }
@@ -172,16 +212,28 @@ impl Device {
     /// socket and comes back every [`STANDBY_POLL`], so that other devices, clients and
     /// the watchdog are served meanwhile; the device's I/O stays held. A standby that
     /// fails, or does not stand by within [`WORKER_TIMEOUT`], fails the recovery, as a
-    /// wait for it did. A recovery that fails I/O starts its own worker later, waiting
-    /// for it (rare: only past the restart budget).
+    /// wait for it did. A recovery that fails I/O wants a worker that fails I/O: a
+    /// standby of the device's own target is ended, and one that fails I/O started.
     fn standby_ready(&mut self, ctx: &Context) -> Result<bool, DeviceError> {
         let DeviceState::Releasing(r) = &mut self.state else { return Ok(true) };
-        if r.fail_io.is_some() || self.standby.is_some() {
+        let fail_io = r.fail_io.is_some();
+        if fail_io {
+            // A standby for the device's own target is no use to a recovery that fails
+            // I/O: ended (reaped once it has, by `reap_lingering`), not waited for.
+            for slot in [&mut self.standby, &mut self.starting] {
+                if slot.as_ref().is_some_and(|w| w.target_setup() != TargetSetup::FailIo)
+                    && let Some(worker) = slot.take()
+                {
+                    worker.kill();
+                }
+            }
+        }
+        if self.standby.is_some() {
             return Ok(true);
         }
         let since = *r.standby_wait.get_or_insert_with(Instant::now);
         if self.starting.is_none() {
-            self.starting = Some(self.spawn_worker(ctx, false)?);
+            self.starting = Some(self.spawn_worker(ctx, fail_io)?);
         }
         let answered = self.starting.as_ref().is_some_and(Worker::has_answered);
         let timed_out = since.elapsed() >= WORKER_TIMEOUT;
@@ -310,25 +362,30 @@ impl Device {
         }
     }
 
-    /// The rest of a recovery once the kernel has released the old worker's file.
+    /// The rest of a recovery once its new worker has answered its activation.
     fn finish_recovery(
         &mut self,
         ctx: &Context,
-        reason: &str,
-        fail_io: Option<String>,
-        seen: Instant,
-        started: Instant,
-        standby_waited: Duration,
+        activating: super::Activating,
     ) -> Result<Duration, DeviceError> {
         let id = self.id;
-        let released = started.elapsed();
-        let next = if fail_io.is_some() {
-            let starting = self.spawn_worker(ctx, true)?;
-            self.await_standby(starting, WORKER_TIMEOUT)?
-        } else {
-            self.ensure_standby(ctx)?
+        let (reason, fail_io, seen, started, standby_waited, released) = match &self.state {
+            DeviceState::Releasing(r) => (
+                r.reason.clone(),
+                r.fail_io.clone(),
+                r.seen,
+                r.started,
+                r.standby_waited,
+                r.released.unwrap_or_default(),
+            ),
+            // Not reached: an activation is begun and continued only in a recovery.
+            _ => {
+                let now = Instant::now();
+                (String::from("recovery"), None, now, now, Duration::ZERO, Duration::ZERO)
+            }
         };
-        let (worker, activation) = self.activate(ctx, next)?;
+        let reason = reason.as_str();
+        let (worker, activation) = self.end_activation(ctx, activating)?;
         let activated = started.elapsed();
         ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
         let stall = seen.elapsed();

@@ -2,7 +2,7 @@
 //! without blocking the loop, and handing the device to a standby (activation).
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ublkd_config::TargetSpec;
 use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
@@ -130,17 +130,10 @@ impl Device {
         DeviceError::Worker { id, source }
     }
 
-    /// A standby now, waiting for it if need be: the one standing by, else the one on
-    /// its way, else a new one.
-    pub(super) fn ensure_standby(&mut self, ctx: &Context) -> Result<Worker, DeviceError> {
-        if let Some(worker) = self.standby.take() {
-            return Ok(worker);
-        }
-        let worker = match self.starting.take() {
-            Some(w) => w,
-            None => self.spawn_worker(ctx, false)?,
-        };
-        self.await_standby(worker, WORKER_TIMEOUT)
+    /// The worker standing by, to be handed the device. Never waited for: the loop
+    /// waits for a starting one on its turns (`standby_ready`, `Creation::progress`).
+    pub(super) fn take_standby(&mut self) -> Result<Worker, DeviceError> {
+        self.standby.take().ok_or(DeviceError::NoStandby { id: self.id })
     }
 
     /// Starts a worker from the binary now on disk, to become the standby an upgrade
@@ -220,13 +213,16 @@ impl Device {
         }
     }
 
-    /// Gives the device to `worker` (standing by) and waits until it has PREPed every
-    /// tag. The supervisor's copy of `/dev/ublkcN` is closed before this returns.
-    pub(super) fn activate(
+    /// Gives the device to `worker` (standing by) without waiting for it: the worker
+    /// maps the device and PREPs every tag, then answers on its control socket, which
+    /// the loop watches ([`Activating::control`]) before it ends the activation
+    /// ([`Self::end_activation`]). The supervisor's copy of `/dev/ublkcN` is closed
+    /// before this returns.
+    pub(super) fn begin_activation(
         &mut self,
         ctx: &Context,
         mut worker: Worker,
-    ) -> Result<(Worker, Activation), DeviceError> {
+    ) -> Result<Activating, DeviceError> {
         let id = self.id;
         self.generation = self.generation.wrapping_add(1);
         let generation = self.generation;
@@ -242,27 +238,65 @@ impl Device {
             (&self.spec.target, &mut self.nbd, worker.target_setup())
         {
             let made = link.sockets.len();
-            sockets = link.take_sockets(connections, uri.tls.is_some()).ok_or_else(|| {
-                TargetError::Nbd {
-                    uri: uri.to_string(),
-                    source: Box::new(crate::nbd::NbdError::Connect {
-                        addr: uri.to_string(),
-                        source: std::io::Error::other(format!(
-                            "{made} connection(s) made for a worker that wants {connections}"
-                        )),
-                    }),
+            let taken = link.take_sockets(connections, uri.tls.is_some());
+            sockets = match taken {
+                Some(sockets) => sockets,
+                None => {
+                    worker.kill();
+                    worker.reap(Duration::ZERO);
+                    return Err(TargetError::Nbd {
+                        uri: uri.to_string(),
+                        source: Box::new(crate::nbd::NbdError::Connect {
+                            addr: uri.to_string(),
+                            source: std::io::Error::other(format!(
+                                "{made} connection(s) made for a worker that wants {connections}"
+                            )),
+                        }),
+                    }
+                    .into());
                 }
-            })?;
+            };
         }
-        let ublkc = open_char_dev(id)?;
-        let ready = worker.activate(generation, ublkc.as_fd(), &sockets, WORKER_TIMEOUT);
+        let ublkc = match open_char_dev(id) {
+            Ok(ublkc) => ublkc,
+            Err(e) => {
+                worker.kill();
+                worker.reap(Duration::ZERO);
+                return Err(e.into());
+            }
+        };
+        let sent = worker.begin_activation(generation, ublkc.as_fd(), &sockets);
         // Close our copy now: only the worker may hold /dev/ublkcN. The connections are
         // kept, to be drained once this worker is dead (a previous worker's go now).
         drop(ublkc);
         if let Some(link) = &mut self.nbd {
             link.served = sockets;
         }
-        let activation = match ready {
+        if let Err(source) = sent {
+            let how = worker.reap(Duration::from_millis(100));
+            tracing::error!(dev_id = id, "worker failed ({how}): {source}");
+            return Err(DeviceError::Worker { id, source });
+        }
+        Ok(Activating { worker, generation, deadline: Instant::now() + WORKER_TIMEOUT })
+    }
+
+    /// Ends an activation once its worker has answered (or the deadline passed): the
+    /// worker, serving, and what it said of its activation.
+    pub(super) fn end_activation(
+        &mut self,
+        ctx: &Context,
+        activating: Activating,
+    ) -> Result<(Worker, Activation), DeviceError> {
+        let id = self.id;
+        let Activating { mut worker, generation, .. } = activating;
+        let answer = if worker.has_answered() {
+            // It has answered: the message is there, or its end.
+            worker.activation_answer(Duration::from_millis(100))
+        } else {
+            worker.kill();
+            Err(WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() })
+        };
+        let activation = match answer {
             Ok(a) => a,
             Err(source) => {
                 let how = worker.reap(Duration::from_millis(100));
@@ -280,5 +314,43 @@ impl Device {
     pub(super) fn watch_new_worker(&mut self) {
         self.hang.reset(&self.shm);
         self.hang_policy.reset();
+    }
+}
+
+/// A worker being handed its device ([`Device::begin_activation`]): the loop watches
+/// its control socket and ends the activation ([`Device::end_activation`]) once it
+/// answers or at its deadline, never waiting for it.
+#[derive(Debug)]
+pub struct Activating {
+    worker: Worker,
+    generation: u64,
+    /// When the worker must have answered ([`WORKER_TIMEOUT`] after the hand-over).
+    deadline: Instant,
+}
+
+impl Activating {
+    /// Whether the activation can end now: the worker answered (or hung up), or its
+    /// time is up.
+    pub fn due(&self, now: Instant) -> bool {
+        now >= self.deadline || self.worker.has_answered()
+    }
+
+    /// The socket on which the worker answers.
+    pub fn control(&self) -> BorrowedFd<'_> {
+        self.worker.control()
+    }
+
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The worker being activated.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Gives the activation up: its worker, to be killed with the device's others.
+    pub fn into_worker(self) -> Worker {
+        self.worker
     }
 }

@@ -67,6 +67,7 @@ impl Worker {
             target: TargetSetup::Null,
             fast_release,
             activated: None,
+            held_sent: 0,
             spawned_without: None,
         };
         worker.send(&ToWorker::Attach, &[])?;
