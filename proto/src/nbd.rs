@@ -6,6 +6,8 @@
 //! chunks of data, holes (read as zeroes, not sent) and errors, the last one marked
 //! done. Every integer on the wire is big-endian.
 
+pub mod handshake;
+
 /// The magic of every request.
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 /// The magic of every simple reply.

@@ -31,17 +31,18 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ublkd_config::{DeviceSpec, TargetSpec};
+use ublkd_config::DeviceSpec;
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
 use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 
 use crate::device_state::{DeviceState, TransitionError};
 use crate::hang::HangWatch;
+use crate::nbd::target::NbdTarget;
 use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
-use crate::target::{NbdLink, TargetError, decide_zero_copy, open_target};
+use crate::target::{TargetError, decide_zero_copy, open_target};
 use crate::worker::{Worker, WorkerError, WorkerIdentity};
 
 /// How long a worker may take to get set up, or to PREP every tag.
@@ -159,9 +160,8 @@ pub struct Device {
     target_fd: Option<OwnedFd>,
     /// Whether the loop file really is O_DIRECT (a filesystem may refuse it).
     direct: bool,
-    /// An nbd device's export: what its server said, and a connection for the next
-    /// worker if one was made ahead (at creation).
-    nbd: Option<NbdLink>,
+    /// An nbd device's export and its connections: everything particular to NBD.
+    nbd: Option<NbdTarget>,
     /// The active worker: present exactly in the states that have one
     /// ([`DeviceState::has_worker`]).
     worker: Option<Worker>,
@@ -236,7 +236,7 @@ impl Device {
         let generation = shm.generation();
         let (target_fd, direct) = open_target(&ctx.state, id, &spec)?;
         // An adopted nbd device learns its export again at its next connection.
-        let nbd = matches!(spec.target, TargetSpec::Nbd { .. }).then(NbdLink::default);
+        let nbd = NbdTarget::for_spec(&spec, None);
         Ok(Device {
             nbd,
             id,
@@ -409,21 +409,8 @@ impl Device {
             _ => None,
         };
         self.enter(DeviceState::Recovering);
-        if backend_lost
-            && let (Some(link), TargetSpec::Nbd { uri }) = (&mut self.nbd, &self.spec.target)
-            && let Some(wait) = link.backoff.broke(served_for, seen)
-        {
-            tracing::warn!(
-                dev_id = self.id,
-                event = "nbd_breaking",
-                "the NBD server {uri} keeps breaking connections ({} in a row within {} s of \
-                 being served): the next connection waits {} s; the device's I/O is held",
-                link.backoff.quick_breaks(),
-                crate::nbd::backoff::QUICK_BREAK.as_secs(),
-                wait.as_secs()
-            );
-        } else if let Some(link) = &mut self.nbd {
-            link.backoff.broke(None, seen);
+        if let Some(target) = &mut self.nbd {
+            target.after_death(self.id, backend_lost, served_for, seen);
         }
         Some(WorkerDeath { how: format!("worker {pid} {how}"), hang, backend_lost })
     }
@@ -463,17 +450,10 @@ impl Device {
         if hung.is_some() {
             return hung;
         }
-        let TargetSpec::Nbd { uri } = &self.spec.target else { return None };
-        let limit = request_timeout?;
-        let quiet = self.hang_policy.backend_wait().filter(|quiet| *quiet >= limit)?;
+        let cause =
+            self.nbd.as_ref()?.silent_server(self.hang_policy.backend_wait()?, request_timeout?)?;
         self.server_silent = true;
-        Some(format!(
-            "its NBD server {uri} has answered no request for {:.0} s \
-             (recovery.nbd_request_timeout_secs = {}): the connection counts as broken, and \
-             a fresh worker reconnects and re-issues the requests (the I/O is held)",
-            quiet.as_secs_f64(),
-            limit.as_secs()
-        ))
+        Some(cause)
     }
 
     /// Whether the worker is being replaced because its NBD server answers nothing.

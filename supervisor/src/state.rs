@@ -165,10 +165,7 @@ impl DeviceRecord {
             threads: spec.settings.threads,
             sandbox: spec.settings.sandbox,
             sandbox_optional: spec.settings.sandbox_optional.layers(),
-            uri: match &spec.target {
-                TargetSpec::Nbd { uri } => Some(uri.to_string()),
-                _ => None,
-            },
+            uri: crate::nbd::target::export_uri(spec).map(ToString::to_string),
             export: None,
         }
     }

@@ -108,7 +108,7 @@ impl Daemon {
         spec: &DeviceSpec,
         attempts: &mut u8,
     ) -> Result<AddStage, String> {
-        if !matches!(spec.target, TargetSpec::Nbd { .. }) {
+        if crate::nbd::target::export_uri(spec).is_none() {
             loop {
                 match Device::begin_create(&self.ctx, spec, None) {
                     Ok(creation) => return Ok(AddStage::Starting(Box::new(creation))),

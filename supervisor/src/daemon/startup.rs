@@ -72,7 +72,7 @@ pub(super) fn connect_exports<'a>(
     std::thread::scope(|scope| {
         let pending: Vec<_> = specs
             .map(|spec| {
-                let TargetSpec::Nbd { uri } = &spec.target else {
+                let Some(uri) = crate::nbd::target::export_uri(spec) else {
                     return Export::Done(connect_export(spec, data_path));
                 };
                 match std::thread::Builder::new()

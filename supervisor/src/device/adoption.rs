@@ -7,7 +7,6 @@ use crate::device_state::DeviceState;
 use crate::state::{DeviceRecord, OWNER_TAG};
 use crate::target::device_flags;
 use crate::worker::Worker;
-use ublkd_config::TargetSpec;
 use ublkd_proto::uapi::{self, DevState};
 
 impl Device {
@@ -51,8 +50,8 @@ impl Device {
         let mut dev = Self::open(ctx, id, spec, DeviceState::Adopted)?;
         // What the kernel device was made from: a server that comes back without a
         // feature it was told of is refused, after a restart as after a reconnect.
-        if let (Some(link), Some(export)) = (dev.nbd.as_mut(), rec.export) {
-            link.info = Some(export.info());
+        if let (Some(target), Some(export)) = (dev.nbd.as_mut(), rec.export) {
+            target.adopt_export(export);
         }
         // LIVE: a worker serves it still (the kernel moves a device whose server has
         // gone out of LIVE); else it is held for a recovery.
@@ -105,15 +104,8 @@ impl Device {
                     event = "taken_over",
                     "took over the worker a previous ublkd left serving"
                 );
-                if let (TargetSpec::Nbd { uri }, Some(link)) = (&self.spec.target, &mut self.nbd) {
-                    link.served = worker.copy_nbd_connections(&uri.transport);
-                    tracing::info!(
-                        dev_id = id,
-                        event = "nbd_connections_copied",
-                        "holding copies of the taken-over worker's {} connection(s) to the \
-                         NBD server",
-                        link.served.len()
-                    );
+                if let Some(target) = &mut self.nbd {
+                    target.took_over(id, &worker);
                 }
                 self.worker = Some(worker);
                 self.watch_new_worker();

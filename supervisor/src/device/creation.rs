@@ -4,6 +4,8 @@
 
 #![allow(unused_imports)]
 use super::*;
+use crate::nbd::link::NbdLink;
+use crate::nbd::target::NbdTarget;
 use ublkd_proto::msg::Activation;
 
 /// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
@@ -206,8 +208,9 @@ impl Device {
             DeviceRecord { export: export.map(ExportRecord::from), ..DeviceRecord::new(id, &spec) };
         ctx.state.write_record(&record).map_err(state_err)?;
         ctx.ctrl.set_params(id, &params(&spec, export))?;
+        let nbd_target = NbdTarget::for_spec(&spec, nbd);
         let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
-        dev.nbd = nbd;
+        dev.nbd = nbd_target;
         dev.starting = Some(dev.spawn_worker(ctx, false)?);
         Ok(dev)
     }

@@ -95,18 +95,10 @@ impl Device {
             }
             tracing::info!(dev_id = id, worker_pid = pid, "worker ended: {how}");
         }
-        if let Some(link) = self.nbd.take() {
+        if let Some(target) = self.nbd.take() {
             // Only once the kernel has stopped the device has every request been
             // answered: a worker told to exit before that may leave one half sent.
-            let tls = matches!(&self.spec.target, TargetSpec::Nbd { uri } if uri.tls.is_some());
-            let ended = link.close(served_cleanly && stopped.is_ok(), tls);
-            if ended > 0 {
-                tracing::info!(
-                    dev_id = id,
-                    event = "nbd_disconnected",
-                    "ended {ended} session(s) with the NBD server (NBD_CMD_DISC)"
-                );
-            }
+            target.close(id, served_cleanly && stopped.is_ok());
         }
         let workers_done = Instant::now();
         // Out of the id's place first: once deleted, the id may go to a new device.

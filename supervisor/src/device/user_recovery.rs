@@ -3,24 +3,18 @@
 //! worker's `/dev/ublkcN` released (START_USER_RECOVERY answers EBUSY until then), the
 //! standby activated, END_USER_RECOVERY. The I/O is held meanwhile, not failed.
 
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use super::{Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, WORKER_TIMEOUT};
-use ublkd_config::TargetSpec;
 
 use crate::device_state::{DeviceState, Release, StateKind};
-use crate::target::nbd_poll_connect;
+use crate::nbd::target::Readiness;
 use crate::worker::Worker;
 use ublkd_proto::msg::TargetSetup;
 
-/// The longest an nbd device in a recovery waits between two tries to reach its server.
-const NBD_RETRY_MAX: Duration = Duration::from_secs(2);
 /// How often the loop looks whether a killed worker has ended, if its pidfd has not
 /// woken it first.
 const DYING_POLL: Duration = Duration::from_millis(50);
-/// How often the loop looks whether an nbd device's connecting thread is done.
-const NBD_CONNECT_POLL: Duration = Duration::from_millis(20);
 /// How often the loop looks whether a recovery's standby stands by (its socket also
 /// wakes the loop, but the recovery goes on only once due).
 const STANDBY_POLL: Duration = Duration::from_millis(10);
@@ -267,17 +261,15 @@ impl Device {
         matches!(&self.state, DeviceState::Releasing(r) if r.standby_wait.is_some())
     }
 
-    /// For an nbd device in a recovery: whether it has a connection for its next
-    /// worker, connecting if not. A server that is not there (restarting, say) is not
-    /// a failed recovery: the device's I/O stays held and the loop tries again, less and
-    /// less often (up to every [`NBD_RETRY_MAX`]), for as long as it takes, or until
-    /// `wait_limit` (`recovery.nbd_server_wait_secs`): then the recovery goes on with a
-    /// worker that fails every I/O, until `ublkctl recover`. Status says why. Other
-    /// devices always have what they need.
+    /// For an nbd device in a recovery: whether it has the connections for its next
+    /// worker, connecting if not ([`crate::nbd::target::NbdTarget::poll_ready`]). A server that is not
+    /// there (restarting, say) is not a failed recovery: the device's I/O stays held and
+    /// the loop tries again, for as long as it takes, or until `wait_limit`
+    /// (`recovery.nbd_server_wait_secs`): then the recovery goes on with a worker that
+    /// fails every I/O, until `ublkctl recover`. Status says why. Other devices always
+    /// have what they need.
     fn nbd_connected(&mut self, wait_limit: Option<Duration>, kernel_features: u64) -> bool {
-        let (Some(link), TargetSpec::Nbd { uri }) = (&mut self.nbd, &self.spec.target) else {
-            return true;
-        };
+        let Some(target) = &mut self.nbd else { return true };
         // As many connections as the next worker was started for, or will be.
         let data_path = ublkd_proto::msg::DataPath::for_kernel(kernel_features);
         let want = match [&self.standby, &self.starting].into_iter().flatten().next() {
@@ -285,37 +277,19 @@ impl Device {
                 TargetSetup::Nbd { connections } => connections,
                 _ => 1,
             },
-            None => link.connections(&self.spec, data_path),
+            None => target.connections(&self.spec, data_path),
         };
         let DeviceState::Releasing(r) = &mut self.state else { return true };
         // A recovery that fails I/O needs no server.
         if r.fail_io.is_some() {
             return true;
         }
-        let now = Instant::now();
-        if let Some(at) = link.backoff.waiting_until(now) {
-            r.slow = Some(format!(
-                "its NBD server keeps breaking connections ({} in a row within {} s of \
-                 being served): the next connection is made in {} s; its I/O is held",
-                link.backoff.quick_breaks(),
-                crate::nbd::backoff::QUICK_BREAK.as_secs(),
-                at.duration_since(now).as_secs_f64().ceil() as u64
-            ));
-            r.next_try = at;
-            return false;
-        }
-        match nbd_poll_connect(self.id, uri, &self.spec, link, want) {
-            Poll::Ready(Ok(())) => {
-                if r.slow.take().is_some() {
-                    tracing::info!(
-                        dev_id = self.id,
-                        event = "nbd_reconnected",
-                        "reconnected to {uri}"
-                    );
-                }
+        let said = r.slow.as_deref();
+        match target.poll_ready(self.id, &self.spec, want, r.started, wait_limit, said) {
+            Readiness::Ready { made } => {
+                r.slow = None;
                 // Fewer connections answered than the standby was made for: a worker
                 // for as many as there are is started instead.
-                let made = link.sockets.len();
                 for slot in [&mut self.standby, &mut self.starting] {
                     if slot.as_ref().is_some_and(|w| {
                         matches!(w.target_setup(), TargetSetup::Nbd { connections }
@@ -329,35 +303,16 @@ impl Device {
                 }
                 true
             }
-            Poll::Pending => {
-                r.next_try = Instant::now() + NBD_CONNECT_POLL;
+            Readiness::Waiting { until, why } => {
+                if why.is_some() {
+                    r.slow = why;
+                }
+                r.next_try = until;
                 false
             }
-            Poll::Ready(Err(e)) if wait_limit.is_some_and(|limit| r.started.elapsed() >= limit) => {
-                let waited = r.started.elapsed().as_secs();
-                let cause = format!(
-                    "its NBD server has been out of reach for {waited} s ({e}); every I/O \
-                     fails with EIO (recovery.nbd_server_wait_secs): once the server is \
-                     back, run `ublkctl recover {}`",
-                    self.id
-                );
-                tracing::error!(dev_id = self.id, event = "nbd_gave_up", "{cause}");
+            Readiness::GaveUp { cause } => {
                 r.fail_io = Some(cause);
                 true
-            }
-            Poll::Ready(Err(e)) => {
-                let why = format!(
-                    "waiting for the NBD server ({e}); its I/O is held, and ublkd tries \
-                     again every {} s at most",
-                    NBD_RETRY_MAX.as_secs()
-                );
-                if r.slow.as_deref() != Some(why.as_str()) {
-                    tracing::warn!(dev_id = self.id, event = "nbd_unreachable", "{why}");
-                }
-                r.slow = Some(why);
-                r.delay = (r.delay * 2).clamp(Duration::from_millis(100), NBD_RETRY_MAX);
-                r.next_try = Instant::now() + r.delay;
-                false
             }
         }
     }

@@ -8,9 +8,7 @@ use ublkd_config::TargetSpec;
 use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
-use crate::target::{
-    MAX_IO_BUF_BYTES, TargetError, fast_release_supported, open_char_dev, zero_copy,
-};
+use crate::target::{MAX_IO_BUF_BYTES, fast_release_supported, open_char_dev, zero_copy};
 use crate::worker::{AttachClaim, Worker, WorkerError, WorkerSandbox};
 
 impl Device {
@@ -42,7 +40,7 @@ impl Device {
     ///
     /// [`NbdLink::connections`]: crate::target::NbdLink::connections
     pub(super) fn nbd_connections(&self, data_path: DataPath) -> u8 {
-        self.nbd.as_ref().map_or(1, |link| link.connections(&self.spec, data_path))
+        self.nbd.as_ref().map_or(1, |target| target.connections(&self.spec, data_path))
     }
 
     /// Starts a worker and sends it its setup (region and target to map, buffers and
@@ -234,26 +232,15 @@ impl Device {
         // An nbd worker gets its connections with the device (a fail-io one none), all
         // made ahead on a thread (at creation, or by the recovery).
         let mut sockets = Vec::new();
-        if let (TargetSpec::Nbd { uri }, Some(link), TargetSetup::Nbd { connections }) =
-            (&self.spec.target, &mut self.nbd, worker.target_setup())
+        if let (Some(target), TargetSetup::Nbd { connections }) =
+            (&mut self.nbd, worker.target_setup())
         {
-            let made = link.sockets.len();
-            let taken = link.take_sockets(connections, uri.tls.is_some());
-            sockets = match taken {
-                Some(sockets) => sockets,
-                None => {
+            sockets = match target.hand_over(connections) {
+                Ok(sockets) => sockets,
+                Err(e) => {
                     worker.kill();
                     worker.reap(Duration::ZERO);
-                    return Err(TargetError::Nbd {
-                        uri: uri.to_string(),
-                        source: Box::new(crate::nbd::NbdError::Connect {
-                            addr: uri.to_string(),
-                            source: std::io::Error::other(format!(
-                                "{made} connection(s) made for a worker that wants {connections}"
-                            )),
-                        }),
-                    }
-                    .into());
+                    return Err(e.into());
                 }
             };
         }
@@ -269,8 +256,8 @@ impl Device {
         // Close our copy now: only the worker may hold /dev/ublkcN. The connections are
         // kept, to be drained once this worker is dead (a previous worker's go now).
         drop(ublkc);
-        if let Some(link) = &mut self.nbd {
-            link.served = sockets;
+        if let Some(target) = &mut self.nbd {
+            target.keep_served(sockets);
         }
         if let Err(source) = sent {
             let how = worker.reap(Duration::from_millis(100));

@@ -19,8 +19,8 @@
 use std::io::{self, Read, Write};
 use std::time::Duration;
 
-use super::wire::*;
 use super::{BlockSizes, ExportInfo, NbdError};
+use ublkd_proto::nbd::handshake::*;
 
 /// The longest option reply ublkd reads: an `NBD_REP_INFO` carrying a name or an
 /// error carrying a message, each a protocol string (at most 4096 bytes), plus its type.

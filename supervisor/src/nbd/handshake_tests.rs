@@ -4,7 +4,6 @@
 use std::io::{self, Cursor, Read, Write};
 use std::time::Duration;
 
-use super::super::wire::*;
 use super::*;
 
 /// A server that sends `script` whatever the client says, and records what it says.

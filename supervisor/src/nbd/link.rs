@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use ublkd_config::{DeviceSpec, NbdUri, TargetSpec};
+use ublkd_config::{DeviceSpec, NbdUri};
 use ublkd_proto::msg::{DataPath, MAX_NBD_CONNECTIONS};
 
 use super::backoff::Backoff;
@@ -120,7 +120,7 @@ pub fn connect_export(
     spec: &DeviceSpec,
     data_path: DataPath,
 ) -> Result<Option<NbdLink>, TargetError> {
-    let TargetSpec::Nbd { uri } = &spec.target else { return Ok(None) };
+    let Some(uri) = super::target::export_uri(spec) else { return Ok(None) };
     let wanted = |info: &ExportInfo| connections_for(spec, Some(info), data_path);
     match connect_set(uri, wanted, NBD_HANDSHAKE_TIMEOUT) {
         Ok(set) => {

@@ -16,8 +16,8 @@ pub mod backoff;
 mod error;
 mod handshake;
 pub mod link;
+pub mod target;
 mod tls;
-pub mod wire;
 
 pub use error::{KERNEL_MIN_REQUEST, NbdError};
 pub use tls::close_notify;
@@ -31,6 +31,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ublkd_config::{MAX_BLOCK_SIZE, MAX_SIZE_BYTES, NbdTransport, NbdUri, format_size};
+use ublkd_proto::nbd::handshake as handshake_wire;
 
 /// An export's block size constraints, as its server advertised them
 /// (`NBD_INFO_BLOCK_SIZE`; proto.md "Block size constraints").
@@ -71,37 +72,37 @@ impl ExportInfo {
 
     /// The server refuses writes.
     pub fn read_only(&self) -> bool {
-        self.flag(wire::FLAG_READ_ONLY)
+        self.flag(handshake_wire::FLAG_READ_ONLY)
     }
 
     /// The server takes `NBD_CMD_FLUSH`.
     pub fn can_flush(&self) -> bool {
-        self.flag(wire::FLAG_SEND_FLUSH)
+        self.flag(handshake_wire::FLAG_SEND_FLUSH)
     }
 
     /// The server takes `NBD_CMD_FLAG_FUA`.
     pub fn can_fua(&self) -> bool {
-        self.flag(wire::FLAG_SEND_FUA)
+        self.flag(handshake_wire::FLAG_SEND_FUA)
     }
 
     /// The server takes `NBD_CMD_TRIM`.
     pub fn can_trim(&self) -> bool {
-        self.flag(wire::FLAG_SEND_TRIM)
+        self.flag(handshake_wire::FLAG_SEND_TRIM)
     }
 
     /// The server takes `NBD_CMD_WRITE_ZEROES`.
     pub fn can_write_zeroes(&self) -> bool {
-        self.flag(wire::FLAG_SEND_WRITE_ZEROES)
+        self.flag(handshake_wire::FLAG_SEND_WRITE_ZEROES)
     }
 
     /// Several connections to the export see each other's flushed writes.
     pub fn can_multi_conn(&self) -> bool {
-        self.flag(wire::FLAG_CAN_MULTI_CONN)
+        self.flag(handshake_wire::FLAG_CAN_MULTI_CONN)
     }
 
     /// The export behaves like a spinning disk.
     pub fn rotational(&self) -> bool {
-        self.flag(wire::FLAG_ROTATIONAL)
+        self.flag(handshake_wire::FLAG_ROTATIONAL)
     }
 }
 
@@ -249,8 +250,8 @@ pub fn drain(sockets: Vec<OwnedFd>, deadline: Instant) -> usize {
 /// `NBD_CMD_DISC`: magic, flags 0, type, handle 0, offset 0, length 0.
 pub(crate) fn disconnect_request() -> [u8; 28] {
     let mut request = [0u8; 28];
-    request[..4].copy_from_slice(&wire::REQUEST_MAGIC.to_be_bytes());
-    request[6..8].copy_from_slice(&wire::CMD_DISC.to_be_bytes());
+    request[..4].copy_from_slice(&ublkd_proto::nbd::REQUEST_MAGIC.to_be_bytes());
+    request[6..8].copy_from_slice(&ublkd_proto::nbd::CMD_DISC.to_be_bytes());
     request
 }
 
@@ -457,7 +458,7 @@ mod tests {
     fn export(size: u64, min: Option<u32>) -> ExportInfo {
         ExportInfo {
             size,
-            transmission_flags: wire::FLAG_HAS_FLAGS,
+            transmission_flags: handshake_wire::FLAG_HAS_FLAGS,
             block_sizes: min.map(|min| BlockSizes { min, preferred: 4096, max: u32::MAX }),
             structured_replies: false,
             tls: false,
@@ -503,7 +504,7 @@ mod tests {
     #[test]
     fn export_info_reads_as_one_line_with_every_flag_it_has() {
         let mut info = export(1 << 30, Some(512));
-        info.transmission_flags |= wire::FLAG_READ_ONLY | wire::FLAG_SEND_FLUSH;
+        info.transmission_flags |= handshake_wire::FLAG_READ_ONLY | handshake_wire::FLAG_SEND_FLUSH;
         assert_eq!(
             info.to_string(),
             "1G (1073741824 bytes), block sizes 512/4096/4294967295 (min/preferred/max), \

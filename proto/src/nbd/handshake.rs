@@ -1,5 +1,6 @@
-//! The NBD protocol's numbers, all in one place, each with the section of the protocol
-//! document that defines it: <https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md>.
+//! The NBD protocol's handshake numbers (the supervisor negotiates; workers only
+//! speak the transmission phase, whose numbers are in the parent module), each with
+//! the section of the protocol document that defines it: <https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md>.
 //! Every integer on the wire is big-endian ("network byte order", "Conventions").
 
 // "Handshake" > "Oldstyle negotiation" / "Newstyle negotiation".
@@ -95,9 +96,6 @@ pub const INFO_NAME: u16 = 1;
 pub const INFO_DESCRIPTION: u16 = 2;
 /// Minimum, preferred and maximum block size (32 bits each); length 14 with the type.
 pub const INFO_BLOCK_SIZE: u16 = 3;
-
-// "Transmission": what the workers speak, in proto (the supervisor only disconnects).
-pub use ublkd_proto::nbd::{CMD_DISC, REQUEST_MAGIC};
 
 // "Block size constraints".
 /// The largest minimum block size a server may advertise.
