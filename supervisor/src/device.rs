@@ -24,7 +24,6 @@ mod user_recovery;
 mod workers;
 
 pub use creation::{Creation, Progress};
-pub use workers::Activating;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -36,14 +35,14 @@ use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
 use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
 use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 
-use crate::device_state::{DeviceState, TransitionError};
+use crate::device_state::{DeviceState, StateKind, TransitionError};
 use crate::hang::HangWatch;
 use crate::nbd::target::NbdTarget;
 use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::target::{TargetError, decide_zero_copy, open_target};
-use crate::worker::{Worker, WorkerError, WorkerIdentity};
+use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
 
 /// How long a worker may take to get set up, or to PREP every tag.
 const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -162,22 +161,9 @@ pub struct Device {
     direct: bool,
     /// An nbd device's export and its connections: everything particular to NBD.
     nbd: Option<NbdTarget>,
-    /// The active worker: present exactly in the states that have one
-    /// ([`DeviceState::has_worker`]).
-    worker: Option<Worker>,
-    /// Set up and waiting, so a recovery does not wait for a process to start.
-    standby: Option<Worker>,
-    /// A standby on its way: sent its setup, not yet standing by. The poll loop
-    /// watches its control socket, so starting one never blocks the supervisor.
-    starting: Option<Worker>,
-    /// A worker a recovery killed (an operator's recover, an upgrade), whose end the
-    /// recovery waits for, on later loop turns (its pidfd is polled), before the
-    /// device is released from it.
-    dying: Option<Worker>,
-    /// A recovery's new worker being handed the device, once the kernel released the
-    /// old one's (only while [`DeviceState::Releasing`]): the loop watches its control
-    /// socket for its answer.
-    activating: Option<Activating>,
+    /// The next worker, started ahead so that a recovery does not wait for a process
+    /// to start. The workers that have the device are in its state.
+    spare: Spare,
     recoveries: u64,
     last_recovery_ms: Option<u64>,
     last_recovery_reason: Option<String>,
@@ -208,7 +194,7 @@ impl Device {
         spec: DeviceSpec,
         state: DeviceState,
     ) -> Result<Device, DeviceError> {
-        let fresh = state == DeviceState::Starting;
+        let fresh = state.kind() == StateKind::Starting;
         let state_err = |source| DeviceError::State { id, source };
         let geometry = Geometry {
             dev_id: id,
@@ -246,11 +232,7 @@ impl Device {
             shm_fd,
             target_fd,
             direct,
-            worker: None,
-            standby: None,
-            starting: None,
-            dying: None,
-            activating: None,
+            spare: Spare::None,
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
@@ -307,27 +289,44 @@ impl Device {
 
     /// The worker serving the device, if one does.
     pub fn worker(&self) -> Option<&Worker> {
-        self.worker.as_ref()
+        self.state.worker()
     }
 
     /// The worker standing by for the next recovery, if one does.
     pub fn standby(&self) -> Option<&Worker> {
-        self.standby.as_ref()
+        match &self.spare {
+            Spare::StandingBy(worker) => Some(worker),
+            _ => None,
+        }
     }
 
     /// The standby on its way, if one is.
     pub fn starting(&self) -> Option<&Worker> {
-        self.starting.as_ref()
+        match &self.spare {
+            Spare::Starting(worker) => Some(worker),
+            _ => None,
+        }
+    }
+
+    /// The standby on its way, taken out of the device, if there is one.
+    fn take_starting(&mut self) -> Option<Worker> {
+        match std::mem::take(&mut self.spare) {
+            Spare::Starting(worker) => Some(worker),
+            other => {
+                self.spare = other;
+                None
+            }
+        }
     }
 
     /// A worker a recovery killed and waits for the end of, if there is one.
     pub fn dying(&self) -> Option<&Worker> {
-        self.dying.as_ref()
+        self.state.dying()
     }
 
     /// A recovery's new worker being handed the device, whose answer the loop awaits.
     pub fn activating(&self) -> Option<&Worker> {
-        self.activating.as_ref().map(Activating::worker)
+        self.state.activating().map(Activating::worker)
     }
 
     /// Whether the loop must look at the device on its next turn even if nothing wakes
@@ -335,8 +334,8 @@ impl Device {
     /// not yet ended. A device without any of these changes only when a worker of it
     /// ends (its pidfd wakes the loop), on the tick's hang scan, or by a request.
     pub fn needs_turns(&self) -> bool {
-        self.starting.is_some()
-            || self.dying.is_some()
+        self.starting().is_some()
+            || self.dying().is_some()
             || self.standby_schedule.due().is_some()
             || self.release_due().is_some()
     }
@@ -361,18 +360,46 @@ impl Device {
 
     /// Moves the device to `to` if the state machine allows it
     /// ([`crate::device_state::StateKind::may_become`]); a refusal leaves the state
-    /// as it is and is logged.
+    /// as it is and is logged. Either way no worker is let go still running: those the
+    /// old state held (a dead one, or one a recovery gave up) or, on a refusal, those
+    /// `to` holds are killed (and reaped once they end).
     pub fn transition(&mut self, to: DeviceState) -> Result<(), TransitionError> {
-        match self.state.check(self.id, &to) {
-            Ok(()) => {
-                self.state = to;
-                Ok(())
-            }
-            Err(e) => {
-                tracing::error!(dev_id = self.id, event = "illegal_transition", "{e}");
-                Err(e)
-            }
+        let kind = to.kind();
+        let mut to = Some(to);
+        let moved = self.transition_with(kind, |old| {
+            kill_all(old.into_workers());
+            to.take().expect("made once")
+        });
+        if let Some(refused) = to {
+            kill_all(refused.into_workers());
         }
+        moved
+    }
+
+    /// Moves the device to a state of kind `to`, made by `make` from the old one (so
+    /// that a worker moves from one to the other), if the state machine allows it; a
+    /// refusal leaves the state as it is, and is logged.
+    fn transition_with(
+        &mut self,
+        to: StateKind,
+        make: impl FnOnce(DeviceState) -> DeviceState,
+    ) -> Result<(), TransitionError> {
+        if let Err(e) = self.state.check(self.id, to) {
+            tracing::error!(dev_id = self.id, event = "illegal_transition", "{e}");
+            return Err(e);
+        }
+        let old = std::mem::replace(&mut self.state, DeviceState::Recovering);
+        self.state = make(old);
+        Ok(())
+    }
+
+    /// Serves the device with `worker`, LIVE or (with `failing`) failing every I/O for
+    /// that cause. Refused, the worker is killed.
+    fn serve(&mut self, worker: Worker, failing: Option<String>) -> Result<(), TransitionError> {
+        self.transition(match failing {
+            Some(cause) => DeviceState::FailingIo { cause, worker },
+            None => DeviceState::Live { worker },
+        })
     }
 
     /// [`Self::transition`] where a refusal needs nothing more than its log line.
@@ -387,25 +414,30 @@ impl Device {
 
     /// Records why the active worker is about to be killed as hung.
     pub fn mark_hung(&mut self, cause: String) {
-        self.enter(DeviceState::Hung { cause });
+        let _refused_and_logged = self.transition_with(StateKind::Hung, |old| match old {
+            DeviceState::Live { worker }
+            | DeviceState::Hung { worker, .. }
+            | DeviceState::FailingIo { worker, .. } => DeviceState::Hung { cause, worker },
+            // Not reached: only a state with a worker may become Hung.
+            other => other,
+        });
     }
 
     /// If the active worker exited, reaps it and says how, and leaves the device
     /// `Recovering`; `seen` is when its death became visible (its pidfd readable), from
     /// which the next recovery counts its stall.
     pub fn worker_exited(&mut self, seen: Instant) -> Option<WorkerDeath> {
-        let w = self.worker.as_mut()?;
+        let w = self.state.worker_mut()?;
         let how = w.exited()?;
         // A connection that answers nothing is as lost as one that broke.
         let backend_lost = w.lost_backend() || std::mem::take(&mut self.server_silent);
         let pid = w.pid();
         let served_for = w.served_for();
         w.release_device();
-        self.worker = None;
         self.worker_restarts += 1;
         self.death_seen = Some(seen);
         let hang = match &self.state {
-            DeviceState::Hung { cause } => Some(cause.clone()),
+            DeviceState::Hung { cause, .. } => Some(cause.clone()),
             _ => None,
         };
         self.enter(DeviceState::Recovering);
@@ -423,10 +455,10 @@ impl Device {
 
     /// If the standby exited, reaps it and says how.
     pub fn standby_exited(&mut self) -> Option<String> {
-        let w = self.standby.as_mut()?;
+        let Spare::StandingBy(w) = &mut self.spare else { return None };
         let how = w.exited()?;
         let pid = w.pid();
-        self.standby = None;
+        self.spare = Spare::None;
         Some(format!("standby worker {pid} {how}"))
     }
 
@@ -444,7 +476,7 @@ impl Device {
         timeout: Duration,
         request_timeout: Option<Duration>,
     ) -> Option<String> {
-        let pid = self.worker.as_ref()?.pid();
+        let pid = self.worker()?.pid();
         let verdict = self.hang.check(now, disks, &self.shm, pid, timeout);
         let hung = self.hang_policy.judge(self.id, pid, verdict);
         if hung.is_some() {
@@ -454,6 +486,12 @@ impl Device {
             self.nbd.as_ref()?.silent_server(self.hang_policy.backend_wait()?, request_timeout?)?;
         self.server_silent = true;
         Some(cause)
+    }
+
+    /// Whether the hang watch must look at the device on every tick (see
+    /// [`crate::hang::HangWatch::watched`]).
+    pub fn hang_watched(&self) -> bool {
+        self.worker().is_some() && self.hang.watched()
     }
 
     /// Whether the worker is being replaced because its NBD server answers nothing.
@@ -466,14 +504,59 @@ impl Device {
     /// without a worker (waiting for an operator or a release) and idle ones count as
     /// fine: they are not wedged, they are waiting.
     pub fn progressing(&self, now: Instant, limit: Duration) -> bool {
-        self.worker.is_none() || self.hang.quiet_for(now) <= limit
+        self.worker().is_none() || self.hang.quiet_for(now) <= limit
     }
 
     /// Kills the active worker (its death is then handled like any other).
     pub fn kill_worker(&mut self) {
-        if let Some(w) = &mut self.worker {
+        if let Some(w) = self.worker() {
             w.kill();
         }
+    }
+}
+
+/// A device's next worker, started ahead of need: at most one at a time.
+#[derive(Debug, Default)]
+enum Spare {
+    #[default]
+    None,
+    /// Sent its setup, not yet standing by. The loop watches its control socket, so
+    /// starting one never blocks the supervisor.
+    Starting(Worker),
+    /// Set up and waiting for a device to be handed.
+    StandingBy(Worker),
+}
+
+impl Spare {
+    /// The spare worker, starting or standing by.
+    fn worker(&self) -> Option<&Worker> {
+        match self {
+            Spare::None => None,
+            Spare::Starting(worker) | Spare::StandingBy(worker) => Some(worker),
+        }
+    }
+
+    /// Kills the spare (reaped once it ends, by `reap_lingering`) if `unfit` says so.
+    fn end_if(&mut self, unfit: impl FnOnce(&Worker) -> bool) {
+        if self.worker().is_some_and(unfit)
+            && let Some(worker) = self.take()
+        {
+            worker.kill();
+        }
+    }
+
+    fn take(&mut self) -> Option<Worker> {
+        match std::mem::take(self) {
+            Spare::None => None,
+            Spare::Starting(worker) | Spare::StandingBy(worker) => Some(worker),
+        }
+    }
+}
+
+/// Kills `workers` (reaped once they end, by `reap_lingering`, not waited for).
+fn kill_all(workers: Vec<Worker>) {
+    for worker in workers {
+        worker.kill();
     }
 }
 

@@ -4,40 +4,45 @@
 //!
 //! The state carries what the operator is told: the cause of a hang, of a wait for an
 //! operator or of failing I/O, and a slow release's message. `ublkctl status` and the
-//! systemd status line are derived from it.
+//! systemd status line are derived from it. It also holds the worker processes that
+//! have the device, in the states that have them: the one serving it (LIVE, hung, or
+//! failing I/O), and during a recovery the one killed and the one being handed the
+//! device. A state without a worker cannot name one.
 
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use crate::worker::{Activating, Worker};
+
 /// A device's state.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum DeviceState {
     /// Being created: set up, its first worker not yet started.
     Starting,
     /// Found in the state dir by a new ublkd: its worker not yet taken over, nor the
     /// device recovered.
     Adopted,
-    /// Served by a worker.
-    Live,
+    /// Served by `worker`.
+    Live { worker: Worker },
     /// Its worker was found hung and killed; the death, once seen, starts a recovery
     /// whose reason is `cause`.
-    Hung { cause: String },
+    Hung { cause: String, worker: Worker },
     /// Without a worker, a recovery about to start (or one that stopped, until the
     /// recovery policy says what the device does next).
     Recovering,
-    /// A recovery waits for the kernel to release the old worker's `/dev/ublkcN`; the
-    /// device's I/O is held meanwhile.
-    Releasing(Release),
+    /// A recovery waits for the kernel to release the old worker's `/dev/ublkcN`, then
+    /// for its new worker's answer; the device's I/O is held meanwhile.
+    Releasing(Box<Release>),
     /// Not served, its I/O held (QUIESCED), until `ublkctl recover`: the restart limit
     /// was reached or a recovery failed.
     WaitingForOperator { cause: String },
-    /// Served by a worker that fails every I/O with EIO (the restart limit's
+    /// Served by `worker`, which fails every I/O with EIO (the restart limit's
     /// `on_restart_limit = "fail-io"`), until `ublkctl recover`.
-    FailingIo { cause: String },
+    FailingIo { cause: String, worker: Worker },
 }
 
 /// A recovery waiting for the kernel's release of the old worker's `/dev/ublkcN`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Release {
     /// Why the device is being recovered (the log's reason).
     pub reason: String,
@@ -59,6 +64,35 @@ pub struct Release {
     /// How long after its start the kernel released the old worker's file (set once
     /// it has, and the new worker is being handed the device).
     pub released: Option<Duration>,
+    /// The worker the recovery killed (an operator's recover, an upgrade), whose end it
+    /// waits for, on later loop turns (its pidfd is polled), before the device is
+    /// released from it.
+    pub dying: Option<Worker>,
+    /// The new worker being handed the device, once the kernel released the old one's:
+    /// the loop watches its control socket for its answer.
+    pub activating: Option<Activating>,
+}
+
+impl Release {
+    /// A recovery for `reason` that starts now, its I/O held from `seen`; `fail_io`: the
+    /// cause it then serves with, failing every I/O.
+    pub fn new(reason: String, fail_io: Option<String>, seen: Instant) -> Release {
+        let started = Instant::now();
+        Release {
+            reason,
+            fail_io,
+            seen,
+            started,
+            next_try: started,
+            delay: Duration::from_micros(200),
+            slow: None,
+            standby_wait: None,
+            standby_waited: Duration::ZERO,
+            released: None,
+            dying: None,
+            activating: None,
+        }
+    }
 }
 
 /// The states without their data, for the transition table and its errors.
@@ -146,7 +180,7 @@ impl DeviceState {
         match self {
             DeviceState::Starting => StateKind::Starting,
             DeviceState::Adopted => StateKind::Adopted,
-            DeviceState::Live => StateKind::Live,
+            DeviceState::Live { .. } => StateKind::Live,
             DeviceState::Hung { .. } => StateKind::Hung,
             DeviceState::Recovering => StateKind::Recovering,
             DeviceState::Releasing(_) => StateKind::Releasing,
@@ -155,9 +189,9 @@ impl DeviceState {
         }
     }
 
-    /// Checks that device `id` may go from this state to `to`.
-    pub fn check(&self, id: u32, to: &DeviceState) -> Result<(), TransitionError> {
-        let (from, to) = (self.kind(), to.kind());
+    /// Checks that device `id` may go from this state to one of kind `to`.
+    pub fn check(&self, id: u32, to: StateKind) -> Result<(), TransitionError> {
+        let from = self.kind();
         if from.may_become(to) {
             Ok(())
         } else {
@@ -167,7 +201,59 @@ impl DeviceState {
 
     /// Whether a worker serves the device in this state.
     pub fn has_worker(&self) -> bool {
-        matches!(self, DeviceState::Live | DeviceState::Hung { .. } | DeviceState::FailingIo { .. })
+        self.worker().is_some()
+    }
+
+    /// The worker serving the device, in the states that have one.
+    pub fn worker(&self) -> Option<&Worker> {
+        match self {
+            DeviceState::Live { worker }
+            | DeviceState::Hung { worker, .. }
+            | DeviceState::FailingIo { worker, .. } => Some(worker),
+            _ => None,
+        }
+    }
+
+    pub fn worker_mut(&mut self) -> Option<&mut Worker> {
+        match self {
+            DeviceState::Live { worker }
+            | DeviceState::Hung { worker, .. }
+            | DeviceState::FailingIo { worker, .. } => Some(worker),
+            _ => None,
+        }
+    }
+
+    /// A recovery's worker killed and not yet ended, if there is one.
+    pub fn dying(&self) -> Option<&Worker> {
+        match self {
+            DeviceState::Releasing(r) => r.dying.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// A recovery's new worker being handed the device, if there is one.
+    pub fn activating(&self) -> Option<&Activating> {
+        match self {
+            DeviceState::Releasing(r) => r.activating.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// Every worker the state holds, taken out of it (which leaves it without any).
+    pub fn into_workers(self) -> Vec<Worker> {
+        match self {
+            DeviceState::Live { worker }
+            | DeviceState::Hung { worker, .. }
+            | DeviceState::FailingIo { worker, .. } => vec![worker],
+            DeviceState::Releasing(r) => {
+                let Release { dying, activating, .. } = *r;
+                dying.into_iter().chain(activating.map(Activating::into_worker)).collect()
+            }
+            DeviceState::Starting
+            | DeviceState::Adopted
+            | DeviceState::Recovering
+            | DeviceState::WaitingForOperator { .. } => Vec::new(),
+        }
     }
 
     /// Whether the device is served by a worker that fails every I/O.
@@ -180,11 +266,11 @@ impl DeviceState {
         match self {
             DeviceState::Starting
             | DeviceState::Adopted
-            | DeviceState::Live
+            | DeviceState::Live { .. }
             | DeviceState::Recovering => None,
-            DeviceState::Hung { cause }
+            DeviceState::Hung { cause, .. }
             | DeviceState::WaitingForOperator { cause }
-            | DeviceState::FailingIo { cause } => Some(cause),
+            | DeviceState::FailingIo { cause, .. } => Some(cause),
             DeviceState::Releasing(r) => r.slow.as_deref().or(r.fail_io.as_deref()),
         }
     }
@@ -202,33 +288,22 @@ impl DeviceState {
 mod tests {
     use super::*;
 
-    fn release(fail_io: Option<&str>) -> Release {
-        let now = Instant::now();
-        Release {
-            reason: "worker died".into(),
-            fail_io: fail_io.map(String::from),
-            seen: now,
-            started: now,
-            next_try: now,
-            delay: Duration::ZERO,
-            slow: None,
-            standby_wait: None,
-            standby_waited: Duration::ZERO,
-            released: None,
-        }
+    fn release(fail_io: Option<&str>) -> Box<Release> {
+        Box::new(Release::new("worker died".into(), fail_io.map(String::from), Instant::now()))
     }
 
     fn example(kind: StateKind) -> DeviceState {
         let cause = "why".to_string();
+        let worker = Worker::stand_in;
         match kind {
             StateKind::Starting => DeviceState::Starting,
             StateKind::Adopted => DeviceState::Adopted,
-            StateKind::Live => DeviceState::Live,
-            StateKind::Hung => DeviceState::Hung { cause },
+            StateKind::Live => DeviceState::Live { worker: worker() },
+            StateKind::Hung => DeviceState::Hung { cause, worker: worker() },
             StateKind::Recovering => DeviceState::Recovering,
             StateKind::Releasing => DeviceState::Releasing(release(None)),
             StateKind::WaitingForOperator => DeviceState::WaitingForOperator { cause },
-            StateKind::FailingIo => DeviceState::FailingIo { cause },
+            StateKind::FailingIo => DeviceState::FailingIo { cause, worker: worker() },
         }
     }
 
@@ -256,7 +331,7 @@ mod tests {
     #[test]
     fn every_allowed_transition_is_accepted() {
         for (from, to) in ALLOWED {
-            assert_eq!(example(from).check(7, &example(to)), Ok(()), "{from} -> {to}");
+            assert_eq!(example(from).check(7, to), Ok(()), "{from} -> {to}");
         }
     }
 
@@ -267,7 +342,7 @@ mod tests {
                 if ALLOWED.contains(&(from, to)) {
                     continue;
                 }
-                let err = example(from).check(7, &example(to)).unwrap_err();
+                let err = example(from).check(7, to).unwrap_err();
                 assert_eq!(err, TransitionError::IllegalTransition { id: 7, from, to });
                 let text = err.to_string();
                 assert!(
@@ -307,6 +382,7 @@ mod tests {
             assert_eq!(state.note(), note, "{state:?}");
             assert_eq!(state.failing_io(), failing_io, "{state:?}");
             assert_eq!(state.summary(), summary, "{state:?}");
+            assert_eq!(state.has_worker(), state.worker().is_some(), "{state:?}");
         }
         let mut slow = release(Some("limit"));
         slow.slow = Some("waiting for the kernel".into());

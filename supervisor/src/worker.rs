@@ -408,6 +408,35 @@ impl Worker {
         copy_rings(self.pidfd.as_fd(), self.pid, named)
     }
 
+    /// A worker that is none, for tests of what holds workers: a process that has
+    /// ended (signalling it does nothing) and a control socket nobody reads.
+    #[cfg(test)]
+    pub fn stand_in() -> Worker {
+        let mut child = std::process::Command::new("true").spawn().expect("true runs");
+        // Opened before the reap, so that it names that process and no later one.
+        let pidfd = crate::sys::pidfd_open(child.id()).expect("pidfd_open");
+        child.wait().expect("true ends");
+        let (control, _) = std::os::unix::net::UnixDatagram::pair().expect("socketpair");
+        Worker {
+            child: None,
+            pid: child.id(),
+            control: control.into(),
+            stderr_copy: None,
+            stderr_write: None,
+            held: Vec::new(),
+            sandbox: None,
+            sandbox_seen: None,
+            pidfd,
+            rings: Vec::new(),
+            stderr_end: None,
+            target: TargetSetup::Null,
+            fast_release: false,
+            activated: None,
+            held_sent: 0,
+            spawned_without: None,
+        }
+    }
+
     /// Whether it has exited (without waiting, and without reaping it).
     pub fn has_exited(&self) -> bool {
         exits_within(self.pidfd.as_fd(), Duration::ZERO)
@@ -538,6 +567,54 @@ impl Worker {
             }
             Err(e) => Err(WorkerError::Protocol { pid, what: e.to_string() }),
         }
+    }
+}
+
+/// A worker being handed its device (`Device::begin_activation`): the loop watches its
+/// control socket and ends the activation (`Device::end_activation`) once it answers or
+/// at its deadline, never waiting for it.
+#[derive(Debug)]
+pub struct Activating {
+    worker: Worker,
+    generation: u64,
+    /// When the worker must have answered.
+    deadline: Instant,
+}
+
+impl Activating {
+    /// `worker`, sent its activation for `generation`, to answer by `deadline`.
+    pub fn new(worker: Worker, generation: u64, deadline: Instant) -> Activating {
+        Activating { worker, generation, deadline }
+    }
+
+    /// The worker, and the generation it was activated for.
+    pub fn into_parts(self) -> (Worker, u64) {
+        (self.worker, self.generation)
+    }
+
+    /// Whether the activation can end now: the worker answered (or hung up), or its
+    /// time is up.
+    pub fn due(&self, now: Instant) -> bool {
+        now >= self.deadline || self.worker.has_answered()
+    }
+
+    /// The socket on which the worker answers.
+    pub fn control(&self) -> BorrowedFd<'_> {
+        self.worker.control()
+    }
+
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The worker being activated.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// Gives the activation up: its worker, to be killed with the device's others.
+    pub fn into_worker(self) -> Worker {
+        self.worker
     }
 }
 

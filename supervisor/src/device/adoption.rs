@@ -94,20 +94,20 @@ impl Device {
         };
         match attached {
             Ok(worker) => {
-                if self.transition(DeviceState::Live).is_err() {
+                let pid = worker.pid();
+                if let Some(target) = &mut self.nbd {
+                    target.took_over(id, &worker);
+                }
+                if self.serve(worker, None).is_err() {
                     return false;
                 }
                 tracing::info!(
                     dev_id = id,
-                    worker_pid = worker.pid(),
+                    worker_pid = pid,
                     generation = self.generation,
                     event = "taken_over",
                     "took over the worker a previous ublkd left serving"
                 );
-                if let Some(target) = &mut self.nbd {
-                    target.took_over(id, &worker);
-                }
-                self.worker = Some(worker);
                 self.watch_new_worker();
                 true
             }

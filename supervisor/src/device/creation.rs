@@ -38,7 +38,7 @@ impl Creation {
     /// The worker's pid, until the device is LIVE.
     pub fn worker_pid(&self) -> Option<u32> {
         let activating = self.activating.as_deref().map(Activating::worker);
-        self.dev.starting.as_ref().or(activating).map(Worker::pid)
+        self.dev.starting().or(activating).map(Worker::pid)
     }
 
     /// The worker's control socket: readable once it stands by (or answers its
@@ -46,7 +46,7 @@ impl Creation {
     pub fn control(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         match &self.activating {
             Some(activating) => Some(activating.control()),
-            None => self.dev.starting.as_ref().map(Worker::control),
+            None => self.dev.starting().map(Worker::control),
         }
     }
 
@@ -70,11 +70,11 @@ impl Creation {
                 .end_activation(ctx, *activating)
                 .and_then(|(worker, activation)| self.dev.go_live(ctx, worker, &activation))
         } else {
-            let answered = self.dev.starting.as_ref().is_some_and(Worker::has_answered);
-            if !answered && now < self.deadline && self.dev.starting.is_some() {
+            let answered = self.dev.starting().is_some_and(Worker::has_answered);
+            if !answered && now < self.deadline && self.dev.starting().is_some() {
                 return Progress::Pending(self);
             }
-            let activating = match self.dev.starting.take() {
+            let activating = match self.dev.take_starting() {
                 Some(worker) if answered => {
                     self.dev.await_standby(worker, Duration::from_millis(100))
                 }
@@ -211,7 +211,7 @@ impl Device {
         let nbd_target = NbdTarget::for_spec(&spec, nbd);
         let mut dev = Self::open(ctx, id, spec, DeviceState::Starting)?;
         dev.nbd = nbd_target;
-        dev.starting = Some(dev.spawn_worker(ctx, false)?);
+        dev.spare = Spare::Starting(dev.spawn_worker(ctx, false)?);
         Ok(dev)
     }
 
@@ -223,23 +223,24 @@ impl Device {
         activation: &Activation,
     ) -> Result<(), DeviceError> {
         let id = self.id;
-        let started = ctx.ctrl.start_dev(id, std::process::id() as i32).map_err(DeviceError::from);
-        if let Err(e) = started.and_then(|()| Ok(self.transition(DeviceState::Live)?)) {
+        if let Err(e) = ctx.ctrl.start_dev(id, std::process::id() as i32) {
             // Not left running beside the device it was given, which is deleted next.
             worker.kill();
             worker.reap(Duration::ZERO);
-            return Err(e);
+            return Err(e.into());
         }
+        let pid = worker.pid();
+        // Refused, the worker is killed (see `transition`).
+        self.serve(worker, None)?;
         tracing::info!(
             dev_id = id,
-            worker_pid = worker.pid(),
+            worker_pid = pid,
             map_us = activation.map_us,
             prep_us = activation.prep_us,
             backend = self.spec.target.name(),
             event = "live",
             "device LIVE"
         );
-        self.worker = Some(worker);
         self.refill_standby(ctx);
         Ok(())
     }

@@ -80,7 +80,7 @@ impl Device {
         let started = Instant::now();
         let stopped = ctrl.stop_dev(id);
         let stop_done = Instant::now();
-        let serving = self.worker.as_ref().map(Worker::pid);
+        let serving = self.worker().map(Worker::pid);
         let workers = self.take_workers();
         // Asked at once, the workers exit side by side.
         for worker in &workers {
@@ -134,21 +134,16 @@ impl Device {
     /// I/O until the next ublkd recovers it.
     pub fn leave(mut self) -> Vec<Worker> {
         // A LIVE device's worker serves on, for the next ublkd to take over.
-        if self.state == DeviceState::Live
-            && let Some(worker) = self.worker.take()
-        {
-            worker.leave_serving();
+        match std::mem::replace(&mut self.state, DeviceState::Recovering) {
+            DeviceState::Live { worker } => worker.leave_serving(),
+            other => self.state = other,
         }
         self.take_workers()
     }
 
     /// Every worker the device has, whatever it is doing.
     pub(super) fn take_workers(&mut self) -> Vec<Worker> {
-        let activating = self.activating.take().map(Activating::into_worker);
-        [self.worker.take(), self.standby.take(), self.starting.take(), self.dying.take()]
-            .into_iter()
-            .chain([activating])
-            .flatten()
-            .collect()
+        let state = std::mem::replace(&mut self.state, DeviceState::Recovering);
+        state.into_workers().into_iter().chain(self.spare.take()).collect()
     }
 }

@@ -5,11 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, WORKER_TIMEOUT};
+use super::{
+    Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, Spare, WORKER_TIMEOUT,
+};
 
 use crate::device_state::{DeviceState, Release, StateKind};
 use crate::nbd::target::Readiness;
-use crate::worker::Worker;
+use crate::worker::{Activating, Worker};
 use ublkd_proto::msg::TargetSetup;
 
 /// How often the loop looks whether a killed worker has ended, if its pidfd has not
@@ -49,29 +51,24 @@ impl Device {
         reason: &str,
         fail_io: Option<String>,
     ) -> Result<Recovery, DeviceError> {
-        let started = Instant::now();
-        let seen = self.death_seen.take().unwrap_or(started);
+        let seen = self.death_seen.take().unwrap_or_else(Instant::now);
+        // A worker that has the device (an operator's recover, an upgrade, a recovery
+        // begun again) must go first: killed now, its end waited for by the loop
+        // (`dying`), not here.
+        let mut old = Vec::new();
         if self.state.kind() != StateKind::Recovering {
-            self.transition(DeviceState::Recovering)?;
+            self.transition_with(StateKind::Recovering, |state| {
+                old = state.into_workers();
+                DeviceState::Recovering
+            })?;
         }
-        self.transition(DeviceState::Releasing(Release {
-            reason: reason.to_string(),
-            fail_io,
-            seen,
-            started,
-            next_try: started,
-            delay: Duration::from_micros(200),
-            slow: None,
-            standby_wait: None,
-            standby_waited: Duration::ZERO,
-            released: None,
-        }))?;
-        if let Some(old) = self.worker.take() {
-            // A live worker (an operator's recover, an upgrade) must go first: killed
-            // now, its end waited for by the loop (`dying`), not here.
-            old.kill();
-            self.dying = Some(old);
+        for worker in &old {
+            worker.kill();
         }
+        let mut release = Release::new(reason.to_string(), fail_io, seen);
+        // At most one: a state holds one worker that has the device at a time.
+        release.dying = old.pop();
+        self.transition(DeviceState::Releasing(Box::new(release)))?;
         self.continue_recovery(ctx)
     }
 
@@ -80,12 +77,12 @@ impl Device {
     pub fn release_due(&self) -> Option<Instant> {
         match &self.state {
             // Its start is past: due on any turn from now on.
-            DeviceState::Releasing(r) if self.dying.as_ref().is_some_and(Worker::has_exited) => {
+            DeviceState::Releasing(r) if r.dying.as_ref().is_some_and(Worker::has_exited) => {
                 Some(r.started)
             }
             // Its new worker answered its activation: due at once.
             DeviceState::Releasing(r)
-                if self.activating.as_ref().is_some_and(|a| a.due(Instant::now())) =>
+                if r.activating.as_ref().is_some_and(|a| a.due(Instant::now())) =>
             {
                 Some(r.started)
             }
@@ -105,19 +102,19 @@ impl Device {
     /// `Recovering`, for the recovery policy to decide on.
     pub fn continue_recovery(&mut self, ctx: &Context) -> Result<Recovery, DeviceError> {
         let id = self.id;
-        if let Some(activating) = self.activating.take() {
-            return self.continue_activation(ctx, activating);
-        }
-        if let Some(old) = &self.dying {
-            if !old.has_exited() {
-                if let DeviceState::Releasing(r) = &mut self.state {
-                    r.next_try = Instant::now() + DYING_POLL;
-                }
-                return Ok(Recovery::Waiting);
+        if let DeviceState::Releasing(r) = &mut self.state {
+            if let Some(activating) = r.activating.take() {
+                return self.continue_activation(ctx, activating);
             }
-            if let Some(mut old) = self.dying.take() {
-                old.reap(Duration::ZERO);
-                old.release_device();
+            if let Some(old) = &r.dying {
+                if !old.has_exited() {
+                    r.next_try = Instant::now() + DYING_POLL;
+                    return Ok(Recovery::Waiting);
+                }
+                if let Some(mut old) = r.dying.take() {
+                    old.reap(Duration::ZERO);
+                    old.release_device();
+                }
             }
         }
         if !self.nbd_connected(ctx.nbd_server_wait, ctx.kernel_features) {
@@ -168,8 +165,11 @@ impl Device {
             Ok(activating) => {
                 if let DeviceState::Releasing(r) = &mut self.state {
                     r.next_try = activating.deadline();
+                    r.activating = Some(activating);
+                } else {
+                    // Not reached: the state is left only by this recovery.
+                    activating.into_worker().kill();
                 }
-                self.activating = Some(activating);
                 Ok(Recovery::Waiting)
             }
             Err(e) => {
@@ -184,13 +184,13 @@ impl Device {
     fn continue_activation(
         &mut self,
         ctx: &Context,
-        activating: super::Activating,
+        activating: Activating,
     ) -> Result<Recovery, DeviceError> {
         if !activating.due(Instant::now()) {
             if let DeviceState::Releasing(r) = &mut self.state {
                 r.next_try = activating.deadline();
+                r.activating = Some(activating);
             }
-            self.activating = Some(activating);
             return Ok(Recovery::Waiting);
         }
         let finished = self.finish_recovery(ctx, activating);
@@ -214,25 +214,19 @@ impl Device {
         if fail_io {
             // A standby for the device's own target is no use to a recovery that fails
             // I/O: ended (reaped once it has, by `reap_lingering`), not waited for.
-            for slot in [&mut self.standby, &mut self.starting] {
-                if slot.as_ref().is_some_and(|w| w.target_setup() != TargetSetup::FailIo)
-                    && let Some(worker) = slot.take()
-                {
-                    worker.kill();
-                }
-            }
+            self.spare.end_if(|w| w.target_setup() != TargetSetup::FailIo);
         }
-        if self.standby.is_some() {
+        if matches!(self.spare, Spare::StandingBy(_)) {
             return Ok(true);
         }
         let since = *r.standby_wait.get_or_insert_with(Instant::now);
-        if self.starting.is_none() {
-            self.starting = Some(self.spawn_worker(ctx, fail_io)?);
+        if self.starting().is_none() {
+            self.spare = Spare::Starting(self.spawn_worker(ctx, fail_io)?);
         }
-        let answered = self.starting.as_ref().is_some_and(Worker::has_answered);
+        let answered = self.starting().is_some_and(Worker::has_answered);
         let timed_out = since.elapsed() >= WORKER_TIMEOUT;
         if answered || timed_out {
-            let worker = self.starting.take().expect("started above");
+            let Some(worker) = self.take_starting() else { return Ok(false) };
             let standby = if answered {
                 self.await_standby(worker, Duration::from_millis(100))?
             } else {
@@ -242,7 +236,7 @@ impl Device {
                 };
                 return Err(self.standby_failed(worker, source));
             };
-            self.standby = Some(standby);
+            self.spare = Spare::StandingBy(standby);
             if let DeviceState::Releasing(r) = &mut self.state {
                 r.standby_wait = None;
                 r.standby_waited = since.elapsed();
@@ -272,7 +266,7 @@ impl Device {
         let Some(target) = &mut self.nbd else { return true };
         // As many connections as the next worker was started for, or will be.
         let data_path = ublkd_proto::msg::DataPath::for_kernel(kernel_features);
-        let want = match [&self.standby, &self.starting].into_iter().flatten().next() {
+        let want = match self.spare.worker() {
             Some(w) => match w.target_setup() {
                 TargetSetup::Nbd { connections } => connections,
                 _ => 1,
@@ -290,17 +284,10 @@ impl Device {
                 r.slow = None;
                 // Fewer connections answered than the standby was made for: a worker
                 // for as many as there are is started instead.
-                for slot in [&mut self.standby, &mut self.starting] {
-                    if slot.as_ref().is_some_and(|w| {
-                        matches!(w.target_setup(), TargetSetup::Nbd { connections }
-                            if usize::from(connections) != made)
-                    }) && let Some(worker) = slot.take()
-                    {
-                        // Not waited for here, on the loop: reaped once it ends
-                        // (`reap_lingering`).
-                        worker.kill();
-                    }
-                }
+                self.spare.end_if(|w| {
+                    matches!(w.target_setup(), TargetSetup::Nbd { connections }
+                        if usize::from(connections) != made)
+                });
                 true
             }
             Readiness::Waiting { until, why } => {
@@ -321,7 +308,7 @@ impl Device {
     fn finish_recovery(
         &mut self,
         ctx: &Context,
-        activating: super::Activating,
+        activating: Activating,
     ) -> Result<Duration, DeviceError> {
         let id = self.id;
         let (reason, fail_io, seen, started, standby_waited, released) = match &self.state {
@@ -345,19 +332,22 @@ impl Device {
         ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
         let stall = seen.elapsed();
         let detect = started - seen;
+        let pid = worker.pid();
         if let Some(cause) = fail_io {
-            self.transition(DeviceState::FailingIo { cause })?;
-            self.worker = Some(worker);
+            self.serve(worker, Some(cause))?;
             tracing::warn!(dev_id = id, "device LIVE, failing every I/O with EIO ({reason})");
+            // The standby it replaced (one of the device's own target) comes back, for
+            // the `ublkctl recover` that puts a real worker back.
+            self.standby_schedule.after_recovery();
             return Ok(stall);
         }
-        self.transition(DeviceState::Live)?;
+        self.serve(worker, None)?;
         self.recoveries += 1;
         self.last_recovery_ms = Some(stall.as_millis() as u64);
         self.last_recovery_reason = Some(reason.to_string());
         tracing::info!(
             dev_id = id,
-            worker_pid = worker.pid(),
+            worker_pid = pid,
             stall_ms = stall.as_millis() as u64,
             // Where the stall went: from the death seen to the recovery starting, its
             // standby still starting (standby), the kernel releasing the old file
@@ -374,7 +364,6 @@ impl Device {
             event = "recovered",
             "device recovered ({reason})"
         );
-        self.worker = Some(worker);
         self.standby_schedule.after_recovery();
         Ok(stall)
     }

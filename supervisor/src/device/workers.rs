@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use ublkd_config::TargetSpec;
 use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
-use super::{Context, Device, DeviceError, WORKER_TIMEOUT};
+use super::{Context, Device, DeviceError, Spare, WORKER_TIMEOUT};
 use crate::target::{MAX_IO_BUF_BYTES, fast_release_supported, open_char_dev, zero_copy};
-use crate::worker::{AttachClaim, Worker, WorkerError, WorkerSandbox};
+use crate::worker::{Activating, AttachClaim, Worker, WorkerError, WorkerSandbox};
 
 impl Device {
     /// Whether a dead worker's device may be released at once (`recovery.fast_release`,
@@ -131,7 +131,13 @@ impl Device {
     /// The worker standing by, to be handed the device. Never waited for: the loop
     /// waits for a starting one on its turns (`standby_ready`, `Creation::progress`).
     pub(super) fn take_standby(&mut self) -> Result<Worker, DeviceError> {
-        self.standby.take().ok_or(DeviceError::NoStandby { id: self.id })
+        match std::mem::take(&mut self.spare) {
+            Spare::StandingBy(worker) => Ok(worker),
+            other => {
+                self.spare = other;
+                Err(DeviceError::NoStandby { id: self.id })
+            }
+        }
     }
 
     /// Starts a worker from the binary now on disk, to become the standby an upgrade
@@ -152,8 +158,8 @@ impl Device {
             let source = WorkerError::Timeout { pid: fresh.pid(), secs: WORKER_TIMEOUT.as_secs() };
             return Err(self.standby_failed(fresh, source));
         };
-        // Not waited for: reaped once they end (`reap_lingering`).
-        for old in [self.standby.replace(fresh), self.starting.take()].into_iter().flatten() {
+        // Not waited for: reaped once it ends (`reap_lingering`).
+        if let Some(old) = std::mem::replace(&mut self.spare, Spare::StandingBy(fresh)).take() {
             old.kill();
         }
         Ok(())
@@ -163,11 +169,11 @@ impl Device {
     /// [`Self::standby_progress`]). A failure is logged and retried later; a recovery
     /// meanwhile starts a worker itself.
     pub fn refill_standby(&mut self, ctx: &Context) {
-        if self.standby.is_some() || self.starting.is_some() {
+        if !matches!(self.spare, Spare::None) {
             return;
         }
         match self.spawn_worker(ctx, false) {
-            Ok(worker) => self.starting = Some(worker),
+            Ok(worker) => self.spare = Spare::Starting(worker),
             Err(e) => {
                 tracing::warn!(dev_id = self.id, "no standby worker: {e}");
                 self.standby_schedule.after_failure();
@@ -178,7 +184,7 @@ impl Device {
     /// Moves a starting standby on once it has answered: standing by, or failed (logged,
     /// retried later).
     pub fn standby_progress(&mut self) {
-        if !self.starting.as_ref().is_some_and(Worker::has_answered) {
+        if !self.starting().is_some_and(Worker::has_answered) {
             return;
         }
         // A recovery waiting for this standby takes it itself, and fails if it failed
@@ -186,11 +192,11 @@ impl Device {
         if self.awaiting_standby() {
             return;
         }
-        let worker = self.starting.take().expect("checked above");
+        let Some(worker) = self.take_starting() else { return };
         match self.await_standby(worker, Duration::from_millis(100)) {
             Ok(worker) => {
                 tracing::debug!(dev_id = self.id, worker_pid = worker.pid(), "standby ready");
-                self.standby = Some(worker);
+                self.spare = Spare::StandingBy(worker);
             }
             Err(e) => {
                 tracing::warn!(dev_id = self.id, "no standby worker: {e}");
@@ -264,7 +270,7 @@ impl Device {
             tracing::error!(dev_id = id, "worker failed ({how}): {source}");
             return Err(DeviceError::Worker { id, source });
         }
-        Ok(Activating { worker, generation, deadline: Instant::now() + WORKER_TIMEOUT })
+        Ok(Activating::new(worker, generation, Instant::now() + WORKER_TIMEOUT))
     }
 
     /// Ends an activation once its worker has answered (or the deadline passed): the
@@ -275,7 +281,7 @@ impl Device {
         activating: Activating,
     ) -> Result<(Worker, Activation), DeviceError> {
         let id = self.id;
-        let Activating { mut worker, generation, .. } = activating;
+        let (mut worker, generation) = activating.into_parts();
         let answer = if worker.has_answered() {
             // It has answered: the message is there, or its end.
             worker.activation_answer(Duration::from_millis(100))
@@ -301,43 +307,5 @@ impl Device {
     pub(super) fn watch_new_worker(&mut self) {
         self.hang.reset(&self.shm);
         self.hang_policy.reset();
-    }
-}
-
-/// A worker being handed its device ([`Device::begin_activation`]): the loop watches
-/// its control socket and ends the activation ([`Device::end_activation`]) once it
-/// answers or at its deadline, never waiting for it.
-#[derive(Debug)]
-pub struct Activating {
-    worker: Worker,
-    generation: u64,
-    /// When the worker must have answered ([`WORKER_TIMEOUT`] after the hand-over).
-    deadline: Instant,
-}
-
-impl Activating {
-    /// Whether the activation can end now: the worker answered (or hung up), or its
-    /// time is up.
-    pub fn due(&self, now: Instant) -> bool {
-        now >= self.deadline || self.worker.has_answered()
-    }
-
-    /// The socket on which the worker answers.
-    pub fn control(&self) -> BorrowedFd<'_> {
-        self.worker.control()
-    }
-
-    pub fn deadline(&self) -> Instant {
-        self.deadline
-    }
-
-    /// The worker being activated.
-    pub fn worker(&self) -> &Worker {
-        &self.worker
-    }
-
-    /// Gives the activation up: its worker, to be killed with the device's others.
-    pub fn into_worker(self) -> Worker {
-        self.worker
     }
 }
