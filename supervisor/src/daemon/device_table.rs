@@ -16,9 +16,22 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::device::Device;
 
-#[derive(Debug, Default)]
-pub(super) struct DeviceTable {
-    devices: BTreeMap<u32, Device>,
+/// What the table asks of what it holds: whether the loop must look at it on its next
+/// turn even if nothing wakes it ([`Device::needs_turns`]).
+pub(super) trait NeedsTurns {
+    fn needs_turns(&self) -> bool;
+}
+
+impl NeedsTurns for Device {
+    fn needs_turns(&self) -> bool {
+        Device::needs_turns(self)
+    }
+}
+
+/// The devices, `D` being [`Device`] but for this module's tests.
+#[derive(Debug)]
+pub(super) struct DeviceTable<D = Device> {
+    devices: BTreeMap<u32, D>,
     /// Devices the loop visits every turn until they need no turn.
     busy: BTreeSet<u32>,
     /// Busy devices the wait set or a standby's socket named, not yet visited: the
@@ -30,27 +43,38 @@ pub(super) struct DeviceTable {
     changed: bool,
 }
 
-impl DeviceTable {
-    pub(super) fn get(&self, id: u32) -> Option<&Device> {
+impl<D> Default for DeviceTable<D> {
+    fn default() -> Self {
+        DeviceTable {
+            devices: BTreeMap::new(),
+            busy: BTreeSet::new(),
+            woken: BTreeSet::new(),
+            changed: false,
+        }
+    }
+}
+
+impl<D: NeedsTurns> DeviceTable<D> {
+    pub(super) fn get(&self, id: u32) -> Option<&D> {
         self.devices.get(&id)
     }
 
     /// The device, marked busy: whatever the caller does to it, the loop looks at it on
     /// its next turns.
-    pub(super) fn get_mut(&mut self, id: u32) -> Option<&mut Device> {
+    pub(super) fn get_mut(&mut self, id: u32) -> Option<&mut D> {
         let dev = self.devices.get_mut(&id)?;
         self.busy.insert(id);
         self.changed = true;
         Some(dev)
     }
 
-    pub(super) fn insert(&mut self, id: u32, dev: Device) {
+    pub(super) fn insert(&mut self, id: u32, dev: D) {
         self.busy.insert(id);
         self.changed = true;
         self.devices.insert(id, dev);
     }
 
-    pub(super) fn remove(&mut self, id: u32) -> Option<Device> {
+    pub(super) fn remove(&mut self, id: u32) -> Option<D> {
         self.busy.remove(&id);
         self.woken.remove(&id);
         self.changed = true;
@@ -58,7 +82,7 @@ impl DeviceTable {
     }
 
     /// Every device, out of the table.
-    pub(super) fn take_all(&mut self) -> Vec<Device> {
+    pub(super) fn take_all(&mut self) -> Vec<D> {
         self.busy.clear();
         self.woken.clear();
         self.changed = true;
@@ -73,12 +97,12 @@ impl DeviceTable {
         self.devices.keys().copied()
     }
 
-    pub(super) fn values(&self) -> impl Iterator<Item = &Device> {
+    pub(super) fn values(&self) -> impl Iterator<Item = &D> {
         self.devices.values()
     }
 
     /// Every device, mutably, each marked busy: for startup, which visits all of them.
-    pub(super) fn all_mut(&mut self) -> impl Iterator<Item = (u32, &mut Device)> {
+    pub(super) fn all_mut(&mut self) -> impl Iterator<Item = (u32, &mut D)> {
         self.busy.extend(self.devices.keys().copied());
         self.changed = true;
         self.devices.iter_mut().map(|(&id, dev)| (id, dev))
@@ -86,7 +110,7 @@ impl DeviceTable {
 
     /// The tick's scan: `look` at every device (true if it changed one), then marks busy
     /// each that needs turns, setting the busy set right in case anything was missed.
-    pub(super) fn scan(&mut self, mut look: impl FnMut(&mut Device) -> bool) {
+    pub(super) fn scan(&mut self, mut look: impl FnMut(&mut D) -> bool) {
         for (&id, dev) in &mut self.devices {
             self.changed |= look(dev);
             if dev.needs_turns() {
@@ -135,12 +159,12 @@ impl DeviceTable {
     }
 
     /// The busy devices.
-    pub(super) fn busy(&self) -> impl Iterator<Item = &Device> {
+    pub(super) fn busy(&self) -> impl Iterator<Item = &D> {
         self.busy.iter().filter_map(|id| self.devices.get(id))
     }
 
     /// The busy device `id`, mutably, for the loop's own visit (not marking anything).
-    pub(super) fn visit(&mut self, id: u32) -> Option<&mut Device> {
+    pub(super) fn visit(&mut self, id: u32) -> Option<&mut D> {
         self.changed = true;
         self.devices.get_mut(&id)
     }
@@ -158,5 +182,104 @@ impl DeviceTable {
     /// Whether the status line must be counted again; clears it.
     pub(super) fn take_changed(&mut self) -> bool {
         std::mem::take(&mut self.changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device that needs turns while `turns` says so.
+    #[derive(Debug)]
+    struct Fake {
+        turns: bool,
+    }
+
+    impl NeedsTurns for Fake {
+        fn needs_turns(&self) -> bool {
+            self.turns
+        }
+    }
+
+    fn table(ids: &[u32]) -> DeviceTable<Fake> {
+        let mut table = DeviceTable::default();
+        for &id in ids {
+            table.insert(id, Fake { turns: false });
+        }
+        for &id in ids {
+            table.settle(id);
+        }
+        assert!(table.busy_ids().is_empty(), "settled devices stay busy");
+        table
+    }
+
+    #[test]
+    fn a_new_device_is_busy_until_a_visit_finds_it_needs_no_turn() {
+        let mut table = DeviceTable::default();
+        table.insert(3, Fake { turns: true });
+        assert_eq!(table.busy_ids(), [3]);
+        table.settle(3);
+        assert_eq!(table.busy_ids(), [3], "it still needs turns");
+        table.visit(3).unwrap().turns = false;
+        table.settle(3);
+        assert!(table.busy_ids().is_empty());
+    }
+
+    #[test]
+    fn getting_a_device_mutably_marks_only_it_busy_and_reading_marks_none() {
+        let mut table = table(&[1, 2, 3]);
+        assert!(table.get(2).is_some());
+        assert!(table.busy_ids().is_empty());
+        table.get_mut(2).unwrap();
+        assert_eq!(table.busy_ids(), [2]);
+        assert!(table.get_mut(9).is_none());
+        assert_eq!(table.busy_ids(), [2]);
+    }
+
+    #[test]
+    fn a_woken_device_stays_busy_until_its_visit_takes_the_wake() {
+        let mut table = table(&[1, 2]);
+        table.wake(2);
+        table.wake(7); // not in the table: nothing
+        assert_eq!(table.busy_ids(), [2]);
+        assert!(table.any_woken());
+        table.settle(2);
+        assert_eq!(table.busy_ids(), [2], "settled before its visit looked");
+        assert!(table.take_woken(2));
+        assert!(!table.take_woken(2));
+        table.settle(2);
+        assert!(table.busy_ids().is_empty());
+        assert!(!table.any_woken());
+    }
+
+    #[test]
+    fn the_scan_visits_every_device_and_marks_busy_those_that_need_turns() {
+        let mut table = table(&[1, 2, 3]);
+        table.take_changed();
+        let mut seen = Vec::new();
+        table.scan(|dev| {
+            seen.push(dev.turns);
+            dev.turns = seen.len() == 2;
+            false
+        });
+        assert_eq!(seen.len(), 3);
+        assert_eq!(table.busy_ids(), [2]);
+        assert!(!table.take_changed(), "the scan changed nothing it said");
+        table.scan(|_| true);
+        assert!(table.take_changed());
+    }
+
+    #[test]
+    fn removing_a_device_forgets_its_busy_and_woken_marks() {
+        let mut table = table(&[1, 2]);
+        table.wake(1);
+        assert!(table.remove(1).is_some());
+        assert!(table.busy_ids().is_empty());
+        assert!(!table.any_woken());
+        assert!(table.busy().next().is_none());
+        table.wake_all();
+        assert_eq!(table.busy_ids(), [2]);
+        assert_eq!(table.take_all().len(), 1);
+        assert!(table.is_empty() && table.busy_ids().is_empty() && !table.any_woken());
     }
 }
