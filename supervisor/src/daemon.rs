@@ -151,8 +151,13 @@ pub struct Daemon {
     next_scan: Instant,
     /// How many devices the last scan found making no progress (for the watchdog).
     hung_devices: usize,
-    /// The kernel's numbers of every ublk disk, read once per scan.
+    /// The kernel's numbers of every ublk disk, read once per full scan.
     disk_stats: crate::hang::DiskStats,
+    /// Whether the next scan looks at every device (see `event_loop`'s `scan`).
+    full_scan_next: bool,
+    /// How many devices the last scan found watched (I/O in flight, a thread in a
+    /// turn, a hang suspected).
+    watched_devices: usize,
     /// Whether the STATUS line's counts may be out of date, when they may be counted
     /// again, and the event it last showed.
     status_stale: bool,

@@ -127,6 +127,11 @@ impl DiskStats {
         parse_diskstats(&self.text, &mut self.by_id);
     }
 
+    /// Forgets the last refresh's numbers: each device is then read on its own.
+    pub fn forget(&mut self) {
+        self.by_id.clear();
+    }
+
     /// The last refresh's numbers of `/dev/ublkb<dev_id>`, if it had them.
     pub fn get(&self, dev_id: u32) -> Option<KernelStat> {
         self.by_id.get(&dev_id).copied()
@@ -222,6 +227,9 @@ pub struct HangWatch {
     suspected: bool,
     /// The last scan's reading of the worker's thread slots (kept to reuse its memory).
     readings: Vec<ThreadReading>,
+    /// The last tick saw the kernel hold I/O for the device, or a queue thread in a
+    /// turn: it is watched on every tick (see [`Self::watched`]).
+    busy: bool,
 }
 
 impl HangWatch {
@@ -234,6 +242,7 @@ impl HangWatch {
             stat_file: None,
             suspected: false,
             readings: Vec::new(),
+            busy: false,
         }
     }
 
@@ -325,10 +334,21 @@ impl HangWatch {
                 }
             }
         }
+        let was_busy = std::mem::replace(
+            &mut self.busy,
+            kernel.inflight > 0 || threads.iter().any(ThreadReading::in_turn),
+        );
         if kernel.inflight == 0 {
             self.completed = kernel.completed;
             self.since = now;
             return Tick::Verdict(Verdict::Fine);
+        }
+        if !was_busy {
+            // Idle at its last look, which may be two ticks back (an idle device is
+            // looked at on every other tick only): its I/O is counted from at most one
+            // tick (a quarter of the timeout) ago, as if it had been looked at on each.
+            let tick_ago = now.checked_sub(timeout / 4).unwrap_or(now);
+            self.since = self.since.max(tick_ago);
         }
         if let Some((index, stuck)) = stuck_thread {
             return Tick::Verdict(Verdict::Hung(format!(
@@ -360,6 +380,15 @@ impl HangWatch {
             "worker hung: I/O in flight and none completed for {:.1} s {how}",
             quiet.as_secs_f64()
         ))
+    }
+
+    /// Whether the device must be looked at on the next tick: the last one saw the
+    /// kernel hold I/O for it, a queue thread in a turn, or it suspects a hang. An idle
+    /// one is looked at on every other tick, when the scan reads every disk's numbers
+    /// at once (`/proc/diskstats`, whose cost is the kernel's, in proportion to the
+    /// disks).
+    pub fn watched(&self) -> bool {
+        self.busy || self.suspected
     }
 
     /// For the watchdog and status: how long the device has had I/O in flight and
@@ -422,6 +451,25 @@ mod tests {
             let v = w.judge(t0 + T * s, stat(0, 5), &[waiting(2, 0)], || false, T);
             assert_eq!(v, Verdict::Fine);
         }
+    }
+
+    #[test]
+    fn io_first_seen_after_a_skipped_tick_counts_from_one_tick_back_not_from_the_last_look() {
+        let mut w = HangWatch::new(0);
+        let t0 = Instant::now();
+        assert_eq!(w.judge(t0, stat(0, 5), &[waiting(2, 0)], || false, T), Verdict::Fine);
+        assert!(!w.watched(), "an idle device is watched");
+        // Not looked at on the tick at t0 + T/4; I/O seen at t0 + T/2 is counted as if
+        // it began a tick before, at t0 + T/4.
+        assert_eq!(w.judge(t0 + T / 2, stat(2, 5), &[waiting(2, 0)], || false, T), Verdict::Fine);
+        assert!(w.watched(), "a device with I/O in flight is not watched");
+        assert_eq!(w.quiet_for(t0 + T / 2), T / 4);
+        assert_eq!(w.judge(t0 + T, stat(2, 5), &[waiting(2, 0)], || false, T), Verdict::Fine);
+        // Quiet for T from t0 + T/4: suspected, then declared on the next tick.
+        let v = w.judge(t0 + T * 5 / 4, stat(2, 5), &[waiting(2, 0)], || false, T);
+        assert_eq!(v, Verdict::Fine);
+        let v = w.judge(t0 + T * 3 / 2, stat(2, 5), &[waiting(2, 0)], || false, T);
+        assert!(matches!(v, Verdict::Hung(ref why) if why.contains("for 1.2 s")), "{v:?}");
     }
 
     #[test]

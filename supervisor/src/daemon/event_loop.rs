@@ -54,6 +54,10 @@ pub(super) const SLOW_TURN: Duration = Duration::from_millis(100);
 /// (clients, hang checks, the watchdog); the remaining deaths wait for the next turn.
 pub(super) const DEATHS_PER_TURN: Duration = Duration::from_secs(1);
 
+/// How many devices the scan's ticks between full ones read each on its own (a
+/// stat file each); with more, every tick reads every disk's numbers at once.
+pub(super) const WATCHED_ALONE_MAX: usize = 64;
+
 /// How many standbys may be starting at once. Each start (exec, sandbox, rings) takes
 /// CPU from the devices serving: after every worker died at once (an OOM kill), the
 /// recoveries, not hundreds of spares starting beside them, must have it.
@@ -410,20 +414,38 @@ impl Daemon {
         }
     }
 
-    /// The tick's scan of every device at `now`: kills hung workers (their deaths then
-    /// wake the loop like any other), counts the devices making no progress for the
-    /// watchdog's log line, and marks busy any device that needs turns.
+    /// The tick's scan at `now`: kills hung workers (their deaths then wake the loop
+    /// like any other), counts the devices making no progress for the watchdog's log
+    /// line, and marks busy any device that needs turns.
+    ///
+    /// Every other tick looks at every device, with every disk's numbers read at once
+    /// (`/proc/diskstats`: at 1000 devices most of ublkd's idle CPU, nearly all of it
+    /// the kernel's, which walks its disk list again for each page it returns). The
+    /// ticks between look only at the devices the last look found with I/O in flight,
+    /// a thread in a turn or a hang suspected, each through its own stat file, unless
+    /// there are more than [`WATCHED_ALONE_MAX`] of them. An idle device's hang is then
+    /// seen at most one tick later (`HangWatch` counts its I/O from at most one tick
+    /// back, so it is never seen early).
     fn scan(&mut self, now: Instant) {
         let rc = &self.config.recovery;
-        self.disk_stats.refresh();
+        let every = self.full_scan_next || self.watched_devices > WATCHED_ALONE_MAX;
+        if every {
+            self.disk_stats.refresh();
+        } else {
+            self.disk_stats.forget();
+        }
+        self.full_scan_next = !every;
         let disks = &self.disk_stats;
-        let mut stalled = 0;
+        let (mut stalled, mut watched) = (0, 0);
         self.devices.scan(|dev| {
-            let killed = recovery::kill_if_hung(dev, rc, now, disks);
+            let killed =
+                (every || dev.hang_watched()) && recovery::kill_if_hung(dev, rc, now, disks);
             stalled += usize::from(!dev.progressing(now, rc.hung_timeout));
+            watched += usize::from(dev.hang_watched());
             killed
         });
         self.hung_devices = stalled;
+        self.watched_devices = watched;
     }
 
     /// Counts the devices by state for systemd's STATUS line when a device changed: at

@@ -193,6 +193,8 @@ impl Daemon {
             next_scan: Instant::now(),
             hung_devices: 0,
             disk_stats: Default::default(),
+            full_scan_next: true,
+            watched_devices: 0,
             status_stale: true,
             status_due: Instant::now(),
             status_event: None,
