@@ -20,6 +20,7 @@
 mod adoption;
 mod creation;
 mod deletion;
+mod policy_state;
 mod user_recovery;
 mod workers;
 
@@ -38,11 +39,11 @@ use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 use crate::device_state::{DeviceState, StateKind, TransitionError};
 use crate::hang::HangWatch;
 use crate::nbd::target::NbdTarget;
-use crate::recovery::{HangPolicy, RestartBudget, StandbySchedule};
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::target::{TargetError, decide_zero_copy, open_target};
 use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
+pub use policy_state::{HangPolicy, RestartBudget, StandbySchedule};
 
 /// How long a worker may take to get set up, or to PREP every tag.
 const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -464,7 +465,7 @@ impl Device {
 
     /// Why the worker is hung at `now`, with the kernel's numbers of the scan's `disks`,
     /// if it is (see [`crate::hang`] and
-    /// [`crate::recovery::HangPolicy`]).
+    /// [`HangPolicy`]).
     ///
     /// An nbd worker that waits for its server (not hung: the server is slow) is
     /// replaced once no request has completed for `request_timeout`
