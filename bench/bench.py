@@ -123,6 +123,8 @@ def host(args):
 
 METRICS = ["iops", "p50_us", "p99_us", "cpu_us_per_io", "sys_cpu_us_per_io", "server_cpu_pct",
            "window_iops"]
+# the ratios reported with their spread and verdict (see benchlib.paired_ratio)
+SPREAD_METRICS = ["iops", "p50_us", "cpu_us_per_io"]
 
 
 # the table's column heads
@@ -156,6 +158,11 @@ def summarize(results):
                 if u[m] and b[m] and b[m]["median"]:
                     r[m] = u[m]["median"] / b[m]["median"]
             out[job]["ratios"][f"ublkd/{base}"] = r
+            runs = {s: [x for x in results["records"]
+                        if x["job"] == job and x["server"] == s and not x.get("error")]
+                    for s in ("ublkd", base)}
+            out[job].setdefault("spreads", {})[f"ublkd/{base}"] = {
+                m: L.paired_ratio(runs["ublkd"], runs[base], m) for m in SPREAD_METRICS}
         # Each side's best mode by median IOPS, and their ratio.
         best = {}
         for side, modes in prm.get("BEST_OF", {}).items():
@@ -205,6 +212,10 @@ def table(results):
             lines.append(f"{'':<24} {rname:<15} {x('iops'):<25} {x('p50_us'):>8} "
                          f"{x('p99_us'):>8}  {x('cpu_us_per_io'):<27} "
                          f"{x('server_cpu_pct'):>8} {x('sys_cpu_us_per_io'):>13}")
+        for rname, sp in summ[job].get("spreads", {}).items():
+            cells = [f"{m} {L.fmt_ratio(sp[m])}" for m in SPREAD_METRICS if sp.get(m)]
+            if cells:
+                lines.append(f"{'':<24} {rname} per round: " + "; ".join(cells))
         b = summ[job].get("best")
         if b:
             lines.append(f"{'':<24} best ublkd mode ({b['ublkd']}) / best kublk mode "
@@ -225,7 +236,10 @@ def table(results):
                  "server's processes (all threads) per I/O the device completed, in a window "
                  "inside the fio run;")
     lines.append("srv CPU% = the same in % of one CPU; sys CPU = all CPUs' busy time per I/O "
-                 "(fio and kernel included). Ratios are of medians; spreads min-max over rounds.")
+                 "(fio and kernel included). Ratios are of medians; spreads min-max over rounds;")
+    lines.append("per round: the median of each round's ratio (servers interleaved in a round) "
+                 f"and its {L.RATIO_CONFIDENCE:.0%} bootstrap interval; \"not resolved\": the "
+                 "interval holds 1.0.")
     lines += L.footer(results)
     return "\n".join(lines)
 

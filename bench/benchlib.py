@@ -10,6 +10,7 @@ command line in cli.py. Python 3 standard library only.
 import datetime
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -271,6 +272,46 @@ def stats(vals):
     q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else [vals[0]] * 3
     return {"n": len(vals), "median": statistics.median(vals), "min": vals[0],
             "max": vals[-1], "q1": q[0], "q3": q[2]}
+
+
+# How sure a ratio is: each round runs every server (or client) once, interleaved, so
+# the ratio of one round's two runs leaves out what drifts between rounds (the host's
+# other work, the guest's caches). The spread is a bootstrap interval of the median of
+# those per-round ratios; a ratio whose interval holds 1.0 is "not resolved": the
+# host's noise could have made it.
+RATIO_CONFIDENCE = 0.90
+RATIO_RESAMPLES = 2000
+
+
+def paired_ratio(num_recs, den_recs, metric):
+    """The ratio of `metric` between two servers' runs, paired by round: the median of
+    the per-round ratios, its bootstrap interval, how many rounds had both, and whether
+    the interval leaves out 1.0. None without a round that has both."""
+    den = {r["round"]: r.get(metric) for r in den_recs}
+    ratios = sorted(r[metric] / den[r["round"]] for r in num_recs
+                    if r.get(metric) is not None and den.get(r["round"]))
+    if not ratios:
+        return None
+    median = statistics.median(ratios)
+    if len(ratios) < 3:
+        lo, hi = ratios[0], ratios[-1]
+    else:
+        rng = random.Random(1)  # the same interval for the same records, run after run
+        meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                      for _ in range(RATIO_RESAMPLES))
+        tail = (1 - RATIO_CONFIDENCE) / 2
+        lo = meds[int(tail * (RATIO_RESAMPLES - 1))]
+        hi = meds[int((1 - tail) * (RATIO_RESAMPLES - 1))]
+    resolved = len(ratios) >= 2 and (lo > 1.0 or hi < 1.0)
+    return {"median": median, "lo": lo, "hi": hi, "n": len(ratios), "resolved": resolved}
+
+
+def fmt_ratio(r):
+    """`x1.22 [1.10-1.31]`, and `not resolved` where the interval holds 1.0."""
+    if not r:
+        return "-"
+    verdict = "" if r["resolved"] else " not resolved"
+    return f"x{r['median']:.2f} [{r['lo']:.2f}-{r['hi']:.2f}, n={r['n']}]{verdict}"
 
 
 def fmt_num(v, unit=""):

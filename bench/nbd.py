@@ -118,6 +118,8 @@ def host(args):
 QUIET_PCT = 20  # a run is on a quiet host if other work took at most this % of a CPU
 METRICS = ["iops", "p50_us", "p99_us", "nbdkit_us_per_io", "client_us_per_io",
            "sys_cpu_us_per_io", "rest_us_per_io"]
+# the ratios reported with their spread and verdict (see benchlib.paired_ratio)
+SPREAD_METRICS = ["iops", "p50_us", "sys_cpu_us_per_io"]
 
 
 def summarize(results):
@@ -151,6 +153,9 @@ def summarize(results):
             for m in METRICS:
                 if u[m] and b[m] and b[m]["median"]:
                     j["ratio"][m] = u[m]["median"] / b[m]["median"]
+        runs = {c: [r for r in recs if r.get("kind") == "run" and r["job"] == job
+                    and r["client"] == c and not r.get("error")] for c in ("ublkd", base)}
+        j["spread"] = {m: L.paired_ratio(runs["ublkd"], runs[base], m) for m in SPREAD_METRICS}
     for c in clients:
         out["connections"][c] = sorted({r["connections"] for r in recs
                                         if r.get("kind") == "attach" and r["client"] == c
@@ -198,6 +203,10 @@ def table(results):
                 lines.append(f"{'':<18} {'ublkd/' + base:<14} {x('iops'):<24} "
                              f"{x('p50_us'):>7} {x('p99_us'):>7}  {x('nbdkit_us_per_io'):>12} "
                              f"{'':>11} {x('sys_cpu_us_per_io'):>11}")
+            sp = summ["jobs"][job].get("spread", {})
+            cells = [f"{k} {L.fmt_ratio(sp[k])}" for k in SPREAD_METRICS if sp.get(k)]
+            if cells:
+                lines.append(f"{'':<18} per round: " + "; ".join(cells))
             lines.append("")
         qlines = []
         for job in prm["NBD_JOBS"]:
@@ -238,6 +247,11 @@ def table(results):
             "the runs during which other work on the host took > 20% of a CPU (under TCG "
             "that slows the vCPUs and inflates their CPU time: compare those runs with "
             "care, see results.json's host_other_cpu_pct).")
+        lines.append(
+            "per round: the median of each round's ublkd/" + base + " ratio (the clients "
+            f"take turns within a round) and its {L.RATIO_CONFIDENCE:.0%} bootstrap "
+            "interval; \"not resolved\": the interval holds 1.0, so the host's noise could "
+            "have made the figure.")
         lines.append("")
     rs = [(c, r) for c, lst in summ["restart"].items() for r in lst]
     if rs:
