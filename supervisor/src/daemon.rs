@@ -41,9 +41,10 @@ mod event_loop;
 mod handlers;
 mod reload;
 mod startup;
+mod underway;
 mod upgrade;
 
-use adds::{AddStage, PENDING_ADD_POLL, PendingAdd, PendingRecover};
+use adds::{PendingAdd, PendingRecover};
 use device_table::DeviceTable;
 use event_loop::{CREATING_AT_ONCE, millis_until};
 use handlers::describe_spec;

@@ -919,8 +919,9 @@ fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
 }
 
 /// A server that accepts and then says nothing holds up only its own `ublkctl add`:
-/// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` and
-/// adds another device; the add then fails after the handshake's 10 s, naming why.
+/// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` (which
+/// shows the add and where it stands) and adds another device; the add then fails after
+/// the handshake's 10 s, naming why.
 #[test]
 fn a_silent_server_holds_up_only_its_own_add() {
     let _serial = serial();
@@ -932,14 +933,19 @@ fn a_silent_server_holds_up_only_its_own_add() {
     let add = Command::new(bin("ublkctl"))
         .arg("--socket")
         .arg(&ublkd.ctl.socket)
-        .args(["add", "-t", "nbd", "--uri", &uri])
+        .args(["add", "-n", "5", "-t", "nbd", "--uri", &uri])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_secs(1));
     let asked = Instant::now();
-    assert!(ublkd.status().is_empty());
+    // Status shows the add under way, and where it stands.
+    let adding = ublkd.status();
+    assert_eq!(adding.len(), 1, "{adding:?}");
+    assert_eq!((adding[0]["id"].as_u64(), adding[0]["state"].as_str()), (Some(5), Some("ADDING")));
+    let note = adding[0]["note"].as_str().unwrap_or_default();
+    assert!(note.contains("being added: ublkd is negotiating its NBD export ("), "{note}");
     let id = ublkd.add(&["-t", "null", "-s", "64M"]);
     let meanwhile = asked.elapsed();
     assert!(meanwhile < Duration::from_secs(5), "status and an add took {meanwhile:?}");

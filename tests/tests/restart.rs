@@ -326,6 +326,7 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
     let victim = ublkd.worker_pid(bystander);
     let killer = {
         let log_path = PathBuf::from("/tmp/ublkd-test-upgrade-fifty.log");
+        let socket = ublkd.ctl.socket.clone();
         std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(120);
             while std::fs::read_to_string(&log_path)
@@ -337,14 +338,32 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
                 assert!(Instant::now() < deadline, "no upgrade logged within 120 s");
                 std::thread::sleep(Duration::from_millis(20));
             }
-            signal(victim, libc::SIGKILL)
+            // Status says which device is being upgraded, and how far it is.
+            let all = ublkd_proto::msg::CtlRequest::Status { id: None };
+            let mut upgrading = None;
+            for _ in 0..200 {
+                let Ok(ublkd_proto::msg::CtlResponse::Status(devs)) = ask(&socket, &all) else {
+                    continue;
+                };
+                upgrading = devs.into_iter().find_map(|d| {
+                    d.note.filter(|n| n.contains("being upgraded: ")).map(|n| (d.id, n))
+                });
+                if upgrading.is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (signal(victim, libc::SIGKILL), upgrading)
         })
     };
     let started = Instant::now();
     let out = ublkd.ctl(&["upgrade", "-a"]);
     let took = started.elapsed();
     let slowest = prober.finish();
-    assert!(killer.join().unwrap(), "the bystander's worker was gone before the kill");
+    let (killed, upgrading) = killer.join().unwrap();
+    assert!(killed, "the bystander's worker was gone before the kill");
+    let (id, note) = upgrading.expect("no device's status said it was being upgraded");
+    eprintln!("mid-upgrade, device {id}'s status said: {note}");
     let text = describe(&out);
     assert!(out.status.success(), "ublkctl upgrade -a failed: {text}\n{}", ublkd.log());
     assert_eq!(text.matches(": upgraded to").count(), DEVICES, "{text}");

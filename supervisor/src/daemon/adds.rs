@@ -3,7 +3,9 @@
 //! while the loop serves others, begun again with a new worker if one is lost), a
 //! recover once its recovery ends; both on later turns, never by waiting.
 
+use super::underway::{Standing, Underway, Wake, for_so_far};
 use super::*;
+use std::os::fd::AsRawFd;
 
 /// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
 /// that no add holds up the loop (other devices' recoveries, clients, other adds, the
@@ -20,6 +22,40 @@ pub(super) struct PendingAdd {
     /// Adds of this device begun so far: one whose worker was lost (killed while the
     /// device was being made, say) is begun again, up to [`ADD_ATTEMPTS`] in all.
     pub(super) attempts: u8,
+    /// When it was asked for.
+    pub(super) began: Instant,
+}
+
+impl Underway for PendingAdd {
+    fn wake(&self) -> Wake {
+        match &self.stage {
+            AddStage::Starting(creation) => Wake {
+                fd: creation.control().map(|fd| fd.as_raw_fd()),
+                at: Some(creation.deadline()),
+            },
+            // A handshake's thread has no fd to poll.
+            AddStage::Connecting(_) => Wake::at(Instant::now() + PENDING_ADD_POLL),
+        }
+    }
+
+    fn progress(&self, now: Instant) -> Standing {
+        let so_far = for_so_far(self.began, now);
+        let (devices, what) = match &self.stage {
+            AddStage::Connecting(_) => (
+                self.spec.id.into_iter().collect(),
+                format!("being added: ublkd is negotiating its NBD export ({so_far})"),
+            ),
+            AddStage::Starting(creation) if creation.activating() => (
+                vec![creation.id()],
+                format!("being added: its first worker is being handed the device ({so_far})"),
+            ),
+            AddStage::Starting(creation) => (
+                vec![creation.id()],
+                format!("being added: its first worker is starting ({so_far})"),
+            ),
+        };
+        Standing { devices, what }
+    }
 }
 
 /// Who an add is for, and so who hears how it ended.
@@ -63,6 +99,18 @@ pub(super) struct PendingRecover {
 /// past a standby's 30 s start limit.
 pub(super) const RECOVER_ANSWER_WAIT: Duration = Duration::from_secs(60);
 
+impl Underway for PendingRecover {
+    fn wake(&self) -> Wake {
+        Wake::at(self.deadline)
+    }
+
+    fn progress(&self, now: Instant) -> Standing {
+        let left = self.deadline.saturating_duration_since(now).as_secs();
+        let what = format!("an `ublkctl recover` waits for its end (at most {left} s more)");
+        Standing { devices: vec![self.id], what }
+    }
+}
+
 impl Daemon {
     /// `ublkctl add`: answered now if it is refused, else once its device is LIVE or
     /// has failed ([`PendingAdd`], `None` here): an nbd device's export negotiated on a
@@ -76,7 +124,8 @@ impl Daemon {
         match self.first_add_stage(&spec, &mut attempts) {
             Ok(stage) => {
                 let for_whom = AddFor::Client(token);
-                self.pending_adds.push(PendingAdd { for_whom, spec, stage, attempts });
+                let began = Instant::now();
+                self.pending_adds.push(PendingAdd { for_whom, spec, stage, attempts, began });
                 None
             }
             Err(message) => Some(CtlResponse::Error { message }),
@@ -246,19 +295,12 @@ impl Daemon {
         self.pending_adds
             .iter()
             .filter_map(|pending| {
-                let (id, spec, worker_pid, note) = match &pending.stage {
-                    AddStage::Starting(creation) => (
-                        creation.id(),
-                        creation.spec(),
-                        creation.worker_pid(),
-                        "being added: its first worker is starting",
-                    ),
-                    AddStage::Connecting(_) => (
-                        pending.spec.id?,
-                        &pending.spec,
-                        None,
-                        "being added: ublkd is negotiating its NBD export",
-                    ),
+                // Its note is its progress, as every operation's (`underway_notes`).
+                let (id, spec, worker_pid) = match &pending.stage {
+                    AddStage::Starting(creation) => {
+                        (creation.id(), creation.spec(), creation.worker_pid())
+                    }
+                    AddStage::Connecting(_) => (pending.spec.id?, &pending.spec, None),
                 };
                 Some(DevStatus {
                     id,
@@ -275,7 +317,7 @@ impl Daemon {
                     standby_pid: None,
                     sandbox: None,
                     counters: Default::default(),
-                    note: Some(note.into()),
+                    note: None,
                     failing_io: false,
                     latency: Default::default(),
                 })

@@ -11,6 +11,7 @@ use ublkd_proto::ctrl::CtrlClient;
 use ublkd_proto::msg::CtlResponse;
 
 use super::Daemon;
+use super::underway::{Standing, Underway, Wake, for_so_far};
 use crate::control::Token;
 use crate::device::Device;
 
@@ -25,6 +26,21 @@ type Outcomes = Vec<(u32, Result<(), String>)>;
 pub(super) struct PendingDelete {
     for_whom: DeleteFor,
     done: mpsc::Receiver<Outcomes>,
+    /// The devices being deleted, and since when.
+    ids: Vec<u32>,
+    began: Instant,
+}
+
+impl Underway for PendingDelete {
+    /// A thread's end has no fd to poll.
+    fn wake(&self) -> Wake {
+        Wake::at(Instant::now() + DELETE_POLL)
+    }
+
+    fn progress(&self, now: Instant) -> Standing {
+        let what = format!("being deleted ({})", for_so_far(self.began, now));
+        Standing { devices: self.ids.clone(), what }
+    }
 }
 
 /// Who a delete is for, and so who hears how it ended.
@@ -53,6 +69,7 @@ impl Daemon {
         if devices.is_empty() {
             return self.delete_done(for_whom, Vec::new());
         }
+        let ids: Vec<u32> = devices.iter().map(Device::id).collect();
         let (tx, done) = mpsc::channel();
         // Shared, so that the devices come back if no thread can be had.
         let queue = Arc::new(Mutex::new(devices));
@@ -86,7 +103,8 @@ impl Daemon {
                 .collect();
             return self.delete_done(for_whom, outcomes);
         }
-        self.pending_deletes.push(PendingDelete { for_whom, done });
+        let began = Instant::now();
+        self.pending_deletes.push(PendingDelete { for_whom, done, ids, began });
         None
     }
 

@@ -136,35 +136,16 @@ impl Daemon {
                     wake_by = wake_by.min(due);
                 }
             }
-            // A new device's starting worker answers (or hangs up) on its control
-            // socket; an nbd add's handshake has no fd to poll.
-            for pending in &self.pending_adds {
-                match &pending.stage {
-                    AddStage::Starting(creation) => {
-                        wake_by = wake_by.min(creation.deadline());
-                        if let Some(fd) = creation.control() {
-                            let fd = fd.as_raw_fd();
-                            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
-                        }
-                    }
-                    AddStage::Connecting(_) => {
-                        wake_by = wake_by.min(Instant::now() + PENDING_ADD_POLL);
-                    }
-                }
-            }
-            for pending in &self.pending_recovers {
-                wake_by = wake_by.min(pending.deadline);
-            }
-            if self.deleting() {
-                wake_by = wake_by.min(Instant::now() + delete::DELETE_POLL);
-            }
-            for pending in &self.pending_upgrades {
-                let (fd, due) = pending.wake();
-                if let Some(fd) = fd {
+            // Every operation under way (adds, recovers, upgrades, deletes, a reload)
+            // says what wakes the loop for it: a worker's answer on its control socket,
+            // a thread's end (looked at every few milliseconds), its deadline.
+            for op in self.underway() {
+                let wake = op.wake();
+                if let Some(fd) = wake.fd {
                     fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
                 }
-                if let Some(due) = due {
-                    wake_by = wake_by.min(due);
+                if let Some(at) = wake.at {
+                    wake_by = wake_by.min(at);
                 }
             }
             let control_due = self.control.next_deadline();
@@ -184,10 +165,7 @@ impl Daemon {
                 wake_by = Instant::now();
             }
             let idle = self.devices.is_empty()
-                && self.pending_adds.is_empty()
-                && self.pending_recovers.is_empty()
-                && self.pending_upgrades.is_empty()
-                && self.pending_deletes.is_empty()
+                && self.underway().next().is_none()
                 && self.notifier.watchdog_interval().is_none()
                 && control_due.is_none()
                 && self.metrics_file.is_none()

@@ -30,7 +30,11 @@ impl Daemon {
             // for is missing from the list meanwhile.
             CtlRequest::Status { id: Some(id) } if !self.devices.contains(id) => {
                 match self.pending_statuses().into_iter().find(|s| s.id == id) {
-                    Some(status) => Ok(CtlResponse::Status(vec![status])),
+                    Some(status) => {
+                        let mut statuses = vec![status];
+                        self.underway_notes(&mut statuses);
+                        Ok(CtlResponse::Status(statuses))
+                    }
                     None => Err(self.unknown(id)),
                 }
             }
@@ -41,6 +45,7 @@ impl Daemon {
                     all.extend(self.pending_statuses());
                     all.sort_unstable_by_key(|s| s.id);
                 }
+                self.underway_notes(&mut all);
                 CtlResponse::Status(all)
             }),
             CtlRequest::Metrics { id } => self.selected(id).map(|ids| {

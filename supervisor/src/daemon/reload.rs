@@ -6,6 +6,7 @@
 //! would not (the next ublkd adopts the device as the kernel has it).
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use ublkd_config::{Config, DeviceSpec};
 
@@ -14,6 +15,7 @@ use super::adds::{AddFor, PendingAdd};
 use super::delete::DeleteFor;
 use super::event_loop::CREATING_AT_ONCE;
 use super::handlers::describe_spec;
+use super::underway::{Standing, Underway, Wake};
 
 /// A reload under way: its deletes run on a thread and its adds as `ublkctl add`s do,
 /// while the loop serves every client and device (and feeds the watchdog). systemd
@@ -31,6 +33,22 @@ pub(super) struct PendingReload {
     queued: VecDeque<DeviceSpec>,
     /// Adds begun and not yet ended.
     adding: usize,
+}
+
+impl Underway for PendingReload {
+    /// Its deletes and adds wake the loop for it.
+    fn wake(&self) -> Wake {
+        Wake::default()
+    }
+
+    fn progress(&self, _now: Instant) -> Standing {
+        let stage = if self.deleting {
+            "deleting the devices gone from the config file".to_string()
+        } else {
+            format!("adding {} device(s), {} more to begin", self.adding, self.queued.len())
+        };
+        Standing { devices: Vec::new(), what: format!("reloading the config file: {stage}") }
+    }
 }
 
 impl Daemon {
@@ -169,7 +187,9 @@ impl Daemon {
             match self.first_add_stage(&spec, &mut attempts) {
                 Ok(stage) => {
                     let for_whom = AddFor::Reload(spec.clone());
-                    self.pending_adds.push(PendingAdd { for_whom, spec, stage, attempts });
+                    let began = Instant::now();
+                    let add = PendingAdd { for_whom, spec, stage, attempts, began };
+                    self.pending_adds.push(add);
                     reload.adding += 1;
                 }
                 Err(e) => {

@@ -14,12 +14,13 @@
 //! answered at once, for the loop to finish by itself.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use ublkd_proto::msg::{CtlResponse, UpgradeOutcome};
 
 use super::Daemon;
+use super::underway::{Standing, Underway, Wake};
 use crate::control::Token;
 use crate::device::Recovery;
 use crate::device_state::StateKind;
@@ -49,16 +50,37 @@ enum Step {
     Settling { until: Instant },
 }
 
-impl PendingUpgrade {
+impl Underway for PendingUpgrade {
     /// The new worker's control socket, to poll, and when the step is due anyway.
-    pub(super) fn wake(&self) -> (Option<RawFd>, Option<Instant>) {
+    fn wake(&self) -> Wake {
         match &self.current {
             Some((_, Step::Starting { worker, deadline })) => {
-                (Some(worker.control().as_raw_fd()), Some(*deadline))
+                Wake { fd: Some(worker.control().as_raw_fd()), at: Some(*deadline) }
             }
-            Some((_, Step::Settling { until })) => (None, Some(*until)),
+            Some((_, Step::Settling { until })) => Wake::at(*until),
             // The next device begins on the next turn.
-            None => (None, Some(Instant::now())),
+            None => Wake::at(Instant::now()),
+        }
+    }
+
+    fn progress(&self, _now: Instant) -> Standing {
+        let after = match self.queue.len() {
+            0 => String::new(),
+            n => format!(" ({n} more device(s) to upgrade after it)"),
+        };
+        match &self.current {
+            Some((id, Step::Starting { worker, .. })) => Standing {
+                devices: vec![*id],
+                what: format!(
+                    "being upgraded: its new worker (pid {}) is starting, the old one serves{after}",
+                    worker.pid()
+                ),
+            },
+            Some((id, Step::Settling { .. })) => Standing {
+                devices: vec![*id],
+                what: format!("being upgraded: handed to its new worker{after}"),
+            },
+            None => Standing { devices: Vec::new(), what: format!("upgrading{after}") },
         }
     }
 }

@@ -50,6 +50,11 @@ impl Creation {
         }
     }
 
+    /// Whether its worker stands by and is being handed the device.
+    pub fn activating(&self) -> bool {
+        self.activating.is_some()
+    }
+
     /// When the creation fails if its worker has not answered by then.
     pub fn deadline(&self) -> Instant {
         self.activating.as_deref().map_or(self.deadline, Activating::deadline)
