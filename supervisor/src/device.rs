@@ -365,16 +365,13 @@ impl Device {
     /// old state held (a dead one, or one a recovery gave up) or, on a refusal, those
     /// `to` holds are killed (and reaped once they end).
     pub fn transition(&mut self, to: DeviceState) -> Result<(), TransitionError> {
-        let kind = to.kind();
-        let mut to = Some(to);
-        let moved = self.transition_with(kind, |old| {
-            kill_all(old.into_workers());
-            to.take().expect("made once")
-        });
-        if let Some(refused) = to {
-            kill_all(refused.into_workers());
+        if let Err(e) = self.may_become(to.kind()) {
+            kill_all(to.into_workers());
+            return Err(e);
         }
-        moved
+        let old = std::mem::replace(&mut self.state, to);
+        kill_all(old.into_workers());
+        Ok(())
     }
 
     /// Moves the device to a state of kind `to`, made by `make` from the old one (so
@@ -385,13 +382,17 @@ impl Device {
         to: StateKind,
         make: impl FnOnce(DeviceState) -> DeviceState,
     ) -> Result<(), TransitionError> {
-        if let Err(e) = self.state.check(self.id, to) {
-            tracing::error!(dev_id = self.id, event = "illegal_transition", "{e}");
-            return Err(e);
-        }
+        self.may_become(to)?;
         let old = std::mem::replace(&mut self.state, DeviceState::Recovering);
         self.state = make(old);
         Ok(())
+    }
+
+    /// Whether the device may go to a state of kind `to`; a refusal is logged.
+    fn may_become(&self, to: StateKind) -> Result<(), TransitionError> {
+        self.state.check(self.id, to).inspect_err(|e| {
+            tracing::error!(dev_id = self.id, event = "illegal_transition", "{e}");
+        })
     }
 
     /// Serves the device with `worker`, LIVE or (with `failing`) failing every I/O for

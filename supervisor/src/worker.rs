@@ -31,12 +31,13 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::{
-    self, Activation, FromWorker, LayerSet, MissingLayer, MsgError, SandboxLayer, SandboxReport,
-    SandboxStatus, TargetSetup, ToWorker, WorkerSetup,
+    self, FromWorker, LayerSet, MissingLayer, MsgError, SandboxLayer, SandboxReport, SandboxStatus,
+    TargetSetup, ToWorker, WorkerSetup,
 };
 
 use crate::worker_log::PipeEnd;
 
+mod activation;
 mod ending;
 mod pidfd;
 mod rings;
@@ -44,6 +45,7 @@ mod spawn;
 mod takeover;
 pub mod wait_set;
 
+pub use activation::Activating;
 use ending::linger;
 pub use ending::reap_lingering;
 pub use pidfd::process_start_time;
@@ -258,24 +260,10 @@ impl Worker {
         drop(theirs);
         let pid = child.id();
         wait_set::register(&pidfd, dev_id, pid);
-        let mut worker = Worker {
-            child: Some(child),
-            pid,
-            control: ours,
-            stderr_copy: None,
-            stderr_write,
-            held: Vec::new(),
-            sandbox: None,
-            sandbox_seen: None,
-            pidfd,
-            rings: Vec::new(),
-            stderr_end: None,
-            target: TargetSetup::Null,
-            fast_release: false,
-            activated: None,
-            held_sent: 0,
-            spawned_without,
-        };
+        let mut worker = Worker::bare(pid, ours, pidfd);
+        worker.child = Some(child);
+        worker.stderr_write = stderr_write;
+        worker.spawned_without = spawned_without;
         if let (Some(relay), Some(read)) = (relay, stderr_read) {
             worker.stderr_copy = read.try_clone().ok();
             worker.stderr_end = Some(relay.watch(read, dev_id, pid));
@@ -417,10 +405,16 @@ impl Worker {
         let pidfd = crate::sys::pidfd_open(child.id()).expect("pidfd_open");
         child.wait().expect("true ends");
         let (control, _) = std::os::unix::net::UnixDatagram::pair().expect("socketpair");
+        Worker::bare(child.id(), control.into(), pidfd)
+    }
+
+    /// Worker `pid`, known by its `control` socket and `pidfd`, with nothing else yet:
+    /// not ublkd's child, no stderr relay, no sandbox report, never activated.
+    fn bare(pid: u32, control: OwnedFd, pidfd: OwnedFd) -> Worker {
         Worker {
             child: None,
-            pid: child.id(),
-            control: control.into(),
+            pid,
+            control,
             stderr_copy: None,
             stderr_write: None,
             held: Vec::new(),
@@ -455,55 +449,6 @@ impl Worker {
     /// The target it was set up for.
     pub fn target_setup(&self) -> TargetSetup {
         self.target
-    }
-
-    /// Hands the worker the device (`/dev/ublkcN`) and its target's connections, if it
-    /// has any (an nbd worker: `target`, see [`TargetSetup::activation_fds`]), without
-    /// waiting for its answer: it maps the device and PREPs every tag (a few
-    /// milliseconds), then says Ready on its control socket, which the loop watches
-    /// ([`Self::has_answered`]) before it takes the answer ([`Self::activation_answer`]).
-    pub fn begin_activation(
-        &mut self,
-        generation: u64,
-        ublkc: BorrowedFd<'_>,
-        target: &[OwnedFd],
-    ) -> Result<(), WorkerError> {
-        let mut fds = vec![ublkc];
-        fds.extend(target.iter().map(AsFd::as_fd));
-        if fds.len() != 1 + self.target.activation_fds() {
-            let what =
-                format!("activation with {} target fds for {:?}", fds.len() - 1, self.target);
-            return Err(WorkerError::Protocol { pid: self.pid, what });
-        }
-        let fixed = fds.len();
-        fds.push(self.control.as_fd());
-        fds.extend(self.stderr_copy.as_ref().map(AsFd::as_fd));
-        self.send(&ToWorker::Activate { generation }, &fds)?;
-        self.held_sent = fds.len() - fixed;
-        // The worker has its own copy now.
-        self.stderr_copy = None;
-        Ok(())
-    }
-
-    /// The worker's answer to its activation ([`Self::begin_activation`]), once it has
-    /// answered ([`Self::has_answered`]: this then does not wait), or within `timeout`.
-    pub fn activation_answer(&mut self, timeout: Duration) -> Result<Activation, WorkerError> {
-        match self.receive(timeout)? {
-            (FromWorker::Ready(activation), _) => {
-                if activation.held.len() != self.held_sent {
-                    let what = format!(
-                        "held {} fds of the {} sent",
-                        activation.held.len(),
-                        self.held_sent
-                    );
-                    return Err(WorkerError::Protocol { pid: self.pid, what });
-                }
-                self.held.clone_from(&activation.held);
-                self.activated = Some(Instant::now());
-                Ok(activation)
-            }
-            (other, _) => self.unexpected("Ready", other),
-        }
     }
 
     fn unexpected<T>(&self, want: &str, got: FromWorker) -> Result<T, WorkerError> {
@@ -567,54 +512,6 @@ impl Worker {
             }
             Err(e) => Err(WorkerError::Protocol { pid, what: e.to_string() }),
         }
-    }
-}
-
-/// A worker being handed its device (`Device::begin_activation`): the loop watches its
-/// control socket and ends the activation (`Device::end_activation`) once it answers or
-/// at its deadline, never waiting for it.
-#[derive(Debug)]
-pub struct Activating {
-    worker: Worker,
-    generation: u64,
-    /// When the worker must have answered.
-    deadline: Instant,
-}
-
-impl Activating {
-    /// `worker`, sent its activation for `generation`, to answer by `deadline`.
-    pub fn new(worker: Worker, generation: u64, deadline: Instant) -> Activating {
-        Activating { worker, generation, deadline }
-    }
-
-    /// The worker, and the generation it was activated for.
-    pub fn into_parts(self) -> (Worker, u64) {
-        (self.worker, self.generation)
-    }
-
-    /// Whether the activation can end now: the worker answered (or hung up), or its
-    /// time is up.
-    pub fn due(&self, now: Instant) -> bool {
-        now >= self.deadline || self.worker.has_answered()
-    }
-
-    /// The socket on which the worker answers.
-    pub fn control(&self) -> BorrowedFd<'_> {
-        self.worker.control()
-    }
-
-    pub fn deadline(&self) -> Instant {
-        self.deadline
-    }
-
-    /// The worker being activated.
-    pub fn worker(&self) -> &Worker {
-        &self.worker
-    }
-
-    /// Gives the activation up: its worker, to be killed with the device's others.
-    pub fn into_worker(self) -> Worker {
-        self.worker
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
 use ublkd_config::NbdTransport;
-use ublkd_proto::msg::{FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, TargetSetup, ToWorker};
+use ublkd_proto::msg::{FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, ToWorker};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
 use super::{Worker, WorkerError};
@@ -51,25 +51,11 @@ impl Worker {
         if let Some(what) = not_a_seqpacket_socket(control.as_fd()) {
             return Err(refused(format!("its fd {control_at} is {what}")));
         }
-        let mut worker = Worker {
-            child: None,
-            pid,
-            control,
-            stderr_copy: None,
-            // Its fd 2, for the next stop (checked to be a pipe below).
-            stderr_write: None,
-            held: claim.held.clone(),
-            sandbox: claim.sandbox.clone(),
-            sandbox_seen: None,
-            pidfd,
-            rings: Vec::new(),
-            stderr_end: None,
-            target: TargetSetup::Null,
-            fast_release,
-            activated: None,
-            held_sent: 0,
-            spawned_without: None,
-        };
+        // Its fd 2 (`stderr_write`), for the next stop, is copied below once checked.
+        let mut worker = Worker::bare(pid, control, pidfd);
+        worker.held.clone_from(&claim.held);
+        worker.sandbox.clone_from(&claim.sandbox);
+        worker.fast_release = fast_release;
         worker.send(&ToWorker::Attach, &[])?;
         let deadline = Instant::now() + timeout;
         let (dev_id, generation, rings) = loop {
