@@ -18,6 +18,7 @@ use crate::codec::CodecError;
 mod ctl;
 mod data_path;
 mod frame;
+pub mod rbd;
 mod worker;
 pub use ctl::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, SandboxStatus,
@@ -116,6 +117,7 @@ mod tests {
             zero_copy: true,
             fast_release: true,
             data_path: DataPath::PerIo,
+            rbd: None,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();
         let f2 = std::fs::File::open("/dev/zero").unwrap();
@@ -201,6 +203,7 @@ mod tests {
                     landlock_abi: Some(4),
                 }),
                 rings: vec![5, 6, 7],
+                client: Some("client.4186".into()),
             };
             let mut bytes = codec::encode(&msg).unwrap();
             for (at, value) in flips {

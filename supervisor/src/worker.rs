@@ -180,6 +180,9 @@ pub struct Worker {
     /// A layer ublkd could not give it as it started it (its pid namespace), added to
     /// what it reports missing once it stands by.
     spawned_without: Option<MissingLayer>,
+    /// An rbd worker's RADOS client identity, as it reported it in Standby or
+    /// Attached (checked by [`rbd_client_name`]): what its successors fence.
+    pub rbd_client: Option<String>,
 }
 
 impl Worker {
@@ -342,7 +345,8 @@ impl Worker {
     /// Waits up to `timeout` for the answer to the setup: standing by, or why not.
     pub fn standby_answer(&mut self, timeout: Duration) -> Result<(), WorkerError> {
         match self.receive(timeout)? {
-            (FromWorker::Standby { sandbox, rings }, _) => {
+            (FromWorker::Standby { sandbox, rings, client }, _) => {
+                self.rbd_client = self.checked_client(client)?;
                 // Its text reaches the journal and status: escaped, bounded.
                 self.sandbox = sandbox.map(|mut report| {
                     report.namespaces.truncate(NAMESPACES_SHOWN);
@@ -365,6 +369,24 @@ impl Worker {
                 Ok(())
             }
             (other, _) => self.unexpected("Standby", other),
+        }
+    }
+
+    /// The client identity a worker reported, if it is one an rbd worker may report:
+    /// the supervisor later asks a successor to break the image's lock if this owner
+    /// holds it, so a name that is not a RADOS address is refused, not passed on.
+    fn checked_client(&self, client: Option<String>) -> Result<Option<String>, WorkerError> {
+        match client {
+            None => Ok(None),
+            Some(_) if self.target != TargetSetup::Rbd => {
+                let what = "a client identity from a worker that serves no rbd image".into();
+                Err(WorkerError::Protocol { pid: self.pid, what })
+            }
+            Some(name) if rbd_client_name(&name) => Ok(Some(name)),
+            Some(name) => {
+                let what = format!("client identity {:?}", msg::untrusted_text(&name));
+                Err(WorkerError::Protocol { pid: self.pid, what })
+            }
         }
     }
 
@@ -428,6 +450,7 @@ impl Worker {
             activated: None,
             held_sent: 0,
             spawned_without: None,
+            rbd_client: None,
         }
     }
 
@@ -536,6 +559,15 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> nix::Result<()> {
     let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL)?;
     let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
     nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFL(flags)).map(drop)
+}
+
+/// Whether `name` looks like a RADOS client address as librbd names a lock's owner
+/// (`127.0.0.1:0/2961794808`, `[::1]:0/42`, with a `v2:` prefix where the messenger
+/// adds one): short, and made of nothing but an address's characters.
+pub fn rbd_client_name(name: &str) -> bool {
+    (1..=96).contains(&name.len())
+        && name.contains('/')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b".:/[]-".contains(&b))
 }
 
 #[cfg(test)]

@@ -208,7 +208,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
         return fail(control.as_fd(), e.into());
     }
     let rings = if setup.fast_release { threads.ring_fds.clone() } else { Vec::new() };
-    let standby_msg = FromWorker::Standby { sandbox: sandbox_report, rings };
+    let standby_msg = FromWorker::Standby { sandbox: sandbox_report, rings, client: None };
     if let Err(e) = msg::send_packet(control.as_fd(), &standby_msg, &[]) {
         tracing::error!("cannot report standby: {e}");
         return WorkerExit::Orphaned;
@@ -217,7 +217,7 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
     let fixed = 1 + setup.target.activation_fds();
     let (generation, ublkc, target_fds, held) = match msg::recv_packet::<ToWorker>(control.as_fd())
     {
-        Ok((ToWorker::Activate { generation }, mut fds))
+        Ok((ToWorker::Activate { generation, fence: _ }, mut fds))
             if (fixed..=fixed + msg::MAX_HELD_FDS).contains(&fds.len()) =>
         {
             let held = fds.split_off(fixed);

@@ -170,7 +170,8 @@ impl ThreadSet {
                         Ok((ToWorker::Shutdown, _)) => break WorkerExit::Clean,
                         Ok((ToWorker::Attach, _)) => {
                             let rings = rings.clone();
-                            let attached = FromWorker::Attached { dev_id, generation, rings };
+                            let attached =
+                                FromWorker::Attached { dev_id, generation, rings, client: None };
                             if let Err(e) = msg::send_packet(control, &attached, &[]) {
                                 tracing::warn!("cannot answer a supervisor's Attach: {e}");
                             }

@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, MAX_MESSAGE_BYTES};
 
+#[cfg(doc)]
+use super::rbd::MAX_FENCED_CLIENTS;
+use super::rbd::RbdSetup;
 use super::{DataPath, MAX_FDS, MsgError};
 
 /// What the device's target is, as the worker needs to know it. The target's data
@@ -34,6 +37,11 @@ pub enum TargetSetup {
     /// with structured or simple replies (the worker reads both), with
     /// [`ToWorker::Activate`].
     Nbd { connections: u8 },
+    /// An RBD image in a Ceph cluster, through librbd, which the worker loads. Its
+    /// cluster, image and key come in [`WorkerSetup::rbd`]; the worker connects while
+    /// standing by and takes the image's exclusive lock at activation, fencing the
+    /// earlier workers' clients first (`ToWorker::Activate`'s `fence`).
+    Rbd,
 }
 
 /// The most connections an nbd worker is given.
@@ -43,7 +51,10 @@ impl TargetSetup {
     /// How many fds follow the fixed ones for this target.
     pub const fn target_fds(&self) -> usize {
         match self {
-            TargetSetup::Null | TargetSetup::FailIo | TargetSetup::Nbd { .. } => 0,
+            TargetSetup::Null
+            | TargetSetup::FailIo
+            | TargetSetup::Nbd { .. }
+            | TargetSetup::Rbd => 0,
             TargetSetup::Memory | TargetSetup::Loop => 1,
         }
     }
@@ -86,6 +97,8 @@ pub struct WorkerSetup {
     pub fast_release: bool,
     /// The ublk commands the device was created for (see [`DataPath`]).
     pub data_path: DataPath,
+    /// With [`TargetSetup::Rbd`] (and only then): the cluster and image.
+    pub rbd: Option<RbdSetup>,
 }
 
 impl WorkerSetup {
@@ -108,7 +121,14 @@ pub enum ToWorker {
     /// supervisor exits), and the read end of the worker's stderr pipe where ublkd
     /// relays it. A restarted ublkd takes them back with pidfd_getfd at the numbers
     /// the worker names in Ready, and talks to the worker that served on meanwhile.
-    Activate { generation: u64 },
+    ///
+    /// `fence` (rbd only, else empty): the client identities of the device's earlier
+    /// workers (what each said in [`FromWorker::Standby`]), at most
+    /// [`MAX_FENCED_CLIENTS`]. An exclusive-lock owner among them is broken, which
+    /// blocklists it so that a write it still has in flight can never land, before the
+    /// new worker takes the lock; any other owner is another client's, and the
+    /// activation fails naming it.
+    Activate { generation: u64, fence: Vec<String> },
     /// Stop serving and exit (the device is being stopped).
     Shutdown,
     /// From a supervisor that took the serving worker over (a restarted ublkd): say
@@ -261,7 +281,9 @@ pub enum FromWorker {
     /// the supervisor unregisters their files and buffers, so the kernel lets go of
     /// `/dev/ublkcN` at once instead of after the rings' asynchronous teardown (two
     /// RCU grace periods and a deferred file release later).
-    Standby { sandbox: Option<SandboxReport>, rings: Vec<i32> },
+    /// `client` (rbd only): the worker's RADOS client identity, as exclusive-lock
+    /// owners are named, which its successors may fence.
+    Standby { sandbox: Option<SandboxReport>, rings: Vec<i32>, client: Option<String> },
     /// Every tag of every queue is PREPed: ready for START_DEV or END_USER_RECOVERY
     /// (the kernel holds requests until FETCH is armed, right after), with how long
     /// the activation took. The supervisor logs that; the worker logs nothing on this
@@ -271,7 +293,7 @@ pub enum FromWorker {
     Failed { reason: String },
     /// The answer to [`ToWorker::Attach`]: the device and incarnation it serves, and
     /// its rings' fd numbers as in Standby.
-    Attached { dev_id: u32, generation: u64, rings: Vec<i32> },
+    Attached { dev_id: u32, generation: u64, rings: Vec<i32>, client: Option<String> },
 }
 
 /// Sends one message (one packet) with `fds` attached, waiting for room if the peer's

@@ -75,6 +75,7 @@ impl Device {
             fast_release: self.fast_release(ctx),
             block_size: self.spec.settings.block_size,
             data_path,
+            rbd: None,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {
@@ -258,7 +259,7 @@ impl Device {
                 return Err(e.into());
             }
         };
-        let sent = worker.begin_activation(generation, ublkc.as_fd(), &sockets);
+        let sent = worker.begin_activation(generation, ublkc.as_fd(), &sockets, &[]);
         // Close our copy now: only the worker may hold /dev/ublkcN. The connections are
         // kept, to be drained once this worker is dead (a previous worker's go now).
         drop(ublkc);

@@ -20,6 +20,7 @@ impl Worker {
         generation: u64,
         ublkc: BorrowedFd<'_>,
         target: &[OwnedFd],
+        fence: &[String],
     ) -> Result<(), WorkerError> {
         let mut fds = vec![ublkc];
         fds.extend(target.iter().map(AsFd::as_fd));
@@ -31,7 +32,7 @@ impl Worker {
         let fixed = fds.len();
         fds.push(self.control.as_fd());
         fds.extend(self.stderr_copy.as_ref().map(AsFd::as_fd));
-        self.send(&ToWorker::Activate { generation }, &fds)?;
+        self.send(&ToWorker::Activate { generation, fence: fence.to_vec() }, &fds)?;
         self.held_sent = fds.len() - fixed;
         // The worker has its own copy now.
         self.stderr_copy = None;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::SockType;
 use ublkd_config::NbdTransport;
-use ublkd_proto::msg::{FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, ToWorker};
+use ublkd_proto::msg::{self, FromWorker, MAX_NBD_CONNECTIONS, SandboxReport, ToWorker};
 
 use super::pidfd::{exits_within, getfd, pidfd_kill, pidfd_open, process_start_time};
 use super::{Worker, WorkerError};
@@ -58,13 +58,13 @@ impl Worker {
         worker.fast_release = fast_release;
         worker.send(&ToWorker::Attach, &[])?;
         let deadline = Instant::now() + timeout;
-        let (dev_id, generation, rings) = loop {
+        let (dev_id, generation, rings, client) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match worker.receive(left)? {
                 // A worker taken over mid-activation says Ready first.
                 (FromWorker::Ready(_), _) => continue,
-                (FromWorker::Attached { dev_id, generation, rings }, _) => {
-                    break (dev_id, generation, rings);
+                (FromWorker::Attached { dev_id, generation, rings, client }, _) => {
+                    break (dev_id, generation, rings, client);
                 }
                 (other, _) => return worker.unexpected("Attached", other),
             }
@@ -77,6 +77,15 @@ impl Worker {
             )));
         }
         worker.rings = worker.copy_rings(&rings)?;
+        worker.rbd_client = match client {
+            Some(name) if !super::rbd_client_name(&name) => {
+                return Err(refused(format!(
+                    "it names its client {:?}, which is no RADOS address",
+                    msg::untrusted_text(&name)
+                )));
+            }
+            client => client,
+        };
         worker.see_sandbox();
         if let (Some(relay), Some(&stderr_at)) =
             (crate::worker_log::Relay::get(), claim.held.get(1))
@@ -297,9 +306,9 @@ mod tests {
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .unwrap();
         let answerer = std::thread::spawn(move || {
-            let (got, _) = ublkd_proto::msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
+            let (got, _) = msg::recv_packet::<ToWorker>(far.as_fd()).unwrap();
             assert_eq!(got, ToWorker::Attach);
-            ublkd_proto::msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
+            msg::send_packet(far.as_fd(), &answer, &[]).unwrap();
         });
         (near, answerer)
     }
@@ -307,8 +316,12 @@ mod tests {
     #[test]
     fn a_worker_that_serves_another_device_or_generation_is_refused() {
         for (dev_id, generation) in [(6, 9), (5, 8)] {
-            let (near, answerer) =
-                answering(FromWorker::Attached { dev_id, generation, rings: Vec::new() });
+            let (near, answerer) = answering(FromWorker::Attached {
+                dev_id,
+                generation,
+                rings: Vec::new(),
+                client: None,
+            });
             let err = attach_error(&claim_on_self(near.as_raw_fd()));
             answerer.join().unwrap();
             assert!(
@@ -324,8 +337,12 @@ mod tests {
     /// This very process taken over as device 5's worker at generation 9, and the
     /// control socket's near end it was claimed to hold.
     fn self_taken_over() -> (Worker, OwnedFd) {
-        let (near, answerer) =
-            answering(FromWorker::Attached { dev_id: 5, generation: 9, rings: Vec::new() });
+        let (near, answerer) = answering(FromWorker::Attached {
+            dev_id: 5,
+            generation: 9,
+            rings: Vec::new(),
+            client: None,
+        });
         let worker = Worker::attach(&claim_on_self(near.as_raw_fd()), true, Duration::from_secs(2));
         answerer.join().unwrap();
         (worker.unwrap(), near)

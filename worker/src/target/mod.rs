@@ -110,6 +110,8 @@ pub enum TargetError {
     MemoryTooSmall { got: u64, want: u64 },
     #[error("the loop target's backing file is {got} bytes, smaller than the device's {want}")]
     LoopTooSmall { got: u64, want: u64 },
+    #[error("this worker cannot serve the {target} target yet")]
+    Unsupported { target: &'static str },
     #[error("cannot map or inspect the target's file: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -128,6 +130,7 @@ pub fn build(
             TargetSetup::Loop => "loop",
             TargetSetup::FailIo => "fail-io",
             TargetSetup::Nbd { .. } => "nbd",
+            TargetSetup::Rbd => "rbd",
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
     }
@@ -137,5 +140,6 @@ pub fn build(
         TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
         TargetSetup::FailIo => Box::new(FailTarget),
         TargetSetup::Nbd { connections } => Box::new(NbdTarget::new(connections)?),
+        TargetSetup::Rbd => return Err(TargetError::Unsupported { target: "rbd" }),
     })
 }
