@@ -22,7 +22,7 @@ use crate::{
     Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
     DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_METRICS_INTERVAL_SECS,
     MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS, NbdUri,
-    RecoveryConfig, TargetSpec, parse_size,
+    RbdImage, RbdSpec, RecoveryConfig, TargetSpec, check_ceph_id, parse_size,
 };
 
 /// Checks config `text`; `origin` names it in messages. See [`Config::parse`].
@@ -99,7 +99,7 @@ impl Checker<'_> {
                     path = path.key(missing);
                     match missing {
                         "target" => "missing; every device needs a target: \"null\", \"memory\", \
-                                 \"loop\" or \"nbd\""
+                                 \"loop\", \"nbd\" or \"rbd\""
                             .to_owned(),
                         _ => "missing; this key is required".to_owned(),
                     }
@@ -294,7 +294,25 @@ impl Checker<'_> {
                 "only an nbd target has a uri; remove uri or set target = \"nbd\"",
             ));
         }
+        if !matches!(raw.target, RawTarget::Rbd) {
+            for (key, present) in [
+                ("image", raw.image.is_some()),
+                ("ceph_conf", raw.ceph_conf.is_some()),
+                ("ceph_id", raw.ceph_id.is_some()),
+                ("keyring", raw.keyring.is_some()),
+            ] {
+                if present {
+                    return Err(self.invalid(
+                        &table.key(key),
+                        format!(
+                            "only an rbd target has {key}; remove {key} or set target = \"rbd\""
+                        ),
+                    ));
+                }
+            }
+        }
         let (target, size_bytes) = match raw.target {
+            RawTarget::Rbd => (self.rbd(&table, raw)?, 0),
             RawTarget::Nbd => {
                 for (key, present) in [
                     ("file", raw.file.is_some()),
@@ -387,11 +405,63 @@ impl Checker<'_> {
         Ok(spec)
     }
 
+    /// An rbd device's image and credentials, from its table.
+    fn rbd(&self, table: &KeyPath, raw: &RawDevice) -> Result<TargetSpec, ConfigError> {
+        for (key, present, why) in [
+            ("file", raw.file.is_some(), "only a loop target has a backing file"),
+            ("direct", raw.direct.is_some(), "only a loop target has a backing file"),
+            ("zero_copy", raw.zero_copy.is_some(), "only a loop target has a backing file"),
+            ("uri", raw.uri.is_some(), "only an nbd target has a uri"),
+            (
+                "size",
+                raw.size.is_some(),
+                "an rbd device's size is its image's, which ublkd reads from the cluster \
+                 (resize the image with `rbd resize`)",
+            ),
+        ] {
+            if present {
+                return Err(self.invalid(
+                    &table.key(key),
+                    format!("{why}; remove {key} from this rbd device"),
+                ));
+            }
+        }
+        let Some(text) = &raw.image else {
+            return Err(self.invalid(
+                &table.key("image"),
+                "missing; an rbd device needs image = \"POOL/IMAGE\" (or \"POOL/IMAGE@SNAPSHOT\" \
+                 for a read-only device)",
+            ));
+        };
+        let image =
+            RbdImage::parse(text).map_err(|e| self.invalid(&table.key("image"), e.to_string()))?;
+        if let Some(id) = &raw.ceph_id {
+            check_ceph_id(id).map_err(|e| self.invalid(&table.key("ceph_id"), e))?;
+        }
+        for (key, path) in [("ceph_conf", &raw.ceph_conf), ("keyring", &raw.keyring)] {
+            if let Some(path) = path
+                && !path.is_absolute()
+            {
+                return Err(self.invalid(
+                    &table.key(key),
+                    format!("{} is relative; give an absolute path", path.display()),
+                ));
+            }
+        }
+        Ok(TargetSpec::Rbd(RbdSpec {
+            image,
+            ceph_conf: raw.ceph_conf.clone(),
+            ceph_id: raw.ceph_id.clone(),
+            keyring: raw.keyring.clone(),
+        }))
+    }
+
     /// Device ids and loop backing files are each used at most once.
     fn check_unique(&self, devices: &[DeviceSpec]) -> Result<(), ConfigError> {
         let mut ids = HashMap::new();
         let mut files = HashMap::new();
         let mut exports = HashMap::new();
+        let mut images = HashMap::new();
         for (index, device) in devices.iter().enumerate() {
             let table = KeyPath::root().key("device").index(index);
             if let Some(id) = device.id
@@ -402,6 +472,20 @@ impl Checker<'_> {
                     format!(
                         "{id} is already used by device[{first}]; give each device its \
                          own id or use \"auto\""
+                    ),
+                ));
+            }
+            // A snapshot is read-only: any number of devices may serve it.
+            if let TargetSpec::Rbd(rbd) = &device.target
+                && rbd.image.snapshot.is_none()
+                && let Some(first) = images.insert(rbd.image.without_snapshot(), index)
+            {
+                return Err(self.invalid(
+                    &table.key("image"),
+                    format!(
+                        "{} is already the image of device[{first}]; each would take the \
+                         image's lock from the other",
+                        rbd.image
                     ),
                 ));
             }

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use ublkd_proto::msg::{LayerSet, SandboxLayer};
 
 use crate::nbd_uri::NbdUri;
+use crate::rbd::RbdSpec;
 use crate::size::format_size;
 
 /// Largest device id ublkd accepts: the kernel's `UBLK_MAX_UBLKS - 1`, where
@@ -66,17 +67,21 @@ pub enum TargetSpec {
         /// Where the export is.
         uri: NbdUri,
     },
+    /// An RBD image in a Ceph cluster. Its size comes from the image when ublkd
+    /// connects; a snapshot is served read-only.
+    Rbd(RbdSpec),
 }
 
 impl TargetSpec {
-    /// The target's name as the config file spells it: `null`, `memory`, `loop` or
-    /// `nbd`.
+    /// The target's name as the config file spells it: `null`, `memory`, `loop`, `nbd`
+    /// or `rbd`.
     pub fn name(&self) -> &'static str {
         match self {
             Self::Null => "null",
             Self::Memory => "memory",
             Self::Loop { .. } => "loop",
             Self::Nbd { .. } => "nbd",
+            Self::Rbd(_) => "rbd",
         }
     }
 }
@@ -194,7 +199,14 @@ impl DeviceSpec {
             ));
         }
         match (&self.target, self.size_bytes) {
-            (TargetSpec::Nbd { .. }, 0) => {}
+            (TargetSpec::Nbd { .. } | TargetSpec::Rbd(_), 0) => {}
+            (TargetSpec::Rbd(_), _) => {
+                return Err(FieldError::new(
+                    "size",
+                    "an rbd device's size is its image's, which ublkd reads from the \
+                     cluster; remove size (resize the image with `rbd resize`)",
+                ));
+            }
             (TargetSpec::Nbd { .. }, _) => {
                 return Err(FieldError::new(
                     "size",

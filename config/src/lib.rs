@@ -32,6 +32,7 @@ mod error;
 mod locate;
 mod nbd_uri;
 mod raw;
+mod rbd;
 mod recovery;
 mod size;
 
@@ -51,6 +52,10 @@ pub use error::{ConfigError, Location};
 pub use nbd_uri::{
     MAX_EXPORT_NAME_BYTES, MAX_UNIX_SOCKET_PATH_BYTES, NBD_DEFAULT_PORT, NbdTls, NbdTransport,
     NbdUri, NbdUriError,
+};
+pub use rbd::{
+    DEFAULT_CEPH_CONF, DEFAULT_CEPH_ID, MAX_RBD_NAME_BYTES, RbdImage, RbdImageError, RbdSpec,
+    check_ceph_id,
 };
 pub use recovery::{MAX_HUNG_TIMEOUT_SECS, OnRestartLimit, RecoveryConfig};
 pub use size::{SizeError, format_size, parse_size};
@@ -250,7 +255,7 @@ mod tests {
             ),
             (
                 "[[device]]\ntarget = \"nul\"\n".into(),
-                "device[0].target: \"nul\" is not a target; expected \"null\", \"memory\", \"loop\" or \"nbd\"",
+                "device[0].target: \"nul\" is not a target; expected \"null\", \"memory\", \"loop\", \"nbd\" or \"rbd\"",
             ),
             (
                 "[recovery]\non_restart_limit = 3\n".into(),
@@ -258,7 +263,7 @@ mod tests {
             ),
             (
                 "[[device]]\ntarget = [\"null\"]\n".into(),
-                "device[0].target: invalid type: sequence, expected a target: \"null\", \"memory\", \"loop\" or \"nbd\"",
+                "device[0].target: invalid type: sequence, expected a target: \"null\", \"memory\", \"loop\", \"nbd\" or \"rbd\"",
             ),
             (
                 "[recovery]\nfast_release = \"yes\"\n".into(),
@@ -341,6 +346,37 @@ mod tests {
             (
                 "[defaults]\nqueues = 0\n".into(),
                 "defaults.queues: 0 is out of range; expected 1..=64",
+            ),
+            // rbd devices.
+            (
+                "[[device]]\ntarget = \"rbd\"\n".into(),
+                "device[0].image: missing; an rbd device needs image = \"POOL/IMAGE\"",
+            ),
+            (
+                "[[device]]\ntarget = \"rbd\"\nimage = \"disk\"\n".into(),
+                "device[0].image: \"disk\" names no pool; write POOL/IMAGE (such as rbd/disk)",
+            ),
+            (
+                "[[device]]\ntarget = \"rbd\"\nimage = \"rbd/disk\"\nsize = \"1G\"\n".into(),
+                "device[0].size: an rbd device's size is its image's",
+            ),
+            (
+                "[[device]]\ntarget = \"rbd\"\nimage = \"rbd/d\"\nceph_id = \"client.x\"\n".into(),
+                "device[0].ceph_id: \"client.x\": give the id without \"client.\"",
+            ),
+            (
+                "[[device]]\ntarget = \"rbd\"\nimage = \"rbd/d\"\nkeyring = \"k\"\n".into(),
+                "device[0].keyring: k is relative; give an absolute path",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}image = \"rbd/d\"\n"),
+                "device[0].image: only an rbd target has image; remove image or set target = \"rbd\"",
+            ),
+            (
+                "[[device]]\ntarget = \"rbd\"\nimage = \"rbd/d\"\n\
+                 [[device]]\ntarget = \"rbd\"\nimage = \"rbd/d\"\n"
+                    .into(),
+                "device[1].image: rbd/d is already the image of device[0]",
             ),
             // nbd devices.
             (

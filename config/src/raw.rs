@@ -85,6 +85,10 @@ pub(crate) struct RawDevice {
     pub direct: Option<bool>,
     pub zero_copy: Option<bool>,
     pub uri: Option<String>,
+    pub image: Option<String>,
+    pub ceph_conf: Option<PathBuf>,
+    pub ceph_id: Option<String>,
+    pub keyring: Option<PathBuf>,
     pub queues: Option<Int>,
     pub queue_depth: Option<Int>,
     pub block_size: Option<Int>,
@@ -99,6 +103,7 @@ pub(crate) enum RawTarget {
     Memory,
     Loop,
     Nbd,
+    Rbd,
 }
 
 /// A TOML integer, any width TOML can carry.
@@ -260,6 +265,7 @@ impl<'de> Deserialize<'de> for RawTarget {
                 ("memory", Self::Memory),
                 ("loop", Self::Loop),
                 ("nbd", Self::Nbd),
+                ("rbd", Self::Rbd),
             ],
         })
     }

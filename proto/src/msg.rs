@@ -21,7 +21,7 @@ mod frame;
 pub mod rbd;
 mod worker;
 pub use ctl::{
-    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, SandboxStatus,
+    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, RbdAdd, SandboxStatus,
     TargetKind, UpgradeOutcome,
 };
 pub use data_path::DataPath;

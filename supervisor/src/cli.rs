@@ -87,6 +87,9 @@ pub enum Target {
     /// An NBD server's export (--uri); its size, block sizes and flags are the
     /// export's.
     Nbd,
+    /// An RBD image in a Ceph cluster (--image); its size is the image's, and a
+    /// snapshot's device is read-only.
+    Rbd,
 }
 
 /// `ublkctl`'s subcommands.
@@ -106,8 +109,23 @@ pub enum UblkctlCommand {
         /// client-cert.pem + client-key.pem for a client certificate).
         #[arg(long, value_name = "URI")]
         uri: Option<String>,
+        /// The RBD image (rbd): POOL/IMAGE, POOL/NAMESPACE/IMAGE, or either with
+        /// @SNAPSHOT for a read-only device.
+        #[arg(long, value_name = "SPEC")]
+        image: Option<String>,
+        /// The Ceph config file (rbd): the monitors' addresses, the keyring's path
+        /// (default /etc/ceph/ceph.conf). ublkd reads it, the worker never does.
+        #[arg(long, value_name = "FILE")]
+        ceph_conf: Option<PathBuf>,
+        /// The cephx id to connect as, without "client." (rbd; default admin).
+        #[arg(long, value_name = "ID")]
+        ceph_id: Option<String>,
+        /// The keyring holding the id's key (rbd; default: the config file's keyring,
+        /// then Ceph's usual places such as /etc/ceph/ceph.client.ID.keyring).
+        #[arg(long, value_name = "FILE")]
+        keyring: Option<PathBuf>,
         /// Size in bytes or with K/M/G/T (binary); a loop device defaults to its file's
-        /// size; an nbd device's is its export's.
+        /// size; an nbd device's is its export's, an rbd device's its image's.
         #[arg(short, long, value_parser = parse_size)]
         size: Option<u64>,
         /// Hardware queues.

@@ -56,7 +56,7 @@ use crate::device_state::{StateKind, Summary};
 use crate::metrics::FileWriter;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
-use crate::target::{NbdLink, TargetError, connect_export};
+use crate::target::{Reached, TargetError, reach, reach_takes_time};
 use crate::worker::WorkerIdentity;
 use crate::{exit, features, recovery};
 

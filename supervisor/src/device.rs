@@ -39,6 +39,7 @@ use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 use crate::device_state::{DeviceState, StateKind, TransitionError};
 use crate::hang::HangWatch;
 use crate::nbd::target::NbdTarget;
+use crate::rbd::RbdTarget;
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::target::{TargetError, decide_zero_copy, open_target};
@@ -162,6 +163,8 @@ pub struct Device {
     direct: bool,
     /// An nbd device's export and its connections: everything particular to NBD.
     nbd: Option<NbdTarget>,
+    /// An rbd device's image and its workers' clients (whom a new worker may fence).
+    rbd: Option<RbdTarget>,
     /// The next worker, started ahead so that a recovery does not wait for a process
     /// to start. The workers that have the device are in its state.
     spare: Spare,
@@ -226,6 +229,7 @@ impl Device {
         let nbd = NbdTarget::for_spec(&spec, None);
         Ok(Device {
             nbd,
+            rbd: RbdTarget::for_spec(&spec),
             id,
             spec,
             state,

@@ -34,6 +34,7 @@ pub mod inspect;
 pub mod logging;
 pub mod metrics;
 pub mod nbd;
+pub mod rbd;
 pub mod recovery;
 pub mod render;
 pub mod replace_file;

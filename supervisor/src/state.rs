@@ -21,7 +21,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
+use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, RbdSpec, TargetSpec};
 
 use crate::nbd::{BlockSizes, ExportInfo};
 use crate::worker::AttachClaim;
@@ -104,6 +104,14 @@ pub struct DeviceRecord {
     /// without them, as this one does. Absent in older records and for other targets.
     #[serde(default)]
     pub export: Option<ExportRecord>,
+    /// An rbd device's image and credentials' places.
+    #[serde(default)]
+    pub rbd: Option<RbdSpec>,
+    /// The RADOS clients of an rbd device's workers, newest last (at most
+    /// `MAX_FENCED_CLIENTS`): a later worker, of this ublkd or the next, may break
+    /// the image's lock only if one of these holds it.
+    #[serde(default)]
+    pub rbd_clients: Vec<String>,
 }
 
 /// The part of an NBD export's description that the kernel device was made from.
@@ -167,6 +175,11 @@ impl DeviceRecord {
             sandbox_optional: spec.settings.sandbox_optional.layers(),
             uri: crate::nbd::target::export_uri(spec).map(ToString::to_string),
             export: None,
+            rbd: match &spec.target {
+                TargetSpec::Rbd(rbd) => Some(rbd.clone()),
+                _ => None,
+            },
+            rbd_clients: Vec::new(),
         }
     }
 
@@ -180,6 +193,9 @@ impl DeviceRecord {
                 let text = self.uri.as_deref().ok_or("an nbd device without its uri")?;
                 let uri = NbdUri::parse(text).map_err(|e| format!("its uri: {e}"))?;
                 TargetSpec::Nbd { uri }
+            }
+            ("rbd", None) => {
+                TargetSpec::Rbd(self.rbd.clone().ok_or("an rbd device without its image")?)
             }
             ("loop", Some(file)) => TargetSpec::Loop {
                 file: file.clone(),
@@ -554,6 +570,7 @@ mod tests {
             generation: 2,
             held: vec![9, 10],
             sandbox: Some(sandbox),
+            rbd_clients: vec!["127.0.0.1:0/7".into()],
         };
         state.write_worker_claim(&claim).unwrap();
         assert_eq!(state.worker_claim(3).unwrap(), Some(claim.clone()));
@@ -565,7 +582,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             state.worker_claim(3).unwrap(),
-            Some(AttachClaim { sandbox: None, ..claim.clone() })
+            Some(AttachClaim { sandbox: None, rbd_clients: Vec::new(), ..claim.clone() })
         );
         std::fs::create_dir_all(root.join("devices/4")).unwrap();
         std::fs::copy(root.join("devices/3/worker.json"), root.join("devices/4/worker.json"))

@@ -14,7 +14,10 @@ use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::msg::DataPath;
 use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
 
+use ublkd_proto::msg::rbd::RbdProbe;
+
 use crate::nbd::{ExportInfo, NbdError};
+use crate::rbd::{CephConfError, ProbeError};
 use crate::state::{StateDir, StateError};
 
 /// Errors in setting up a device's target. Each names the device.
@@ -38,6 +41,49 @@ pub enum TargetError {
          the device waits (its I/O held) until the server offers it again"
     )]
     NbdChanged { id: u32, uri: String, what: String },
+    #[error("cannot use the rbd image {image}: {source}")]
+    RbdConf { image: String, source: CephConfError },
+    #[error("cannot use the rbd image {image}: {source}")]
+    RbdProbe { image: String, source: ProbeError },
+}
+
+/// What an add learnt of its target before the device is made, on a thread of its own:
+/// an nbd export connected and negotiated, or an rbd image probed.
+#[derive(Debug)]
+pub enum Reached {
+    Nbd(Option<NbdLink>),
+    Rbd(RbdProbe),
+}
+
+/// Reaches `spec`'s target before its device is made, on a thread of its own: an nbd
+/// export connected and negotiated ([`connect_export`]), an rbd image probed
+/// ([`probe_rbd`]), nothing for the others.
+pub fn reach(
+    worker_binary: &Path,
+    spec: &DeviceSpec,
+    data_path: DataPath,
+) -> Result<Reached, TargetError> {
+    match &spec.target {
+        TargetSpec::Rbd(_) => probe_rbd(worker_binary, spec).map(Reached::Rbd),
+        _ => connect_export(spec, data_path).map(Reached::Nbd),
+    }
+}
+
+/// Whether [`reach`] takes time for `spec` (and so a thread).
+pub fn reach_takes_time(spec: &DeviceSpec) -> bool {
+    matches!(spec.target, TargetSpec::Nbd { .. } | TargetSpec::Rbd(_))
+}
+
+/// Probes `spec`'s rbd image (see [`crate::rbd::probe`]): on an add's thread.
+pub fn probe_rbd(worker_binary: &Path, spec: &DeviceSpec) -> Result<RbdProbe, TargetError> {
+    let TargetSpec::Rbd(rbd) = &spec.target else {
+        unreachable!("probe_rbd is called for rbd devices only")
+    };
+    let image = rbd.image.to_string();
+    let setup = crate::rbd::setup_for(rbd)
+        .map_err(|source| TargetError::RbdConf { image: image.clone(), source })?;
+    crate::rbd::probe_image(worker_binary, &setup, spec.settings.block_size)
+        .map_err(|source| TargetError::RbdProbe { image, source })
 }
 
 pub use crate::nbd::link::{
@@ -143,7 +189,10 @@ pub fn params(spec: &DeviceSpec, export: Option<&ExportInfo>) -> UblkParams {
         // Not reached: an nbd device is made after its handshake. Flushing is the
         // safe assumption.
         (TargetSpec::Nbd { .. }, None) => uapi::UBLK_ATTR_VOLATILE_CACHE,
-        (TargetSpec::Null | TargetSpec::Memory, _) => 0,
+        // librbd's cache is off (`rbd::conf`): a write it completes is on the OSDs, so
+        // there is no cache to flush. A snapshot is read-only.
+        (TargetSpec::Rbd(rbd), _) if rbd.image.snapshot.is_some() => uapi::UBLK_ATTR_READ_ONLY,
+        (TargetSpec::Null | TargetSpec::Memory | TargetSpec::Rbd(_), _) => 0,
     };
     UblkParams {
         len: 0,
@@ -188,8 +237,9 @@ pub fn open_target(
             Ok((Some(file.into()), false))
         }
         TargetSpec::Loop { file, direct, .. } => open_backing(id, file, *direct),
-        // Its connection is made for each worker (`nbd_socket`).
-        TargetSpec::Nbd { .. } => Ok((None, false)),
+        // Its connection is made for each worker (`nbd_socket`); an rbd worker
+        // connects to its cluster itself.
+        TargetSpec::Nbd { .. } | TargetSpec::Rbd(_) => Ok((None, false)),
     }
 }
 

@@ -186,11 +186,14 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Starts `binary` for device `dev_id`, sandboxed as `sandbox` if given.
+    /// Starts `binary` for device `dev_id`, sandboxed as `sandbox` if given. An rbd
+    /// worker (`rbd`) is told so on its command line: it loads librbd before its
+    /// sandbox empties its filesystem.
     pub fn spawn(
         binary: &Path,
         dev_id: u32,
         sandbox: Option<WorkerSandbox>,
+        rbd: bool,
     ) -> Result<Worker, WorkerError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
@@ -209,6 +212,9 @@ impl Worker {
                 .map_err(|e| WorkerError::Pipe(e.into()))?;
             stderr_write = Some(write);
             stderr_read = Some(read);
+        }
+        if rbd {
+            args.push("--rbd".into());
         }
         let new_pid_namespace = match sandbox {
             Some(WorkerSandbox { identity: id, optional }) => {
@@ -585,7 +591,7 @@ mod tests {
         // fail with ETXTBSY until that child has exec'd in turn.
         let mut tries = 0;
         loop {
-            match Worker::spawn(&path, 1, None) {
+            match Worker::spawn(&path, 1, None, false) {
                 Err(WorkerError::Spawn { source: SpawnError::Exec(e), .. })
                     if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 50 =>
                 {

@@ -257,6 +257,7 @@ fn add_null() -> CtlRequest {
         zero_copy: None,
         sandbox: None,
         sandbox_optional: None,
+        rbd: None,
     })
 }
 

@@ -104,6 +104,7 @@ fn a_device_left_half_created_is_deleted_at_adoption_not_leaked() {
             generation: 1,
             held: Vec::new(),
             sandbox: None,
+            rbd_clients: Vec::new(),
         };
         StateDir::new(Path::new("/run/ublkd-test-half-created/state"))
             .write_worker_claim(&claim)

@@ -17,6 +17,8 @@ pub enum TargetKind {
     Loop,
     /// An NBD server's export.
     Nbd,
+    /// An RBD image in a Ceph cluster.
+    Rbd,
 }
 
 impl TargetKind {
@@ -26,6 +28,7 @@ impl TargetKind {
             TargetKind::Memory => "memory",
             TargetKind::Loop => "loop",
             TargetKind::Nbd => "nbd",
+            TargetKind::Rbd => "rbd",
         }
     }
 }
@@ -52,6 +55,21 @@ pub struct AddRequest {
     /// Sandbox layers the worker may run without where they cannot be applied;
     /// `None`: the daemon's default (`defaults.sandbox_optional`).
     pub sandbox_optional: Option<Vec<SandboxLayer>>,
+    /// The rbd flags, if any was given (ublkd refuses them for another target).
+    pub rbd: Option<RbdAdd>,
+}
+
+/// `ublkctl add`'s rbd flags, as typed (ublkd checks them; paths made absolute).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RbdAdd {
+    /// `--image POOL[/NAMESPACE]/IMAGE[@SNAPSHOT]`.
+    pub image: Option<String>,
+    /// `--ceph-conf PATH`.
+    pub ceph_conf: Option<PathBuf>,
+    /// `--ceph-id ID`.
+    pub ceph_id: Option<String>,
+    /// `--keyring PATH`.
+    pub keyring: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

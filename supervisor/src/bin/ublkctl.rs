@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, DataPath, TargetKind};
+use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, DataPath, RbdAdd, TargetKind};
 use ublkd_supervisor::cli::{Target, UblkctlCli, UblkctlCommand as Command};
 use ublkd_supervisor::metrics::{self, Format};
 use ublkd_supervisor::{exit, features, logging, render};
@@ -24,6 +24,10 @@ fn main() -> ExitCode {
             target,
             file,
             uri,
+            image,
+            ceph_conf,
+            ceph_id,
+            keyring,
             size,
             queues,
             depth,
@@ -34,10 +38,16 @@ fn main() -> ExitCode {
             sandbox_optional,
             id,
         } => {
-            let file = match file.map(|f| absolute(&f)).transpose() {
-                Ok(f) => f,
-                Err(e) => return fail(exit::FAILURE, &e),
-            };
+            let [file, ceph_conf, keyring] =
+                match [file, ceph_conf, keyring].map(|f| f.map(|f| absolute(&f)).transpose()) {
+                    [Ok(file), Ok(conf), Ok(keyring)] => [file, conf, keyring],
+                    [Err(e), ..] | [_, Err(e), _] | [.., Err(e)] => {
+                        return fail(exit::FAILURE, &e);
+                    }
+                };
+            let any_rbd =
+                image.is_some() || ceph_conf.is_some() || ceph_id.is_some() || keyring.is_some();
+            let rbd = any_rbd.then_some(RbdAdd { image, ceph_conf, ceph_id, keyring });
             CtlRequest::Add(AddRequest {
                 id,
                 target: match target {
@@ -45,6 +55,7 @@ fn main() -> ExitCode {
                     Target::Memory => TargetKind::Memory,
                     Target::Loop => TargetKind::Loop,
                     Target::Nbd => TargetKind::Nbd,
+                    Target::Rbd => TargetKind::Rbd,
                 },
                 file,
                 uri,
@@ -55,6 +66,7 @@ fn main() -> ExitCode {
                 zero_copy: if zero_copy { Some(true) } else { copy.then_some(false) },
                 sandbox: no_sandbox.then_some(false),
                 sandbox_optional: sandbox_optional.map(|l| l.0),
+                rbd,
             })
         }
         Command::Del { id, all: _ } => CtlRequest::Del { id },

@@ -75,8 +75,8 @@ pub(super) const ADD_ATTEMPTS: u8 = 10;
 
 #[derive(Debug)]
 pub(super) enum AddStage {
-    /// The nbd export is being negotiated on a thread.
-    Connecting(mpsc::Receiver<Result<Option<NbdLink>, TargetError>>),
+    /// The nbd export is being negotiated, or the rbd image probed, on a thread.
+    Connecting(mpsc::Receiver<Result<Reached, TargetError>>),
     /// The device is made; its first worker is starting.
     Starting(Box<Creation>),
 }
@@ -157,9 +157,9 @@ impl Daemon {
         spec: &DeviceSpec,
         attempts: &mut u8,
     ) -> Result<AddStage, String> {
-        if crate::nbd::target::export_uri(spec).is_none() {
+        if !reach_takes_time(spec) {
             loop {
-                match Device::begin_create(&self.ctx, spec, None) {
+                match Device::begin_create(&self.ctx, spec, Reached::Nbd(None)) {
                     Ok(creation) => return Ok(AddStage::Starting(Box::new(creation))),
                     Err(e) if Self::add_again(spec, &e, attempts) => {}
                     Err(e) => return Err(e.to_string()),
@@ -168,11 +168,12 @@ impl Daemon {
         }
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
+        let binary = self.ctx.worker_binary.clone();
         let data_path = DataPath::for_kernel(self.ctx.kernel_features);
         std::thread::Builder::new()
-            .name("nbd-add".into())
-            .spawn(move || drop(tx.send(connect_export(&for_thread, data_path))))
-            .map_err(|e| format!("cannot start a thread to connect: {e}"))?;
+            .name("add-reach".into())
+            .spawn(move || drop(tx.send(reach(&binary, &for_thread, data_path))))
+            .map_err(|e| format!("cannot start a thread to reach the target: {e}"))?;
         Ok(AddStage::Connecting(connected))
     }
 
@@ -184,15 +185,15 @@ impl Daemon {
         for mut pending in std::mem::take(&mut self.pending_adds) {
             if let AddStage::Connecting(connected) = &pending.stage {
                 let begun = match connected.try_recv() {
-                    Ok(connected) => connected
-                        .map_err(DeviceError::from)
-                        .and_then(|link| Device::begin_create(&self.ctx, &pending.spec, link)),
+                    Ok(reached) => reached.map_err(DeviceError::from).and_then(|reached| {
+                        Device::begin_create(&self.ctx, &pending.spec, reached)
+                    }),
                     Err(mpsc::TryRecvError::Empty) => {
                         waiting.push(pending);
                         continue;
                     }
                     Err(mpsc::TryRecvError::Disconnected) => {
-                        let why = "the thread negotiating the export ended without an answer";
+                        let why = "the thread reaching the target ended without an answer";
                         self.add_done(pending.for_whom, Err(why.into()));
                         continue;
                     }

@@ -2,7 +2,9 @@
 //! shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
-use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
+use ublkd_config::{
+    DeviceSettings, DeviceSpec, NbdUri, RbdImage, RbdSpec, TargetSpec, check_ceph_id,
+};
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
 };
@@ -101,7 +103,17 @@ impl Daemon {
                     return Err(format!("{uri} is already the export of another device"));
                 }
             }
-            TargetSpec::Null | TargetSpec::Memory => {}
+            // A snapshot is read-only: any number of devices may serve it.
+            TargetSpec::Rbd(rbd) if rbd.image.snapshot.is_none() => {
+                let in_use = specs.iter().any(|s| {
+                    matches!(&s.target, TargetSpec::Rbd(r) if r.image.snapshot.is_none()
+                        && r.image == rbd.image)
+                });
+                if in_use {
+                    return Err(format!("{} is already the image of another device", rbd.image));
+                }
+            }
+            TargetSpec::Rbd(_) | TargetSpec::Null | TargetSpec::Memory => {}
         }
         Ok(spec)
     }
@@ -350,7 +362,30 @@ pub fn spec_from_request(
             let uri = NbdUri::parse(text).map_err(|e| format!("--uri: {e}"))?;
             TargetSpec::Nbd { uri }
         }
+        TargetKind::Rbd => {
+            let rbd = add.rbd.clone().unwrap_or_default();
+            let text = rbd.image.as_deref().ok_or(
+                "an rbd device needs its image (--image POOL/IMAGE, or POOL/IMAGE@SNAPSHOT for \
+                 a read-only device)",
+            )?;
+            let image = RbdImage::parse(text).map_err(|e| format!("--image: {e}"))?;
+            if let Some(id) = &rbd.ceph_id {
+                check_ceph_id(id).map_err(|e| format!("--ceph-id: {e}"))?;
+            }
+            TargetSpec::Rbd(RbdSpec {
+                image,
+                ceph_conf: rbd.ceph_conf,
+                ceph_id: rbd.ceph_id,
+                keyring: rbd.keyring,
+            })
+        }
     };
+    if add.rbd.is_some() && add.target != TargetKind::Rbd {
+        return Err(format!(
+            "--image, --ceph-conf, --ceph-id and --keyring are only for rbd devices, not {}",
+            add.target.name()
+        ));
+    }
     if add.file.is_some() && add.target != TargetKind::Loop {
         return Err(format!("-f/--file is only for loop devices, not {}", add.target.name()));
     }
@@ -372,8 +407,8 @@ pub fn spec_from_request(
         (None, TargetSpec::Loop { file, .. }) => {
             DeviceSpec::loop_size_from_file(file, block_size).map_err(|e| flag_error(&e))?
         }
-        // The export's, learnt at connection (see `DeviceSpec::size_bytes`).
-        (None, TargetSpec::Nbd { .. }) => 0,
+        // The export's or image's, learnt at connection (see `DeviceSpec::size_bytes`).
+        (None, TargetSpec::Nbd { .. } | TargetSpec::Rbd(_)) => 0,
         (None, _) => {
             return Err(format!(
                 "a {} device needs a size (-s SIZE, e.g. -s 1G)",
@@ -451,6 +486,7 @@ mod tests {
             zero_copy: None,
             sandbox: None,
             sandbox_optional: None,
+            rbd: None,
         }
     }
 

@@ -14,7 +14,7 @@ pub(super) const NEVER_STARTED_GRACE: Duration = Duration::from_secs(2);
 /// Whether the device `made` (as ublkd created it, from its record) is the configured
 /// `config`: the same, but for what ublkd decides at creation where the config leaves
 /// it open: the id if none is given, a loop device's zero copy, an nbd device's size and
-/// block size (its export's).
+/// block size (its export's), an rbd device's size (its image's).
 pub(super) fn made_from(made: &DeviceSpec, config: &DeviceSpec) -> bool {
     let mut made = made.clone();
     if config.id.is_none() {
@@ -24,6 +24,7 @@ pub(super) fn made_from(made: &DeviceSpec, config: &DeviceSpec) -> bool {
         (TargetSpec::Loop { zero_copy, .. }, TargetSpec::Loop { zero_copy: None, .. }) => {
             *zero_copy = None;
         }
+        (TargetSpec::Rbd(_), TargetSpec::Rbd(_)) => made.size_bytes = config.size_bytes,
         (TargetSpec::Nbd { .. }, TargetSpec::Nbd { .. }) => {
             made.size_bytes = config.size_bytes;
             if made.settings.block_size >= config.settings.block_size {
@@ -58,43 +59,40 @@ pub(super) fn worker_identity(configured: Option<&str>) -> Result<WorkerIdentity
     Ok(nobody)
 }
 
-/// [`connect_export`] for each of `specs`, in order: the nbd ones each on a thread of
-/// its own, side by side (each within the handshake's time limit), the others at once.
-pub(super) fn connect_exports<'a>(
+/// [`reach`] for each of `specs`, in order: the nbd and rbd ones each on a thread of
+/// its own, side by side (each within its time limit), the others at once.
+pub(super) fn reach_targets<'a>(
     specs: impl Iterator<Item = &'a DeviceSpec>,
+    worker_binary: &Path,
     data_path: DataPath,
-) -> Vec<Result<Option<NbdLink>, TargetError>> {
-    /// A spec's export: negotiated already, or on its thread.
-    enum Export<T> {
-        Done(Result<Option<NbdLink>, TargetError>),
-        Negotiating(String, T),
+) -> Vec<Result<Reached, TargetError>> {
+    /// A spec's target: reached already, or on its thread.
+    enum Target<T> {
+        Done(Result<Reached, TargetError>),
+        Reaching(T),
     }
     std::thread::scope(|scope| {
         let pending: Vec<_> = specs
             .map(|spec| {
-                let Some(uri) = crate::nbd::target::export_uri(spec) else {
-                    return Export::Done(connect_export(spec, data_path));
-                };
+                if !reach_takes_time(spec) {
+                    return Target::Done(reach(worker_binary, spec, data_path));
+                }
                 match std::thread::Builder::new()
-                    .name("nbd-configured".into())
-                    .spawn_scoped(scope, move || connect_export(spec, data_path))
+                    .name("configured".into())
+                    .spawn_scoped(scope, move || reach(worker_binary, spec, data_path))
                 {
-                    Ok(thread) => Export::Negotiating(uri.to_string(), thread),
-                    // No thread to be had: negotiated here, one after another.
-                    Err(_) => Export::Done(connect_export(spec, data_path)),
+                    Ok(thread) => Target::Reaching(thread),
+                    // No thread to be had: reached here, one after another.
+                    Err(_) => Target::Done(reach(worker_binary, spec, data_path)),
                 }
             })
             .collect();
         pending
             .into_iter()
-            .map(|export| match export {
-                Export::Done(done) => done,
-                Export::Negotiating(uri, thread) => thread.join().unwrap_or_else(|_| {
-                    let step = "negotiating on a thread of its own";
-                    let source = io::Error::other("the thread ended without an answer");
-                    let source = Box::new(crate::nbd::NbdError::Io { step, source });
-                    Err(TargetError::Nbd { uri, source })
-                }),
+            .map(|target| match target {
+                Target::Done(done) => done,
+                // `reach` does not panic; a thread that did is the release profile's abort.
+                Target::Reaching(thread) => thread.join().expect("reach never panics"),
             })
             .collect()
     })
@@ -381,11 +379,12 @@ impl Daemon {
                 }
                 self.notifier.extend_timeout(Duration::from_secs(60));
                 let data_path = DataPath::for_kernel(self.ctx.kernel_features);
-                let links = connect_exports(batch.iter().map(|(_, spec)| *spec), data_path);
-                for ((at, spec), link) in batch.into_iter().zip(links) {
-                    let begun = link
+                let binary = &self.ctx.worker_binary;
+                let reached = reach_targets(batch.iter().map(|(_, spec)| *spec), binary, data_path);
+                for ((at, spec), reached) in batch.into_iter().zip(reached) {
+                    let begun = reached
                         .map_err(DeviceError::from)
-                        .and_then(|link| Device::begin_create(&self.ctx, spec, link));
+                        .and_then(|reached| Device::begin_create(&self.ctx, spec, reached));
                     match begun {
                         Ok(creation) => creating.push((at, creation)),
                         Err(e) => outcomes.push((at, Err(e))),

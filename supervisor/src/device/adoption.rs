@@ -73,7 +73,13 @@ impl Device {
     fn take_over(&mut self, ctx: &Context) -> bool {
         let id = self.id;
         let claim = match ctx.state.worker_claim(id) {
-            Ok(Some(claim)) => claim,
+            Ok(Some(claim)) => {
+                // Whether or not the worker is taken over, its successors may fence it.
+                if let Some(target) = &mut self.rbd {
+                    target.adopt_clients(&claim.rbd_clients);
+                }
+                claim
+            }
             Ok(None) => {
                 tracing::warn!(dev_id = id, "LIVE, but no worker is recorded for it");
                 return false;

@@ -6,6 +6,7 @@
 use super::*;
 use crate::nbd::link::NbdLink;
 use crate::nbd::target::NbdTarget;
+use crate::target::Reached;
 use ublkd_proto::msg::Activation;
 
 /// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
@@ -138,16 +139,24 @@ pub enum Progress {
 }
 
 impl Device {
-    /// Starts creating a device described by `spec` (already validated), with an nbd
-    /// device's export already connected and negotiated (`nbd`, from
-    /// [`crate::target::connect_export`]): makes it in the kernel and starts its first
+    /// Starts creating a device described by `spec` (already validated), with its
+    /// target reached (an nbd export connected and negotiated, an rbd image probed:
+    /// [`crate::target::reach`]): makes it in the kernel and starts its first
     /// worker, without waiting for the worker (see [`Creation`]).
     pub fn begin_create(
         ctx: &Context,
         spec: &DeviceSpec,
-        nbd: Option<NbdLink>,
+        reached: Reached,
     ) -> Result<Creation, DeviceError> {
         let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
+        let nbd = match reached {
+            Reached::Nbd(link) => link,
+            // An rbd device is its image's size, probed before it is made.
+            Reached::Rbd(probe) => {
+                spec.size_bytes = probe.size_bytes;
+                None
+            }
+        };
         // An nbd device is what its export is: connected and negotiated before the
         // kernel device is made, so a server that is not there costs nothing.
         if let Some(info) = nbd.as_ref().and_then(|l| l.info.as_ref()) {

@@ -8,7 +8,9 @@ use ublkd_config::TargetSpec;
 use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
 use super::{Context, Device, DeviceError, Spare, WORKER_TIMEOUT};
-use crate::target::{MAX_IO_BUF_BYTES, fast_release_supported, open_char_dev, zero_copy};
+use crate::target::{
+    MAX_IO_BUF_BYTES, TargetError, fast_release_supported, open_char_dev, zero_copy,
+};
 use crate::worker::{Activating, AttachClaim, Worker, WorkerError, WorkerSandbox};
 
 impl Device {
@@ -52,7 +54,14 @@ impl Device {
             identity: ctx.worker_identity,
             optional: self.spec.settings.sandbox_optional,
         });
-        let mut worker = Worker::spawn(&ctx.worker_binary, id, sandbox).map_err(worker_err)?;
+        let rbd = match (&self.rbd, fail_io) {
+            (Some(target), false) => Some(target.worker_setup().map_err(|source| {
+                DeviceError::Target(TargetError::RbdConf { image: target.image(), source })
+            })?),
+            _ => None,
+        };
+        let mut worker =
+            Worker::spawn(&ctx.worker_binary, id, sandbox, rbd.is_some()).map_err(worker_err)?;
         // The kernel's, as at the device's creation (`target::device_flags`).
         let data_path = DataPath::for_kernel(ctx.kernel_features);
         let setup = WorkerSetup {
@@ -70,12 +79,13 @@ impl Device {
                 TargetSpec::Nbd { .. } => {
                     TargetSetup::Nbd { connections: self.nbd_connections(data_path) }
                 }
+                TargetSpec::Rbd(_) => TargetSetup::Rbd,
             },
             zero_copy: zero_copy(&self.spec),
             fast_release: self.fast_release(ctx),
             block_size: self.spec.settings.block_size,
             data_path,
-            rbd: None,
+            rbd,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {
@@ -209,8 +219,10 @@ impl Device {
     /// Records `worker` as the one activated at `generation`, for the next ublkd to take
     /// over. A failure costs only that: the next ublkd recovers the device instead.
     fn claim_worker(&self, ctx: &Context, worker: &Worker, generation: u64) {
-        let written = AttachClaim::of(worker, self.id, generation)
-            .map(|claim| ctx.state.write_worker_claim(&claim));
+        let written = AttachClaim::of(worker, self.id, generation).map(|mut claim| {
+            claim.rbd_clients = self.rbd.as_ref().map(|t| t.clients().to_vec()).unwrap_or_default();
+            ctx.state.write_worker_claim(&claim)
+        });
         match written {
             Some(Ok(())) => {}
             Some(Err(e)) => tracing::warn!(dev_id = self.id, "cannot record its worker: {e}"),
@@ -232,6 +244,12 @@ impl Device {
         self.generation = self.generation.wrapping_add(1);
         let generation = self.generation;
         self.shm.prepare_activation(generation);
+        // An rbd worker breaks the image's lock if an earlier worker of this device
+        // holds it, and only then; it is recorded with them (in the claim) first.
+        let fence = match &mut self.rbd {
+            Some(target) => target.fence_for(worker.rbd_client.as_deref()),
+            None => Vec::new(),
+        };
         // Recorded before the worker is told: if this ublkd dies mid-activation, the
         // next one finds the worker (which may serve on) and, as the claim names no held
         // fds, kills it and recovers the device rather than leave it an unknown server.
@@ -259,7 +277,7 @@ impl Device {
                 return Err(e.into());
             }
         };
-        let sent = worker.begin_activation(generation, ublkc.as_fd(), &sockets, &[]);
+        let sent = worker.begin_activation(generation, ublkc.as_fd(), &sockets, &fence);
         // Close our copy now: only the worker may hold /dev/ublkcN. The connections are
         // kept, to be drained once this worker is dead (a previous worker's go now).
         drop(ublkc);

@@ -184,6 +184,10 @@ pub struct AttachClaim {
     /// take-over (a claim written before this field has none).
     #[serde(default)]
     pub sandbox: Option<SandboxReport>,
+    /// An rbd device's workers' RADOS clients, the claimed one among them (see
+    /// `RbdTarget::fence_for`); empty for other targets and older claims.
+    #[serde(default)]
+    pub rbd_clients: Vec<String>,
 }
 
 impl AttachClaim {
@@ -197,6 +201,7 @@ impl AttachClaim {
             generation,
             held: worker.held.clone(),
             sandbox: worker.sandbox.clone(),
+            rbd_clients: Vec::new(),
         })
     }
 }
@@ -266,6 +271,7 @@ mod tests {
             generation: 9,
             held: vec![control_at],
             sandbox: None,
+            rbd_clients: Vec::new(),
         }
     }
 

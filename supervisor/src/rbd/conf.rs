@@ -1,0 +1,292 @@
+//! Reading what an rbd worker needs from the operator's Ceph files: the config file's
+//! options for the client (the monitors' addresses above all) and the client's key from
+//! its keyring. ublkd reads both, as root, each time it starts a worker; the worker gets
+//! the values in its setup message and never a path, so the key is in no file it can
+//! read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ublkd_config::RbdSpec;
+
+/// The keyrings Ceph's clients look in when nothing names one (`keyring`'s default,
+/// without the binary `keyring.bin`, which ublkd does not read).
+const DEFAULT_KEYRINGS: &str =
+    "/etc/ceph/$cluster.$name.keyring,/etc/ceph/$cluster.keyring,/etc/ceph/keyring";
+
+/// The cluster name in metavariables: ublkd serves clusters named `ceph`, the name
+/// every tool defaults to.
+const CLUSTER: &str = "ceph";
+
+/// The largest Ceph config file or keyring ublkd reads.
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// Why the Ceph files do not give what a worker needs.
+#[derive(Debug, thiserror::Error)]
+pub enum CephConfError {
+    #[error("cannot read the Ceph config file {}: {source}", path.display())]
+    Conf { path: PathBuf, source: std::io::Error },
+    #[error(
+        "the Ceph config file {} names no monitor: it needs mon_host (such as \
+         mon_host = 10.0.0.1,10.0.0.2) in [global] or [client]",
+        path.display()
+    )]
+    NoMonitors { path: PathBuf },
+    #[error("cannot read the keyring {}: {source}", path.display())]
+    Keyring { path: PathBuf, source: std::io::Error },
+    #[error("the keyring {} holds no key for client.{id}", path.display())]
+    NoKeyInKeyring { path: PathBuf, id: String },
+    #[error(
+        "no key for client.{id}: none of {tried} exists; name the keyring (--keyring or \
+         keyring = in the device, or keyring = in the Ceph config file)"
+    )]
+    NoKeyring { id: String, tried: String },
+    #[error("{} is larger than {MAX_FILE_BYTES} bytes; that is no Ceph file", path.display())]
+    TooLarge { path: PathBuf },
+}
+
+/// What a worker is told: the Ceph options to set, in order, the key among them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions(pub Vec<(String, String)>);
+
+/// `key = value` lines by section, keys in Ceph's one spelling (`mon host`,
+/// `mon-host` and `mon_host` are one option).
+type Sections = BTreeMap<String, BTreeMap<String, String>>;
+
+/// Ceph's INI dialect: `[section]`, `key = value`, comments after `#` or `;`.
+fn parse_ini(text: &str) -> Sections {
+    let mut sections = Sections::new();
+    let mut current = String::from("global");
+    for line in text.lines() {
+        let line = match line.find(['#', ';']) {
+            Some(at) => &line[..at],
+            None => line,
+        }
+        .trim();
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            current = name.trim().to_owned();
+            continue;
+        }
+        if let Some((key, value)) = line.split_once('=') {
+            let key = normalize(key);
+            let value = value.trim().trim_matches('"').to_owned();
+            sections.entry(current.clone()).or_default().insert(key, value);
+        }
+    }
+    sections
+}
+
+fn normalize(key: &str) -> String {
+    key.trim().split([' ', '\t', '-', '_']).filter(|w| !w.is_empty()).collect::<Vec<_>>().join("_")
+}
+
+/// Whether the config file's option `key` is passed on to the worker. Options that name
+/// files, sockets and logs are not: the worker has no filesystem, and ublkd sets the
+/// few it needs itself ([`fixed_options`]); nor is the key's own source.
+fn passed_on(key: &str) -> bool {
+    const HELD_BACK: &[&str] =
+        ["file", "path", "dir", "socket", "log", "key", "pid", "crash", "asok"].as_slice();
+    !HELD_BACK.iter().any(|word| key.split('_').any(|part| part.starts_with(word)))
+        && !matches!(key, "run_dir" | "chdir" | "daemonize" | "fsid_file")
+}
+
+/// The options ublkd fixes for every rbd worker, after the operator's: no admin socket
+/// and no log file (the worker can create no file; errors go to its stderr, which
+/// ublkd relays to the journal), and librbd's cache off, so that a write librbd
+/// completes is on the OSDs (the device then needs no FLUSH, and none is lost with a
+/// worker).
+fn fixed_options() -> [(&'static str, &'static str); 6] {
+    [
+        ("admin_socket", ""),
+        ("log_file", ""),
+        ("log_to_stderr", "false"),
+        ("err_to_stderr", "true"),
+        ("log_to_syslog", "false"),
+        ("rbd_cache", "false"),
+    ]
+}
+
+/// Replaces Ceph's metavariables that a client's keyring path uses.
+fn expand(path: &str, id: &str) -> String {
+    path.replace("$cluster", CLUSTER)
+        .replace("$name", &format!("client.{id}"))
+        .replace("$type", "client")
+        .replace("$id", id)
+}
+
+fn read_small(path: &Path) -> Result<String, std::io::Error> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    if file.metadata()?.len() > MAX_FILE_BYTES {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "too large"));
+    }
+    let mut text = String::new();
+    file.take(MAX_FILE_BYTES).read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// The options for `spec`'s client: the config file's `[global]`, `[client]` and
+/// `[client.ID]` options in that order (a later section wins), then the key, then
+/// [`fixed_options`].
+pub fn client_options(spec: &RbdSpec) -> Result<ClientOptions, CephConfError> {
+    let conf_path = spec.ceph_conf();
+    let text = read_small(&conf_path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::InvalidData => CephConfError::TooLarge { path: conf_path.clone() },
+        _ => CephConfError::Conf { path: conf_path.clone(), source },
+    })?;
+    let sections = parse_ini(&text);
+    let id = spec.ceph_id();
+    let mut merged = BTreeMap::new();
+    for name in ["global".to_owned(), "client".to_owned(), format!("client.{id}")] {
+        if let Some(section) = sections.get(&name) {
+            merged.extend(section.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+    }
+    if !merged.contains_key("mon_host") {
+        return Err(CephConfError::NoMonitors { path: conf_path });
+    }
+    let key = match merged.get("key") {
+        Some(inline) => inline.clone(),
+        None => key_from_keyrings(spec, &merged)?,
+    };
+    let mut options: Vec<(String, String)> =
+        merged.into_iter().filter(|(k, _)| passed_on(k)).collect();
+    options.push(("key".into(), key));
+    options.extend(fixed_options().iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    Ok(ClientOptions(options))
+}
+
+/// The client's key from the first keyring that exists: the device's, else the config
+/// file's `keyfile` (a key alone) or `keyring` list, else Ceph's default places.
+fn key_from_keyrings(
+    spec: &RbdSpec,
+    conf: &BTreeMap<String, String>,
+) -> Result<String, CephConfError> {
+    let id = spec.ceph_id();
+    if spec.keyring.is_none()
+        && let Some(keyfile) = conf.get("keyfile")
+    {
+        let path = PathBuf::from(expand(keyfile, id));
+        let text = read_small(&path).map_err(|source| CephConfError::Keyring { path, source })?;
+        return Ok(text.trim().to_owned());
+    }
+    let candidates: Vec<PathBuf> = match &spec.keyring {
+        Some(path) => vec![path.clone()],
+        None => conf
+            .get("keyring")
+            .map_or(DEFAULT_KEYRINGS, String::as_str)
+            .split([',', ' ', ';', '\t'])
+            .filter(|p| !p.is_empty())
+            .map(|p| PathBuf::from(expand(p, id)))
+            .collect(),
+    };
+    for path in &candidates {
+        let text = match read_small(path) {
+            Ok(text) => text,
+            // Only the places Ceph looks by default may be missing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && spec.keyring.is_none() => {
+                continue;
+            }
+            Err(source) => return Err(CephConfError::Keyring { path: path.clone(), source }),
+        };
+        let sections = parse_ini(&text);
+        return sections
+            .get(&format!("client.{id}"))
+            .and_then(|s| s.get("key"))
+            .cloned()
+            .ok_or_else(|| CephConfError::NoKeyInKeyring { path: path.clone(), id: id.into() });
+    }
+    let tried = candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+    Err(CephConfError::NoKeyring { id: id.into(), tried })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ublkd_config::RbdImage;
+
+    fn spec(dir: &Path, keyring: Option<PathBuf>) -> RbdSpec {
+        RbdSpec {
+            image: RbdImage::parse("rbd/disk").unwrap(),
+            ceph_conf: Some(dir.join("ceph.conf")),
+            ceph_id: Some("ublk".into()),
+            keyring,
+        }
+    }
+
+    fn dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "ublkd-cephconf-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    const KEYRING: &str = "[client.other]\n\tkey = AQBother==\n[client.ublk]\n\tkey = AQBmine==\n\tcaps mon = \"profile rbd\"\n";
+
+    #[test]
+    fn options_come_from_global_then_client_then_the_id_and_files_stay_behind() {
+        let d = dir();
+        std::fs::write(d.join("k"), KEYRING).unwrap();
+        let conf = format!(
+            "[global]\nfsid = 1234\nmon host = [v2:10.0.0.1:3300]\nlog file = /var/log/x\n\
+             ms_bind_ipv6 = false ; trailing comment\n\
+             [client]\nkeyring = {}\nadmin socket = /run/ceph/$name.asok\nrbd-cache = true\n\
+             [client.ublk]\nms_bind_ipv6 = true\n[osd]\nosd_data = /x\n",
+            d.join("k").display()
+        );
+        std::fs::write(d.join("ceph.conf"), conf).unwrap();
+        let ClientOptions(options) = client_options(&spec(&d, None)).unwrap();
+        let get = |k: &str| options.iter().rev().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("mon_host"), Some("[v2:10.0.0.1:3300]"));
+        assert_eq!(get("fsid"), Some("1234"));
+        assert_eq!(get("ms_bind_ipv6"), Some("true"), "[client.ID] wins");
+        assert_eq!(get("key"), Some("AQBmine=="));
+        // ublkd's own come last, over the operator's.
+        assert_eq!(get("rbd_cache"), Some("false"));
+        assert_eq!(get("admin_socket"), Some(""));
+        assert_eq!(get("log_file"), Some(""));
+        assert!(options.iter().all(|(k, _)| k != "keyring" && k != "osd_data"), "{options:?}");
+        assert!(!options.iter().any(|(_, v)| v.contains("/var/log")), "{options:?}");
+    }
+
+    #[test]
+    fn the_devices_keyring_and_metavariables_are_honoured() {
+        let d = dir();
+        std::fs::write(d.join("ceph.client.ublk.keyring"), KEYRING).unwrap();
+        let conf = format!(
+            "[global]\nmon_host = 10.0.0.1\nkeyring = {}/$cluster.$name.keyring\n",
+            d.display()
+        );
+        std::fs::write(d.join("ceph.conf"), conf).unwrap();
+        let ClientOptions(options) = client_options(&spec(&d, None)).unwrap();
+        assert!(options.contains(&("key".into(), "AQBmine==".into())));
+        // A keyring the device names must exist.
+        let err = client_options(&spec(&d, Some(d.join("missing")))).unwrap_err().to_string();
+        assert!(err.starts_with("cannot read the keyring") && err.contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn what_is_missing_is_named() {
+        let d = dir();
+        std::fs::write(d.join("ceph.conf"), "[global]\nfsid = 1\n").unwrap();
+        let err = client_options(&spec(&d, None)).unwrap_err().to_string();
+        assert!(err.contains("names no monitor"), "{err}");
+        std::fs::write(
+            d.join("ceph.conf"),
+            format!("[global]\nmon_host=1.2.3.4\nkeyring = {}/none\n", d.display()),
+        )
+        .unwrap();
+        let err = client_options(&spec(&d, None)).unwrap_err().to_string();
+        assert!(err.contains("no key for client.ublk") && err.contains("/none"), "{err}");
+        std::fs::write(d.join("k"), "[client.other]\nkey = x\n").unwrap();
+        let err = client_options(&spec(&d, Some(d.join("k")))).unwrap_err().to_string();
+        assert!(err.contains("holds no key for client.ublk"), "{err}");
+        let err = client_options(&RbdSpec { ceph_conf: Some(d.join("nope")), ..spec(&d, None) })
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("cannot read the Ceph config file"), "{err}");
+    }
+}
