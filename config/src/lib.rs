@@ -107,6 +107,31 @@ impl Config {
     }
 }
 
+/// The Ceph config files of `text`'s `[[device]]` tables whose `target` is `"rbd"`
+/// (each device's `ceph_conf`, else [`DEFAULT_CEPH_CONF`]), each once, and nothing
+/// else of the file checked: as [`nbd_uris`], for the systemd generator. Fails only if
+/// `text` is not TOML.
+pub fn rbd_ceph_confs(text: &str) -> Result<Vec<std::path::PathBuf>, String> {
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| e.message().to_owned())?;
+    let devices = match table.get("device") {
+        Some(toml::Value::Array(devices)) => devices.as_slice(),
+        _ => &[],
+    };
+    let mut confs = Vec::new();
+    for device in devices {
+        if device.get("target").and_then(toml::Value::as_str) != Some("rbd") {
+            continue;
+        }
+        let conf =
+            device.get("ceph_conf").and_then(toml::Value::as_str).unwrap_or(DEFAULT_CEPH_CONF);
+        let conf = std::path::PathBuf::from(conf);
+        if !confs.contains(&conf) {
+            confs.push(conf);
+        }
+    }
+    Ok(confs)
+}
+
 /// The NBD URIs of `text`'s `[[device]]` tables whose `target` is `"nbd"`, in file
 /// order, each parsed or with why not, and nothing else of the file checked: what the
 /// systemd generator needs at boot, when loop devices' files and block devices may not

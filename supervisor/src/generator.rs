@@ -1,7 +1,8 @@
 //! The systemd generator's job (`ublkd --systemd-generator DIR`, run by
 //! `/usr/lib/systemd/system-generators/ublkd-generator` at boot and at every
 //! `systemctl daemon-reload`): open the packaged unit's network to exactly the NBD
-//! servers the config names over TCP.
+//! servers the config names over TCP, and to the Ceph clusters its rbd devices use
+//! (their monitors and public network, from each device's Ceph config file).
 //!
 //! The unit gives ublkd no network (`PrivateNetwork=yes`, `IPAddressDeny=any`,
 //! `RestrictAddressFamilies=AF_UNIX`), which still reaches servers on unix sockets.
@@ -22,25 +23,69 @@ use std::path::{Path, PathBuf};
 
 use ublkd_config::{NbdTransport, NbdUri};
 
+use crate::rbd::conf::{ClusterNetwork, cluster_network};
+
 /// Where in the generator's output directory the drop-in goes.
 pub const DROP_IN: &str = "ublkd.service.d/50-nbd-network.conf";
 
-/// The drop-in for the NBD URIs a config names, or `None` if none needs the network.
-pub fn network_drop_in<'a>(uris: impl IntoIterator<Item = &'a NbdUri>) -> Option<String> {
-    let mut allowed: Vec<IpAddr> = Vec::new();
+/// The drop-in for the NBD URIs a config names and the Ceph clusters its rbd devices
+/// use (each as its config file says, or why it could not be read), or `None` if none
+/// needs the network.
+pub fn network_drop_in<'a>(
+    uris: impl IntoIterator<Item = &'a NbdUri>,
+    clusters: &[(PathBuf, Result<ClusterNetwork, String>)],
+) -> Option<String> {
+    let mut allowed: Vec<String> = Vec::new();
     let mut names: Vec<String> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
     let mut tls = false;
     for uri in uris {
         let NbdTransport::Tcp { host, .. } = &uri.transport else { continue };
         tls |= uri.tls.is_some();
         match host.parse::<IpAddr>() {
-            Ok(ip) if !allowed.contains(&ip) => allowed.push(ip),
+            Ok(ip) if !allowed.contains(&ip.to_string()) => allowed.push(ip.to_string()),
             Ok(_) => {}
             Err(_) if !names.contains(host) => names.push(host.clone()),
             Err(_) => {}
         }
     }
-    if allowed.is_empty() && names.is_empty() {
+    // An rbd device's worker talks to the monitors and to every OSD, whose addresses
+    // only the cluster knows: the config file's public network holds them.
+    for (conf, network) in clusters {
+        let network = match network {
+            Ok(network) => network,
+            Err(e) => {
+                notes.push(format!("{}: {e}; its rbd devices get no network", conf.display()));
+                continue;
+            }
+        };
+        for ip in &network.monitors {
+            if !allowed.contains(&ip.to_string()) {
+                allowed.push(ip.to_string());
+            }
+        }
+        for name in &network.monitor_names {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        if network.public_networks.is_empty() {
+            notes.push(format!(
+                "{}: no public_network, so the OSDs' addresses are unknown here: every \
+                 address is allowed; set public_network to narrow this",
+                conf.display()
+            ));
+            if !allowed.iter().any(|a| a == "any") {
+                allowed.push("any".into());
+            }
+        }
+        for cidr in &network.public_networks {
+            if !allowed.contains(cidr) {
+                allowed.push(cidr.clone());
+            }
+        }
+    }
+    if allowed.is_empty() && names.is_empty() && notes.is_empty() {
         return None;
     }
     let mut text = String::from(
@@ -55,6 +100,9 @@ pub fn network_drop_in<'a>(uris: impl IntoIterator<Item = &'a NbdUri>) -> Option
         );
     }
     text.push_str("[Service]\n");
+    for note in &notes {
+        let _ = writeln!(text, "# {note}");
+    }
     for name in &names {
         let _ = writeln!(
             text,
@@ -89,7 +137,16 @@ pub fn generate(config_path: &Path, dir: &Path) -> Result<Option<PathBuf>, Strin
     };
     let uris = ublkd_config::nbd_uris(&text)
         .map_err(|e| format!("{}: {e}; the unit's network stays closed", config_path.display()))?;
-    let Some(text) = network_drop_in(uris.iter().flatten()) else { return Ok(None) };
+    let confs = ublkd_config::rbd_ceph_confs(&text)
+        .map_err(|e| format!("{}: {e}; the unit's network stays closed", config_path.display()))?;
+    let clusters: Vec<_> = confs
+        .into_iter()
+        .map(|conf| {
+            let network = cluster_network(&conf).map_err(|e| e.to_string());
+            (conf, network)
+        })
+        .collect();
+    let Some(text) = network_drop_in(uris.iter().flatten(), &clusters) else { return Ok(None) };
     let path = dir.join(DROP_IN);
     std::fs::create_dir_all(path.parent().expect("DROP_IN has a directory"))
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
@@ -110,14 +167,17 @@ mod tests {
 
     #[test]
     fn only_tcp_servers_by_address_are_allowed_each_once() {
-        assert_eq!(network_drop_in(&parsed(&["nbd+unix:///?socket=/run/n.sock"])), None);
-        let text = network_drop_in(&parsed(&[
-            "nbd://10.1.2.3/a",
-            "nbd://10.1.2.3:10810/b",
-            "nbd://[fd00::5]/c",
-            "nbd://storage.example/d",
-            "nbd+unix:///?socket=/run/n.sock",
-        ]))
+        assert_eq!(network_drop_in(&parsed(&["nbd+unix:///?socket=/run/n.sock"]), &[]), None);
+        let text = network_drop_in(
+            &parsed(&[
+                "nbd://10.1.2.3/a",
+                "nbd://10.1.2.3:10810/b",
+                "nbd://[fd00::5]/c",
+                "nbd://storage.example/d",
+                "nbd+unix:///?socket=/run/n.sock",
+            ]),
+            &[],
+        )
         .unwrap();
         assert!(text.contains("\nPrivateNetwork=no\n"), "{text}");
         assert!(text.contains("\nRestrictAddressFamilies=AF_INET AF_INET6\n"), "{text}");
@@ -127,11 +187,39 @@ mod tests {
         assert!(text.contains("# storage.example: a host name"), "{text}");
         assert!(!text.contains("modprobe@tls"), "{text}");
 
-        let text = network_drop_in(&parsed(&["nbds://10.1.2.3/a?tls-certificates=/etc/ublkd/pki"]))
-            .unwrap();
+        let text =
+            network_drop_in(&parsed(&["nbds://10.1.2.3/a?tls-certificates=/etc/ublkd/pki"]), &[])
+                .unwrap();
         assert!(text.contains("[Unit]\n"), "{text}");
         assert!(text.contains("\nWants=modprobe@tls.service\nAfter=modprobe@tls.service\n"));
         assert!(text.contains("\n[Service]\n") && text.contains("IPAddressAllow=10.1.2.3"));
+    }
+
+    #[test]
+    fn an_rbd_cluster_is_reached_at_its_monitors_and_public_network() {
+        let net = |mons: &[&str], public: &[&str]| ClusterNetwork {
+            monitors: mons.iter().map(|m| m.parse().unwrap()).collect(),
+            monitor_names: Vec::new(),
+            public_networks: public.iter().map(ToString::to_string).collect(),
+        };
+        let clusters = [
+            ("/etc/ceph/a.conf".into(), Ok(net(&["10.0.0.1", "10.0.0.2"], &["10.0.0.0/24"]))),
+            ("/etc/ceph/b.conf".into(), Err("cannot read it".to_string())),
+        ];
+        let text = network_drop_in(&parsed(&["nbd://10.0.0.1/x"]), &clusters).unwrap();
+        let allowed: Vec<&str> =
+            text.lines().filter_map(|l| l.strip_prefix("IPAddressAllow=")).collect();
+        assert_eq!(allowed, ["10.0.0.1", "10.0.0.2", "10.0.0.0/24"]);
+        assert!(
+            text.contains("# /etc/ceph/b.conf: cannot read it; its rbd devices get no network")
+        );
+        // Without a public network the OSDs could be anywhere: said, and allowed.
+        let clusters = [("/etc/ceph/c.conf".into(), Ok(net(&["10.0.0.1"], &[])))];
+        let text = network_drop_in(&parsed(&[]), &clusters).unwrap();
+        assert!(
+            text.contains("IPAddressAllow=any\n") && text.contains("no public_network"),
+            "{text}"
+        );
     }
 
     #[test]

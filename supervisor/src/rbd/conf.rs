@@ -5,6 +5,7 @@
 //! read.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use ublkd_config::RbdSpec;
@@ -104,6 +105,71 @@ fn fixed_options() -> [(&'static str, &'static str); 6] {
         ("log_to_syslog", "false"),
         ("rbd_cache", "false"),
     ]
+}
+
+/// Where a cluster is, as its config file says: what a host's firewall (the systemd
+/// unit's `IPAddressAllow=`) must let ublkd's workers reach.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterNetwork {
+    /// The monitors named by address in `mon_host`.
+    pub monitors: Vec<IpAddr>,
+    /// `mon_host` entries that are host names (not resolved here).
+    pub monitor_names: Vec<String>,
+    /// `public_network`'s CIDRs, where the OSDs are (checked: `ADDR/PREFIX`).
+    pub public_networks: Vec<String>,
+}
+
+/// The cluster's addresses from the config file at `path` (its `[global]` and
+/// `[client]` sections).
+pub fn cluster_network(path: &Path) -> Result<ClusterNetwork, CephConfError> {
+    let text = read_small(path)
+        .map_err(|source| CephConfError::Conf { path: path.to_path_buf(), source })?;
+    let sections = parse_ini(&text);
+    let get = |key: &str| {
+        ["client", "global"].iter().find_map(|s| sections.get(*s).and_then(|s| s.get(key)))
+    };
+    let mut network = ClusterNetwork::default();
+    let hosts = get("mon_host").ok_or(CephConfError::NoMonitors { path: path.to_path_buf() })?;
+    for token in hosts.split([',', ' ', ';', '\t']).filter(|t| !t.is_empty()) {
+        match monitor_address(token) {
+            Some(Ok(ip)) if !network.monitors.contains(&ip) => network.monitors.push(ip),
+            Some(Ok(_)) => {}
+            Some(Err(name)) if !network.monitor_names.contains(&name) => {
+                network.monitor_names.push(name);
+            }
+            Some(Err(_)) | None => {}
+        }
+    }
+    for cidr in get("public_network").map_or("", String::as_str).split([',', ' ', ';']) {
+        let valid = cidr.split_once('/').is_some_and(|(addr, prefix)| {
+            addr.parse::<IpAddr>().is_ok() && prefix.parse::<u8>().is_ok_and(|p| p <= 128)
+        });
+        if valid {
+            network.public_networks.push(cidr.to_owned());
+        }
+    }
+    Ok(network)
+}
+
+/// One `mon_host` entry (`10.0.0.1`, `10.0.0.1:6789`, `v2:10.0.0.1:3300/0`,
+/// `[v2:10.0.0.1:3300,v1:10.0.0.1:6789]`'s parts, `[fd00::1]:6789`, `mon.example`):
+/// its address, or the host name it is; `None` for an empty one.
+fn monitor_address(token: &str) -> Option<Result<IpAddr, String>> {
+    let token = token.trim_matches(['[', ']']);
+    let token = token.strip_prefix("v2:").or_else(|| token.strip_prefix("v1:")).unwrap_or(token);
+    let token = token.split('/').next().unwrap_or(token);
+    if token.is_empty() {
+        return None;
+    }
+    if let Ok(ip) = token.trim_matches(['[', ']']).parse::<IpAddr>() {
+        return Some(Ok(ip));
+    }
+    // `[ADDR]:PORT`, or `HOST:PORT` with no other colon.
+    let host = match token.rsplit_once(':') {
+        Some((host, port)) if port.parse::<u16>().is_ok() => host.trim_matches(['[', ']']),
+        _ => token,
+    };
+    Some(host.parse::<IpAddr>().map_err(|_| host.to_owned()))
 }
 
 /// Replaces Ceph's metavariables that a client's keyring path uses.
@@ -266,6 +332,23 @@ mod tests {
         // A keyring the device names must exist.
         let err = client_options(&spec(&d, Some(d.join("missing")))).unwrap_err().to_string();
         assert!(err.starts_with("cannot read the keyring") && err.contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn the_cluster_network_is_every_monitor_and_the_public_network() {
+        let d = dir();
+        let conf = d.join("net.conf");
+        std::fs::write(
+            &conf,
+            "[global]\nmon_host = [v2:10.0.0.1:3300,v1:10.0.0.1:6789], 10.0.0.2:6789 \
+             [fd00::3]:6789 mon4.example\npublic network = 10.0.0.0/24, bogus\n",
+        )
+        .unwrap();
+        let net = cluster_network(&conf).unwrap();
+        let ips: Vec<String> = net.monitors.iter().map(ToString::to_string).collect();
+        assert_eq!(ips, ["10.0.0.1", "10.0.0.2", "fd00::3"]);
+        assert_eq!(net.monitor_names, ["mon4.example"]);
+        assert_eq!(net.public_networks, ["10.0.0.0/24"]);
     }
 
     #[test]
