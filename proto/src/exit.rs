@@ -24,6 +24,10 @@ pub enum WorkerExit {
     /// recover the device, which connects afresh; the kernel re-issues the requests
     /// that were in flight.
     BackendLost = 72,
+    /// The rbd target's client was blocklisted: a newer worker broke its lock on the
+    /// image. It ends without completing the requests it held (the cluster refuses
+    /// them), so that the kernel re-issues them to the worker that has the image.
+    Fenced = 73,
     /// A test hook ended the worker on purpose (test builds only).
     TestHook = 97,
     /// The worker made a system call outside its seccomp policy and was stopped.
@@ -32,13 +36,14 @@ pub enum WorkerExit {
 
 impl WorkerExit {
     /// Every code, for lookups.
-    pub const ALL: [WorkerExit; 8] = [
+    pub const ALL: [WorkerExit; 9] = [
         Self::Clean,
         Self::Protocol,
         Self::Setup,
         Self::DataPath,
         Self::Orphaned,
         Self::BackendLost,
+        Self::Fenced,
         Self::TestHook,
         Self::Seccomp,
     ];
@@ -62,6 +67,7 @@ impl WorkerExit {
             Self::DataPath => "data path error: the kernel refused a COMMIT or sent a bad FETCH",
             Self::Orphaned => "lost its supervisor",
             Self::BackendLost => "lost its connection to the NBD server",
+            Self::Fenced => "fenced: its Ceph client was blocklisted by a newer worker",
             Self::TestHook => "ended by a test hook",
             Self::Seccomp => "made a system call outside its seccomp policy",
         }

@@ -15,12 +15,17 @@
 //! thread hand-off.
 //!
 //! Exit codes (see [`WorkerExit`]) tell the supervisor why a worker ended.
+//!
+//! An rbd worker is started with `--rbd`: it loads librbd before the sandbox empties
+//! its filesystem. `ublkd-worker --probe-rbd` is the other mode: it opens the RBD image
+//! its standard input describes and says what it is (see [`probe`]).
 
 #[cfg(feature = "test-hooks")]
 mod attack;
 mod bufring;
 mod device;
 mod hooks;
+mod probe;
 mod queue;
 mod sandbox;
 mod standby;
@@ -64,6 +69,11 @@ enum Failure {
     SetupFds { got: usize, want: usize },
     #[error("expected Activate with {fixed} to {} fds, got {msg:?} with {fds}", fixed + msg::MAX_HELD_FDS)]
     NotActivate { msg: Box<ToWorker>, fds: usize, fixed: usize },
+    #[error(
+        "Activate names {got} clients to fence, at most {} allowed",
+        msg::rbd::MAX_FENCED_CLIENTS
+    )]
+    TooManyFenced { got: usize },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
@@ -79,7 +89,8 @@ impl Failure {
             Failure::NotSetup(_)
             | Failure::NoSetup(_)
             | Failure::SetupFds { .. }
-            | Failure::NotActivate { .. } => WorkerExit::Protocol,
+            | Failure::NotActivate { .. }
+            | Failure::TooManyFenced { .. } => WorkerExit::Protocol,
             Failure::Sandbox(_) | Failure::Standby(_) | Failure::Threads(_) => WorkerExit::Setup,
         }
     }
@@ -99,6 +110,9 @@ fn main() -> ExitCode {
         println!("ublkd-worker {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
     }
+    if args.iter().any(|a| a == "--probe-rbd") {
+        return probe::run();
+    }
     let Some(fd) = control_fd(&args) else {
         eprintln!("ublkd-worker: started by ublkd only (usage: ublkd-worker --control-fd N)");
         return ExitCode::from(WorkerExit::Protocol);
@@ -115,13 +129,22 @@ fn main() -> ExitCode {
     let control = unsafe { OwnedFd::from_raw_fd(fd) };
     hooks::before_sandbox();
     bound_malloc_arenas();
-    // The sandbox goes up before the worker reads a single message.
-    let report = match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd)).transpose()
-    {
-        Ok(report) => report,
-        Err(e) => return ExitCode::from(fail(control.as_fd(), e.into())),
+    // librbd must be in memory before the sandbox empties the filesystem; a failure
+    // is kept and reported once the setup says this is an rbd device.
+    let profile = if args.iter().any(|a| a == "--rbd") {
+        let _ = target::rbd::ffi::preload();
+        sandbox::Profile::Rbd
+    } else {
+        sandbox::Profile::Standard
     };
-    ExitCode::from(run(control, report))
+    // The sandbox goes up before the worker reads a single message.
+    let report =
+        match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd, profile)).transpose()
+        {
+            Ok(report) => report,
+            Err(e) => return ExitCode::from(fail(control.as_fd(), e.into())),
+        };
+    ExitCode::from(run(control, report, profile))
 }
 
 /// `--sandbox-uid U --sandbox-gid G [--sandbox-optional LAYER,…]`, or `--no-sandbox`.
@@ -179,7 +202,11 @@ fn bound_malloc_arenas() {
     }
 }
 
-fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerExit {
+fn run(
+    control: OwnedFd,
+    sandbox_report: Option<msg::SandboxReport>,
+    profile: sandbox::Profile,
+) -> WorkerExit {
     let sandboxed = sandbox_report.is_some();
     let (setup, mut fds) = match msg::recv_packet::<ToWorker>(control.as_fd()) {
         Ok((ToWorker::Setup(setup), fds)) => (setup, fds),
@@ -199,42 +226,48 @@ fn run(control: OwnedFd, sandbox_report: Option<msg::SandboxReport>) -> WorkerEx
         Err(e) => return fail(control.as_fd(), e.into()),
     };
     drop(shm_fd);
-    let threads = match ThreadSet::start(&setup, standby.target_file(), &control, sandboxed) {
+    let client = standby.client_identity();
+    let target_file = |thread| standby.target_file(thread);
+    let threads = match ThreadSet::start(&setup, target_file, &control, sandboxed, client.clone()) {
         Ok(t) => t,
         Err(e) => return fail(control.as_fd(), e.into()),
     };
-    // Every ring and thread exists: from here on, none can be created (all threads).
-    if sandboxed && let Err(e) = sandbox::lock_down() {
+    // Every ring and thread exists: from here on, none can be created (all threads),
+    // but by an rbd worker's librados and librbd (see `sandbox::policy::RBD_ALWAYS`).
+    if sandboxed && let Err(e) = sandbox::lock_down(profile) {
         return fail(control.as_fd(), e.into());
     }
     let rings = if setup.fast_release { threads.ring_fds.clone() } else { Vec::new() };
-    let standby_msg = FromWorker::Standby { sandbox: sandbox_report, rings, client: None };
+    let standby_msg = FromWorker::Standby { sandbox: sandbox_report, rings, client };
     if let Err(e) = msg::send_packet(control.as_fd(), &standby_msg, &[]) {
         tracing::error!("cannot report standby: {e}");
         return WorkerExit::Orphaned;
     }
     // `/dev/ublkcN`, the target's (an NBD socket), then the fds held for a successor.
     let fixed = 1 + setup.target.activation_fds();
-    let (generation, ublkc, target_fds, held) = match msg::recv_packet::<ToWorker>(control.as_fd())
-    {
-        Ok((ToWorker::Activate { generation, fence: _ }, mut fds))
-            if (fixed..=fixed + msg::MAX_HELD_FDS).contains(&fds.len()) =>
-        {
-            let held = fds.split_off(fixed);
-            let target_fds = fds.split_off(1);
-            (generation, fds.pop().expect("one fd"), target_fds, held)
-        }
-        Ok((ToWorker::Shutdown, _)) => return WorkerExit::Clean,
-        Ok((other, fds)) => {
-            let failure = Failure::NotActivate { msg: Box::new(other), fds: fds.len(), fixed };
-            return fail(control.as_fd(), failure);
-        }
-        // The supervisor let a standby go (or died): nothing to do.
-        Err(_) => return WorkerExit::Orphaned,
-    };
+    let (generation, fence, ublkc, target_fds, held) =
+        match msg::recv_packet::<ToWorker>(control.as_fd()) {
+            Ok((ToWorker::Activate { generation, fence }, mut fds))
+                if (fixed..=fixed + msg::MAX_HELD_FDS).contains(&fds.len()) =>
+            {
+                if fence.len() > msg::rbd::MAX_FENCED_CLIENTS {
+                    return fail(control.as_fd(), Failure::TooManyFenced { got: fence.len() });
+                }
+                let held = fds.split_off(fixed);
+                let target_fds = fds.split_off(1);
+                (generation, fence, fds.pop().expect("one fd"), target_fds, held)
+            }
+            Ok((ToWorker::Shutdown, _)) => return WorkerExit::Clean,
+            Ok((other, fds)) => {
+                let failure = Failure::NotActivate { msg: Box::new(other), fds: fds.len(), fixed };
+                return fail(control.as_fd(), failure);
+            }
+            // The supervisor let a standby go (or died): nothing to do.
+            Err(_) => return WorkerExit::Orphaned,
+        };
     hooks::on_activate(setup.dev_id, generation);
     let activating = std::time::Instant::now();
-    let dev = match standby.activate(ublkc.as_fd(), target_fds, generation) {
+    let dev = match standby.activate(ublkc.as_fd(), target_fds, &fence, generation) {
         Ok(dev) => Arc::new(dev),
         Err(e) => return fail(control.as_fd(), e.into()),
     };

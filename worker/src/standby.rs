@@ -66,26 +66,34 @@ impl Standby {
         let shm = ShmRegion::open(shm_fd, geometry)?;
         let bufs = TagBuffers::new(setup.nr_queues, setup.queue_depth, buf_bytes)
             .map_err(StandbyError::TagBuffers)?;
-        let target = target::build(&setup.target, setup.size_bytes, target_fds)?;
+        let target = target::build(setup, target_fds)?;
         Ok(Standby { setup: setup.clone(), shm, bufs, target })
     }
 
-    /// The target's file, which every ring registers (see `Target::fixed_file`).
-    pub fn target_file(&self) -> Option<BorrowedFd<'_>> {
-        self.target.fixed_file()
+    /// The target's file that queue thread `thread`'s ring registers (see
+    /// `Target::fixed_file`).
+    pub fn target_file(&self, thread: usize) -> Option<BorrowedFd<'_>> {
+        self.target.fixed_file(thread)
+    }
+
+    /// The target's client identity in its backend (see `Target::client_identity`).
+    pub fn client_identity(&self) -> Option<String> {
+        self.target.client_identity()
     }
 
     /// Maps the device's descriptor arrays: from here on this process is the
     /// device's server (the kernel lets one address space map them per incarnation).
-    /// `target_fds` are the target's fds that come with the device (an NBD socket).
+    /// `target_fds` are the target's fds that come with the device (an NBD socket);
+    /// `fence` the earlier workers' clients the target may fence (rbd).
     pub fn activate(
         self,
         ublkc: BorrowedFd<'_>,
         target_fds: Vec<OwnedFd>,
+        fence: &[String],
         generation: u64,
     ) -> Result<Device, StandbyError> {
         let setup = &self.setup;
-        self.target.activate(target_fds)?;
+        self.target.activate(target_fds, fence)?;
         let mut descs = Vec::with_capacity(usize::from(setup.nr_queues));
         for q_id in 0..setup.nr_queues {
             descs.push(

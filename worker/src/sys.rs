@@ -94,3 +94,25 @@ pub fn fsmount(
     // SAFETY: an fd and flags only.
     owned(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), flags, attr_flags) })
 }
+
+/// `eventfd2(0, flags)`: a new eventfd with a count of 0.
+pub fn eventfd(flags: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: integers only; the kernel returns a new fd.
+    owned(unsafe { libc::syscall(libc::SYS_eventfd2, 0, flags) })
+}
+
+/// `write(fd, &n, 8)` on an eventfd: adds `n` to its count, waking its readers.
+pub fn eventfd_add(fd: BorrowedFd<'_>, n: u64) -> io::Result<()> {
+    let bytes = n.to_ne_bytes();
+    // SAFETY: writes 8 bytes from `bytes`, which lives across the call.
+    let rc = unsafe { libc::write(fd.as_raw_fd(), bytes.as_ptr().cast(), bytes.len()) };
+    check(rc as libc::c_long).map(drop)
+}
+
+/// `_exit(code)`: ends the process at once, running no `atexit` handler and no C++
+/// destructor (which would race with the threads a C++ library still runs).
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit takes an integer and does not return; nothing of this process is
+    // used after it.
+    unsafe { libc::_exit(code) }
+}

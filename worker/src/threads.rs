@@ -50,12 +50,15 @@ impl ThreadSet {
     /// Makes the main thread's ring, starts one thread per other plan entry and waits
     /// until each has its ring (`restricted` for a sandboxed worker), starts the control
     /// thread (idle until activation), and the thread that ends the worker when the
-    /// queue threads end (the queues closed, or the data path failed).
-    pub fn start(
+    /// queue threads end (the queues closed, or the data path failed). `target_file`
+    /// names the target's file each thread's ring registers (by the thread's number);
+    /// `client` is the target's client identity, for `Attached`.
+    pub fn start<'a>(
         setup: &WorkerSetup,
-        target_file: Option<BorrowedFd<'_>>,
+        target_file: impl Fn(usize) -> Option<BorrowedFd<'a>>,
         control: &OwnedFd,
         restricted: bool,
+        client: Option<String>,
     ) -> Result<Self, ThreadError> {
         let mut plans = plan_for(setup.data_path, setup.nr_threads, setup.nr_queues);
         if plans.len() < usize::from(setup.nr_threads) {
@@ -68,14 +71,14 @@ impl ThreadSet {
         }
         let nr_threads = plans.len();
         let barrier = Arc::new(Barrier::new(nr_threads));
-        let target_fd = target_file.map(|f| f.as_raw_fd());
         let (ring_tx, ring_rx) = mpsc::channel::<Result<RawFd, LoopError>>();
         let (prepped_tx, prepped) = mpsc::channel::<Result<(), LoopError>>();
         let (done_tx, done_rx) = mpsc::channel::<Result<(), LoopError>>();
         // Each queue thread on its own CPU, spread by device and thread number.
         let cpus = queue::allowed_cpus();
         let cpu_of = |thread: usize| queue::cpu_of(&cpus, setup.dev_id, thread);
-        let own = StandbyRing::new(plans.remove(0), setup, target_fd, cpu_of(0), restricted)?;
+        let target_fd = |thread: usize| target_file(thread).map(|f| f.as_raw_fd());
+        let own = StandbyRing::new(plans.remove(0), setup, target_fd(0), cpu_of(0), restricted)?;
         let mut activate = Vec::with_capacity(nr_threads);
         for p in plans {
             let (activate_tx, activate_rx) = mpsc::channel::<(Arc<Device>, RawFd)>();
@@ -84,6 +87,7 @@ impl ThreadSet {
                 (Arc::clone(&barrier), ring_tx.clone(), prepped_tx.clone(), done_tx.clone());
             let index = p.index;
             let cpu = cpu_of(index);
+            let target_fd = target_fd(index);
             let setup = setup.clone();
             std::thread::Builder::new()
                 .name(format!("ublk-q{index}"))
@@ -169,9 +173,9 @@ impl ThreadSet {
                     match msg::recv_packet::<ToWorker>(control) {
                         Ok((ToWorker::Shutdown, _)) => break WorkerExit::Clean,
                         Ok((ToWorker::Attach, _)) => {
-                            let rings = rings.clone();
+                            let (rings, client) = (rings.clone(), client.clone());
                             let attached =
-                                FromWorker::Attached { dev_id, generation, rings, client: None };
+                                FromWorker::Attached { dev_id, generation, rings, client };
                             if let Err(e) = msg::send_packet(control, &attached, &[]) {
                                 tracing::warn!("cannot answer a supervisor's Attach: {e}");
                             }

@@ -48,6 +48,14 @@
 //! sandboxed device shows no partitions (`/dev/ublkbNpM`). ublkd keeps that kernel
 //! protection: a device whose partitions are needed runs with `sandbox = false`.
 //!
+//! An rbd worker ([`Profile::Rbd`], `--rbd`) differs in three places, all for librbd,
+//! which the worker loads before step 1: it keeps the host's network namespace (step
+//! 3: librados connects to the cluster itself), its fd limit is higher (step 2: a
+//! connection per OSD), and its seccomp policy adds [`policy::RBD_ALWAYS`] (sockets,
+//! event loops, threads of its own at any time) and refuses [`policy::RBD_REFUSED`]
+//! with an error (stage 1 and 2 alike). The empty root and Landlock are the same: no
+//! file is reachable.
+//!
 //! Before all of these, the supervisor starts a sandboxed worker as the first process
 //! of a pid namespace of its own (`clone` with `CLONE_NEWPID`, in
 //! `supervisor/src/worker/spawn.rs`): the worker sees no other process, and whatever
@@ -76,8 +84,28 @@ use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report, Targ
 
 use crate::sys;
 
+/// Set once [`apply`] begins: from then on the worker may not open a file (a library
+/// it loads late would trap, or find nothing in the empty root).
+static APPLIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the sandbox is (being) applied to this process.
+pub fn applied() -> bool {
+    APPLIED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The worker's exit code after a system call outside the policy.
 pub const EXIT_SECCOMP: i32 = ublkd_proto::exit::WorkerExit::Seccomp.code() as i32;
+
+/// Which policy a worker runs under, chosen before the setup is read (from the
+/// command line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// Every target but rbd: no network, no thread after standby.
+    Standard,
+    /// The rbd target, whose librados and librbd run in the worker (see the module
+    /// doc).
+    Rbd,
+}
 
 /// Who the worker becomes.
 #[derive(Debug, Clone, Copy)]
@@ -148,19 +176,21 @@ impl Layers<'_> {
     }
 }
 
-/// Applies steps 1–10. `keep_fd` is the control socket; `optional` the layers the
-/// worker may run without where they cannot be applied.
+/// Applies steps 1–10 under `profile`. `keep_fd` is the control socket; `optional`
+/// the layers the worker may run without where they cannot be applied.
 pub fn apply(
     id: Identity,
     optional: &[SandboxLayer],
     keep_fd: i32,
+    profile: Profile,
 ) -> Result<Report, SandboxError> {
+    APPLIED.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut layers = Layers { optional, report: Report::default() };
     close_other_fds(keep_fd)?;
-    set_rlimits()?;
+    set_rlimits(profile)?;
     // The user namespace maps are written after the root is gone: through this.
     let proc_self = open_proc_self();
-    let mount_ns = enter_root_namespaces(&mut layers)?;
+    let mount_ns = enter_root_namespaces(&mut layers, profile)?;
     if mount_ns {
         if let Err(cause) = enter_empty_root() {
             layers.missing(SandboxLayer::EmptyRoot, cause.to_string())?;
@@ -180,7 +210,12 @@ pub fn apply(
     }
     drop_capabilities()?;
     install_sigsys_handler()?;
-    apply_seccomp(true)?;
+    if profile == Profile::Rbd {
+        // Installed first, so that stage 1 and 2 stack on it (every thread, librbd's
+        // too, inherits it).
+        apply_refusals()?;
+    }
+    apply_seccomp(true, profile)?;
     Ok(layers.report)
 }
 
@@ -191,11 +226,15 @@ fn close_other_fds(keep_fd: i32) -> Result<(), SandboxError> {
         .map_err(|source| SandboxError::Step { step: "close_range", source })
 }
 
-fn set_rlimits() -> Result<(), SandboxError> {
+fn set_rlimits(profile: Profile) -> Result<(), SandboxError> {
     let set = |step, resource, value: u64| {
         resource::setrlimit(resource, value, value).map_err(step_failed(step))
     };
-    set("RLIMIT_NOFILE", Resource::RLIMIT_NOFILE, policy::MAX_FDS)?;
+    let fds = match profile {
+        Profile::Standard => policy::MAX_FDS,
+        Profile::Rbd => policy::MAX_FDS_RBD,
+    };
+    set("RLIMIT_NOFILE", Resource::RLIMIT_NOFILE, fds)?;
     set("RLIMIT_CORE", Resource::RLIMIT_CORE, 0)?;
     set("RLIMIT_MEMLOCK", Resource::RLIMIT_MEMLOCK, policy::MAX_LOCKED_BYTES)
 }
@@ -212,8 +251,10 @@ fn become_user(id: Identity) -> Result<(), SandboxError> {
 }
 
 /// The namespaces root may create without a user namespace, each on its own, so that
-/// a refusal names the one refused. Returns whether the mount namespace is among them.
-fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> {
+/// a refusal names the one refused (no network namespace for an rbd worker, which
+/// reaches its cluster through the host's). Returns whether the mount namespace is
+/// among them.
+fn enter_root_namespaces(layers: &mut Layers<'_>, profile: Profile) -> Result<bool, SandboxError> {
     let mut refused = Vec::new();
     let mut mount_ns = false;
     for (flag, name, call) in [
@@ -223,6 +264,9 @@ fn enter_root_namespaces(layers: &mut Layers<'_>) -> Result<bool, SandboxError> 
         (CloneFlags::CLONE_NEWUTS, "uts", "unshare(CLONE_NEWUTS)"),
         (CloneFlags::CLONE_NEWCGROUP, "cgroup", "unshare(CLONE_NEWCGROUP)"),
     ] {
+        if flag == CloneFlags::CLONE_NEWNET && profile == Profile::Rbd {
+            continue;
+        }
         // The process is single-threaded here.
         match sched::unshare(flag) {
             Err(errno) => refused.push(self::refused(call, errno).to_string()),
@@ -434,15 +478,23 @@ fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError>
         policy::Only::ArgHas { arg, mask } => {
             vec![one(arg, Len::Qword, Op::MaskedEq(mask), mask)?]
         }
+        policy::Only::ArgMasked { arg, mask, value } => {
+            vec![one(arg, Len::Qword, Op::MaskedEq(mask), value)?]
+        }
     }))
 }
 
-fn filter(setup: bool) -> Result<BpfProgram, SandboxError> {
+fn filter(setup: bool, profile: Profile) -> Result<BpfProgram, SandboxError> {
     // Per system call: `None` once any entry allows every call, else the union of the
     // entries' rules.
     let mut allowed: BTreeMap<i64, Option<Vec<SeccompRule>>> = BTreeMap::new();
-    let lists: &[&[policy::Allowed]] =
-        if setup { &[policy::ALWAYS, policy::SETUP_ONLY] } else { &[policy::ALWAYS] };
+    let mut lists: Vec<&[policy::Allowed]> = vec![policy::ALWAYS];
+    if setup {
+        lists.push(policy::SETUP_ONLY);
+    }
+    if profile == Profile::Rbd {
+        lists.push(policy::RBD_ALWAYS);
+    }
     for a in lists.iter().flat_map(|l| l.iter()) {
         let rule = rule_of(a.only)?;
         match (allowed.entry(a.nr).or_insert_with(|| Some(Vec::new())), rule) {
@@ -459,16 +511,52 @@ fn filter(setup: bool) -> Result<BpfProgram, SandboxError> {
     f.try_into().map_err(SandboxError::SeccompFilter)
 }
 
-fn apply_seccomp(setup: bool) -> Result<(), SandboxError> {
-    let prog = filter(setup)?;
+/// The filter that makes [`policy::RBD_REFUSED`] fail with their errno, and lets
+/// everything else through to the other filters. Seccomp runs every filter and takes
+/// the strictest answer: an error beats the main filter's allow (and a trap beats the
+/// error, so the main filter lets these through: `policy::RBD_ALWAYS`).
+fn refusals() -> Result<Vec<BpfProgram>, SandboxError> {
+    // One filter per errno: a seccompiler filter has one match action.
+    let mut by_errno: BTreeMap<u32, BTreeMap<i64, Vec<SeccompRule>>> = BTreeMap::new();
+    for r in policy::RBD_REFUSED {
+        let rules = by_errno.entry(r.errno).or_default().entry(r.nr).or_default();
+        if let Some(more) = rule_of(r.only)? {
+            rules.extend(more);
+        }
+    }
+    by_errno
+        .into_iter()
+        .map(|(errno, rules)| {
+            let f = SeccompFilter::new(
+                rules,
+                SeccompAction::Allow,
+                SeccompAction::Errno(errno),
+                TargetArch::x86_64,
+            )
+            .map_err(SandboxError::SeccompFilter)?;
+            f.try_into().map_err(SandboxError::SeccompFilter)
+        })
+        .collect()
+}
+
+fn apply_refusals() -> Result<(), SandboxError> {
+    for prog in refusals()? {
+        seccompiler::apply_filter(&prog).map_err(SandboxError::SeccompInstall)?;
+    }
+    Ok(())
+}
+
+fn apply_seccomp(setup: bool, profile: Profile) -> Result<(), SandboxError> {
+    let prog = filter(setup, profile)?;
     let apply =
         if setup { seccompiler::apply_filter } else { seccompiler::apply_filter_all_threads };
     apply(&prog).map_err(SandboxError::SeccompInstall)
 }
 
-/// Seccomp stage 2, for every thread: no new rings, no new threads.
-pub fn lock_down() -> Result<(), SandboxError> {
-    apply_seccomp(false)
+/// Seccomp stage 2, for every thread: no new rings, no new threads (but an rbd
+/// worker's libraries', see [`policy::RBD_ALWAYS`]).
+pub fn lock_down(profile: Profile) -> Result<(), SandboxError> {
+    apply_seccomp(false, profile)
 }
 
 /// Restricts a ring created disabled (after its files and buffer rings are
@@ -555,8 +643,45 @@ mod tests {
 
     #[test]
     fn both_filter_stages_compile() {
-        assert!(!filter(true).unwrap().is_empty());
-        assert!(filter(false).unwrap().len() < filter(true).unwrap().len());
+        for profile in [Profile::Standard, Profile::Rbd] {
+            assert!(!filter(true, profile).unwrap().is_empty());
+            assert!(filter(false, profile).unwrap().len() < filter(true, profile).unwrap().len());
+        }
+        assert!(!refusals().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_rbd_worker_may_start_threads_but_no_process_and_open_nothing() {
+        let rbd = |nr| policy::RBD_ALWAYS.iter().find(|a| a.nr == nr).map(|a| a.only);
+        let Some(policy::Only::ArgMasked { arg: 0, mask, value }) = rbd(libc::SYS_clone) else {
+            panic!("clone is allowed only with its flags checked");
+        };
+        let thread = (libc::CLONE_VM
+            | libc::CLONE_FS
+            | libc::CLONE_FILES
+            | libc::CLONE_SIGHAND
+            | libc::CLONE_THREAD
+            | libc::CLONE_SYSVSEM
+            | libc::CLONE_SETTLS
+            | libc::CLONE_PARENT_SETTID
+            | libc::CLONE_CHILD_CLEARTID) as u64;
+        assert_eq!(thread & mask, value, "pthread_create's flags are allowed");
+        let fork = libc::SIGCHLD as u64;
+        assert_ne!(fork & mask, value, "a new process is not");
+        let thread_in_new_ns = thread | libc::CLONE_NEWNET as u64;
+        assert_ne!(thread_in_new_ns & mask, value, "a thread in a new namespace is not");
+        // Let through by the main filter only to be refused by the errno filter.
+        for nr in [libc::SYS_openat, libc::SYS_clone3] {
+            assert!(rbd(nr).is_some());
+            let refused = policy::RBD_REFUSED.iter().find(|r| r.nr == nr).expect("refused");
+            assert_eq!(refused.only, policy::Only::Any);
+        }
+        for forbidden in [libc::SYS_execve, libc::SYS_bind, libc::SYS_listen, libc::SYS_accept4] {
+            assert!(rbd(forbidden).is_none(), "syscall {forbidden} must not be allowed");
+        }
+        for r in policy::RBD_ALWAYS {
+            assert!(!r.why.is_empty(), "{} has no reason", r.name);
+        }
     }
 
     #[test]

@@ -8,6 +8,13 @@
 //! Anything not listed traps (SIGSYS): the worker reports the call and exits with
 //! [`super::EXIT_SECCOMP`] (`ublkd_proto::exit::WorkerExit::Seccomp`), which the
 //! supervisor describes as such (`ublkd_proto::exit::describe`).
+//!
+//! An rbd worker (the [`super::Profile::Rbd`]) runs librados and librbd, which talk to
+//! the Ceph cluster themselves and start threads as they need them: it keeps the
+//! host's network namespace and may also make [`RBD_ALWAYS`]; the calls of
+//! [`RBD_REFUSED`] fail with an error instead of trapping. Everything librbd needs from
+//! the filesystem is loaded before the sandbox (`--rbd`); what it still looks for
+//! afterwards, none of which it needs, is in [`RBD_REFUSED`]'s reasons.
 
 use io_uring::opcode;
 use ublkd_proto::msg::TargetSetup;
@@ -36,6 +43,9 @@ pub enum Only {
     ArgLacks { arg: u8, mask: u64 },
     /// Calls whose argument `arg` has every bit in `mask` set.
     ArgHas { arg: u8, mask: u64 },
+    /// Calls whose argument `arg`, masked with `mask`, equals `value`: some bits set
+    /// and others clear, in one condition.
+    ArgMasked { arg: u8, mask: u64, value: u64 },
 }
 
 const fn allow(nr: libc::c_long, name: &'static str, why: &'static str) -> Allowed {
@@ -177,6 +187,121 @@ pub const SETUP_ONLY: &[Allowed] = &[
     ),
 ];
 
+/// The namespace flags of `clone`: a thread may be started with none of them.
+const CLONE_NAMESPACES: u64 = (libc::CLONE_NEWNS
+    | libc::CLONE_NEWCGROUP
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWUSER
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWNET) as u64;
+
+/// Allowed to an rbd worker for its whole life, besides [`ALWAYS`]: librados's
+/// messenger (TCP connections to the monitors and OSDs, driven by epoll), librbd's
+/// asio engine (epoll, timerfd, eventfd), and the threads both start when they need
+/// them, also once the worker serves (a new OSD session, a lock request). Seen with
+/// `strace -f` of the probe and of the target's host tests (I/O, lock break and
+/// acquire), librbd 16.2.15.
+pub const RBD_ALWAYS: &[Allowed] = &[
+    allow_only(
+        libc::SYS_clone,
+        "clone",
+        Only::ArgMasked {
+            arg: 0,
+            mask: libc::CLONE_THREAD as u64 | CLONE_NAMESPACES,
+            value: libc::CLONE_THREAD as u64,
+        },
+        "librados and librbd starting their threads (messenger workers, timers, finishers,          asio) at any time: a thread of this process only (CLONE_THREAD, which the kernel          allows only with CLONE_VM and CLONE_SIGHAND), with no new namespace; clone3 is          refused with ENOSYS (RBD_REFUSED), on which glibc retries with clone",
+    ),
+    allow(
+        libc::SYS_clone3,
+        "clone3",
+        "let through here only to be refused with ENOSYS by RBD_REFUSED (its flags are in          memory, which seccomp cannot read); trapping it would end the worker",
+    ),
+    allow_only(
+        libc::SYS_socket,
+        "socket",
+        Only::ArgIn { arg: 0, values: &[libc::AF_INET as u64, libc::AF_INET6 as u64] },
+        "librados's connections to the cluster's monitors and OSDs: IPv4 or IPv6 only (no          unix, netlink or packet socket)",
+    ),
+    allow(libc::SYS_connect, "connect", "librados connecting to a monitor or an OSD"),
+    allow(libc::SYS_getsockname, "getsockname", "librados learning its own address"),
+    allow(libc::SYS_setsockopt, "setsockopt", "librados setting TCP_NODELAY on its connections"),
+    allow(libc::SYS_shutdown, "shutdown", "librados closing a connection"),
+    allow(libc::SYS_epoll_create, "epoll_create", "librados's messenger event loops"),
+    allow(libc::SYS_epoll_create1, "epoll_create1", "librbd's asio event loop"),
+    allow(libc::SYS_epoll_ctl, "epoll_ctl", "librados's and librbd's event loops"),
+    allow(libc::SYS_epoll_wait, "epoll_wait", "librados's and librbd's event loops"),
+    allow(libc::SYS_pipe2, "pipe2", "librados's messenger waking its event loops"),
+    allow(
+        libc::SYS_eventfd2,
+        "eventfd2",
+        "librbd's asio waking its event loop; the target's per-thread completion eventfds",
+    ),
+    allow(libc::SYS_timerfd_create, "timerfd_create", "librbd's asio timers"),
+    allow(libc::SYS_timerfd_settime, "timerfd_settime", "librbd's asio timers"),
+    allow(libc::SYS_uname, "uname", "librados naming its host in its client metadata"),
+    allow_only(
+        libc::SYS_fcntl,
+        "fcntl",
+        Only::ArgIn {
+            arg: 1,
+            values: &[libc::F_GETFL as u64, libc::F_SETFL as u64, libc::F_SETFD as u64],
+        },
+        "librados making its sockets and pipes non-blocking (F_GETFL, F_SETFL) and          close-on-exec (F_SETFD)",
+    ),
+    allow(
+        libc::SYS_openat,
+        "openat",
+        "let through here only to be refused with ENOENT by RBD_REFUSED, before the          kernel sees it",
+    ),
+    allow(
+        libc::SYS_statx,
+        "statx",
+        "of a path: let through here only to be refused with ENOENT by RBD_REFUSED",
+    ),
+];
+
+/// A system call an rbd worker's libraries make that fails with `errno` instead of
+/// trapping: they look for files they can do without, and treat the failure as
+/// absence (the empty root and Landlock would refuse each anyway; this refuses it
+/// before the kernel sees it).
+#[derive(Debug, Clone, Copy)]
+#[allow(dead_code)]
+pub struct RefusedCall {
+    pub nr: libc::c_long,
+    pub name: &'static str,
+    pub only: Only,
+    pub errno: u32,
+    pub why: &'static str,
+}
+
+/// What an rbd worker's libraries still look for after they were loaded, and get an
+/// error for.
+pub const RBD_REFUSED: &[RefusedCall] = &[
+    RefusedCall {
+        nr: libc::SYS_openat,
+        name: "openat",
+        only: Only::Any,
+        errno: libc::ENOENT as u32,
+        why: "every open: librados's OpenSSL reading /usr/lib/ssl/openssl.cnf (it runs               without), glibc reading /etc/localtime (UTC then) and               /sys/devices/system/cpu/online (it counts CPUs otherwise), librados naming               a thread through /proc/self/task/N/comm (left unnamed)",
+    },
+    RefusedCall {
+        nr: libc::SYS_statx,
+        name: "statx",
+        only: Only::ArgLacks { arg: 2, mask: libc::AT_EMPTY_PATH as u64 },
+        errno: libc::ENOENT as u32,
+        why: "of a path: librados looking for /sys/fs/cgroup/cpu/ (a CPU quota; none then)",
+    },
+    RefusedCall {
+        nr: libc::SYS_clone3,
+        name: "clone3",
+        only: Only::Any,
+        errno: libc::ENOSYS as u32,
+        why: "its flags are in memory seccomp cannot read: glibc retries with clone, whose               flags RBD_ALWAYS checks",
+    },
+];
+
 /// One allowed io_uring operation, for the targets that need it. `name` and `why` are
 /// for the reader.
 #[derive(Debug, Clone, Copy)]
@@ -195,6 +320,7 @@ pub enum OpFor {
     Every,
     Loop,
     Nbd,
+    Rbd,
 }
 
 impl OpFor {
@@ -203,6 +329,7 @@ impl OpFor {
             OpFor::Every => true,
             OpFor::Loop => matches!(target, TargetSetup::Loop),
             OpFor::Nbd => matches!(target, TargetSetup::Nbd { .. }),
+            OpFor::Rbd => matches!(target, TargetSetup::Rbd),
         }
     }
 }
@@ -243,6 +370,14 @@ pub const URING_OPS: &[AllowedOp] = &[
         name: "READ",
         only_for: OpFor::Loop,
         why: "loop target reads from its backing fd",
+    },
+    AllowedOp {
+        opcode: opcode::Read::CODE,
+        name: "READ",
+        only_for: OpFor::Rbd,
+        why: "rbd target: each queue thread waiting on its own eventfd (registered in its \
+              ring, the only file the ring reaches but /dev/ublkcN), which librbd's \
+              completion callback writes",
     },
     AllowedOp {
         opcode: opcode::Write::CODE,
@@ -346,5 +481,9 @@ pub const URING_SQE_FLAGS: u8 = io_uring::squeue::Flags::FIXED_FILE.bits()
 /// `RLIMIT_NOFILE`: the worker holds a handful of fds (control socket, device,
 /// region, target, one ring per thread).
 pub const MAX_FDS: u64 = 128;
+/// `RLIMIT_NOFILE` of an rbd worker: librados holds a connection per monitor and per
+/// OSD it talks to (up to every OSD of a large cluster), plus its event loops' epoll
+/// fds, pipes and eventfds.
+pub const MAX_FDS_RBD: u64 = 4096;
 /// `RLIMIT_MEMLOCK`: the worker locks nothing itself; rings are charged to its cgroup.
 pub const MAX_LOCKED_BYTES: u64 = 8 << 20;

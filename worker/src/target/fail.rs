@@ -20,7 +20,7 @@ impl Target for FailTarget {
         Step::Done(-libc::EIO)
     }
 
-    fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
+    fn fixed_file(&self, _thread: usize) -> Option<BorrowedFd<'_>> {
         None
     }
 

@@ -113,7 +113,7 @@ impl Target for LoopTarget {
         }
     }
 
-    fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
+    fn fixed_file(&self, _thread: usize) -> Option<BorrowedFd<'_>> {
         Some(self.file.as_fd())
     }
 }

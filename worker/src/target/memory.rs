@@ -69,7 +69,7 @@ impl Target for MemoryTarget {
         Step::Done(res)
     }
 
-    fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
+    fn fixed_file(&self, _thread: usize) -> Option<BorrowedFd<'_>> {
         None
     }
 }

@@ -14,18 +14,20 @@ mod loopback;
 mod memory;
 mod nbd;
 mod null;
+pub mod rbd;
 mod request;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use io_uring::squeue;
-use ublkd_proto::msg::TargetSetup;
+use ublkd_proto::msg::{TargetSetup, WorkerSetup};
 
 pub use fail::FailTarget;
 pub use loopback::LoopTarget;
 pub use memory::MemoryTarget;
 pub use nbd::NbdTarget;
 pub use null::NullTarget;
+pub use rbd::RbdTarget;
 pub use request::{Bounds, IoReq, Reply};
 
 /// Index of the target's file in each ring's registered files (1 is `/dev/ublkcN`).
@@ -81,17 +83,27 @@ pub trait Target: Send + Sync {
     /// [`own_user_data`]`(key)`, completed with `res`.
     fn on_own_cqe(&self, _thread: usize, _key: u32, _res: i32, _work: &mut TargetWork) {}
 
-    /// The file to register at [`TARGET_FIXED_FD`] in every ring, if any.
-    fn fixed_file(&self) -> Option<BorrowedFd<'_>>;
+    /// The file to register at [`TARGET_FIXED_FD`] in queue thread `thread`'s ring,
+    /// if any (`loop`: the backing file, the same in every ring; `rbd`: the thread's
+    /// own eventfd).
+    fn fixed_file(&self, thread: usize) -> Option<BorrowedFd<'_>>;
 
-    /// The target's fds that come with the device at activation
-    /// (`TargetSetup::activation_fds`): none but for `nbd`, whose socket it is.
-    fn activate(&self, fds: Vec<OwnedFd>) -> Result<(), TargetError> {
+    /// Activation: the target's fds that come with the device
+    /// (`TargetSetup::activation_fds`: none but for `nbd`, whose sockets they are),
+    /// and the clients of the device's earlier workers it may fence (`rbd`, see
+    /// `ToWorker::Activate`; empty for the others).
+    fn activate(&self, fds: Vec<OwnedFd>, _fence: &[String]) -> Result<(), TargetError> {
         if fds.is_empty() {
             Ok(())
         } else {
             Err(TargetError::Fds { target: "this", want: 0, got: fds.len() })
         }
+    }
+
+    /// The target's client identity in its backend, which the device's later workers
+    /// may fence (`rbd`: its Ceph client's address; see `FromWorker::Standby`).
+    fn client_identity(&self) -> Option<String> {
+        None
     }
 
     /// Whether this target fails requests by design (`fail-io`): its failures are not
@@ -110,21 +122,20 @@ pub enum TargetError {
     MemoryTooSmall { got: u64, want: u64 },
     #[error("the loop target's backing file is {got} bytes, smaller than the device's {want}")]
     LoopTooSmall { got: u64, want: u64 },
-    #[error("this worker cannot serve the {target} target yet")]
-    Unsupported { target: &'static str },
+    #[error("the rbd target has no image: its setup came without `rbd`")]
+    NoRbdSetup,
+    #[error(transparent)]
+    Rbd(#[from] rbd::RbdError),
     #[error("cannot map or inspect the target's file: {0}")]
     Io(#[from] std::io::Error),
 }
 
 /// Builds the target `setup` describes from the fds that came with it.
-pub fn build(
-    setup: &TargetSetup,
-    size: u64,
-    mut fds: Vec<OwnedFd>,
-) -> Result<Box<dyn Target>, TargetError> {
-    let want = setup.target_fds();
+pub fn build(setup: &WorkerSetup, mut fds: Vec<OwnedFd>) -> Result<Box<dyn Target>, TargetError> {
+    let size = setup.size_bytes;
+    let want = setup.target.target_fds();
     if fds.len() != want {
-        let target = match setup {
+        let target = match setup.target {
             TargetSetup::Null => "null",
             TargetSetup::Memory => "memory",
             TargetSetup::Loop => "loop",
@@ -134,12 +145,15 @@ pub fn build(
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
     }
-    Ok(match *setup {
+    Ok(match setup.target {
         TargetSetup::Null => Box::new(NullTarget),
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
         TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
         TargetSetup::FailIo => Box::new(FailTarget),
         TargetSetup::Nbd { connections } => Box::new(NbdTarget::new(connections)?),
-        TargetSetup::Rbd => return Err(TargetError::Unsupported { target: "rbd" }),
+        TargetSetup::Rbd => {
+            let rbd = setup.rbd.as_ref().ok_or(TargetError::NoRbdSetup)?;
+            Box::new(RbdTarget::new(rbd, size, setup.nr_threads)?)
+        }
     })
 }

@@ -653,11 +653,11 @@ impl Target for NbdTarget {
         }
     }
 
-    fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
+    fn fixed_file(&self, _thread: usize) -> Option<BorrowedFd<'_>> {
         None
     }
 
-    fn activate(&self, fds: Vec<OwnedFd>) -> Result<(), TargetError> {
+    fn activate(&self, fds: Vec<OwnedFd>, _fence: &[String]) -> Result<(), TargetError> {
         if fds.len() != self.connections.len() {
             let (want, got) = (self.connections.len(), fds.len());
             return Err(TargetError::Fds { target: "nbd", want, got });
@@ -795,7 +795,7 @@ mod tests {
     fn target_over(n: u8) -> (NbdTarget, Vec<UnixStream>) {
         let (ours, servers): (Vec<_>, Vec<_>) = (0..n).map(|_| UnixStream::pair().unwrap()).unzip();
         let target = NbdTarget::new(n).unwrap();
-        target.activate(ours.into_iter().map(OwnedFd::from).collect()).unwrap();
+        target.activate(ours.into_iter().map(OwnedFd::from).collect(), &[]).unwrap();
         (target, servers)
     }
 
@@ -1109,7 +1109,7 @@ mod tests {
         assert!(bufs[1].iter().all(|&b| b == 1), "connection 1's READ");
         assert!(bufs[0].iter().all(|&b| b == 2) && bufs[2].iter().all(|&b| b == 3));
         // Activation takes exactly one socket per connection, once.
-        let err = target.activate(Vec::new()).unwrap_err().to_string();
+        let err = target.activate(Vec::new(), &[]).unwrap_err().to_string();
         assert!(err.contains("needs 2 file descriptor(s), got 0"), "{err}");
         assert!(NbdTarget::new(0).is_err() && NbdTarget::new(MAX_NBD_CONNECTIONS + 1).is_err());
         std::mem::forget(servers);

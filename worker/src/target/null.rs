@@ -21,7 +21,7 @@ impl Target for NullTarget {
         Step::Done(res)
     }
 
-    fn fixed_file(&self) -> Option<BorrowedFd<'_>> {
+    fn fixed_file(&self, _thread: usize) -> Option<BorrowedFd<'_>> {
         None
     }
 }
