@@ -25,11 +25,12 @@
 //! through `UBLK_U_CMD_GET_FEATURES`.
 //!
 //! The module tree (where the config has `CONFIG_TLS=m`) is what kernel TLS needs and
-//! nothing else of the package: `tls.ko` and the AEAD modules behind the ciphers kTLS
-//! offers (gcm, ccm, chacha20poly1305, with their generic and x86 helpers; see
-//! [`GUEST_MODULES`]), each with the modules it depends on, decompressed and laid out as
-//! a kernel package lays them out, plus the package's `modules.builtin`,
-//! `modules.builtin.modinfo` and `modules.order`, indexed by the host's `depmod -b`:
+//! little else of the package: `tls.ko` and the AEAD modules behind the ciphers kTLS
+//! offers (gcm, ccm, chacha20poly1305, with their generic and x86 helpers), and `tc`'s
+//! prio, netem and u32 for the rbd tests (see [`GUEST_MODULES`]), each with the modules
+//! it depends on, decompressed and laid out as a kernel package lays them out, plus the
+//! package's `modules.builtin`, `modules.builtin.modinfo` and `modules.order`, indexed by
+//! the host's `depmod -b`:
 //!
 //! ```text
 //! <cache>/kernel/<abi>/modules/lib/modules/<abi>/kernel/net/tls/tls.ko
@@ -73,13 +74,15 @@ const SID: &str = "sid";
 const MANIFEST: &str = "manifest";
 /// The layout of a cached kernel's directory, written into its manifest (`layout=N`).
 /// A cached kernel of an older layout (fewer modules kept) is fetched again. 2: `nbd.ko`.
-/// 3: `modules/`, the guest's module tree for kernel TLS.
-const MANIFEST_LAYOUT: u32 = 3;
+/// 3: `modules/`, the guest's module tree for kernel TLS. 4: `tc`'s prio, netem and u32
+/// modules in that tree (tests/tests/rbd.rs delays a dead worker's TCP segments).
+const MANIFEST_LAYOUT: u32 = 4;
 /// The guest's module tree in a cached kernel's directory: `lib/modules/<abi>` below it,
 /// as `depmod -b` and `modprobe -d` expect.
 const MODULES_DIR: &str = "modules";
 /// The modules kept for the guest's `/lib/modules` (each where the package has it, with
-/// what it depends on): kernel TLS and the AEADs behind its ciphers. Names as in
+/// what it depends on): kernel TLS and the AEADs behind its ciphers, and the traffic
+/// control that holds a process's TCP segments on loopback. Names as in
 /// `modules.dep`, `-` and `_` alike. Which exist differs between kernels: 7.2 has
 /// `chacha.ko` and GHASH in the library, 6.12 `chacha_generic.ko`, `ghash-generic.ko` and
 /// the x86 ChaCha/Poly1305/GHASH glue.
@@ -109,6 +112,11 @@ pub const GUEST_MODULES: &[&str] = &[
     // IV generators an AEAD user may ask for by template.
     "seqiv",
     "echainiv",
+    // `tc`: a prio qdisc on lo whose extra band is a netem delay, fed by u32 filters on
+    // source ports (tests/src/harness/ceph.rs's LoDelay).
+    "sch_prio",
+    "sch_netem",
+    "cls_u32",
 ];
 /// What the guest's `modprobe` reads beside `modules.dep`, copied from the package where
 /// it has them.

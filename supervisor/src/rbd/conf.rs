@@ -93,10 +93,11 @@ fn passed_on(key: &str) -> bool {
 
 /// The options ublkd fixes for every rbd worker, after the operator's: no admin socket
 /// and no log file (the worker can create no file; errors go to its stderr, which
-/// ublkd relays to the journal), and librbd's cache off, so that a write librbd
-/// completes is on the OSDs (the device then needs no FLUSH, and none is lost with a
-/// worker).
-fn fixed_options() -> [(&'static str, &'static str); 6] {
+/// ublkd relays to the journal); librbd's cache off, so that a write librbd completes
+/// is on the OSDs (the device then needs no FLUSH, and none is lost with a worker);
+/// and a broken lock's owner blocklisted, which is what fencing is (an operator's
+/// `rbd_blocklist_on_break_lock = false` would let a dead worker's late write land).
+fn fixed_options() -> [(&'static str, &'static str); 7] {
     [
         ("admin_socket", ""),
         ("log_file", ""),
@@ -104,6 +105,7 @@ fn fixed_options() -> [(&'static str, &'static str); 6] {
         ("err_to_stderr", "true"),
         ("log_to_syslog", "false"),
         ("rbd_cache", "false"),
+        ("rbd_blocklist_on_break_lock", "true"),
     ]
 }
 
@@ -191,8 +193,8 @@ fn read_small(path: &Path) -> Result<String, std::io::Error> {
     Ok(text)
 }
 
-/// The options for `spec`'s client: the config file's `[global]`, `[client]` and
-/// `[client.ID]` options in that order (a later section wins), then the key, then
+/// The options for `spec`'s client: the key, the config file's `[global]`, `[client]`
+/// and `[client.ID]` options in that order (a later section wins), then
 /// [`fixed_options`].
 pub fn client_options(spec: &RbdSpec) -> Result<ClientOptions, CephConfError> {
     let conf_path = spec.ceph_conf();
@@ -215,9 +217,10 @@ pub fn client_options(spec: &RbdSpec) -> Result<ClientOptions, CephConfError> {
         Some(inline) => inline.clone(),
         None => key_from_keyrings(spec, &merged)?,
     };
-    let mut options: Vec<(String, String)> =
-        merged.into_iter().filter(|(k, _)| passed_on(k)).collect();
-    options.push(("key".into(), key));
+    // The key first: librados looks for it again at each auth option set, and says
+    // "no keyring found ..., disabling cephx" for every one set before it.
+    let mut options = vec![("key".to_owned(), key)];
+    options.extend(merged.into_iter().filter(|(k, _)| passed_on(k)));
     options.extend(fixed_options().iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     Ok(ClientOptions(options))
 }
@@ -312,6 +315,7 @@ mod tests {
         assert_eq!(get("key"), Some("AQBmine=="));
         // ublkd's own come last, over the operator's.
         assert_eq!(get("rbd_cache"), Some("false"));
+        assert_eq!(get("rbd_blocklist_on_break_lock"), Some("true"));
         assert_eq!(get("admin_socket"), Some(""));
         assert_eq!(get("log_file"), Some(""));
         assert!(options.iter().all(|(k, _)| k != "keyring" && k != "osd_data"), "{options:?}");

@@ -9,6 +9,8 @@
 //! - [`machine`]: machine-wide state: the lock that serializes a test binary's tests,
 //!   the kernel's ublk devices and nodes, processes in `/proc`.
 //! - [`storage`]: backing files, data patterns and checksums, mounts, a write throttle.
+//! - [`ceph`]: a single-node Ceph cluster in the guest for the rbd tests, its images,
+//!   checksums, lock owners and blocklist, daemon restarts, and delayed TCP on loopback.
 //! - [`chaos`]: the chaos tests' recovery settings, verifying fio passes and worker
 //!   killer.
 //!
@@ -16,6 +18,7 @@
 //! `in-vm` or `in-vm-systemd` feature use them; the library builds them regardless, so
 //! that a build without features checks them too.
 
+pub mod ceph;
 pub mod chaos;
 pub mod fio;
 pub mod machine;

@@ -1,0 +1,713 @@
+//! The rbd target through the real `ublkd`, `ublkctl` and kernel, against a real Ceph
+//! cluster: one mon and one bluestore OSD started inside the test VM ([`Cluster::shared`]:
+//! one per VM boot, about 10 s to start, shared by this file's tests). What must hold:
+//! fio's verified data survives worker kills, an OSD restart and a ublkd restart, and
+//! the image reads back as the device does; ext4 on an image survives an upgrade; bad
+//! inputs are named in one line and make no device; and a dead worker's client is
+//! fenced (blocklisted) before its successor writes, so that a write the dead one left
+//! in flight can never land over newer data.
+//!
+//! [`the_test_cluster_serves_an_image`] and
+//! [`a_delayed_write_of_a_killed_client_lands_unless_it_is_fenced`] check the harness
+//! alone (no ublkd): the cluster, its helpers, and that the fencing test's way of
+//! keeping a write in flight works, so that the fencing test can fail.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use ublkd_tests::harness::ceph::{CLIENT_ID, Cluster, LoDelay, osd_ports, tcp_connections};
+use ublkd_tests::harness::chaos::{self, SetOnDrop};
+use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial};
+use ublkd_tests::harness::process::{describe, run, run_ok, signal};
+use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file};
+use ublkd_tests::harness::ublkd::Ublkd;
+
+const MIB: u64 = 1 << 20;
+const BLOCK: usize = 4096;
+
+/// `ublkctl add -t rbd` arguments for `image` (`POOL/IMAGE[@SNAP]`) of `cluster`, as
+/// client [`CLIENT_ID`] with its keyring, then `extra`. The worker is sandboxed (its
+/// rbd profile), as every device's is by default.
+fn rbd_args(cluster: &Cluster, image: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["-t", "rbd", "--image", image].map(String::from).into();
+    args.extend(["--ceph-conf".into(), cluster.conf_path().display().to_string()]);
+    args.extend(["--ceph-id".into(), CLIENT_ID.into()]);
+    args.extend(["--keyring".into(), cluster.keyring_path().display().to_string()]);
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+/// `ublkctl add` of an rbd device for `image` (`POOL/IMAGE`); its id, its node there.
+fn add_rbd(ublkd: &Ublkd, cluster: &Cluster, image: &str) -> u32 {
+    let args = rbd_args(cluster, image, &[]);
+    ublkd.add(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+/// Waits until device `id` is LIVE with a worker other than `old` and more than
+/// `recoveries` recoveries.
+fn wait_replaced(ublkd: &Ublkd, id: u32, old: u32, recoveries: u64) {
+    ublkd.wait_until(&format!("device {id} recovered from worker {old}"), || {
+        let dev = ublkd.status_of(id);
+        dev["state"] == "LIVE"
+            && dev["worker_pid"].as_u64().is_some_and(|p| p != u64::from(old))
+            && dev["recoveries"].as_u64() > Some(recoveries)
+    });
+}
+
+/// SIGKILLs device `id`'s worker and waits for its recovery; the killed pid.
+fn kill_worker(ublkd: &Ublkd, id: u32) -> u32 {
+    let dev = ublkd.status_of(id);
+    let pid = ublkd.worker_pid(id);
+    assert!(signal(pid, libc::SIGKILL), "worker {pid} is gone");
+    wait_replaced(ublkd, id, pid, dev["recoveries"].as_u64().unwrap_or(0));
+    pid
+}
+
+/// The sha256 of all of `dev`, read with O_DIRECT (past the page cache) into a file.
+fn device_checksum(dev: &Path) -> String {
+    let copy = PathBuf::from("/tmp/ublkd-test-rbd-device.img");
+    run_ok(Command::new("dd").args([
+        &format!("if={}", dev.display()),
+        &format!("of={}", copy.display()),
+        "bs=1M",
+        "iflag=direct",
+        "status=none",
+    ]));
+    let sum = sha256(&copy);
+    let _ = std::fs::remove_file(&copy);
+    sum
+}
+
+/// A page-aligned buffer of one block, for O_DIRECT.
+#[repr(align(4096))]
+struct Block([u8; BLOCK]);
+
+fn write_block(dev: &Path, block: u64, data: &[u8]) {
+    let mut buf = Block([0; BLOCK]);
+    buf.0.copy_from_slice(data);
+    let mut f =
+        std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(dev).unwrap();
+    f.seek(SeekFrom::Start(block * BLOCK as u64)).unwrap();
+    f.write_all(&buf.0).unwrap_or_else(|e| panic!("writing block {block} of {dev:?}: {e}"));
+}
+
+fn read_block(dev: &Path, block: u64) -> Vec<u8> {
+    let mut buf = Block([0; BLOCK]);
+    let mut f =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(dev).unwrap();
+    f.seek(SeekFrom::Start(block * BLOCK as u64)).unwrap();
+    f.read_exact(&mut buf.0).unwrap_or_else(|e| panic!("reading block {block} of {dev:?}: {e}"));
+    buf.0.to_vec()
+}
+
+/// Writes `data` at `block` of `dev` with O_DIRECT in a child `dd` (it may be held).
+fn start_block_write(dev: &Path, block: u64, data: &[u8]) -> Child {
+    let src = PathBuf::from(format!("/tmp/ublkd-test-rbd-block-{block}-{}", data[0]));
+    std::fs::write(&src, data).unwrap();
+    Command::new("dd")
+        .arg(format!("if={}", src.display()))
+        .arg(format!("of={}", dev.display()))
+        .args([&format!("bs={BLOCK}"), "count=1", &format!("seek={block}"), "oflag=direct"])
+        .args(["conv=notrunc", "status=none"])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("cannot run dd")
+}
+
+/// A block of one byte repeated, named by it in failure messages.
+fn tagged(tag: u8) -> Vec<u8> {
+    vec![tag; BLOCK]
+}
+
+/// What block `data` is, of the tags a test wrote.
+fn which(data: &[u8], tags: &[(u8, &str)]) -> String {
+    tags.iter()
+        .find(|(t, _)| data.iter().all(|b| b == t))
+        .map_or_else(|| format!("unknown data ({:?}…)", &data[..8]), |(_, name)| name.to_string())
+}
+
+/// The cluster alone (no ublkd): an image is made, written, read back and checksummed,
+/// a snapshot of it too, and neither an OSD kill -9 and restart nor a mon restart loses
+/// or changes anything; the lock owners and the blocklist can be listed.
+#[test]
+fn the_test_cluster_serves_an_image() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "harness";
+    let size = 32 * MIB;
+    cluster.create_image(image, size);
+    assert!(cluster.images().contains(&image.to_string()), "{:?}", cluster.images());
+    let data = pattern(1, 4 * MIB as usize);
+    let written = Instant::now();
+    cluster.write(image, 8 * MIB, &data);
+    let write_time = written.elapsed();
+    assert!(cluster.read(image, None, 8 * MIB + 4096, 4096) == data[4096..8192], "read back");
+    // What the whole image must hold, checksummed as a file.
+    let expected_file = PathBuf::from("/tmp/ublkd-test-rbd-expected.img");
+    let mut expected = vec![0; size as usize];
+    expected[8 * MIB as usize..12 * MIB as usize].copy_from_slice(&data);
+    write_file(&expected_file, &expected);
+    let expected = sha256(&expected_file);
+    let summed = Instant::now();
+    assert_eq!(cluster.export_checksum(image, None), expected, "the image's checksum");
+    let sum_time = summed.elapsed();
+    cluster.create_snapshot(image, "s1");
+    cluster.write(image, 0, &pattern(2, BLOCK));
+    assert_eq!(cluster.export_checksum(image, Some("s1")), expected, "the snapshot's checksum");
+
+    let osd_time = cluster.restart_osd();
+    assert_eq!(cluster.export_checksum(image, Some("s1")), expected, "after the OSD restart");
+    assert!(cluster.read(image, None, 0, BLOCK) == pattern(2, BLOCK), "after the OSD restart");
+    cluster.write(image, 0, &pattern(3, BLOCK));
+    let mon_time = cluster.restart_mon();
+    assert!(cluster.read(image, None, 0, BLOCK) == pattern(3, BLOCK), "after the mon restart");
+
+    // Nobody holds the image open now: no lock owner; the blocklist can be read.
+    assert_eq!(cluster.lock_owners(image), Vec::<String>::new());
+    let blocklist = cluster.blocklist_ls();
+    let osd = cluster.osd();
+    assert_eq!(osd["up"], 1, "{osd}");
+    let _ = std::fs::remove_file(&expected_file);
+    cluster.remove_image(image);
+    eprintln!(
+        "ceph: 4 MiB written in {:.1} s, 32 MiB checksummed in {:.1} s; OSD restarted in \
+         {:.1} s, mon in {:.1} s; blocklist {blocklist:?}",
+        write_time.as_secs_f64(),
+        sum_time.as_secs_f64(),
+        osd_time.as_secs_f64(),
+        mon_time.as_secs_f64()
+    );
+}
+
+/// A client of the image in its own process (`/usr/bin/python3`, librbd), which takes
+/// the exclusive lock, writes `block` with tag 1 and prints its address; then for each
+/// line on its stdin (a tag's decimal value) starts a write of `block` with that tag
+/// and prints "sent" (without waiting for its completion).
+struct OldClient {
+    child: Child,
+    lines: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl OldClient {
+    const SCRIPT: &str = r#"
+import sys, rados, rbd
+conf, image, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
+c = rados.Rados(conffile=conf, rados_id="admin")
+c.conf_set("rbd_cache", "false")
+c.connect(timeout=60)
+io = c.open_ioctx("rbd")
+img = rbd.Image(io, image)
+img.lock_acquire(rbd.RBD_LOCK_MODE_EXCLUSIVE)
+img.write(bytes([1]) * 4096, block * 4096)
+owners = [o["owner"] for o in img.lock_get_owners()]
+print(owners[0], flush=True)
+done = []
+for line in sys.stdin:
+    tag = int(line)
+    img.aio_write(bytes([tag]) * 4096, block * 4096, lambda comp: done.append(comp))
+    print("sent", flush=True)
+"#;
+
+    fn start(cluster: &Cluster, image: &str, block: u64) -> (OldClient, String) {
+        let mut child = Command::new("/usr/bin/python3")
+            .args(["-c", Self::SCRIPT])
+            .arg(cluster.conf_path())
+            .arg(image)
+            .arg(block.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("cannot run /usr/bin/python3");
+        let lines = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut client = OldClient { child, lines };
+        let address = client.line();
+        (client, address)
+    }
+
+    fn line(&mut self) -> String {
+        use std::io::BufRead;
+        let mut line = String::new();
+        self.lines.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the old client exited: {:?}", self.child.try_wait());
+        line.trim().to_string()
+    }
+
+    /// Starts a write of `tag` and returns once librbd has sent it on.
+    fn write(&mut self, tag: u8) {
+        writeln!(self.child.stdin.as_mut().unwrap(), "{tag}").unwrap();
+        assert_eq!(self.line(), "sent");
+    }
+}
+
+impl Drop for OldClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How long [`LoDelay`] holds a dead client's segments in the harness-only check.
+const CONTROL_DELAY: Duration = Duration::from_secs(12);
+
+/// What the fencing test relies on, checked with librbd alone (no ublkd): a write that
+/// a killed client left held on loopback ([`LoDelay`]) still reaches the OSD after the
+/// client's death, so it lands over a newer write by the lock's next owner unless that
+/// owner blocklisted the dead one when it broke its lock. Both ways are run: with
+/// `rbd_blocklist_on_break_lock = false` the old data must win (else the fencing test
+/// could not fail), with the default the new data must, and the OSD logs refusing the
+/// old write.
+#[test]
+fn a_delayed_write_of_a_killed_client_lands_unless_it_is_fenced() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "delayed";
+    cluster.create_image(image, 16 * MIB);
+    let block = 7;
+    let tags = [
+        (1, "the old client's first write"),
+        (2, "the old client's held write"),
+        (3, "the new owner's write"),
+    ];
+    let mut outcomes = Vec::new();
+    for fence in [false, true] {
+        let (mut old, address) = OldClient::start(cluster, image, block);
+        // Its connections to the OSD, held from now on.
+        let pid = old.child.id();
+        let osd = osd_ports(cluster);
+        let ports: Vec<u16> = tcp_connections(pid)
+            .into_iter()
+            .filter(|(_, remote)| osd.contains(remote))
+            .map(|(local, _)| local)
+            .collect();
+        assert!(!ports.is_empty(), "the old client has no connection to the OSD ({osd:?})");
+        let log_from = osd_debug(cluster, true);
+        let delay = LoDelay::new(&ports, CONTROL_DELAY);
+        let held_from = Instant::now();
+        old.write(2);
+        wait_held(&delay, BLOCK as u64);
+        std::thread::sleep(Duration::from_millis(500));
+        drop(old);
+        // The next owner breaks the dead one's lock (blocklisting it, or not) and writes.
+        let answer = cluster
+            .request(json!({
+                "op": "take_over", "image": image, "offset": block * BLOCK as u64,
+                "data": hex(&tagged(3)), "blocklist": fence
+            }))
+            .unwrap_or_else(|e| panic!("take over: {e}\n{}", cluster.log_tails()));
+        let taken = held_from.elapsed();
+        let (bytes, _, _) = delay.held();
+        assert!(
+            taken < CONTROL_DELAY && bytes >= BLOCK as u64,
+            "the new owner wrote {taken:?} after the hold began, with {bytes} bytes still held: \
+             the old write was not held until after it ({answer})"
+        );
+        wait_delivered(&delay, held_from);
+        drop(delay);
+        osd_debug(cluster, false);
+        let refused = refused_by_osd(cluster, log_from, &address);
+        let data = cluster.read(image, None, block * BLOCK as u64, BLOCK);
+        let blocklisted = cluster.blocklist_ls().contains(&address);
+        outcomes.push(format!(
+            "blocklist on break {fence}: the block holds {}, {address} blocklisted: {blocklisted}",
+            which(&data, &tags)
+        ));
+        if fence {
+            assert!(data == tagged(3), "fenced: {}\n{}", which(&data, &tags), outcomes.join("\n"));
+            assert!(blocklisted, "{address} not blocklisted: {:?}", cluster.blocklist_ls());
+            assert!(refused, "the OSD refused no write of {address}: the held write never came");
+        } else {
+            assert!(
+                data == tagged(2),
+                "unfenced, the held write must land last, but the block holds {}: the fencing \
+                 test could not fail\n{}",
+                which(&data, &tags),
+                outcomes.join("\n")
+            );
+            assert!(!blocklisted, "{address} was blocklisted without fencing");
+        }
+    }
+    eprintln!("delayed writes ({CONTROL_DELAY:?} on loopback): {}", outcomes.join("; "));
+    cluster.forget_image(image);
+}
+
+/// Sets osd.0's `debug_osd` to 10 (it then logs each op it refuses from a blocklisted
+/// client) or back to its default; the length of its log before.
+fn osd_debug(cluster: &Cluster, on: bool) -> usize {
+    let level = if on { "10" } else { "1/5" };
+    cluster.osd_admin(json!({"prefix": "config set", "var": "debug_osd", "val": [level]}));
+    cluster.osd_log().len()
+}
+
+/// Whether osd.0 logged refusing an op of `address` (blocklisted) after `log_from`.
+fn refused_by_osd(cluster: &Cluster, log_from: usize, address: &str) -> bool {
+    let log = cluster.osd_log();
+    log.get(log_from..)
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.contains("is blocklisted") && l.contains(address))
+}
+
+fn hex(data: &[u8]) -> String {
+    data.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Waits (at most 30 s) until `delay` holds at least `bytes`: a write is queued there.
+fn wait_held(delay: &LoDelay, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while delay.held().0 < bytes {
+        assert!(Instant::now() < deadline, "no write held on loopback: {:?}", delay.held());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `delay` has delivered all it held since `from` (its delay after
+/// `from`, and nothing left), then a little longer for the OSD to act on it.
+fn wait_delivered(delay: &LoDelay, from: Instant) {
+    let deadline = from + delay.delay + Duration::from_secs(60);
+    while from.elapsed() < delay.delay || delay.held().1 > 0 {
+        assert!(Instant::now() < deadline, "still held: {:?}", delay.held());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+}
+
+/// fio writes and verifies an rbd device (4k–128k random reads and writes, crc32c on
+/// every 4 KiB, pass after pass) while its worker is SIGKILLed three times, the OSD is
+/// killed -9 and restarted, and ublkd is restarted (SIGTERM; the next ublkd takes the
+/// worker over): every pass exits 0, every block of the region verifies after, and the
+/// image read from the cluster is what the device reads.
+#[test]
+fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "fio";
+    let size = 64 * MIB;
+    let region = 16 * MIB;
+    cluster.create_image(image, size);
+    let mut ublkd = Ublkd::start_with("rbd-fio", "", &[("UBLKD_LOG", "info")]);
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let dev = ublkd.status_of(id);
+    assert_eq!((dev["state"].as_str(), dev["target"].as_str()), (Some("LIVE"), Some("rbd")));
+    assert_eq!(dev["size_bytes"].as_u64(), Some(size), "{dev}");
+    let node = block_dev(id);
+    chaos::prefill(&node, region);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = SetOnDrop(Arc::clone(&stop));
+    let fio = {
+        let (node, stop) = (node.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || chaos::randrw_passes(&node, region, 0x7b0, &stop))
+    };
+    let mut events = Vec::new();
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    events.push(format!("worker {} killed", kill_worker(&ublkd, id)));
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    let took = cluster.restart_osd();
+    events.push(format!("OSD restarted ({:.1} s)", took.as_secs_f64()));
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    events.push(format!("worker {} killed", kill_worker(&ublkd, id)));
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    let serving = ublkd.worker_pid(id);
+    ublkd.signal_and_restart(libc::SIGTERM, || {});
+    ublkd.wait_until("the device LIVE after ublkd's restart", || {
+        ublkd.status_of(id)["state"] == "LIVE"
+    });
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["worker_pid"].as_u64(), Some(u64::from(serving)), "not taken over: {dev}");
+    // The new ublkd counts its own recoveries: none, if it took the worker over.
+    assert_eq!(dev["recoveries"], 0, "ublkd's restart cost a recovery: {dev}");
+    events.push("ublkd restarted".into());
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    events.push(format!("worker {} killed", kill_worker(&ublkd, id)));
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    stop.store(true, Ordering::SeqCst);
+    let passes = fio
+        .join()
+        .expect("the fio thread")
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    chaos::verify_region(&node, region)
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["state"], "LIVE", "{dev}");
+    assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
+    // The device reads what the cluster stores.
+    let on_device = device_checksum(&node);
+    assert_eq!(
+        cluster.export_checksum(image, None),
+        on_device,
+        "the image differs from the device"
+    );
+    eprintln!(
+        "rbd fio: {} passes clean across {}; {} recoveries, last stall {} ms",
+        passes.len(),
+        events.join(", "),
+        dev["recoveries"],
+        dev["last_recovery_ms"]
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
+/// Files of awkward sizes under `root`, some in a subdirectory; their names.
+fn write_files(root: &Path) -> Vec<String> {
+    std::fs::create_dir_all(root.join("dir")).unwrap();
+    let sizes = [0, 1, 4097, 65_537, MIB as usize, 3 * MIB as usize + 123];
+    let mut files = Vec::new();
+    for (i, size) in sizes.into_iter().enumerate() {
+        let name = if i % 2 == 0 { format!("f{i}") } else { format!("dir/f{i}") };
+        write_file(&root.join(&name), &pattern(i as u64 + 11, size));
+        files.push(name);
+    }
+    files
+}
+
+/// ext4 made on an rbd device, mounted, files written; `ublkctl upgrade` moves the device
+/// to a new worker under the mounted filesystem (the new one takes the image's lock over
+/// from the old); the files read back from the device, more are written, and after an
+/// unmount fsck finds the filesystem clean.
+#[test]
+fn ext4_on_an_rbd_device_survives_an_upgrade() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "ext4";
+    cluster.create_image(image, 128 * MIB);
+    let ublkd = Ublkd::start("rbd-ext4");
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let node = block_dev(id);
+    let mnt = PathBuf::from("/tmp/ublkd-test-rbd-mnt");
+    run_ok(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&node));
+    let mount = Mount::new(&node, &mnt);
+    let files = write_files(&mnt);
+    let sums =
+        |root: &Path| -> Vec<String> { files.iter().map(|f| sha256(&root.join(f))).collect() };
+    let written = sums(&mnt);
+    run_ok(&mut Command::new("sync"));
+
+    let old = ublkd.worker_pid(id);
+    let owners = cluster.lock_owners(image);
+    let upgraded = Instant::now();
+    let out = ublkd.ctl(&["upgrade", "-n", &id.to_string()]);
+    let took = upgraded.elapsed();
+    let text = describe(&out);
+    assert!(out.status.success(), "upgrade failed: {text}\n{}", ublkd.log());
+    assert!(text.contains(&format!("device {id}: upgraded to")), "{text}");
+    let new = ublkd.worker_pid(id);
+    assert_ne!(new, old, "the upgrade left the old worker serving");
+    assert_ne!(cluster.lock_owners(image), owners, "the lock did not move to the new worker");
+
+    // Read from the device, not the page cache.
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    assert_eq!(sums(&mnt), written, "files changed across the upgrade");
+    write_file(&mnt.join("after"), &pattern(99, 2_345_678));
+    run_ok(&mut Command::new("sync"));
+    mount.umount();
+    let fsck = run(Command::new("fsck.ext4").arg("-fn").arg(&node));
+    assert_eq!(fsck.status.code(), Some(0), "fsck.ext4 -fn found problems:\n{}", describe(&fsck));
+    let mount = Mount::new(&node, &mnt);
+    assert_eq!(sums(&mnt), written);
+    assert!(std::fs::read(mnt.join("after")).unwrap() == pattern(99, 2_345_678), "after");
+    mount.umount();
+    eprintln!(
+        "rbd upgrade in {:.1} s: {}",
+        took.as_secs_f64(),
+        String::from_utf8_lossy(&out.stdout).trim()
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
+/// `ublkctl list`'s output.
+fn listed(ublkd: &Ublkd) -> String {
+    ublkd.ctl_ok(&["list"])
+}
+
+/// Each bad input makes `ublkctl add` fail with one line that names the problem (all of
+/// `words`, case-insensitively), within `limit`, and no device.
+fn assert_refused(ublkd: &Ublkd, args: &[String], words: &[&str], limit: Duration) -> String {
+    let before = (listed(ublkd), kernel_devices());
+    let mut full = vec!["add"];
+    full.extend(args.iter().map(String::as_str));
+    let asked = Instant::now();
+    let out = ublkd
+        .ctl
+        .run_within(&full, limit)
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let took = asked.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert!(!out.status.success(), "`ublkctl {}` succeeded: {}", full.join(" "), describe(&out));
+    assert_eq!(stderr.lines().count(), 1, "not one line: {stderr:?}");
+    let lower = stderr.to_lowercase();
+    for word in words {
+        assert!(lower.contains(&word.to_lowercase()), "{word:?} not in {stderr:?}");
+    }
+    assert_eq!((listed(ublkd), kernel_devices()), before, "a device was made: {stderr}");
+    format!("{:.1} s: {stderr}", took.as_secs_f64())
+}
+
+/// A missing image, a wrong key, a cluster that does not answer, a missing snapshot and
+/// an image without a pool: each `ublkctl add` fails with one line naming it, and no
+/// device is made.
+#[test]
+fn bad_rbd_inputs_are_named() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "bad-inputs";
+    cluster.create_image(image, 16 * MIB);
+    let ublkd = Ublkd::start("rbd-bad-inputs");
+    let quick = Duration::from_secs(60);
+    let mut said = Vec::new();
+
+    let args = rbd_args(cluster, &Cluster::spec("no-such-image"), &[]);
+    said.push(assert_refused(&ublkd, &args, &["no-such-image", "does not exist"], quick));
+
+    // A keyring for the same client with another key (a valid one: cephx refuses it).
+    let wrong = PathBuf::from("/tmp/ublkd-test-rbd-wrong.keyring");
+    std::fs::write(
+        &wrong,
+        format!("[client.{CLIENT_ID}]\n\tkey = AQDj1I1nAAAAABAAcm9uZy1rZXktd3Jvbmc0Mg==\n"),
+    )
+    .unwrap();
+    let mut args = rbd_args(cluster, &Cluster::spec(image), &[]);
+    let at = args.iter().position(|a| a == "--keyring").unwrap();
+    args[at + 1] = wrong.display().to_string();
+    said.push(assert_refused(&ublkd, &args, &["key"], quick));
+
+    // A cluster whose mon is not there: a closed port, and a short mount timeout (what
+    // librados waits for a mon; ublkd's own deadline applies if it is shorter).
+    let unreachable = PathBuf::from("/tmp/ublkd-test-rbd-unreachable.conf");
+    std::fs::write(
+        &unreachable,
+        "[global]\nmon_host = [v2:127.0.0.1:1,v1:127.0.0.1:2]\nclient_mount_timeout = 5\n\
+         auth_client_required = cephx\n",
+    )
+    .unwrap();
+    let mut args = rbd_args(cluster, &Cluster::spec(image), &[]);
+    let at = args.iter().position(|a| a == "--ceph-conf").unwrap();
+    args[at + 1] = unreachable.display().to_string();
+    said.push(assert_refused(&ublkd, &args, &["answered"], Duration::from_secs(180)));
+
+    let args = rbd_args(cluster, &format!("{}@no-such-snap", Cluster::spec(image)), &[]);
+    said.push(assert_refused(&ublkd, &args, &["no-such-snap", "does not exist"], quick));
+
+    let args = rbd_args(cluster, image, &[]);
+    said.push(assert_refused(&ublkd, &args, &["pool"], quick));
+
+    eprintln!("rbd bad inputs:\n  {}", said.join("\n  "));
+    for file in [wrong, unreachable] {
+        let _ = std::fs::remove_file(file);
+    }
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
+/// How long the fencing test holds the old worker's write on loopback: past the kill,
+/// the recovery (the new worker connects, breaks the old one's lock, which blocklists
+/// it, and takes the lock), the re-issued write and the newer one.
+const FENCE_DELAY: Duration = Duration::from_secs(30);
+
+/// The fence, tested where it matters: a write the dead worker left in flight reaches
+/// the OSD only after the next worker has written newer data to the same block.
+///
+/// ublkd never lets the old worker live past its replacement: a hung worker is
+/// SIGKILLed (`recovery::kill_if_hung`) and the recovery begins once its death is seen,
+/// so a write parked inside the old process (e.g. by `ceph osd pause`) dies with it and
+/// proves nothing. What can outlive the process is what it handed to the kernel: here
+/// its TCP segments to the OSD, held for [`FENCE_DELAY`] on loopback ([`LoDelay`], a
+/// netem qdisc filtered by the old worker's source ports), as a slow network would
+/// hold them. The test writes block A (old data), holds the old worker's OSD
+/// connections, starts a write of OLD to the block (it goes out and is held), SIGKILLs
+/// the worker; ublkd recovers the device with a new worker, the kernel re-issues the
+/// write to it, then the test writes NEW. All this must happen while the old write is
+/// still held (checked: netem still holds it). When netem lets it go, the OSD must
+/// refuse it ("is blocklisted" in its log at debug_osd 10) and the block must hold NEW;
+/// the old worker's address must be in `ceph osd blocklist ls`.
+///
+/// With fencing off (a worker that breaks the lock without blocklisting, e.g. with
+/// `rbd_blocklist_on_break_lock = false`), the held write lands last and the block
+/// holds OLD: [`a_delayed_write_of_a_killed_client_lands_unless_it_is_fenced`] shows
+/// that with librbd alone, so this test can fail.
+#[test]
+fn the_dead_workers_client_is_fenced_before_the_next_one_writes() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "fence";
+    cluster.create_image(image, 16 * MIB);
+    let ublkd = Ublkd::start_with("rbd-fence", "", &[("UBLKD_LOG", "info")]);
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let node = block_dev(id);
+    let block = 5;
+    let tags = [(0xa1, "A (before)"), (0xb2, "OLD (the dead worker's held write)"), (0xc3, "NEW")];
+    write_block(&node, block, &tagged(0xa1));
+    let old = ublkd.worker_pid(id);
+    let owners = cluster.lock_owners(image);
+    assert_eq!(owners.len(), 1, "the worker does not hold the image's lock: {owners:?}");
+    let old_address = owners[0].clone();
+    let osd = osd_ports(cluster);
+    let ports: Vec<u16> = tcp_connections(old)
+        .into_iter()
+        .filter(|(_, remote)| osd.contains(remote))
+        .map(|(local, _)| local)
+        .collect();
+    assert!(!ports.is_empty(), "worker {old} has no connection to the OSD ({osd:?})");
+    let log_from = osd_debug(cluster, true);
+
+    let delay = LoDelay::new(&ports, FENCE_DELAY);
+    let held_from = Instant::now();
+    let mut old_write = start_block_write(&node, block, &tagged(0xb2));
+    wait_held(&delay, BLOCK as u64);
+    std::thread::sleep(Duration::from_secs(1));
+    let recoveries = ublkd.status_of(id)["recoveries"].as_u64().unwrap_or(0);
+    assert!(signal(old, libc::SIGKILL), "worker {old} is gone");
+    wait_replaced(&ublkd, id, old, recoveries);
+    // The re-issued write completes through the new worker; then the newer data.
+    let status = old_write.wait().unwrap();
+    assert!(status.success(), "the write the dead worker held failed: {status}");
+    write_block(&node, block, &tagged(0xc3));
+    let written = held_from.elapsed();
+    let (bytes, packets, _) = delay.held();
+    assert!(
+        written < FENCE_DELAY && bytes >= BLOCK as u64,
+        "NEW written {written:?} after the hold began, with {bytes} bytes ({packets} packets) \
+         still held: the old write was not in flight while the new worker wrote (raise \
+         FENCE_DELAY if the recovery was slow)\n{}",
+        ublkd.log()
+    );
+    assert!(!pid_exists(old), "the old worker {old} is alive");
+    wait_delivered(&delay, held_from);
+    drop(delay);
+    osd_debug(cluster, false);
+
+    let on_device = read_block(&node, block);
+    let stored = cluster.read(image, None, block * BLOCK as u64, BLOCK);
+    let blocklist = cluster.blocklist_ls();
+    let refused = refused_by_osd(cluster, log_from, &old_address);
+    eprintln!(
+        "fence: the block holds {} (device) / {} (cluster); the old worker {old_address} \
+         blocklisted: {}; the OSD refused its held write: {refused}; NEW written {:.1} s into the hold",
+        which(&on_device, &tags),
+        which(&stored, &tags),
+        blocklist.contains(&old_address),
+        written.as_secs_f64()
+    );
+    assert!(stored == tagged(0xc3), "the cluster holds {}", which(&stored, &tags));
+    assert!(on_device == tagged(0xc3), "the device reads {}", which(&on_device, &tags));
+    assert!(blocklist.contains(&old_address), "{old_address} not in {blocklist:?}");
+    assert!(
+        refused,
+        "the OSD did not refuse a write of {old_address}: the held write never reached it, \
+         so the test proved nothing"
+    );
+    let owners = cluster.lock_owners(image);
+    assert!(owners.len() == 1 && owners[0] != old_address, "lock owners: {owners:?}");
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
