@@ -137,13 +137,24 @@ fn main() -> ExitCode {
     } else {
         sandbox::Profile::Standard
     };
+    let connect_ports = match args.iter().position(|a| a == "--rbd-connect-ports") {
+        None => Vec::new(),
+        Some(at) => match sandbox::parse_port_ranges(args.get(at + 1).map_or("", String::as_str)) {
+            Ok(ports) => ports,
+            Err(e) => {
+                eprintln!("ublkd-worker: --rbd-connect-ports: {e}");
+                return ExitCode::from(WorkerExit::Protocol);
+            }
+        },
+    };
     // The sandbox goes up before the worker reads a single message.
-    let report =
-        match identity.map(|(id, optional)| sandbox::apply(id, &optional, fd, profile)).transpose()
-        {
-            Ok(report) => report,
-            Err(e) => return ExitCode::from(fail(control.as_fd(), e.into())),
-        };
+    let report = match identity
+        .map(|(id, optional)| sandbox::apply(id, &optional, fd, profile, &connect_ports))
+        .transpose()
+    {
+        Ok(report) => report,
+        Err(e) => return ExitCode::from(fail(control.as_fd(), e.into())),
+    };
     ExitCode::from(run(control, report, profile))
 }
 
@@ -289,8 +300,9 @@ fn run(
     }
     // From here the control thread listens to the supervisor. `held` stays open in
     // this frame, which never returns, for as long as the worker serves.
-    let _ = running.control_go.send((generation, held.iter().map(AsRawFd::as_raw_fd).collect()));
-    let _ = running.end_go.send(());
+    let held_fds = held.iter().map(AsRawFd::as_raw_fd).collect();
+    let _ = running.control_go.send((generation, held_fds, Arc::clone(&dev)));
+    let _ = running.end_go.send(Arc::clone(&dev));
     // The main thread serves the first plan's queues itself: no thread hand-off on the
     // way from the supervisor's Activate to Ready.
     let _ = running.done.send(own.run(&running.barrier));

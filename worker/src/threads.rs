@@ -41,9 +41,11 @@ pub struct Running {
     pub done: mpsc::Sender<Result<(), LoopError>>,
     /// Tells the control thread (with the generation, and the fds held for a successor)
     /// that the device is being served.
-    pub control_go: mpsc::Sender<(u64, Vec<RawFd>)>,
+    /// The generation, the held fds and the activated device, for the control thread.
+    pub control_go: mpsc::Sender<(u64, Vec<RawFd>, Arc<Device>)>,
     /// Tells the end thread the same.
-    pub end_go: mpsc::Sender<()>,
+    /// The activated device, for the end thread to release its target on a clean end.
+    pub end_go: mpsc::Sender<Arc<Device>>,
 }
 
 impl ThreadSet {
@@ -124,16 +126,14 @@ impl ThreadSet {
             }
         }
         let dev_id = setup.dev_id;
-        let (end_go, end_go_rx) = mpsc::channel::<()>();
+        let (end_go, end_go_rx) = mpsc::channel::<Arc<Device>>();
         std::thread::Builder::new()
             .name("ublk-end".into())
             .spawn(move || {
                 // Only a serving worker ends here. A standby that is let go (or fails to
                 // activate) ends through the main thread with its own exit code; its
                 // queue threads end without a result then, which is no data-path error.
-                if end_go_rx.recv().is_err() {
-                    return;
-                }
+                let Ok(dev) = end_go_rx.recv() else { return };
                 for _ in 0..nr_threads {
                     match done_rx.recv() {
                         Ok(Ok(())) => {}
@@ -145,13 +145,14 @@ impl ThreadSet {
                     }
                 }
                 tracing::info!(dev_id, "queues closed, exiting");
+                dev.target.release();
                 std::process::exit(i32::from(WorkerExit::Clean.code()));
             })
             .map_err(|source| ThreadError::Spawn {
                 what: "the worker's end thread".into(),
                 source,
             })?;
-        let (control_go, go) = mpsc::channel::<(u64, Vec<RawFd>)>();
+        let (control_go, go) = mpsc::channel::<(u64, Vec<RawFd>, Arc<Device>)>();
         let per_io = setup.data_path == msg::DataPath::PerIo;
         let control_raw = control.as_raw_fd();
         let rings = if setup.fast_release { ring_fds.clone() } else { Vec::new() };
@@ -160,7 +161,7 @@ impl ThreadSet {
             .spawn(move || {
                 // A standby that is let go never gets here: the main thread reads the
                 // socket until activation, then hands it over.
-                let Ok((generation, held)) = go.recv() else { return };
+                let Ok((generation, held, dev)) = go.recv() else { return };
                 hooks::on_serving(generation, per_io, control_raw, &held);
                 // SAFETY: the control socket is owned by `main`'s frame, which never
                 // returns while the worker serves (it parks), so the fd stays open.
@@ -171,7 +172,12 @@ impl ThreadSet {
                 // takes it over.
                 let code = loop {
                     match msg::recv_packet::<ToWorker>(control) {
-                        Ok((ToWorker::Shutdown, _)) => break WorkerExit::Clean,
+                        Ok((ToWorker::Shutdown, _)) => {
+                            // Asked to end (its device deleted, or handed to another
+                            // worker): what the target holds outside goes back first.
+                            dev.target.release();
+                            break WorkerExit::Clean;
+                        }
                         Ok((ToWorker::Attach, _)) => {
                             let (rings, client) = (rings.clone(), client.clone());
                             let attached =

@@ -106,6 +106,12 @@ pub trait Target: Send + Sync {
         None
     }
 
+    /// The device was stopped and every queue thread has ended, the worker is about to
+    /// exit cleanly: gives back what the target holds outside this process (an rbd
+    /// image's exclusive lock), so that the next user does not find it held by a client
+    /// that is gone.
+    fn release(&self) {}
+
     /// Whether this target fails requests by design (`fail-io`): its failures are not
     /// logged one by one.
     fn fails_on_purpose(&self) -> bool {

@@ -233,8 +233,14 @@ fn zero_flags(flags: u32) -> libc::c_int {
 
 /// The result to commit for a request of `op` over `len` bytes that librbd finished
 /// with `ret`: a READ is whole only if librbd read all of it (a short read would
-/// return stale bytes); a WRITE reports its bytes; the rest 0; an error its `-errno`.
+/// return stale bytes); a WRITE reports its bytes; the rest 0; an error its `-errno`,
+/// but for a request the cluster did not answer within `rados_osd_op_timeout`
+/// (`recovery.rbd_cluster_wait_secs`): EIO, as a disk that gave up says it (the block
+/// layer would pass ETIMEDOUT through).
 fn result(op: u8, len: u32, ret: isize) -> i32 {
+    if ret == -(libc::ETIMEDOUT as isize) {
+        return -libc::EIO;
+    }
     if ret < 0 {
         return i32::try_from(ret).unwrap_or(-libc::EIO);
     }
@@ -348,6 +354,19 @@ impl Target for RbdTarget {
     fn client_identity(&self) -> Option<String> {
         Some(self.client.clone())
     }
+
+    fn release(&self) {
+        if self.read_only || !self.exclusive_lock {
+            return;
+        }
+        match self.image.release_lock() {
+            Ok(()) => tracing::info!(image = self.image.spec(), "exclusive lock released"),
+            Err(errno) => tracing::warn!(
+                image = self.image.spec(),
+                "cannot release the exclusive lock ({errno}); the next user breaks it"
+            ),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -373,6 +392,7 @@ mod tests {
     fn errors_pass_through_and_an_absurd_one_is_eio() {
         assert_eq!(result(UBLK_IO_OP_WRITE, 512, -(libc::ENOSPC as isize)), -libc::ENOSPC);
         assert_eq!(result(UBLK_IO_OP_FLUSH, 0, isize::MIN), -libc::EIO);
+        assert_eq!(result(UBLK_IO_OP_READ, 4096, -(libc::ETIMEDOUT as isize)), -libc::EIO);
     }
 
     #[test]

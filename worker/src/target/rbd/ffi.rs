@@ -92,6 +92,7 @@ pub struct Lib {
     pub rbd_stat: unsafe extern "C" fn(Image, *mut ImageInfo, usize) -> c_int,
     pub rbd_get_features: unsafe extern "C" fn(Image, *mut u64) -> c_int,
     pub rbd_lock_acquire: unsafe extern "C" fn(Image, LockMode) -> c_int,
+    pub rbd_lock_release: unsafe extern "C" fn(Image) -> c_int,
     pub rbd_lock_get_owners:
         unsafe extern "C" fn(Image, *mut LockMode, *mut *mut c_char, *mut usize) -> c_int,
     pub rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
@@ -199,6 +200,7 @@ fn load() -> Result<Lib, LoadError> {
         rbd_stat,
         rbd_get_features,
         rbd_lock_acquire,
+        rbd_lock_release,
         rbd_lock_get_owners,
         rbd_lock_get_owners_cleanup,
         rbd_lock_break,
@@ -227,6 +229,7 @@ fn load() -> Result<Lib, LoadError> {
         rbd_stat,
         rbd_get_features,
         rbd_lock_acquire,
+        rbd_lock_release,
         rbd_lock_get_owners,
         rbd_lock_get_owners_cleanup,
         rbd_lock_break,

@@ -29,7 +29,7 @@ pub enum OpenError {
     #[error("no monitor address is known: the setup has no mon_host")]
     NoMonHost,
     #[error(
-        "cannot connect to the cluster as client.{client}: its key or mon_host          ({mon_host}) is malformed"
+        "cannot connect to the cluster as client.{client}: its key or mon_host ({mon_host}) is malformed"
     )]
     Malformed { client: String, mon_host: String },
     #[error("cannot connect to the cluster (mon_host {mon_host}) as client.{client}: {errno}")]
@@ -370,6 +370,14 @@ impl RbdImage {
     pub fn acquire_exclusive(&self) -> Result<(), Errno> {
         // SAFETY: an open image.
         let rc = unsafe { (self.lib.rbd_lock_acquire)(self.handle, ffi::LOCK_MODE_EXCLUSIVE) };
+        if rc < 0 { Err(errno(rc)) } else { Ok(()) }
+    }
+
+    /// Gives the exclusive lock back, so that the image's next user finds it free
+    /// rather than held by a client that no longer exists.
+    pub fn release_lock(&self) -> Result<(), Errno> {
+        // SAFETY: an open image.
+        let rc = unsafe { (self.lib.rbd_lock_release)(self.handle) };
         if rc < 0 { Err(errno(rc)) } else { Ok(()) }
     }
 }
