@@ -187,13 +187,15 @@ pub struct Worker {
 
 impl Worker {
     /// Starts `binary` for device `dev_id`, sandboxed as `sandbox` if given. An rbd
-    /// worker (`rbd`) is told so on its command line: it loads librbd before its
-    /// sandbox empties its filesystem.
+    /// worker (`rbd`: the TCP ports it may connect to, see
+    /// [`crate::rbd::conf::connect_ports`]) is told so on its command line: it loads
+    /// librbd before its sandbox empties its filesystem, and its sandbox lets it reach
+    /// those ports.
     pub fn spawn(
         binary: &Path,
         dev_id: u32,
         sandbox: Option<WorkerSandbox>,
-        rbd: bool,
+        rbd: Option<&str>,
     ) -> Result<Worker, WorkerError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
@@ -213,8 +215,8 @@ impl Worker {
             stderr_write = Some(write);
             stderr_read = Some(read);
         }
-        if rbd {
-            args.push("--rbd".into());
+        if let Some(ports) = rbd {
+            args.extend(["--rbd".into(), "--rbd-connect-ports".into(), ports.into()]);
         }
         let new_pid_namespace = match sandbox {
             Some(WorkerSandbox { identity: id, optional }) => {
@@ -591,7 +593,7 @@ mod tests {
         // fail with ETXTBSY until that child has exec'd in turn.
         let mut tries = 0;
         loop {
-            match Worker::spawn(&path, 1, None, false) {
+            match Worker::spawn(&path, 1, None, None) {
                 Err(WorkerError::Spawn { source: SpawnError::Exec(e), .. })
                     if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 50 =>
                 {

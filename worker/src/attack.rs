@@ -241,6 +241,44 @@ pub fn run(name: &str, supervisor: i32) {
             let path = std::env::var("UBLKD_WORKER_ATTACK_PATH").unwrap_or_default();
             outcome(name, statx(&c(&path), libc::AT_EMPTY_PATH));
         }
+        // An rbd worker (which may make TCP sockets) connecting where no Ceph daemon
+        // listens: 127.0.0.1 at the port the test listens on. Landlock refuses it
+        // (EACCES); a connection, or any other error, means the network was reached.
+        "tcp-connect-elsewhere" => {
+            let port: u16 = std::env::var("UBLKD_WORKER_ATTACK_PORT")
+                .ok()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(22);
+            // SAFETY: see above.
+            let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+            if fd < 0 {
+                return outcome(name, -1);
+            }
+            let addr = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: port.to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: see above (`addr` is a valid sockaddr_in for the call).
+            let rc = unsafe {
+                libc::connect(
+                    fd,
+                    (&raw const addr).cast(),
+                    size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                )
+            };
+            let refused =
+                rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EACCES);
+            if rc < 0 && !refused {
+                let err = std::io::Error::last_os_error();
+                say(format!("attack {name}: ESCAPED (the network answered: {err})"));
+                std::process::exit(99);
+            }
+            outcome(name, i64::from(rc));
+        }
         "mmap-exec" => {
             // SAFETY: see above (an anonymous mapping; nothing is placed at a fixed address).
             let p = unsafe {

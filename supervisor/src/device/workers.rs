@@ -55,13 +55,16 @@ impl Device {
             optional: self.spec.settings.sandbox_optional,
         });
         let rbd = match (&self.rbd, fail_io) {
-            (Some(target), false) => Some(target.worker_setup().map_err(|source| {
-                DeviceError::Target(TargetError::RbdConf { image: target.image(), source })
-            })?),
+            (Some(target), false) => {
+                Some(target.worker_setup(ctx.rbd_cluster_wait).map_err(|source| {
+                    DeviceError::Target(TargetError::RbdConf { image: target.image(), source })
+                })?)
+            }
             _ => None,
         };
+        let ports = rbd.as_ref().map(|setup| crate::rbd::conf::connect_ports(&setup.options));
         let mut worker =
-            Worker::spawn(&ctx.worker_binary, id, sandbox, rbd.is_some()).map_err(worker_err)?;
+            Worker::spawn(&ctx.worker_binary, id, sandbox, ports.as_deref()).map_err(worker_err)?;
         // The kernel's, as at the device's creation (`target::device_flags`).
         let data_path = DataPath::for_kernel(ctx.kernel_features);
         let setup = WorkerSetup {

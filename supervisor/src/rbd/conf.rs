@@ -174,6 +174,47 @@ fn monitor_address(token: &str) -> Option<Result<IpAddr, String>> {
     Some(host.parse::<IpAddr>().map_err(|_| host.to_owned()))
 }
 
+/// The TCP ports an rbd worker may connect to, as its `--rbd-connect-ports` says them
+/// (`3300,6789,6800-7568`): each monitor's port from `mon_host` (both of Ceph's, 3300
+/// and 6789, where an entry names none), and the range the OSDs bind in
+/// (`ms_bind_port_min`..`ms_bind_port_max`, Ceph's defaults 6800..7568).
+pub fn connect_ports(options: &[(String, String)]) -> String {
+    let get = |key: &str| options.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+    let mut ports: Vec<u16> = Vec::new();
+    for token in get("mon_host").unwrap_or("").split([',', ' ', ';', '\t']) {
+        let token = token.trim_matches(['[', ']']);
+        let token =
+            token.strip_prefix("v2:").or_else(|| token.strip_prefix("v1:")).unwrap_or(token);
+        let token = token.split('/').next().unwrap_or(token);
+        if token.is_empty() {
+            continue;
+        }
+        let port = match token.rsplit_once(':') {
+            // `ADDR:PORT` or `[V6]:PORT`; a bare IPv6 address has no port.
+            Some((host, port)) if token.parse::<IpAddr>().is_err() && !host.is_empty() => {
+                port.parse::<u16>().ok()
+            }
+            _ => None,
+        };
+        let wanted: &[u16] = match &port {
+            Some(port) => std::slice::from_ref(port),
+            None => &[3300, 6789],
+        };
+        for &p in wanted {
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
+    }
+    let bound = |key: &str, default: u16| get(key).and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (low, high) = (bound("ms_bind_port_min", 6800), bound("ms_bind_port_max", 7568));
+    let mut list: Vec<String> = ports.iter().map(u16::to_string).collect();
+    if low <= high {
+        list.push(format!("{low}-{high}"));
+    }
+    list.join(",")
+}
+
 /// Replaces Ceph's metavariables that a client's keyring path uses.
 fn expand(path: &str, id: &str) -> String {
     path.replace("$cluster", CLUSTER)
@@ -353,6 +394,21 @@ mod tests {
         assert_eq!(ips, ["10.0.0.1", "10.0.0.2", "fd00::3"]);
         assert_eq!(net.monitor_names, ["mon4.example"]);
         assert_eq!(net.public_networks, ["10.0.0.0/24"]);
+    }
+
+    #[test]
+    fn a_worker_may_connect_to_the_monitors_ports_and_the_osds_range() {
+        let opts = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+        };
+        let mons = "[v2:127.0.0.1:3300,v1:127.0.0.1:6789]";
+        assert_eq!(connect_ports(&opts(&[("mon_host", mons)])), "3300,6789,6800-7568");
+        let o = opts(&[
+            ("mon_host", "10.0.0.1:4000 [fd00::3]:4001 fd00::4 mon.example"),
+            ("ms_bind_port_min", "7000"),
+            ("ms_bind_port_max", "7100"),
+        ]);
+        assert_eq!(connect_ports(&o), "4000,4001,3300,6789,7000-7100");
     }
 
     #[test]

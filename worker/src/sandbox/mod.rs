@@ -48,13 +48,16 @@
 //! sandboxed device shows no partitions (`/dev/ublkbNpM`). ublkd keeps that kernel
 //! protection: a device whose partitions are needed runs with `sandbox = false`.
 //!
-//! An rbd worker ([`Profile::Rbd`], `--rbd`) differs in three places, all for librbd,
+//! An rbd worker ([`Profile::Rbd`], `--rbd`) differs in four places, all for librbd,
 //! which the worker loads before step 1: it keeps the host's network namespace (step
 //! 3: librados connects to the cluster itself), its fd limit is higher (step 2: a
 //! connection per OSD), and its seccomp policy adds [`policy::RBD_ALWAYS`] (sockets,
 //! event loops, threads of its own at any time) and refuses [`policy::RBD_REFUSED`]
-//! with an error (stage 1 and 2 alike). The empty root and Landlock are the same: no
-//! file is reachable.
+//! with an error (stage 1 and 2 alike), and Landlock also handles TCP (step 8): it may
+//! connect only to the ports ublkd names (`--rbd-connect-ports`: the monitors' ports
+//! and the OSDs' range, `ms_bind_port_min`..`ms_bind_port_max`) and bind none. The
+//! addresses are the host's firewall's to limit (under systemd, the generator's
+//! `IPAddressAllow=`). No file is reachable, as for every worker.
 //!
 //! Before all of these, the supervisor starts a sandboxed worker as the first process
 //! of a pid namespace of its own (`clone` with `CLONE_NEWPID`, in
@@ -105,6 +108,34 @@ pub enum Profile {
     /// The rbd target, whose librados and librbd run in the worker (see the module
     /// doc).
     Rbd,
+}
+
+/// TCP ports, both ends included: where an rbd worker may connect (`--rbd-connect-ports`).
+pub type PortRange = (u16, u16);
+
+/// The most ports a connect rule list may name (Landlock takes one rule per port).
+const MAX_CONNECT_PORTS: usize = 4096;
+
+/// `3300,6789,6800-7568`: the ports of `--rbd-connect-ports`.
+pub fn parse_port_ranges(list: &str) -> Result<Vec<PortRange>, String> {
+    let port = |p: &str| p.parse::<u16>().map_err(|_| format!("{p:?} is not a TCP port"));
+    let mut ranges = Vec::new();
+    let mut count = 0usize;
+    for item in list.split(',').filter(|i| !i.is_empty()) {
+        let (low, high) = match item.split_once('-') {
+            Some((low, high)) => (port(low)?, port(high)?),
+            None => (port(item)?, port(item)?),
+        };
+        if low > high || low == 0 {
+            return Err(format!("{item:?} is not a range of TCP ports"));
+        }
+        count += usize::from(high - low) + 1;
+        if count > MAX_CONNECT_PORTS {
+            return Err(format!("more than {MAX_CONNECT_PORTS} ports"));
+        }
+        ranges.push((low, high));
+    }
+    Ok(ranges)
 }
 
 /// Who the worker becomes.
@@ -183,6 +214,7 @@ pub fn apply(
     optional: &[SandboxLayer],
     keep_fd: i32,
     profile: Profile,
+    connect_ports: &[PortRange],
 ) -> Result<Report, SandboxError> {
     APPLIED.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut layers = Layers { optional, report: Report::default() };
@@ -204,7 +236,7 @@ pub fn apply(
         Err(cause) => layers.missing(SandboxLayer::UserNamespace, cause.to_string())?,
     }
     prctl::set_no_new_privs().map_err(step_failed("no_new_privs"))?;
-    match apply_landlock()? {
+    match apply_landlock(profile, connect_ports)? {
         Some(abi) => layers.report.landlock_abi = Some(abi),
         None => layers.missing(SandboxLayer::Landlock, "the kernel does not enforce it".into())?,
     }
@@ -385,14 +417,32 @@ fn chroot_to_empty_root() -> Result<(), Refused> {
     unistd::chdir(c"/").map_err(failed("chdir /"))
 }
 
-fn apply_landlock() -> Result<Option<u8>, SandboxError> {
-    use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetStatus};
+/// Landlock: no file access at all; for an rbd worker also TCP, which it may use only
+/// to connect to `connect_ports` (the cluster's monitors and OSDs) and never to bind
+/// (kernels from Landlock ABI 4, Linux 6.7; older ones enforce the file part only).
+fn apply_landlock(
+    profile: Profile,
+    connect_ports: &[PortRange],
+) -> Result<Option<u8>, SandboxError> {
+    use landlock::{
+        ABI, Access, AccessFs, AccessNet, NetPort, Ruleset, RulesetAttr, RulesetCreatedAttr,
+        RulesetStatus,
+    };
     let abi = ABI::V5;
-    let status = Ruleset::default()
-        .handle_access(AccessFs::from_all(abi))
-        .and_then(|r| r.create())
-        .and_then(|r| r.restrict_self())
-        .map_err(SandboxError::Landlock)?;
+    let ruleset = Ruleset::default().handle_access(AccessFs::from_all(abi));
+    let status = match profile {
+        Profile::Standard => ruleset.and_then(|r| r.create()),
+        Profile::Rbd => ruleset
+            .and_then(|r| r.handle_access(AccessNet::from_all(abi)))
+            .and_then(|r| r.create())
+            .and_then(|r| {
+                r.add_rules(connect_ports.iter().flat_map(|&(low, high)| {
+                    (low..=high).map(|port| Ok(NetPort::new(port, AccessNet::ConnectTcp)))
+                }))
+            }),
+    }
+    .and_then(|r| r.restrict_self())
+    .map_err(SandboxError::Landlock)?;
     Ok(match status.ruleset {
         RulesetStatus::NotEnforced => None,
         RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced => {
@@ -584,6 +634,19 @@ pub fn restrict_ring(
 mod tests {
     use super::*;
     use ublkd_proto::uapi;
+
+    #[test]
+    fn connect_ports_are_ports_and_ranges_and_not_too_many() {
+        assert_eq!(
+            parse_port_ranges("3300,6789,6800-7568"),
+            Ok(vec![(3300, 3300), (6789, 6789), (6800, 7568)])
+        );
+        assert_eq!(parse_port_ranges(""), Ok(Vec::new()));
+        assert!(parse_port_ranges("7568-6800").unwrap_err().contains("not a range"));
+        assert!(parse_port_ranges("0").unwrap_err().contains("not a range"));
+        assert!(parse_port_ranges("http").unwrap_err().contains("not a TCP port"));
+        assert!(parse_port_ranges("1-65535").unwrap_err().contains("more than"));
+    }
 
     #[test]
     fn policy_lists_have_no_duplicates_and_every_entry_has_a_reason() {

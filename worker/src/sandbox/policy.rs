@@ -211,18 +211,18 @@ pub const RBD_ALWAYS: &[Allowed] = &[
             mask: libc::CLONE_THREAD as u64 | CLONE_NAMESPACES,
             value: libc::CLONE_THREAD as u64,
         },
-        "librados and librbd starting their threads (messenger workers, timers, finishers,          asio) at any time: a thread of this process only (CLONE_THREAD, which the kernel          allows only with CLONE_VM and CLONE_SIGHAND), with no new namespace; clone3 is          refused with ENOSYS (RBD_REFUSED), on which glibc retries with clone",
+        "librados and librbd starting their threads (messenger workers, timers, finishers, asio) at any time: a thread of this process only (CLONE_THREAD, which the kernel allows only with CLONE_VM and CLONE_SIGHAND), with no new namespace; clone3 is refused with ENOSYS (RBD_REFUSED), on which glibc retries with clone",
     ),
     allow(
         libc::SYS_clone3,
         "clone3",
-        "let through here only to be refused with ENOSYS by RBD_REFUSED (its flags are in          memory, which seccomp cannot read); trapping it would end the worker",
+        "let through here only to be refused with ENOSYS by RBD_REFUSED (its flags are in memory, which seccomp cannot read); trapping it would end the worker",
     ),
     allow_only(
         libc::SYS_socket,
         "socket",
         Only::ArgIn { arg: 0, values: &[libc::AF_INET as u64, libc::AF_INET6 as u64] },
-        "librados's connections to the cluster's monitors and OSDs: IPv4 or IPv6 only (no          unix, netlink or packet socket)",
+        "librados's connections to the cluster's monitors and OSDs: IPv4 or IPv6 only (no unix, netlink or packet socket)",
     ),
     allow(libc::SYS_connect, "connect", "librados connecting to a monitor or an OSD"),
     allow(libc::SYS_getsockname, "getsockname", "librados learning its own address"),
@@ -248,12 +248,12 @@ pub const RBD_ALWAYS: &[Allowed] = &[
             arg: 1,
             values: &[libc::F_GETFL as u64, libc::F_SETFL as u64, libc::F_SETFD as u64],
         },
-        "librados making its sockets and pipes non-blocking (F_GETFL, F_SETFL) and          close-on-exec (F_SETFD)",
+        "librados making its sockets and pipes non-blocking (F_GETFL, F_SETFL) and close-on-exec (F_SETFD)",
     ),
     allow(
         libc::SYS_openat,
         "openat",
-        "let through here only to be refused with ENOENT by RBD_REFUSED, before the          kernel sees it",
+        "let through here only to be refused with ENOENT by RBD_REFUSED, before the kernel sees it",
     ),
     allow(
         libc::SYS_statx,
@@ -284,7 +284,7 @@ pub const RBD_REFUSED: &[RefusedCall] = &[
         name: "openat",
         only: Only::Any,
         errno: libc::ENOENT as u32,
-        why: "every open: librados's OpenSSL reading /usr/lib/ssl/openssl.cnf (it runs               without), glibc reading /etc/localtime (UTC then) and               /sys/devices/system/cpu/online (it counts CPUs otherwise), librados naming               a thread through /proc/self/task/N/comm (left unnamed)",
+        why: "every open: librados's OpenSSL reading /usr/lib/ssl/openssl.cnf (it runs without), glibc reading /etc/localtime (UTC then) and /sys/devices/system/cpu/online (it counts CPUs otherwise), librados naming a thread through /proc/self/task/N/comm (left unnamed)",
     },
     RefusedCall {
         nr: libc::SYS_statx,
@@ -298,7 +298,7 @@ pub const RBD_REFUSED: &[RefusedCall] = &[
         name: "clone3",
         only: Only::Any,
         errno: libc::ENOSYS as u32,
-        why: "its flags are in memory seccomp cannot read: glibc retries with clone, whose               flags RBD_ALWAYS checks",
+        why: "its flags are in memory seccomp cannot read: glibc retries with clone, whose flags RBD_ALWAYS checks",
     },
 ];
 
