@@ -215,6 +215,11 @@ impl Checker<'_> {
                 .map_err(|e| self.field(&table, e))?;
             recovery.nbd_server_wait = (secs > 0).then(|| Duration::from_secs(secs.into()));
         }
+        if let Some(secs) = raw.rbd_cluster_wait_secs {
+            let secs = in_range("rbd_cluster_wait_secs", secs.0, 0, u32::MAX)
+                .map_err(|e| self.field(&table, e))?;
+            recovery.rbd_cluster_wait = (secs > 0).then(|| Duration::from_secs(secs.into()));
+        }
         if let Some(secs) = raw.nbd_request_timeout_secs {
             let secs = in_range("nbd_request_timeout_secs", secs.0, 0, u32::MAX)
                 .map_err(|e| self.field(&table, e))?;

@@ -670,6 +670,7 @@ mod tests {
             fast_release = false
             nbd_server_wait_secs = 30
             nbd_request_timeout_secs = 0
+            rbd_cluster_wait_secs = 45
 
             [defaults]
             queues = 4
@@ -720,6 +721,7 @@ mod tests {
                 fast_release: false,
                 nbd_server_wait: Some(Duration::from_secs(30)),
                 nbd_request_timeout: None,
+                rbd_cluster_wait: Some(Duration::from_secs(45)),
             }
         );
         assert!(!config.recovery.automatic_recovery());

@@ -43,6 +43,7 @@ pub(crate) struct RawRecovery {
     pub on_restart_limit: Option<OnRestartLimit>,
     pub fast_release: Option<bool>,
     pub nbd_server_wait_secs: Option<Int>,
+    pub rbd_cluster_wait_secs: Option<Int>,
     pub nbd_request_timeout_secs: Option<Int>,
 }
 

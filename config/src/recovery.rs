@@ -39,6 +39,10 @@ pub struct RecoveryConfig {
     /// ever). Never shorter in effect than `hung_timeout`, which is when a wait is
     /// first judged.
     pub nbd_request_timeout: Option<Duration>,
+    /// How long an rbd device's request may wait for the Ceph cluster (an OSD or the
+    /// monitors away) before it fails with EIO (`recovery.rbd_cluster_wait_secs`, passed
+    /// to librados as `rados_osd_op_timeout`; `None`, from 0, the default: for ever).
+    pub rbd_cluster_wait: Option<Duration>,
 }
 
 impl Default for RecoveryConfig {
@@ -51,6 +55,7 @@ impl Default for RecoveryConfig {
             fast_release: true,
             nbd_server_wait: None,
             nbd_request_timeout: Some(Duration::from_secs(30)),
+            rbd_cluster_wait: None,
         }
     }
 }

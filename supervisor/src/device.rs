@@ -116,6 +116,8 @@ pub struct Context {
     pub fast_release: bool,
     /// `recovery.nbd_server_wait_secs` (`None`: for ever).
     pub nbd_server_wait: Option<Duration>,
+    /// `recovery.rbd_cluster_wait_secs` (`None`: for ever).
+    pub rbd_cluster_wait: Option<Duration>,
 }
 
 /// Where a recovery stands when the call returns.
@@ -290,6 +292,27 @@ impl Device {
 
     pub fn state(&self) -> &DeviceState {
         &self.state
+    }
+
+    /// What `status` says of the device beyond its state: its state's note, else what
+    /// its worker waits for when no I/O has completed for a while (its NBD server, its
+    /// Ceph cluster: what ublkd cannot hurry, and does not count as a hang).
+    pub fn status_note(&self) -> Option<String> {
+        if let Some(note) = self.state.note() {
+            return Some(note.to_owned());
+        }
+        let quiet = self.hang_policy.backend_wait()?;
+        let what = match &self.spec.target {
+            ublkd_config::TargetSpec::Nbd { uri } => format!("its NBD server ({uri})"),
+            ublkd_config::TargetSpec::Rbd(rbd) => {
+                format!("the Ceph cluster (image {}): an OSD or monitor away", rbd.image)
+            }
+            _ => "its backing file".to_owned(),
+        };
+        Some(format!(
+            "no I/O completed for {:.0} s: the worker waits for {what}; I/O is held, not failed",
+            quiet.as_secs_f64()
+        ))
     }
 
     /// The worker serving the device, if one does.

@@ -24,7 +24,7 @@ use serde_json::json;
 use ublkd_tests::harness::ceph::{CLIENT_ID, Cluster, LoDelay, osd_ports, tcp_connections};
 use ublkd_tests::harness::chaos::{self, SetOnDrop};
 use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial};
-use ublkd_tests::harness::process::{describe, run, run_ok, signal};
+use ublkd_tests::harness::process::{describe, hooked_worker, run, run_ok, signal};
 use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file};
 use ublkd_tests::harness::ublkd::Ublkd;
 
@@ -455,6 +455,147 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     cluster.forget_image(image);
 }
 
+/// The whole cluster away for a minute (monitor and OSD killed, then started again)
+/// under fio verify: the device holds its I/O and keeps its worker (waiting for the
+/// cluster is no hang), `ublkctl status` says what it waits for, and fio goes on without
+/// an error once the cluster is back. Then, on a device of a ublkd with
+/// `recovery.rbd_cluster_wait_secs = 4`, a read the cluster (away again) does not
+/// answer fails with EIO in about that long.
+#[test]
+fn the_whole_cluster_away_for_a_minute_holds_io_and_says_why() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "away";
+    let region = 16 * MIB;
+    cluster.create_image(image, 64 * MIB);
+    let ublkd = Ublkd::start_with("rbd-away", "", &[("UBLKD_LOG", "info")]);
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let node = block_dev(id);
+    chaos::prefill(&node, region);
+    let worker = ublkd.worker_pid(id);
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = SetOnDrop(Arc::clone(&stop));
+    let fio = {
+        let (node, stop) = (node.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || chaos::randrw_passes(&node, region, 0xa3a, &stop))
+    };
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    let mut note = None;
+    let away = Instant::now();
+    cluster.away(|| {
+        while away.elapsed() < Duration::from_secs(60) {
+            let dev = ublkd.status_of(id);
+            assert_eq!(dev["worker_pid"].as_u64(), Some(u64::from(worker)), "replaced: {dev}");
+            if let Some(text) = dev["note"].as_str() {
+                note = Some(text.to_owned());
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    let back = away.elapsed();
+    let note = note.unwrap_or_else(|| panic!("status never said why no I/O completed"));
+    assert!(note.contains("waits for the Ceph cluster (image rbd/away)"), "{note}");
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    stop.store(true, Ordering::SeqCst);
+    let passes = fio
+        .join()
+        .expect("the fio thread")
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    chaos::verify_region(&node, region)
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let dev = ublkd.status_of(id);
+    assert_eq!((dev["errors"].as_u64(), dev["recoveries"].as_u64()), (Some(0), Some(0)), "{dev}");
+    assert!(ublkd.log().contains("backend_slow"), "the journal never said it waited");
+    ublkd.del(id);
+    ublkd.stop();
+
+    // Those who prefer EIO to waiting.
+    let ublkd = Ublkd::start_with(
+        "rbd-away-eio",
+        "[recovery]\nrbd_cluster_wait_secs = 4\n",
+        &[("UBLKD_LOG", "info")],
+    );
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let node = block_dev(id);
+    // The cluster killed: no OSD answers the read at all.
+    let mut read = None;
+    let mut waited = Duration::ZERO;
+    cluster.away(|| {
+        let asked = Instant::now();
+        read = Some(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&node)
+                .and_then(|f| {
+                    let mut buf = Block([0; BLOCK]);
+                    std::os::unix::fs::FileExt::read_at(&f, &mut buf.0, 8 * MIB)
+                }),
+        );
+        waited = asked.elapsed();
+    });
+    let read = read.expect("the read was made");
+    let err = read.expect_err("a read the cluster could not answer succeeded");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(
+        (Duration::from_secs(3)..Duration::from_secs(30)).contains(&waited),
+        "failed after {waited:?}, not about 4 s"
+    );
+    eprintln!(
+        "rbd cluster away {:.0} s: {} fio passes clean, the worker kept, status said \"{note}\"; \
+         with rbd_cluster_wait_secs = 4 a read failed with EIO after {:.1} s",
+        back.as_secs_f64(),
+        passes.len(),
+        waited.as_secs_f64()
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
+/// An rbd worker keeps the host's network (it is its own Ceph client), but its
+/// sandbox lets it connect only to the cluster's ports: a hooked worker that tries a
+/// port where something else listens on the same host is refused by Landlock (EACCES)
+/// and serves on; the listener sees no connection.
+#[test]
+fn an_rbd_worker_reaches_the_clusters_ports_only() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "sandboxed";
+    cluster.create_image(image, 16 * MIB);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port().to_string();
+    let attack = "tcp-connect-elsewhere";
+    let extra =
+        format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
+    let ublkd = Ublkd::start_with(
+        "rbd-sandboxed",
+        &extra,
+        &[("UBLKD_WORKER_ATTACK", attack), ("UBLKD_WORKER_ATTACK_PORT", &port)],
+    );
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let line = format!("attack {attack}: blocked");
+    ublkd.wait_until("the attack's outcome", || {
+        ublkd.log().contains(&line) || ublkd.log().contains("ESCAPED")
+    });
+    let log = ublkd.log();
+    assert!(!log.contains("ESCAPED"), "the rbd worker reached port {port}:\n{log}");
+    let outcome = log.lines().find(|l| l.contains(&line)).unwrap().to_owned();
+    assert!(outcome.contains("Permission denied"), "{outcome}");
+    assert!(listener.accept().is_err(), "port {port} saw a connection");
+    let node = block_dev(id);
+    write_block(&node, 3, &tagged(0x5a));
+    assert_eq!(read_block(&node, 3), tagged(0x5a));
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["recoveries"], 0, "{dev}");
+    assert!(dev["sandbox"]["landlock"].as_str().is_some(), "{dev}");
+    eprintln!("rbd sandbox: {outcome}");
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
 /// Files of awkward sizes under `root`, some in a subdirectory; their names.
 fn write_files(root: &Path) -> Vec<String> {
     std::fs::create_dir_all(root.join("dir")).unwrap();
@@ -599,6 +740,15 @@ fn bad_rbd_inputs_are_named() {
 
     let args = rbd_args(cluster, image, &[]);
     said.push(assert_refused(&ublkd, &args, &["pool"], quick));
+
+    // Another client holds the image's lock: ublkd does not take it from a client it
+    // did not start (breaking it would blocklist that client).
+    let holder = cluster.request(json!({"op": "hold_lock", "image": image})).unwrap();
+    let holder = holder.as_str().unwrap_or_default().to_owned();
+    let args = rbd_args(cluster, &Cluster::spec(image), &[]);
+    said.push(assert_refused(&ublkd, &args, &["locked by another client", &holder], quick));
+    cluster.request(json!({"op": "release_lock", "image": image})).unwrap();
+    assert!(!cluster.blocklist_ls().contains(&holder), "ublkd blocklisted {holder}");
 
     eprintln!("rbd bad inputs:\n  {}", said.join("\n  "));
     for file in [wrong, unreachable] {

@@ -34,6 +34,8 @@ class Agent:
         self.cluster.connect(timeout=60)
         self.pool = pool
         self.ioctx = self.cluster.open_ioctx(pool)
+        # Images whose lock this client holds (`hold_lock`).
+        self.held = {}
 
     def image(self, name, snapshot=None, read_only=True):
         return rbd.Image(self.ioctx, name, snapshot=snapshot, read_only=read_only)
@@ -138,6 +140,19 @@ class Agent:
                 return broken
         finally:
             self.cluster.conf_set("rbd_blocklist_on_break_lock", "true")
+
+    def hold_lock(self, image):
+        """Takes `image`'s exclusive lock as another client would (an rbd-nbd mapping,
+        say) and keeps it until `release_lock`; returns this client's address."""
+        img = self.image(image, read_only=False)
+        img.lock_acquire(rbd.RBD_LOCK_MODE_EXCLUSIVE)
+        self.held[image] = img
+        return self.cluster.get_addrs()
+
+    def release_lock(self, image):
+        img = self.held.pop(image)
+        img.lock_release()
+        img.close()
 
     def write_check(self):
         """A write to the pool: returns once the pool's PGs take writes."""

@@ -20,13 +20,12 @@ fi
 # (tests/tests/monitoring.rs, a host test).
 # ceph-mon, ceph-osd, ceph-common: the single-node Ceph cluster tests/tests/rbd.rs starts
 # inside the VM (tests/vm/ceph-single-node.sh; ceph-common brings python3-rados and
-# python3-rbd, which tests/vm/ceph-agent.py uses). Nothing of them runs on the host:
-# Debian starts no Ceph daemon at install.
-# librbd-dev: the rbd worker links librbd (and librados).
+# python3-rbd, which tests/vm/ceph-agent.py uses, and librbd1, which rbd workers load at
+# run time). Nothing of them runs on the host: Debian starts no Ceph daemon at install.
 # rbd-nbd: librbd through the kernel's NBD client, the baseline beside ublkd's rbd target.
 # iproute2: tc, which delays a dead worker's TCP segments in the rbd fencing test.
 need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client
-  nbdkit qemu-utils nbd-client prometheus ceph-mon ceph-osd ceph-common librbd-dev rbd-nbd iproute2)
+  nbdkit qemu-utils nbd-client prometheus ceph-mon ceph-osd ceph-common rbd-nbd iproute2)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

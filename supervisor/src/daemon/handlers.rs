@@ -303,7 +303,7 @@ impl Daemon {
             threads: dev.spec().settings.threads,
             recoveries: dev.recoveries(),
             counters,
-            note: dev.state().note().map(str::to_owned),
+            note: dev.status_note(),
             failing_io: dev.state().failing_io(),
             latency: latency.merged(),
         })

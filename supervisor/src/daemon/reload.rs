@@ -125,6 +125,7 @@ impl Daemon {
         let daemon = self.config.daemon.clone();
         self.ctx.fast_release = new.recovery.fast_release;
         self.ctx.nbd_server_wait = new.recovery.nbd_server_wait;
+        self.ctx.rbd_cluster_wait = new.recovery.rbd_cluster_wait;
         self.config = new;
         // Socket, state dir and worker settings only change with a restart.
         self.config.daemon = daemon;

@@ -178,6 +178,7 @@ impl Daemon {
             kernel_features,
             fast_release,
             nbd_server_wait,
+            rbd_cluster_wait: config.recovery.rbd_cluster_wait,
         };
         Ok(Daemon {
             config,

@@ -8,6 +8,8 @@
 pub mod conf;
 pub mod probe;
 
+use std::time::Duration;
+
 use ublkd_config::{DeviceSpec, RbdSpec, TargetSpec};
 use ublkd_proto::msg::rbd::{MAX_FENCED_CLIENTS, RbdSetup};
 
@@ -38,9 +40,15 @@ impl RbdTarget {
     }
 
     /// What the next worker is told: read from the Ceph files now, so that a changed
-    /// key or monitor list reaches the next worker.
-    pub fn worker_setup(&self) -> Result<RbdSetup, CephConfError> {
-        setup_for(&self.spec)
+    /// key or monitor list reaches the next worker. With `cluster_wait`
+    /// (`recovery.rbd_cluster_wait_secs`), a request the cluster has not answered in
+    /// that long fails (librados's `rados_osd_op_timeout`), and the device with EIO.
+    pub fn worker_setup(&self, cluster_wait: Option<Duration>) -> Result<RbdSetup, CephConfError> {
+        let mut setup = setup_for(&self.spec)?;
+        if let Some(wait) = cluster_wait {
+            setup.options.push(("rados_osd_op_timeout".into(), wait.as_secs().to_string()));
+        }
+        Ok(setup)
     }
 
     /// A worker whose RADOS client is `client` is being activated: records it (before

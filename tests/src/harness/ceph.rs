@@ -329,6 +329,42 @@ impl Cluster {
         started.elapsed()
     }
 
+    /// The whole cluster away: kill -9 of mon.a and osd.0, `meanwhile` run with both
+    /// down, then both started again; returns once the OSD is up in a new incarnation
+    /// and a write to the pool has succeeded.
+    pub fn away(&self, meanwhile: impl FnOnce()) {
+        let before = self.osd()["up_from"].as_u64().unwrap_or(0);
+        self.kill_daemon("osd.0");
+        self.kill_daemon("mon.a");
+        meanwhile();
+        self.start_daemon("ceph-mon", "a");
+        let deadline = Instant::now() + RESTART_TIMEOUT;
+        while let Err(e) = self.request(json!({"op": "osd"})) {
+            assert!(
+                Instant::now() < deadline,
+                "mon.a not answering within {RESTART_TIMEOUT:?}: {e}\n{}",
+                log_tails(&self.dir)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        // As in `restart_osd`: nobody reported the OSD's death.
+        self.mon_command(json!({"prefix": "osd down", "ids": ["0"]}));
+        self.start_daemon("ceph-osd", "0");
+        loop {
+            let osd = self.osd();
+            if osd["up"] == 1 && osd["up_from"].as_u64().unwrap_or(0) > before {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "osd.0 not up again within {RESTART_TIMEOUT:?}: {osd}\n{}",
+                log_tails(&self.dir)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        self.ask(json!({"op": "write_check"}));
+    }
+
     /// kill -9 of mon.a, and a start again; returns once it answers a command. Running
     /// I/O does not notice; new clients wait for it meanwhile.
     pub fn restart_mon(&self) -> Duration {
