@@ -80,8 +80,11 @@ pub fn probe_rbd(worker_binary: &Path, spec: &DeviceSpec) -> Result<RbdProbe, Ta
         unreachable!("probe_rbd is called for rbd devices only")
     };
     let image = rbd.image.to_string();
-    let setup = crate::rbd::setup_for(rbd)
-        .map_err(|source| TargetError::RbdConf { image: image.clone(), source })?;
+    let conf_err = |source| TargetError::RbdConf { image: image.clone(), source };
+    let setup = crate::rbd::setup_for(rbd).map_err(conf_err)?;
+    if spec.settings.sandbox {
+        crate::rbd::conf::check_monitors_by_address(&setup.options).map_err(conf_err)?;
+    }
     crate::rbd::probe_image(worker_binary, &setup, spec.settings.block_size)
         .map_err(|source| TargetError::RbdProbe { image, source })
 }

@@ -62,6 +62,11 @@ impl Device {
             }
             _ => None,
         };
+        if let (Some(setup), Some(target), true) = (&rbd, &self.rbd, self.spec.settings.sandbox) {
+            crate::rbd::conf::check_monitors_by_address(&setup.options).map_err(|source| {
+                DeviceError::Target(TargetError::RbdConf { image: target.image(), source })
+            })?;
+        }
         let ports = rbd.as_ref().map(|setup| crate::rbd::conf::connect_ports(&setup.options));
         let mut worker =
             Worker::spawn(&ctx.worker_binary, id, sandbox, ports.as_deref()).map_err(worker_err)?;

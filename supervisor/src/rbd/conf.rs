@@ -44,6 +44,23 @@ pub enum CephConfError {
     NoKeyring { id: String, tried: String },
     #[error("{} is larger than {MAX_FILE_BYTES} bytes; that is no Ceph file", path.display())]
     TooLarge { path: PathBuf },
+    #[error(
+        "mon_host names {name}, a host name, which a sandboxed rbd worker cannot resolve \
+         (it reads no /etc/resolv.conf): give the monitors' addresses in mon_host"
+    )]
+    MonitorByName { name: String },
+}
+
+/// Whether every monitor in `options`' `mon_host` is named by address, as a sandboxed
+/// worker needs them.
+pub fn check_monitors_by_address(options: &[(String, String)]) -> Result<(), CephConfError> {
+    let hosts = options.iter().rev().find(|(k, _)| k == "mon_host").map_or("", |(_, v)| v);
+    for token in hosts.split([',', ' ', ';', '\t']) {
+        if let Some(Err(name)) = monitor_address(token) {
+            return Err(CephConfError::MonitorByName { name });
+        }
+    }
+    Ok(())
 }
 
 /// What a worker is told: the Ceph options to set, in order, the key among them.
@@ -409,6 +426,15 @@ mod tests {
             ("ms_bind_port_max", "7100"),
         ]);
         assert_eq!(connect_ports(&o), "4000,4001,3300,6789,7000-7100");
+    }
+
+    #[test]
+    fn a_sandboxed_worker_needs_the_monitors_by_address() {
+        let opts = |hosts: &str| vec![("mon_host".to_owned(), hosts.to_owned())];
+        assert!(check_monitors_by_address(&opts("[v2:10.0.0.1:3300,v1:10.0.0.1:6789]")).is_ok());
+        assert!(check_monitors_by_address(&opts("[fd00::1]:6789, 10.0.0.2")).is_ok());
+        let err = check_monitors_by_address(&opts("10.0.0.1 mon2.example:6789")).unwrap_err();
+        assert!(err.to_string().contains("mon_host names mon2.example"), "{err}");
     }
 
     #[test]
