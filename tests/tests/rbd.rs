@@ -25,7 +25,7 @@ use ublkd_tests::harness::ceph::{CLIENT_ID, Cluster, LoDelay, osd_ports, tcp_con
 use ublkd_tests::harness::chaos::{self, SetOnDrop};
 use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial};
 use ublkd_tests::harness::process::{describe, hooked_worker, run, run_ok, signal};
-use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file};
+use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file, write_files};
 use ublkd_tests::harness::ublkd::Ublkd;
 
 const MIB: u64 = 1 << 20;
@@ -596,19 +596,6 @@ fn an_rbd_worker_reaches_the_clusters_ports_only() {
     cluster.forget_image(image);
 }
 
-/// Files of awkward sizes under `root`, some in a subdirectory; their names.
-fn write_files(root: &Path) -> Vec<String> {
-    std::fs::create_dir_all(root.join("dir")).unwrap();
-    let sizes = [0, 1, 4097, 65_537, MIB as usize, 3 * MIB as usize + 123];
-    let mut files = Vec::new();
-    for (i, size) in sizes.into_iter().enumerate() {
-        let name = if i % 2 == 0 { format!("f{i}") } else { format!("dir/f{i}") };
-        write_file(&root.join(&name), &pattern(i as u64 + 11, size));
-        files.push(name);
-    }
-    files
-}
-
 /// ext4 made on an rbd device, mounted, files written; `ublkctl upgrade` moves the device
 /// to a new worker under the mounted filesystem (the new one takes the image's lock over
 /// from the old); the files read back from the device, more are written, and after an
@@ -625,7 +612,7 @@ fn ext4_on_an_rbd_device_survives_an_upgrade() {
     let mnt = PathBuf::from("/tmp/ublkd-test-rbd-mnt");
     run_ok(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&node));
     let mount = Mount::new(&node, &mnt);
-    let files = write_files(&mnt);
+    let files = write_files(&mnt, 11);
     let sums =
         |root: &Path| -> Vec<String> { files.iter().map(|f| sha256(&root.join(f))).collect() };
     let written = sums(&mnt);

@@ -12,23 +12,10 @@ use ublkd_tests::harness::machine::{
     block_dev, kernel_devices, serial, wait_for_path, worker_pids,
 };
 use ublkd_tests::harness::process::{bin, describe, run, run_ok, signal};
-use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file};
+use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file, write_files};
 use ublkd_tests::harness::ublkd::{StatusProber, Ublkd, ask};
 
 const MIB: u64 = 1 << 20;
-
-/// Files of awkward sizes under `root`, some in a subdirectory; their names.
-fn write_files(root: &Path) -> Vec<String> {
-    std::fs::create_dir_all(root.join("dir")).unwrap();
-    let sizes = [0, 1, 4097, 65_537, MIB as usize, 3 * MIB as usize + 123];
-    let mut files = Vec::new();
-    for (i, size) in sizes.into_iter().enumerate() {
-        let name = if i % 2 == 0 { format!("f{i}") } else { format!("dir/f{i}") };
-        write_file(&root.join(&name), &pattern(i as u64 + 7, size));
-        files.push(name);
-    }
-    files
-}
 
 /// Reads and writes device `id` has completed (`/sys/block/ublkbN/stat`, fields 1
 /// and 5).
@@ -60,7 +47,7 @@ fn sigterm_keeps_every_device_and_the_next_ublkd_serves_them_with_no_io_error() 
     // A filesystem with files on the configured device, mounted across the restarts.
     run_ok(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&fs_dev));
     let mount = Mount::new(&fs_dev, &mnt);
-    let files = write_files(&mnt);
+    let files = write_files(&mnt, 7);
     let sums =
         |root: &Path| -> Vec<String> { files.iter().map(|f| sha256(&root.join(f))).collect() };
     let written = sums(&mnt);

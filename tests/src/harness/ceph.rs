@@ -312,20 +312,7 @@ impl Cluster {
         // new incarnation boots, which then has to boot again (~10 s more in the VM).
         self.mon_command(json!({"prefix": "osd down", "ids": ["0"]}));
         self.start_daemon("ceph-osd", "0");
-        let deadline = Instant::now() + RESTART_TIMEOUT;
-        loop {
-            let osd = self.osd();
-            if osd["up"] == 1 && osd["up_from"].as_u64().unwrap_or(0) > before {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "osd.0 not up again within {RESTART_TIMEOUT:?}: {osd}\n{}",
-                log_tails(&self.dir)
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        self.ask(json!({"op": "write_check"}));
+        self.wait_osd_up_after(before);
         started.elapsed()
     }
 
@@ -338,18 +325,17 @@ impl Cluster {
         self.kill_daemon("mon.a");
         meanwhile();
         self.start_daemon("ceph-mon", "a");
-        let deadline = Instant::now() + RESTART_TIMEOUT;
-        while let Err(e) = self.request(json!({"op": "osd"})) {
-            assert!(
-                Instant::now() < deadline,
-                "mon.a not answering within {RESTART_TIMEOUT:?}: {e}\n{}",
-                log_tails(&self.dir)
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        self.wait_mon_answers();
         // As in `restart_osd`: nobody reported the OSD's death.
         self.mon_command(json!({"prefix": "osd down", "ids": ["0"]}));
         self.start_daemon("ceph-osd", "0");
+        self.wait_osd_up_after(before);
+    }
+
+    /// Waits until osd.0 is up in an incarnation newer than `before` (its `up_from`)
+    /// and a write to the pool has succeeded (its PGs are active).
+    fn wait_osd_up_after(&self, before: u64) {
+        let deadline = Instant::now() + RESTART_TIMEOUT;
         loop {
             let osd = self.osd();
             if osd["up"] == 1 && osd["up_from"].as_u64().unwrap_or(0) > before {
@@ -371,6 +357,12 @@ impl Cluster {
         let started = Instant::now();
         self.kill_daemon("mon.a");
         self.start_daemon("ceph-mon", "a");
+        self.wait_mon_answers();
+        started.elapsed()
+    }
+
+    /// Waits until mon.a (started again) answers a command.
+    fn wait_mon_answers(&self) {
         let deadline = Instant::now() + RESTART_TIMEOUT;
         while let Err(e) = self.request(json!({"op": "osd"})) {
             assert!(
@@ -380,7 +372,6 @@ impl Cluster {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        started.elapsed()
     }
 
     /// The last lines of each daemon's logs, for a failure message.

@@ -35,6 +35,21 @@ pub fn write_file(path: &Path, data: &[u8]) {
     f.write_all(data).unwrap();
 }
 
+/// Files of awkward sizes (empty, one byte, just past a page, 1 MiB, just past 3 MiB)
+/// under `root`, some in a subdirectory, each [`pattern`]ed from `seed`; their names.
+pub fn write_files(root: &Path, seed: u64) -> Vec<String> {
+    const MIB: usize = 1 << 20;
+    std::fs::create_dir_all(root.join("dir")).unwrap();
+    let sizes = [0, 1, 4097, 65_537, MIB, 3 * MIB + 123];
+    let mut files = Vec::new();
+    for (i, size) in sizes.into_iter().enumerate() {
+        let name = if i % 2 == 0 { format!("f{i}") } else { format!("dir/f{i}") };
+        write_file(&root.join(&name), &pattern(i as u64 + seed, size));
+        files.push(name);
+    }
+    files
+}
+
 /// The sha256 of a file (or a whole block device), by `sha256sum`.
 pub fn sha256(path: &Path) -> String {
     let out = run_ok(Command::new("sha256sum").arg(path));
