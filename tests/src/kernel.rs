@@ -27,7 +27,8 @@
 //! The module tree (where the config has `CONFIG_TLS=m`) is what kernel TLS needs and
 //! little else of the package: `tls.ko` and the AEAD modules behind the ciphers kTLS
 //! offers (gcm, ccm, chacha20poly1305, with their generic and x86 helpers), and `tc`'s
-//! prio, netem and u32 for the rbd tests (see [`GUEST_MODULES`]), each with the modules
+//! prio, netem and u32 for the rbd tests and krbd for the rbd benchmark (see
+//! [`GUEST_MODULES`]), each with the modules
 //! it depends on, decompressed and laid out as a kernel package lays them out, plus the
 //! package's `modules.builtin`, `modules.builtin.modinfo` and `modules.order`, indexed by
 //! the host's `depmod -b`:
@@ -75,8 +76,9 @@ const MANIFEST: &str = "manifest";
 /// The layout of a cached kernel's directory, written into its manifest (`layout=N`).
 /// A cached kernel of an older layout (fewer modules kept) is fetched again. 2: `nbd.ko`.
 /// 3: `modules/`, the guest's module tree for kernel TLS. 4: `tc`'s prio, netem and u32
-/// modules in that tree (tests/tests/rbd.rs delays a dead worker's TCP segments).
-const MANIFEST_LAYOUT: u32 = 4;
+/// modules in that tree (tests/tests/rbd.rs delays a dead worker's TCP segments). 5: `rbd`
+/// (krbd, the kernel's RBD client, beside ublkd's rbd target in `bench/run rbd`).
+const MANIFEST_LAYOUT: u32 = 5;
 /// The guest's module tree in a cached kernel's directory: `lib/modules/<abi>` below it,
 /// as `depmod -b` and `modprobe -d` expect.
 const MODULES_DIR: &str = "modules";
@@ -117,6 +119,9 @@ pub const GUEST_MODULES: &[&str] = &[
     "sch_prio",
     "sch_netem",
     "cls_u32",
+    // krbd (with libceph): `rbd map`, the kernel's RBD client that `bench/run rbd`
+    // measures ublkd's rbd target against.
+    "rbd",
 ];
 /// What the guest's `modprobe` reads beside `modules.dep`, copied from the package where
 /// it has them.
