@@ -111,13 +111,16 @@ def throughput(plan, meta):
 
 
 def measure_run(cl, cname, dev, job, spec, kit, mprm):
-    """One fio run with measure() (bench.py's), its server CPU split into nbdkit's and the
-    client's (ublkd's processes; the kernel's client has none)."""
-    res = measure(_PidsOf(cl.pids() | {kit.pid}), None, dev, job, tuple(spec), mprm)
+    """One fio run with measure() (bench.py's), its server CPU split into the server's
+    (`kit`: nbdkit, or the RBD benchmark's OSD) and the client's processes' (ublkd's, or
+    rbd-nbd's; the kernel's clients have none)."""
+    client_pids = cl.pids()
+    kit_pid = kit.pid
+    res = measure(_PidsOf(client_pids | {kit_pid}), None, dev, job, tuple(spec), mprm)
     ios = res["window_ios"]
-    kit_s = res["per_pid_cpu_s"].get(str(kit.pid), 0.0)
+    kit_s = res["per_pid_cpu_s"].get(str(kit_pid), 0.0)
     res["nbdkit_cpu_s"] = kit_s
-    res["client_cpu_s"] = res["server_cpu_s"] - kit_s if cname == "ublkd" else None
+    res["client_cpu_s"] = res["server_cpu_s"] - kit_s if client_pids else None
     if ios:
         res["nbdkit_us_per_io"] = kit_s / ios * 1e6
         res["client_us_per_io"] = (res["client_cpu_s"] / ios * 1e6
@@ -125,8 +128,8 @@ def measure_run(cl, cname, dev, job, spec, kit, mprm):
         res["rest_us_per_io"] = res["sys_cpu_us_per_io"] - res["server_cpu_s"] / ios * 1e6
     res.pop("cpu_us_per_io", None)  # nbdkit + client: split above
     log(f"    {fmt_num(res['iops'])} IOPS  p50 {fmt_num(res['p50_us'])} us  "
-        f"p99 {fmt_num(res['p99_us'])} us  nbdkit {fmt_num(res.get('nbdkit_us_per_io'))} us/IO  "
-        + (f"ublkd {fmt_num(res.get('client_us_per_io'))} us/IO  " if cname == "ublkd" else "")
+        f"p99 {fmt_num(res['p99_us'])} us  server {fmt_num(res.get('nbdkit_us_per_io'))} us/IO  "
+        + (f"{cname} {fmt_num(res.get('client_us_per_io'))} us/IO  " if client_pids else "")
         + f"guest {fmt_num(res['sys_cpu_us_per_io'])} us/IO"
         + (f"  [{res['note']}]" if res.get("note") else ""))
     return res
@@ -147,16 +150,6 @@ class _PidsOf:
 # ======================================================================================
 
 FIO_OUT = "/tmp/ublkd-bench-nbd-fio"
-
-
-def restart_fio_cmd(dev, prm):
-    return ["fio", "--name=nbd-restart", f"--filename=/dev/{dev}", "--rw=randrw",
-            "--bs=4k", "--ioengine=io_uring", "--direct=1",
-            f"--iodepth={prm['NBD_RESTART_IODEPTH']}", "--verify=crc32c",
-            f"--verify_backlog={prm['NBD_RESTART_VERIFY_BACKLOG']}", "--verify_state_save=0",
-            "--continue_on_error=all", "--time_based",
-            f"--runtime={prm['NBD_RESTART_RUNTIME_S']}", "--output-format=json",
-            f"--output={FIO_OUT}.json"]
 
 
 class GapWatch(threading.Thread):
@@ -203,7 +196,15 @@ class GapWatch(threading.Thread):
 def device_works(dev, timeout=20):
     """A 4k direct read at 0 and the same 4k written back: "works", "fails" (an error)
     or "hangs" (not done within `timeout` s: dd is killed but not waited for, as a
-    process stuck on the device's I/O cannot exit), with the why."""
+    process stuck on the device's I/O cannot exit), with the why. A device whose size
+    went to 0 (the kernel's NBD client after its connection died) "fails": a read
+    there finds the end at once."""
+    try:
+        with open(f"/sys/block/{dev}/size") as f:
+            if int(f.read()) == 0:
+                return "fails", "its size is 0 now"
+    except (OSError, ValueError) as e:
+        return "fails", f"/sys/block/{dev}/size: {e}"
     for cmd in (["dd", f"if=/dev/{dev}", f"of={FIO_OUT}.blk", "bs=4096", "count=1",
                  "iflag=direct", "status=none"],
                 ["dd", f"if={FIO_OUT}.blk", f"of=/dev/{dev}", "bs=4096", "count=1",
@@ -242,29 +243,43 @@ def fio_restart_result(rc, path):
     return out
 
 
-def restart_one(plan, cname, rnd):
-    prm = plan["params"]
-    rec = {"kind": "restart", "client": cname, "round": rnd}
-    sock = prm["NBD_SOCKET"]
-    L.zero_file(prm["NBD_RESTART_FILE"], prm["NBD_RESTART_FILE_MB"])
-    kit = Nbdkit(sock, ["file", prm["NBD_RESTART_FILE"]], "file")
-    cl = make_client(cname, plan, restart=True)
-    fio = watch = None
-    _, klines = kernel_log_tail(0)
+def verify_fio_cmd(dev, shape):
+    """fio randrw 4k with crc32c verify on /dev/DEV for `shape` (a FaultShape)."""
+    return ["fio", "--name=verify-under-fault", f"--filename=/dev/{dev}", "--rw=randrw",
+            "--bs=4k", "--ioengine=io_uring", "--direct=1", f"--iodepth={shape.iodepth}",
+            "--verify=crc32c", f"--verify_backlog={shape.verify_backlog}",
+            "--verify_state_save=0", "--continue_on_error=all", "--time_based",
+            f"--runtime={shape.runtime_s}", "--output-format=json",
+            f"--output={FIO_OUT}.json"]
+
+
+class FaultShape:
+    """How a verifying fio meets a fault: its queue depth, verify backlog and runtime,
+    the seconds of I/O before the fault, and how long its I/O may stay stuck after its
+    runtime before the device is probed and detached."""
+
+    def __init__(self, iodepth, verify_backlog, runtime_s, fault_after_s, hang_s):
+        self.iodepth, self.verify_backlog = iodepth, verify_backlog
+        self.runtime_s, self.fault_after_s, self.hang_s = runtime_s, fault_after_s, hang_s
+
+
+def verify_under_fault(dev, shape, fault, detach, rec, what):
+    """Runs fio (verify_fio_cmd) on /dev/DEV, calls `fault()` `shape.fault_after_s` into
+    its I/O and waits for fio. I/O still stuck `shape.hang_s` after fio's runtime: the
+    device is probed and `detach()`ed (which fails what is stuck), so that fio exits
+    and reports its errors. Fills `rec` with fio's exit, errors and longest completion
+    latency, the longest stall (GapWatch), whether I/O hung, and whether the device
+    works afterwards; `what` prefixes the log lines. Raises where fio did no I/O."""
+    for p in (FIO_OUT + ".json", FIO_OUT + ".err"):
+        if os.path.exists(p):
+            os.unlink(p)
+    watch = GapWatch(dev)
+    watch.start()
+    fio = None
     try:
-        kit.start()
-        dev = cl.attach(sock)
-        rec["dev"] = dev
-        time.sleep(0.3)
-        rec["connections"] = len(unix_connections(sock))
-        for p in (FIO_OUT + ".json", FIO_OUT + ".err"):
-            if os.path.exists(p):
-                os.unlink(p)
-        watch = GapWatch(dev)
-        watch.start()
         errf = open(FIO_OUT + ".err", "w")
         d0 = L.disk_ios(dev)
-        fio = subprocess.Popen(restart_fio_cmd(dev, prm), stdout=subprocess.DEVNULL,
+        fio = subprocess.Popen(verify_fio_cmd(dev, shape), stdout=subprocess.DEVNULL,
                                stderr=errf, cwd="/tmp")
         errf.close()
         t_fio = time.monotonic()
@@ -272,20 +287,9 @@ def restart_one(plan, cname, rnd):
             if fio.poll() is not None or time.monotonic() - t_fio > 120:
                 raise RuntimeError("fio did no I/O on the device: " + L.tail(FIO_OUT + ".err"))
             time.sleep(0.02)
-        time.sleep(prm["NBD_RESTART_KILL_AFTER_S"])
-        old = kit.pid
-        kit.kill()
-        t_kill = time.monotonic()
-        log(f"restart {cname}: nbdkit (pid {old}) SIGKILLed; fio running "
-            f"{t_kill - t_fio:.1f} s")
-        time.sleep(prm["NBD_RESTART_DOWN_S"])
-        kit.start()
-        rec["down_s"] = round(time.monotonic() - t_kill, 2)
-        log(f"restart {cname}: nbdkit restarted (pid {kit.pid}) after {rec['down_s']} s")
-        # fio ends RUNTIME after its start unless I/O is stuck; NBD_RESTART_HANG_S later
-        # the device is probed and detached (which fails what is stuck), so that fio
-        # exits and reports its errors.
-        t_end = t_fio + prm["NBD_RESTART_RUNTIME_S"] + prm["NBD_RESTART_HANG_S"]
+        time.sleep(shape.fault_after_s)
+        fault()
+        t_end = t_fio + shape.runtime_s + shape.hang_s
         try:
             rc = fio.wait(timeout=max(1, t_end - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -293,11 +297,11 @@ def restart_one(plan, cname, rnd):
             rec["stall_ms"] = watch.finish(stuck=True)
             rec["device_after"], why = device_works(dev, timeout=10)
             rec["device_after_why"] = why
-            log(f"restart {cname}: fio's I/O still stuck {prm['NBD_RESTART_HANG_S']} s after "
-                f"its runtime; the device {rec['device_after']}; detaching it")
+            log(f"{what}: fio's I/O still stuck {shape.hang_s} s after its runtime; the "
+                f"device {rec['device_after']}; detaching it")
             t_det = time.monotonic()
             try:
-                cl.detach()
+                detach()
             except Exception as e:
                 rec["detach_error"] = str(e)[:300]
             try:
@@ -318,7 +322,6 @@ def restart_one(plan, cname, rnd):
         if res.pop("error", None) and not rec.get("error"):
             rec["error"] = "fio wrote no json: " + L.tail(FIO_OUT + ".err", 3)
         rec.update(res)
-        rec["connections_after"] = len(unix_connections(sock))
         if not rec.get("hung"):
             rec["device_after"], why = device_works(dev)
             if why:
@@ -326,16 +329,49 @@ def restart_one(plan, cname, rnd):
         errtail = L.tail(FIO_OUT + ".err", 2)
         if errtail:
             rec["fio_stderr"] = errtail[:300]
-    except Exception as e:
-        rec["error"] = str(e)
+    except BaseException:
         if fio and fio.poll() is None:
             fio.kill()
             try:
                 fio.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
-        if watch:
-            watch.stop_ev.set()
+        watch.stop_ev.set()
+        raise
+
+
+def restart_one(plan, cname, rnd):
+    prm = plan["params"]
+    rec = {"kind": "restart", "client": cname, "round": rnd}
+    sock = prm["NBD_SOCKET"]
+    L.zero_file(prm["NBD_RESTART_FILE"], prm["NBD_RESTART_FILE_MB"])
+    kit = Nbdkit(sock, ["file", prm["NBD_RESTART_FILE"]], "file")
+    cl = make_client(cname, plan, restart=True)
+    shape = FaultShape(prm["NBD_RESTART_IODEPTH"], prm["NBD_RESTART_VERIFY_BACKLOG"],
+                       prm["NBD_RESTART_RUNTIME_S"], prm["NBD_RESTART_KILL_AFTER_S"],
+                       prm["NBD_RESTART_HANG_S"])
+    _, klines = kernel_log_tail(0)
+
+    def restart_nbdkit():
+        old = kit.pid
+        kit.kill()
+        t_kill = time.monotonic()
+        log(f"restart {cname}: nbdkit (pid {old}) SIGKILLed")
+        time.sleep(prm["NBD_RESTART_DOWN_S"])
+        kit.start()
+        rec["down_s"] = round(time.monotonic() - t_kill, 2)
+        log(f"restart {cname}: nbdkit restarted (pid {kit.pid}) after {rec['down_s']} s")
+
+    try:
+        kit.start()
+        dev = cl.attach(sock)
+        rec["dev"] = dev
+        time.sleep(0.3)
+        rec["connections"] = len(unix_connections(sock))
+        verify_under_fault(dev, shape, restart_nbdkit, cl.detach, rec, f"restart {cname}")
+        rec["connections_after"] = len(unix_connections(sock))
+    except Exception as e:
+        rec["error"] = str(e)
     rec["kernel_log"], _ = kernel_log_tail(klines)
     if isinstance(cl, UblkdNbd):
         try:
@@ -365,11 +401,11 @@ def restart_one(plan, cname, rnd):
     emit(REC, rec)
 
 
-def kernel_log_tail(since_lines):
-    """The kernel's messages after its first `since_lines` lines, summarized: the nbd
-    and ublk drivers' distinct messages (timestamps, request addresses and long numbers
-    masked, each once with its count) and the number of "I/O error" lines. Returns
-    (summary, the log's line count now)."""
+def kernel_log_tail(since_lines, drivers=r"\bnbd\d|ublk"):
+    """The kernel's messages after its first `since_lines` lines, summarized: the
+    messages `drivers` matches (by default nbd's and ublk's), distinct ones (timestamps,
+    request addresses and long numbers masked, each once with its count) and the number
+    of "I/O error" lines. Returns (summary, the log's line count now)."""
     try:
         out = subprocess.run(["dmesg"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True, timeout=10).stdout.splitlines()
@@ -380,7 +416,7 @@ def kernel_log_tail(since_lines):
         msg = re.sub(r"^\[\s*[\d.]+\]\s*", "", ln).strip()
         if "I/O error" in msg:
             ioerr += 1
-        elif re.search(r"\bnbd\d|ublk", msg):
+        elif re.search(drivers, msg):
             key = re.sub(r"\b[0-9a-f]{8,16}\b|\d{5,}", "N", msg)
             seen[key] = seen.get(key, 0) + 1
     parts = [f"{k} (x{n})" if n > 1 else k for k, n in seen.items()]
