@@ -178,3 +178,51 @@ NBD_RESTART_HANG_S = 30                     # fio's I/O still stuck this long af
 NBD_VM_MEM_MB = 3072                        # the 1 GiB RAM export + the restart file + the rest
 NBD_QUICK = {"NBD_ROUNDS": 2, "NBD_RUNTIME_S": 2,
              "NBD_JOBS": ["randread-4k-qd1", "randread-4k-qd32"]}
+
+# ---- the RBD benchmark (bench/rbd.py, `bench/run rbd`) ----
+# ublkd's rbd target beside rbd-nbd (librbd behind the kernel's NBD client) and krbd
+# (the kernel's own RBD client), on one image of a single-node Ceph cluster (1 mon, 1
+# bluestore OSD on a file in the guest's tmpfs, cephx; tests/vm/ceph-single-node.sh) in
+# one VM boot. Throughput: the image filled once; each round every client in turn
+# (rotated) maps it, runs every job and unmaps it: the image's exclusive lock is one
+# client's at a time. Faults: per client a fresh image and a verifying fio, an OSD
+# restart or the client's process SIGKILLed in its midst.
+RBD_CLIENTS = ["ublkd", "rbd-nbd", "krbd"]
+RBD_RATIO_BASELINES = ["rbd-nbd", "krbd"]   # the table prints ublkd / each of these
+RBD_ROUNDS = 3
+RBD_RUNTIME_S = 5
+RBD_RAMP_S = 1
+RBD_IMAGE = "bench"
+RBD_IMAGE_MB = 256
+RBD_QUEUES = 1                              # ublkd -q
+RBD_QUEUE_DEPTH = 128                       # ublkd -d (rbd-nbd's and krbd's default: 128)
+RBD_CEPH_DIR = "/run/ublkd-bench-ceph"      # in the guest (tmpfs)
+RBD_OSD_SIZE = "4G"                         # the OSD's sparse block file
+# name: (target, rw, block size, iodepth, numjobs) as in JOBS; the whole device
+RBD_JOBS = {
+    "randread-4k-qd32":  ("rbd", "randread", "4k", 32, 1),
+    "randwrite-4k-qd32": ("rbd", "randwrite", "4k", 32, 1),
+    "randread-4k-qd1":   ("rbd", "randread", "4k", 1, 1),
+    "randwrite-4k-qd1":  ("rbd", "randwrite", "4k", 1, 1),
+    "seqread-128k-qd8":  ("rbd", "read", "128k", 8, 1),
+    "seqwrite-128k-qd8": ("rbd", "write", "128k", 8, 1),
+}
+RBD_OVERHEAD_PER_RUN_S = 5                  # for the estimate, as OVERHEAD_PER_RUN_S
+# The fault phase: fio randrw 4k qd RBD_FAULT_IODEPTH with crc32c verify for
+# RBD_FAULT_RUNTIME_S on a fresh image; RBD_FAULT_AFTER_S into the I/O, the fault.
+# fio runs with --continue_on_error=all: it counts every failed I/O instead of stopping.
+RBD_FAULTS = {
+    "osd-restart": ["ublkd", "rbd-nbd", "krbd"],   # osd.0 SIGKILLed and started again
+    "client-kill": ["ublkd", "rbd-nbd"],           # the client's process SIGKILLed
+}
+RBD_FAULT_ROUNDS = 1
+RBD_FAULT_RUNTIME_S = 25
+RBD_FAULT_AFTER_S = 5
+RBD_FAULT_IODEPTH = 16
+RBD_FAULT_VERIFY_BACKLOG = 256
+RBD_FAULT_IMAGE_MB = 128
+RBD_FAULT_HANG_S = 30                       # I/O still stuck this long after fio's runtime:
+                                            # the device is probed, then unmapped
+RBD_VM_MEM_MB = 4096                        # the cluster (~0.5 GiB), the images' data in tmpfs
+RBD_QUICK = {"RBD_ROUNDS": 1, "RBD_RUNTIME_S": 2,
+             "RBD_JOBS": ["randread-4k-qd32", "randwrite-4k-qd1"]}
