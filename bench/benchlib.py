@@ -339,6 +339,31 @@ def ruled(head):
     return [head, "-" * len(head)]
 
 
+def client_rows(job, clients, job_summary, cwidth, iwidth, cells):
+    """The rows of one job in a table of clients (nbd.py's, rbd.py's): the job's name on
+    its first row, "no successful run" where a client has none, else the client, its
+    IOPS median [min-max] and `cells(client, its summary, med)`, where med(metric) is
+    the metric's median as a table cell."""
+    lines, first = [], True
+    for c in clients:
+        s = job_summary.get(c)
+        if s is None:
+            continue
+        name = job if first else ""
+        first = False
+        fails = f" ({s['failed_runs']} failed)" if s["failed_runs"] else ""
+        if not s["iops"]:
+            lines.append(f"{name:<18} {c:<{cwidth}} no successful run{fails}")
+            continue
+        io = s["iops"]
+
+        def med(k, s=s):
+            return fmt_num(s[k]["median"]) if s[k] else "-"
+        iops = f"{fmt_num(io['median'])} [{fmt_num(io['min'])}-{fmt_num(io['max'])}]"
+        lines.append(f"{name:<18} {c:<{cwidth}} {iops:<{iwidth}} {cells(c, s, med)}{fails}")
+    return lines
+
+
 def footer(results):
     """The table's last lines: how busy the host was with other work, and the peers
     left out."""
@@ -352,6 +377,25 @@ def footer(results):
                         if med > 20 else ""))
     for peer, err in results.get("peer_errors", {}).items():
         lines.append(f"{peer} was left out: {err.splitlines()[0]}")
+    return lines
+
+
+def client_table_end(results, peers, phase_kind):
+    """The last lines of nbd.py's and rbd.py's tables: the guest's kernel and CPUs,
+    ublkd's version and `peers` (what else ran), the clients left out and why, the
+    footer, and the records that failed outside the phase `phase_kind` (whose own
+    table shows its failures)."""
+    m = results["meta"]
+    lines = [f"kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} vCPU "
+             f"({m.get('accel', 'VM')}); ublkd {results['versions'].get('ublkd', '?')}; "
+             f"{peers}; nbd.ko: {m.get('nbd_module', '?')}."]
+    for c, why in m.get("skipped", {}).items():
+        lines.append(f"{c} left out: {why}")
+    lines += footer(results)
+    errs = [r for r in results["records"] if r.get("error") and r.get("kind") != phase_kind]
+    for r in errs[:10]:
+        lines.append(f"FAILED {r.get('client')} {r.get('job', r.get('kind'))} round "
+                     f"{r.get('round')}: {r['error'][:300]}")
     return lines
 
 

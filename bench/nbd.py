@@ -165,6 +165,13 @@ def summarize(results):
     return out
 
 
+def nbd_cells(c, s, med):
+    """A client's row after its IOPS (L.client_rows)."""
+    cl = med("client_us_per_io") if c == "ublkd" else "(kernel)"
+    return (f"{med('p50_us'):>7} {med('p99_us'):>7}  {med('nbdkit_us_per_io'):>12} {cl:>11} "
+            f"{med('sys_cpu_us_per_io'):>11} {s['iops']['n']:>3} {s.get('busy_runs', 0):>4}")
+
+
 def table(results):
     prm, summ = results["params"], results["summary"]
     m = results["meta"]
@@ -175,27 +182,8 @@ def table(results):
                          f"{'p50 us':>7} {'p99 us':>7}  {'nbdkit us/IO':>12} "
                          f"{'ublkd us/IO':>11} {'guest us/IO':>11} {'n':>3} {'busy':>4}")
         for job in prm["NBD_JOBS"]:
-            first = True
-            for c in prm["NBD_CLIENTS"]:
-                s = summ["jobs"][job].get(c)
-                if s is None:
-                    continue
-                name = job if first else ""
-                first = False
-                fails = f" ({s['failed_runs']} failed)" if s["failed_runs"] else ""
-                if not s["iops"]:
-                    lines.append(f"{name:<18} {c:<14} no successful run{fails}")
-                    continue
-                io = s["iops"]
-
-                def med(k):
-                    return fmt_num(s[k]["median"]) if s[k] else "-"
-                iops = f"{fmt_num(io['median'])} [{fmt_num(io['min'])}-{fmt_num(io['max'])}]"
-                cl = med("client_us_per_io") if c == "ublkd" else "(kernel)"
-                lines.append(f"{name:<18} {c:<14} {iops:<24} {med('p50_us'):>7} "
-                             f"{med('p99_us'):>7}  {med('nbdkit_us_per_io'):>12} {cl:>11} "
-                             f"{med('sys_cpu_us_per_io'):>11} {io['n']:>3} "
-                             f"{s.get('busy_runs', 0):>4}{fails}")
+            lines += L.client_rows(job, prm["NBD_CLIENTS"], summ["jobs"][job], 14, 24,
+                                   nbd_cells)
             r = summ["jobs"][job]["ratio"]
             if r:
                 def x(k):
@@ -300,17 +288,8 @@ def table(results):
             "and detached, which ends the stuck I/O); device after = a 4k direct read and "
             "write after fio ended (or while stuck).")
         lines.append("")
-    lines.append(f"kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} vCPU "
-                 f"({m.get('accel', 'VM')}); ublkd {results['versions'].get('ublkd', '?')}; "
-                 f"{m.get('nbdkit', '?')}; {m.get('nbd_client', '?')}; "
-                 f"nbd.ko: {m.get('nbd_module', '?')}.")
-    for c, why in m.get("skipped", {}).items():
-        lines.append(f"{c} left out: {why}")
-    lines += L.footer(results)
-    errs = [r for r in results["records"] if r.get("error") and r.get("kind") != "restart"]
-    for r in errs[:10]:
-        lines.append(f"FAILED {r.get('client')} {r.get('job', r.get('kind'))} round "
-                     f"{r.get('round')}: {r['error'][:300]}")
+    lines += L.client_table_end(results, f"{m.get('nbdkit', '?')}; {m.get('nbd_client', '?')}",
+                                "restart")
     return "\n".join(lines)
 
 

@@ -5,16 +5,14 @@ up by nbd-client) and ublkd's nbd target. nbdkit, the server, is in servers.py.
 Python 3 standard library only.
 """
 
-import json
 import os
 import socket
 import struct
 import time
 
-import benchlib as L
 import params as P
 import servers as S
-from benchlib import log, sh
+from benchlib import sh
 
 
 # ======================================================================================
@@ -167,45 +165,17 @@ class KernelNbd:
         return None
 
 
-class UblkdNbd(S.Ublkd):
+class UblkdNbd(S.UblkdDevice):
     """ublkd with `ublkctl add -t nbd --uri nbd+unix:///?socket=SOCKET`."""
     name = "ublkd"
     CFG = "/run/ublkd-bench-nbd.toml"
     LOG = "/run/ublkd-bench-nbd.log"
 
-    def __init__(self, plan):
-        super().__init__(plan)
-        self.dev_id = None
-        self.dev = None
-
     def attach(self, sock):
-        if not self.proc:
-            self.start()
-        out = self.ctl("add", "-t", "nbd", "--uri", f"nbd+unix:///?socket={sock}",
-                       "-q", str(self.prm["NBD_QUEUES"]),
-                       "--threads", str(self.prm.get("NBD_THREADS", 1)),
-                       "-d", str(self.prm["NBD_QUEUE_DEPTH"])).strip().splitlines()
-        self.dev_id = int(out[-1])
-        self.dev = L.wait_dev(self.dev_id)
-        return self.dev
-
-    def pids(self):
-        return S.Ublkd.pids(self, self.dev_id)
-
-    def status(self):
-        """The device's entry in `ublkctl status --json`, or None."""
-        for d in json.loads(self.ctl("status", "--json")).get("devices", []):
-            if d.get("id") == self.dev_id:
-                return d
-        return None
-
-    def detach(self):
-        if self.dev_id is not None:
-            gone = self.pids() - {self.proc.pid}
-            self.delete(self.dev_id)
-            self.dev_id = self.dev = None
-            if not L.wait_gone(gone):
-                log(f"ublkd's worker(s) {sorted(gone)} outlived the device by 10 s")
+        return self.add_device("-t", "nbd", "--uri", f"nbd+unix:///?socket={sock}",
+                               "-q", str(self.prm["NBD_QUEUES"]),
+                               "--threads", str(self.prm.get("NBD_THREADS", 1)),
+                               "-d", str(self.prm["NBD_QUEUE_DEPTH"]))
 
 
 class UblkdNbdRestart(UblkdNbd):

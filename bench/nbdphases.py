@@ -380,9 +380,8 @@ def restart_one(plan, cname, rnd):
                 rec["ublkd_status"] = st
         except Exception as e:
             rec["ublkd_status"] = f"ublkctl status failed: {e}"
-        probs = cl.log_problems()
-        if probs:
-            rec["client_log"] = f"{probs[0]} WARN/ERROR lines in ublkd's log, the last: {probs[1]}"
+        if cl.problems_note():
+            rec["client_log"] = cl.problems_note()
     try:
         cl.detach()
     except Exception as e:

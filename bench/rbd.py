@@ -27,7 +27,7 @@ import time
 import benchlib as L
 import cli
 import params as P
-from benchlib import log, die, emit, stats, fmt_num, fms
+from benchlib import log, die, emit, stats, fms
 from rbdguest import REC, META, DONE, guest_phases
 
 CLIENTS = ("ublkd", "rbd-nbd", "krbd")
@@ -131,6 +131,14 @@ def summarize(results):
     return out
 
 
+def rbd_cells(c, s, med):
+    """A client's row after its IOPS (L.client_rows)."""
+    client = med("client_us_per_io") if c != "krbd" else "(kernel)"
+    return (f"{med('bw_MiBps'):>6} {med('p50_us'):>7} {med('p99_us'):>7} "
+            f"{med('osd_us_per_io'):>9} {client:>12} {med('sys_cpu_us_per_io'):>11} "
+            f"{s['iops']['n']:>2}")
+
+
 def table(results):
     prm, summ, m = results["params"], results["summary"], results["meta"]
     lines = []
@@ -139,26 +147,7 @@ def table(results):
                          f"{'MiB/s':>6} {'p50 us':>7} {'p99 us':>7} {'OSD us/IO':>9} "
                          f"{'client us/IO':>12} {'guest us/IO':>11} {'n':>2}")
         for job in prm["RBD_JOBS"]:
-            first = True
-            for c in prm["RBD_CLIENTS"]:
-                s = summ["jobs"][job].get(c)
-                if s is None:
-                    continue
-                name = job if first else ""
-                first = False
-                fails = f" ({s['failed_runs']} failed)" if s["failed_runs"] else ""
-                if not s["iops"]:
-                    lines.append(f"{name:<18} {c:<9} no successful run{fails}")
-                    continue
-                io = s["iops"]
-
-                def med(k):
-                    return fmt_num(s[k]["median"]) if s[k] else "-"
-                iops = f"{fmt_num(io['median'])} [{fmt_num(io['min'])}-{fmt_num(io['max'])}]"
-                lines.append(f"{name:<18} {c:<9} {iops:<22} {med('bw_MiBps'):>6} "
-                             f"{med('p50_us'):>7} {med('p99_us'):>7} {med('osd_us_per_io'):>9} "
-                             f"{med('client_us_per_io') if c != 'krbd' else '(kernel)':>12} "
-                             f"{med('sys_cpu_us_per_io'):>11} {io['n']:>2}{fails}")
+            lines += L.client_rows(job, prm["RBD_CLIENTS"], summ["jobs"][job], 9, 22, rbd_cells)
             for base, r in summ["jobs"][job]["ratio"].items():
                 sp = summ["jobs"][job]["spread"].get(base, {})
 
@@ -234,17 +223,8 @@ def table(results):
             "in flight on the device and none completed (/sys/block/DEV/inflight and stat); "
             "device after = a 4k direct read and write after fio ended.")
         lines.append("")
-    lines.append(f"kernel {m.get('kernel', '?')}, {m.get('cpus', '?')} vCPU "
-                 f"({m.get('accel', 'VM')}); ublkd {results['versions'].get('ublkd', '?')}; "
-                 f"{m.get('ceph', '?')}; cluster ready in {m.get('cluster_start_s', '?')} s; "
-                 f"nbd.ko: {m.get('nbd_module', '?')}.")
-    for c, why in m.get("skipped", {}).items():
-        lines.append(f"{c} left out: {why}")
-    lines += L.footer(results)
-    errs = [r for r in results["records"] if r.get("error") and r.get("kind") != "fault"]
-    for r in errs[:10]:
-        lines.append(f"FAILED {r.get('client')} {r.get('job', r.get('kind'))} round "
-                     f"{r.get('round')}: {r['error'][:300]}")
+    peers = f"{m.get('ceph', '?')}; cluster ready in {m.get('cluster_start_s', '?')} s"
+    lines += L.client_table_end(results, peers, "fault")
     return "\n".join(lines)
 
 

@@ -143,7 +143,7 @@ class Cluster:
 # process, where it has one), detach()
 # ======================================================================================
 
-class UblkdRbd(S.Ublkd):
+class UblkdRbd(S.UblkdDevice):
     """ublkd with `ublkctl add -t rbd --image rbd/IMAGE --ceph-conf --ceph-id --keyring`."""
     name = "ublkd"
     SOCK = "/run/ublkd-bench-rbd.sock"
@@ -153,42 +153,22 @@ class UblkdRbd(S.Ublkd):
     def __init__(self, plan, cluster):
         super().__init__(plan)
         self.cluster = cluster
-        self.dev_id = self.dev = None
 
     def attach(self, image):
-        if not self.proc:
-            self.start()
-        out = self.ctl("add", "-t", "rbd", "--image", f"{POOL}/{image}",
-                       "--ceph-conf", self.cluster.conf, "--ceph-id", CLIENT_ID,
-                       "--keyring", self.cluster.keyring,
-                       "-q", str(self.prm["RBD_QUEUES"]),
-                       "-d", str(self.prm["RBD_QUEUE_DEPTH"])).strip().splitlines()
-        self.dev_id = int(out[-1])
-        self.dev = L.wait_dev(self.dev_id)
-        return self.dev
-
-    def pids(self):
-        return S.Ublkd.pids(self, self.dev_id)
-
-    def worker_pid(self):
-        for d in json.loads(self.ctl("status", "--json")).get("devices", []):
-            if d.get("id") == self.dev_id and d.get("worker_pid"):
-                return int(d["worker_pid"])
-        raise RuntimeError(f"ublkd's device {self.dev_id} has no worker")
+        return self.add_device("-t", "rbd", "--image", f"{POOL}/{image}",
+                               "--ceph-conf", self.cluster.conf, "--ceph-id", CLIENT_ID,
+                               "--keyring", self.cluster.keyring,
+                               "-q", str(self.prm["RBD_QUEUES"]),
+                               "-d", str(self.prm["RBD_QUEUE_DEPTH"]))
 
     def kill(self):
         """SIGKILLs the device's worker; ublkd hands the device to its standby."""
-        pid = self.worker_pid()
+        st = self.status()
+        if not st or not st.get("worker_pid"):
+            raise RuntimeError(f"ublkd's device {self.dev_id} has no worker")
+        pid = int(st["worker_pid"])
         os.kill(pid, signal.SIGKILL)
         return f"ublkd's worker (pid {pid}) SIGKILLed"
-
-    def detach(self):
-        if self.dev_id is not None:
-            gone = self.pids() - {self.proc.pid}
-            self.delete(self.dev_id)
-            self.dev_id = self.dev = None
-            if not L.wait_gone(gone):
-                log(f"ublkd's worker(s) {sorted(gone)} outlived the device by 10 s")
 
 
 class RbdNbd:
@@ -391,10 +371,8 @@ def fault_one(plan, cluster, ublkd, cname, fault, rnd):
     except Exception as e:
         rec["error"] = str(e)[:500]
     rec["kernel_log"], _ = kernel_log_tail(klines, DRIVERS)
-    if cname == "ublkd":
-        probs = ublkd.log_problems()
-        if probs:
-            rec["client_log"] = f"{probs[0]} WARN/ERROR lines in ublkd's log, the last: {probs[1]}"
+    if cname == "ublkd" and ublkd.problems_note():
+        rec["client_log"] = ublkd.problems_note()
     try:
         cl.detach()
     except Exception as e:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import time
 
-from benchlib import fd_holders, log, sh, tail
+from benchlib import fd_holders, log, sh, tail, wait_dev, wait_gone
 
 
 class Daemon:
@@ -128,6 +128,48 @@ class Ublkd(Daemon):
                 if re.search(r"\b(ERROR|WARN)\b", ln)
                 and not (cls.EXPECTED and re.search(cls.EXPECTED, ln))]
         return (len(errs), errs[-1].strip()[:300]) if errs else None
+
+
+class UblkdDevice(Ublkd):
+    """ublkd serving one device at a time, as the NBD and RBD benchmarks attach their
+    clients: add_device() adds it with ublkctl's `add` arguments and waits for
+    /dev/ublkbN, detach() deletes it and waits until its workers are gone."""
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.dev_id = self.dev = None
+
+    def add_device(self, *add_args):
+        if not self.proc:
+            self.start()
+        out = self.ctl("add", *add_args).strip().splitlines()
+        self.dev_id = int(out[-1])
+        self.dev = wait_dev(self.dev_id)
+        return self.dev
+
+    def pids(self):
+        return Ublkd.pids(self, self.dev_id)
+
+    def status(self):
+        """The device's entry in `ublkctl status --json`, or None."""
+        for d in json.loads(self.ctl("status", "--json")).get("devices", []):
+            if d.get("id") == self.dev_id:
+                return d
+        return None
+
+    def detach(self):
+        if self.dev_id is not None:
+            gone = self.pids() - {self.proc.pid}
+            self.delete(self.dev_id)
+            self.dev_id = self.dev = None
+            if not wait_gone(gone):
+                log(f"ublkd's worker(s) {sorted(gone)} outlived the device by 10 s")
+
+    def problems_note(self):
+        """A line for a record: how many WARN/ERROR lines ublkd logged, and the last."""
+        probs = self.log_problems()
+        return (f"{probs[0]} WARN/ERROR lines in ublkd's log, the last: {probs[1]}"
+                if probs else None)
 
 
 class Peer:
