@@ -451,8 +451,12 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
         dev["last_recovery_ms"]
     );
     ublkd.del(id);
+    // A deleted device's workers closed the image: no watch of theirs is left for the
+    // cluster to time out, so the image can be removed at once.
+    let watchers = cluster.watchers(image);
+    assert!(watchers.is_empty(), "watchers left after `ublkctl del`: {watchers:?}");
+    cluster.remove_image(image);
     ublkd.stop();
-    cluster.forget_image(image);
 }
 
 /// The whole cluster away for a minute (monitor and OSD killed, then started again)

@@ -127,6 +127,8 @@ impl ThreadSet {
         }
         let dev_id = setup.dev_id;
         let (end_go, end_go_rx) = mpsc::channel::<Arc<Device>>();
+        let queues_ended = QueuesEnded::new();
+        let queues_ended_tx = Arc::clone(&queues_ended);
         std::thread::Builder::new()
             .name("ublk-end".into())
             .spawn(move || {
@@ -145,7 +147,11 @@ impl ThreadSet {
                     }
                 }
                 tracing::info!(dev_id, "queues closed, exiting");
+                queues_ended_tx.ended();
                 dev.target.release();
+                // SAFETY: every queue thread has ended (each sent its result above), so
+                // nothing uses the target for I/O any more.
+                unsafe { dev.target.close() };
                 std::process::exit(i32::from(WorkerExit::Clean.code()));
             })
             .map_err(|source| ThreadError::Spawn {
@@ -174,7 +180,16 @@ impl ThreadSet {
                     match msg::recv_packet::<ToWorker>(control) {
                         Ok((ToWorker::Shutdown, _)) => {
                             // Asked to end (its device deleted, or handed to another
-                            // worker): what the target holds outside goes back first.
+                            // worker). The device is stopped first, so the queues end
+                            // soon: the end thread then gives back and closes what the
+                            // target holds outside, and exits. Only if they do not
+                            // (the stop failed) is the lock given back here, and the
+                            // target left open: a queue thread may still use it.
+                            if queues_ended.wait(QUEUES_END_WAIT) {
+                                loop {
+                                    std::thread::park();
+                                }
+                            }
                             dev.target.release();
                             break WorkerExit::Clean;
                         }
@@ -232,5 +247,39 @@ impl ThreadSet {
             }
         }
         Ok((own, self.running))
+    }
+}
+
+/// How long a worker asked to end waits for its queue threads to end (they do once the
+/// device is stopped, which the supervisor does first), so that the end thread closes
+/// the target before the process exits.
+const QUEUES_END_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether every queue thread of a serving worker has ended: set by the end thread,
+/// waited for by the control thread when it is asked to end.
+#[derive(Debug, Default)]
+struct QueuesEnded {
+    ended: std::sync::Mutex<bool>,
+    changed: std::sync::Condvar,
+}
+
+impl QueuesEnded {
+    fn new() -> Arc<QueuesEnded> {
+        Arc::new(QueuesEnded::default())
+    }
+
+    fn ended(&self) {
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.changed.notify_all();
+    }
+
+    /// Whether they ended within `timeout`.
+    fn wait(&self, timeout: std::time::Duration) -> bool {
+        let ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+        let (ended, _) = self
+            .changed
+            .wait_timeout_while(ended, timeout, |ended| !*ended)
+            .unwrap_or_else(|p| p.into_inner());
+        *ended
     }
 }

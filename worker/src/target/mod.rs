@@ -112,6 +112,16 @@ pub trait Target: Send + Sync {
     /// that is gone.
     fn release(&self) {}
 
+    /// After [`Self::release`], every queue thread having ended, just before the worker
+    /// exits cleanly: closes what the target has open in its backend, so that nothing of
+    /// this worker lingers there (an rbd image's watch on its header, which the cluster
+    /// would keep until its 30 s timeout, the image "busy" to `rbd rm` meanwhile).
+    ///
+    /// # Safety
+    ///
+    /// No thread may use the target for I/O from now on: every queue thread has ended.
+    unsafe fn close(&self) {}
+
     /// Whether this target fails requests by design (`fail-io`): its failures are not
     /// logged one by one.
     fn fails_on_purpose(&self) -> bool {

@@ -367,6 +367,13 @@ impl Target for RbdTarget {
             ),
         }
     }
+
+    unsafe fn close(&self) {
+        // SAFETY: the caller's promise (see `Target::close`): no queue thread submits a
+        // request to the image any more.
+        unsafe { self.image.close() };
+        tracing::info!(image = self.image.spec(), "image closed");
+    }
 }
 
 #[cfg(test)]

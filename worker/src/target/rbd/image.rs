@@ -5,6 +5,7 @@
 
 use std::ffi::{CStr, CString, c_char};
 use std::ptr;
+use std::sync::Mutex;
 
 use ublkd_proto::errno::Errno;
 use ublkd_proto::msg::rbd::{RbdProbe, RbdSetup, SECRET_OPTIONS};
@@ -161,6 +162,9 @@ pub struct RbdImage {
     cluster: Cluster,
     spec: String,
     read_only: bool,
+    /// Whether `handle` was closed ([`RbdImage::close`]); held while the lock is given
+    /// back, so that a close on one thread and a release on another do not overlap.
+    closed: Mutex<bool>,
 }
 
 // SAFETY: librbd's image and librados's client handles are made to be used from any
@@ -178,9 +182,12 @@ impl std::fmt::Debug for RbdImage {
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
-        // SAFETY: `handle` came from rbd_open and is closed once, here; librbd waits
-        // for the requests in flight first.
-        unsafe { (self.lib.rbd_close)(self.handle) };
+        let closed = self.closed.get_mut().unwrap_or_else(|p| p.into_inner());
+        if !*closed {
+            // SAFETY: `handle` came from rbd_open and was not closed (`closed`); it is
+            // closed once, here; librbd waits for the requests in flight first.
+            unsafe { (self.lib.rbd_close)(self.handle) };
+        }
     }
 }
 
@@ -252,6 +259,7 @@ impl RbdImage {
             cluster,
             spec: setup.image_spec(),
             read_only: setup.snapshot.is_some(),
+            closed: Mutex::new(false),
         })
     }
 
@@ -376,9 +384,31 @@ impl RbdImage {
     /// Gives the exclusive lock back, so that the image's next user finds it free
     /// rather than held by a client that no longer exists.
     pub fn release_lock(&self) -> Result<(), Errno> {
-        // SAFETY: an open image.
+        let closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        if *closed {
+            return Ok(()); // closing gave the lock back
+        }
+        // SAFETY: an open image (not `closed`, which cannot change while we hold it).
         let rc = unsafe { (self.lib.rbd_lock_release)(self.handle) };
         if rc < 0 { Err(errno(rc)) } else { Ok(()) }
+    }
+
+    /// Closes the image now rather than when it is dropped (librbd waits for the
+    /// requests in flight, gives the exclusive lock back and ends its watch on the
+    /// image's header); the cluster connection stays until the drop.
+    ///
+    /// # Safety
+    ///
+    /// No thread may submit a request to the image from now on: a request on a closed
+    /// image is a use after free in librbd.
+    pub unsafe fn close(&self) {
+        let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        if !*closed {
+            // SAFETY: an open image (not `closed`), which no thread uses for requests
+            // any more (the caller's promise); marked closed under the same lock.
+            unsafe { (self.lib.rbd_close)(self.handle) };
+            *closed = true;
+        }
     }
 }
 
