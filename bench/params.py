@@ -187,8 +187,10 @@ NBD_QUICK = {"NBD_ROUNDS": 2, "NBD_RUNTIME_S": 2,
 # (rotated) maps it, runs every job and unmaps it: the image's exclusive lock is one
 # client's at a time. Faults: per client a fresh image and a verifying fio, an OSD
 # restart or the client's process SIGKILLed in its midst.
+# (rbd-nbd-nocache, rbd-nbd with `--rbd_cache=false` as ublkd runs librbd, is not in
+# the default set: `--clients ublkd,rbd-nbd,rbd-nbd-nocache`)
 RBD_CLIENTS = ["ublkd", "rbd-nbd", "krbd"]
-RBD_RATIO_BASELINES = ["rbd-nbd", "krbd"]   # the table prints ublkd / each of these
+RBD_RATIO_BASELINES = ["rbd-nbd", "krbd", "rbd-nbd-nocache"]  # ublkd / each of these that ran
 RBD_ROUNDS = 3
 RBD_RUNTIME_S = 5
 RBD_RAMP_S = 1

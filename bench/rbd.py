@@ -30,7 +30,7 @@ import params as P
 from benchlib import log, die, emit, stats, fms
 from rbdguest import REC, META, DONE, guest_phases
 
-CLIENTS = ("ublkd", "rbd-nbd", "krbd")
+CLIENTS = ("ublkd", "rbd-nbd", "krbd", "rbd-nbd-nocache")
 
 
 # ======================================================================================
@@ -143,17 +143,17 @@ def table(results):
     prm, summ, m = results["params"], results["summary"], results["meta"]
     lines = []
     if prm["RBD_ROUNDS"]:
-        lines += L.ruled(f"{'job':<18} {'client':<9} {'IOPS median [min-max]':<22} "
+        lines += L.ruled(f"{'job':<18} {'client':<15} {'IOPS median [min-max]':<22} "
                          f"{'MiB/s':>6} {'p50 us':>7} {'p99 us':>7} {'OSD us/IO':>9} "
                          f"{'client us/IO':>12} {'guest us/IO':>11} {'n':>2}")
         for job in prm["RBD_JOBS"]:
-            lines += L.client_rows(job, prm["RBD_CLIENTS"], summ["jobs"][job], 9, 22, rbd_cells)
+            lines += L.client_rows(job, prm["RBD_CLIENTS"], summ["jobs"][job], 15, 22, rbd_cells)
             for base, r in summ["jobs"][job]["ratio"].items():
                 sp = summ["jobs"][job]["spread"].get(base, {})
 
                 def x(k):
                     return f"x{r[k]:.2f}" if k in r else "-"
-                lines.append(f"{'':<18} ublkd/{base:<8} IOPS {L.fmt_ratio(sp.get('iops'))}; "
+                lines.append(f"{'':<18} ublkd/{base:<15} IOPS {L.fmt_ratio(sp.get('iops'))}; "
                              f"p50 {x('p50_us')}, p99 {x('p99_us')}, guest us/IO "
                              f"{x('sys_cpu_us_per_io')}")
             lines.append("")

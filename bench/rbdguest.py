@@ -173,14 +173,17 @@ class UblkdRbd(S.UblkdDevice):
 
 class RbdNbd:
     """rbd-nbd: librbd in a daemon of its own behind the kernel's NBD client
-    (`rbd-nbd --id rbdtest map rbd/IMAGE`, which forks the daemon and exits)."""
-    name = "rbd-nbd"
+    (`rbd-nbd --id rbdtest map rbd/IMAGE`, which forks the daemon and exits); with
+    `options`, Ceph options on its command line (rbd-nbd-nocache: `--rbd_cache=false`,
+    as ublkd's workers run librbd)."""
 
-    def __init__(self):
+    def __init__(self, name, options=()):
+        self.name, self.options = name, list(options)
         self.dev = self.pid = None
 
     def attach(self, image):
-        out = sh(["rbd-nbd", "--id", CLIENT_ID, "map", f"{POOL}/{image}"], timeout=120)
+        out = sh(["rbd-nbd", "--id", CLIENT_ID, *self.options, "map", f"{POOL}/{image}"],
+                 timeout=120)
         dev = out.strip().splitlines()[-1]
         if not dev.startswith("/dev/nbd"):
             raise RuntimeError(f"rbd-nbd map printed no /dev/nbdN: {out.strip()[:200]}")
@@ -255,7 +258,11 @@ class Krbd:
 def make_client(name, plan, cluster, ublkd):
     if name == "ublkd":
         return ublkd
-    return RbdNbd() if name == "rbd-nbd" else Krbd()
+    if name == "rbd-nbd":
+        return RbdNbd(name)
+    if name == "rbd-nbd-nocache":
+        return RbdNbd(name, ["--rbd_cache=false"])
+    return Krbd()
 
 
 # ======================================================================================
