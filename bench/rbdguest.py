@@ -255,7 +255,7 @@ class Krbd:
             sh(["rbd", "unmap", "-o", "noudev", f"/dev/{dev}"], timeout=120)
 
 
-def make_client(name, plan, cluster, ublkd):
+def make_client(name, ublkd):
     if name == "ublkd":
         return ublkd
     if name == "rbd-nbd":
@@ -287,7 +287,7 @@ def throughput(plan, cluster, ublkd, meta):
     total, count = nrounds * len(clients) * len(jobs), 0
     for rnd in range(nrounds):
         for cname in L.rotated(clients, rnd):
-            cl = make_client(cname, plan, cluster, ublkd)
+            cl = make_client(cname, ublkd)
             base = {"round": rnd + 1, "client": cname}
             try:
                 t = time.monotonic()
@@ -310,7 +310,7 @@ def throughput(plan, cluster, ublkd, meta):
                 log(f"round {rnd + 1}/{nrounds}  [{count}/{total}]  {cname:<8} {job}")
                 try:
                     # measure_run's "nbdkit" is the server: here the OSD
-                    res = measure_run(_Pids(cl), cname, dev, job, spec, osd, mprm)
+                    res = measure_run(cl, cname, dev, job, spec, osd, mprm)
                     res["osd_us_per_io"] = res.pop("nbdkit_us_per_io", None)
                     res["osd_cpu_s"] = res.pop("nbdkit_cpu_s", None)
                     rec.update(res)
@@ -336,16 +336,6 @@ class _OsdPids:
         return self.cluster.osd_pid()
 
 
-class _Pids:
-    """What measure_run asks of a client: its processes (the kernel's clients: none)."""
-
-    def __init__(self, cl):
-        self.cl = cl
-
-    def pids(self):
-        return self.cl.pids()
-
-
 # ======================================================================================
 # guest: the fault phase
 # ======================================================================================
@@ -361,7 +351,7 @@ def fault_one(plan, cluster, ublkd, cname, fault, rnd):
                        prm["RBD_FAULT_RUNTIME_S"], prm["RBD_FAULT_AFTER_S"],
                        prm["RBD_FAULT_HANG_S"])
     what = f"{fault} {cname}"
-    cl = make_client(cname, plan, cluster, ublkd)
+    cl = make_client(cname, ublkd)
     _, klines = kernel_log_tail(0, DRIVERS)
 
     def inject():
