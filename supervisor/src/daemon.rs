@@ -51,7 +51,7 @@ use handlers::describe_spec;
 pub use handlers::spec_from_request;
 
 use crate::control::{ControlServer, Token};
-use crate::device::{Context, Creation, Device, DeviceError, Progress};
+use crate::device::{Context, Creation, Device, DeviceError, Left, Progress};
 use crate::device_state::{StateKind, Summary};
 use crate::metrics::FileWriter;
 use crate::state::StateDir;

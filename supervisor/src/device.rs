@@ -25,6 +25,7 @@ mod user_recovery;
 mod workers;
 
 pub use creation::{Creation, Progress};
+pub use deletion::Left;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;

@@ -43,6 +43,11 @@ impl TurnTimes {
     }
 }
 
+/// How long a stopping ublkd waits for its devices' spares to exit, together: a
+/// standby exits at once, but an RBD spare first closes its image (~0.1 s), and one
+/// still connecting finishes that first.
+pub(super) const SPARES_END_WAIT: Duration = Duration::from_secs(2);
+
 /// How often at most the STATUS line is counted again while devices change without an
 /// event (a recovery's turns): each count visits every device.
 pub(super) const STATUS_EVERY: Duration = Duration::from_millis(250);
@@ -442,20 +447,36 @@ impl Daemon {
         self.status_due = now + STATUS_EVERY;
     }
 
-    /// Leaves every LIVE device's worker serving and kills the rest now (standbys would
-    /// end with their control sockets at ublkd's exit; a killed worker's device is held
-    /// by the kernel from this moment, for the next ublkd to recover), so that the
-    /// relay logs their last lines.
+    /// Leaves every LIVE device's worker serving, kills the workers that must not serve
+    /// on (a killed worker's device is held by the kernel from this moment, for the
+    /// next ublkd to recover), and asks the spares to exit, waiting for them up to
+    /// `SPARES_END_WAIT` (then killing them), so that the relay logs their last lines.
     pub(super) fn leave_all(&mut self) {
-        let mut workers: Vec<crate::worker::Worker> =
-            self.devices.take_all().into_iter().flat_map(Device::leave).collect();
-        for w in &mut workers {
-            w.kill();
+        let left: Vec<Left> = self.devices.take_all().into_iter().map(Device::leave).collect();
+        let mut workers = Vec::new();
+        let mut spares = Vec::new();
+        for Left { to_kill, spare } in left {
+            for w in &to_kill {
+                w.kill();
+            }
+            workers.extend(to_kill);
+            if let Some(spare) = spare {
+                spare.ask_to_exit();
+                spares.push(spare);
+            }
         }
         for mut w in workers {
             let pid = w.pid();
             let how = w.reap(Duration::ZERO);
             tracing::debug!(worker_pid = pid, "worker ended: {how}");
+        }
+        // The spares exit side by side, each closing what its target opened; one that
+        // has not within the wait (still connecting) is killed.
+        let deadline = Instant::now() + SPARES_END_WAIT;
+        for mut spare in spares {
+            let pid = spare.pid();
+            let how = spare.reap(deadline.saturating_duration_since(Instant::now()));
+            tracing::debug!(worker_pid = pid, "spare ended: {how}");
         }
     }
 }

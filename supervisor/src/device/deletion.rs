@@ -128,22 +128,50 @@ impl Device {
     }
 
     /// Leaves the device to the next ublkd (a stop, not a delete): the device and its
-    /// state stay. A LIVE device's worker serves on, for the next ublkd to take over;
-    /// every other worker (standbys, a hung or failing-I/O device's) is handed back, to
-    /// be killed (see [`crate::daemon`]'s stop), so that the kernel holds that device's
-    /// I/O until the next ublkd recovers it.
-    pub fn leave(mut self) -> Vec<Worker> {
+    /// state stay. A LIVE device's worker serves on, for the next ublkd to take over.
+    /// The others are handed back: a hung or failing-I/O device's worker (and one a
+    /// recovery was ending) to be killed, so that the kernel holds that device's I/O
+    /// until the next ublkd recovers it; the spare apart, to be asked to exit (see
+    /// [`Left`]).
+    pub fn leave(mut self) -> Left {
         // A LIVE device's worker serves on, for the next ublkd to take over.
         match std::mem::replace(&mut self.state, DeviceState::Recovering) {
             DeviceState::Live { worker } => worker.leave_serving(),
             other => self.state = other,
         }
-        self.take_workers()
+        let spare = self.spare.take();
+        let state = std::mem::replace(&mut self.state, DeviceState::Recovering);
+        Left { to_kill: state.into_workers(), spare }
     }
 
     /// Every worker the device has, whatever it is doing.
     pub(super) fn take_workers(&mut self) -> Vec<Worker> {
         let state = std::mem::replace(&mut self.state, DeviceState::Recovering);
         state.into_workers().into_iter().chain(self.spare.take()).collect()
+    }
+}
+
+/// The workers a device left to the next ublkd hands back ([`Device::leave`]).
+#[derive(Debug)]
+pub struct Left {
+    /// Workers that must not serve on: killed.
+    pub to_kill: Vec<Worker>,
+    /// The spare (standing by or starting), which serves nothing: asked to exit, so
+    /// that it gives back what its target holds outside, which a kill would leave
+    /// behind (an RBD spare's watch on its image, which the cluster keeps for 30 s and
+    /// which stalls every lock hand-over on the image by librbd's notify timeout).
+    pub spare: Option<Worker>,
+}
+
+impl Left {
+    /// Kills the workers to kill and asks the spare to exit; waits for none of them
+    /// (each is reaped once it ends, by `reap_lingering`).
+    pub fn end(self) {
+        for worker in &self.to_kill {
+            worker.kill();
+        }
+        if let Some(spare) = self.spare {
+            spare.ask_to_exit();
+        }
     }
 }
