@@ -148,6 +148,7 @@ impl ThreadSet {
                 }
                 tracing::info!(dev_id, "queues closed, exiting");
                 queues_ended_tx.ended();
+                dev.target.report();
                 dev.target.release();
                 // SAFETY: every queue thread has ended (each sent its result above), so
                 // nothing uses the target for I/O any more.

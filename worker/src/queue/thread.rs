@@ -88,6 +88,43 @@ pub struct QueueThread {
     failures_logged: FailureLog,
     /// What the target's own completions led to (kept for its allocations).
     target_work: TargetWork,
+    /// What this thread's wake-ups brought, for the line it logs when it ends.
+    wakeups: Wakeups,
+    /// Target SQEs queued for the next submit that usually complete in it
+    /// ([`TargetWork::inline`]).
+    inline_sqes: usize,
+}
+
+/// How much each of a queue thread's wake-ups handled: requests finished and
+/// completions taken per `io_uring_enter` that waited. Logged once, when the thread
+/// ends: what batching buys (or does not) shows there, without a profiler.
+#[derive(Debug, Default)]
+struct Wakeups {
+    /// Loop turns: `io_uring_enter` calls that waited for work.
+    turns: u64,
+    /// Completions taken from the ring.
+    cqes: u64,
+    /// Requests finished (committed), every op counted.
+    requests: u64,
+}
+
+impl Wakeups {
+    fn log(&self, thread: usize) {
+        let per_turn = |n: u64| n as f64 / self.turns.max(1) as f64;
+        tracing::info!(
+            thread,
+            turns = self.turns,
+            cqes = self.cqes,
+            requests = self.requests,
+            "queue thread ended: {} requests and {} completions in {} wake-ups ({:.2} \
+             requests, {:.2} completions per wake-up)",
+            self.requests,
+            self.cqes,
+            self.turns,
+            per_turn(self.requests),
+            per_turn(self.cqes),
+        );
+    }
 }
 
 /// A failed request is logged (a backend that fails is what an operator must see, and
@@ -155,6 +192,8 @@ impl QueueThread {
             cqes: Vec::with_capacity(entries as usize * 4),
             failures_logged: FailureLog::default(),
             target_work: TargetWork::default(),
+            wakeups: Wakeups::default(),
+            inline_sqes: 0,
             dev,
         }
     }
@@ -242,6 +281,7 @@ impl QueueThread {
                 && self.commit_slots.iter().all(Option::is_none)
                 && self.ring.submission().is_empty()
             {
+                self.wakeups.log(self.plan.index);
                 return Ok(());
             }
             // Completions already taken (the per-I/O path's first FETCH_REQs') are
@@ -268,6 +308,8 @@ impl QueueThread {
             self.turn_ns = self.started.elapsed().as_nanos() as u64;
             let mut cqes = std::mem::take(&mut self.cqes);
             cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
+            self.wakeups.turns += 1;
+            self.wakeups.cqes += cqes.len() as u64;
             for &(ud, res, flags) in &cqes {
                 self.handle_cqe(ud, res, flags)?;
             }
@@ -276,6 +318,7 @@ impl QueueThread {
             let handled = self.counted != CounterSnapshot::default();
             hooks::after_turn(&self.dev, slot_index, beat / 2, handled);
             if handled {
+                self.wakeups.requests += self.counted.ios();
                 self.dev.shm.counters().add(&self.counted);
                 self.counted = CounterSnapshot::default();
             }
@@ -289,20 +332,23 @@ impl QueueThread {
     }
 
     /// Submits what is queued and sleeps until there is work: a FETCH batch (a request,
-    /// per-I/O) or a target completion. A COMMIT of several elements completes at once (ublk runs it inline),
-    /// so waiting for a single completion would return at once for that CQE alone and
-    /// cost a second `io_uring_enter` per loop turn; the wait counts those CQEs in and
-    /// asks for one more. Its timeout only bounds how late a failed COMMIT is noticed if
-    /// nothing else arrives. (One-element COMMITs post no CQE unless they fail.)
+    /// per-I/O) or a target completion. A COMMIT of several elements completes at once
+    /// (ublk runs it inline), and so does what a target says usually does (an NBD
+    /// send), so waiting for a single completion would return at once for that CQE
+    /// alone and cost a second `io_uring_enter` per loop turn; the wait counts those
+    /// CQEs in and asks for one more. Its timeout bounds how late a failed COMMIT is
+    /// noticed if nothing else arrives, and how long a send that did not complete at
+    /// once can delay the turn. (One-element COMMITs post no CQE unless they fail.)
     fn submit_and_wait_for_work(&mut self, work_expected: bool) -> std::io::Result<usize> {
         let commits = self.commit_slots.iter().filter(|s| s.is_some()).count();
+        let inline = commits + std::mem::take(&mut self.inline_sqes);
         // With every queue closed and nothing in the target only the COMMITs' own
         // completions are still to come.
-        let want = commits + usize::from(work_expected);
+        let want = inline + usize::from(work_expected);
         if want == 0 {
             return self.ring.submit();
         }
-        if commits == 0 {
+        if inline == 0 {
             return self.ring.submit_and_wait(want);
         }
         let timeout = io_uring::types::Timespec::new().nsec(COMMIT_CQE_WAIT_NS);
@@ -452,6 +498,7 @@ impl QueueThread {
         for sqe in work.sqes.drain(..) {
             self.push(&sqe)?;
         }
+        self.inline_sqes += std::mem::take(&mut work.inline);
         for (ud, res) in work.done.drain(..) {
             if let Some(UserData::Target { q_id, tag }) = UserData::decode(ud) {
                 self.on_target(q_id, tag, res)?;

@@ -53,6 +53,11 @@ pub enum Step {
 pub struct TargetWork {
     pub sqes: Vec<squeue::Entry>,
     pub done: Vec<(u64, i32)>,
+    /// Of `sqes`, how many usually complete while they are submitted (`nbd`: a send,
+    /// which the socket takes at once): the loop's wait counts their completions in,
+    /// as it does a COMMIT's, so that they do not end its sleep by themselves (at qd 1
+    /// that was a third wake-up per request).
+    pub inline: usize,
 }
 
 /// The user data of an SQE the target makes for itself: its completion comes back to
@@ -105,6 +110,11 @@ pub trait Target: Send + Sync {
     fn client_identity(&self) -> Option<String> {
         None
     }
+
+    /// Every queue thread has ended (a serving worker's clean end): logs what the
+    /// target's traffic with its backend was (`nbd`: requests per send and per
+    /// receive), for whoever tunes its batching.
+    fn report(&self) {}
 
     /// The device was stopped and every queue thread has ended, the worker is about to
     /// exit cleanly: gives back what the target holds outside this process (an rbd

@@ -52,6 +52,12 @@ const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 /// the receive buffer, in one RECV rather than two.
 const DIRECT_RECEIVE_MIN_BYTES: u32 = 16 << 10;
 
+/// What a RECV takes while every request waiting on the connection is a large READ:
+/// a reply's header and no more (a structured reply's chunk header and its data's
+/// offset; a simple reply's header and a few bytes of data), so that the data goes
+/// straight into the tag's buffer rather than through the receive buffer and a copy.
+const HEADER_RECEIVE_BYTES: usize = nbd::CHUNK_HEADER_BYTES + 8;
+
 /// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
 /// header) or two (and a WRITE's data).
 const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
@@ -229,6 +235,30 @@ struct ConnectionState {
     start: usize,
     end: usize,
     reading: Reading,
+    traffic: Traffic,
+    /// How many of `waiting` are not large READs ([`received_straight`]).
+    small_waiting: usize,
+}
+
+/// Whether a request's reply data is received straight into its buffer (once the
+/// header is parsed): a READ of at least `DIRECT_RECEIVE_MIN_BYTES`.
+fn received_straight(w: &Waiting) -> bool {
+    w.op == UBLK_IO_OP_READ && w.len >= DIRECT_RECEIVE_MIN_BYTES
+}
+
+/// What a connection carried, for [`Target::report`]: how many requests each send and
+/// each receive took on average.
+#[derive(Debug, Default, Clone, Copy)]
+struct Traffic {
+    /// WRITEVs submitted (a short one's rest counted again).
+    sends: u64,
+    /// Requests sent (each answered by one reply).
+    requests: u64,
+    /// RECVs completed.
+    receives: u64,
+    /// READ data copied out of the receive buffer (the rest went straight into the
+    /// tags' buffers).
+    copied_bytes: u64,
 }
 
 impl Default for ConnectionState {
@@ -242,6 +272,8 @@ impl Default for ConnectionState {
             start: 0,
             end: 0,
             reading: Reading::Header,
+            traffic: Traffic::default(),
+            small_waiting: 0,
         }
     }
 }
@@ -324,6 +356,8 @@ impl ConnectionState {
         }
         let sqe = send_sqe(socket, batch.rest(), connection);
         self.sending = Some(batch);
+        self.traffic.sends += 1;
+        self.traffic.requests += taken as u64;
         Some(sqe)
     }
 
@@ -341,6 +375,7 @@ impl ConnectionState {
             lost("sending requests", &"a send completed that was never submitted");
         };
         if batch.advance(res as usize) {
+            self.traffic.sends += 1;
             return Some(send_sqe(socket, batch.rest(), connection));
         }
         self.spare = self.sending.take();
@@ -360,7 +395,14 @@ impl ConnectionState {
                 self.start = 0;
             }
             let room = &mut self.received[self.end..];
-            opcode::Recv::new(fd, room.as_mut_ptr(), room.len() as u32).build()
+            // Only large READs waiting (none at all is not that: the next request, not
+            // yet known, may be small): take the next reply's header alone.
+            let len = if self.small_waiting == 0 && !self.waiting.is_empty() {
+                room.len().min(HEADER_RECEIVE_BYTES)
+            } else {
+                room.len()
+            };
+            opcode::Recv::new(fd, room.as_mut_ptr(), len as u32).build()
         };
         sqe.user_data(own_user_data(key(connection, KEY_RECEIVE)))
     }
@@ -377,6 +419,7 @@ impl ConnectionState {
             };
             lost("waiting for replies", cause);
         }
+        self.traffic.receives += 1;
         match self.reading {
             Reading::Data { cookie, dest, left, direct: true, last } => {
                 let (dest, left) = (dest + res as usize, left.saturating_sub(res as u32));
@@ -398,6 +441,7 @@ impl ConnectionState {
     /// Finishes request `cookie`, whose reply is whole.
     fn finish_request(&mut self, cookie: u64, thread: usize, work: &mut TargetWork) {
         if let Some(w) = self.waiting.remove(&cookie) {
+            self.small_waiting -= usize::from(!received_straight(&w));
             finish(&w, w.result(), thread, thread, work);
         }
     }
@@ -428,6 +472,7 @@ impl ConnectionState {
                     // meanwhile, and `n <= left`.
                     unsafe { std::ptr::copy_nonoverlapping(have.as_ptr(), dest as *mut u8, n) };
                     self.start += n;
+                    self.traffic.copied_bytes += n as u64;
                     let (dest, left) = (dest + n, left - n as u32);
                     if left > 0 {
                         // The receive buffer is empty: a large rest goes straight where
@@ -610,6 +655,7 @@ impl Target for NbdTarget {
         };
         let data_len = if req.op == UBLK_IO_OP_WRITE { req.len } else { 0 };
         let mut state = lock(&self.connections[index].state);
+        state.small_waiting += usize::from(!received_straight(&waiting));
         state.waiting.insert(cookie, waiting);
         // Sent with the rest of the turn's requests, before the thread waits.
         state.queued.push(Queued { header, data: req.buf as usize, len: data_len });
@@ -619,13 +665,38 @@ impl Target for NbdTarget {
     fn before_wait(&self, thread: usize, work: &mut TargetWork) {
         let index = thread % self.connections.len();
         if let Some(socket) = self.socket(index) {
-            work.sqes.extend(lock(&self.connections[index].state).next_send(socket, index));
+            let send = lock(&self.connections[index].state).next_send(socket, index);
+            work.inline += usize::from(send.is_some());
+            work.sqes.extend(send);
         }
     }
 
     fn on_cqe(&self, _req: &IoReq, res: i32, _done: &mut u32) -> Step {
         // The request's result, from its connection's reader.
         Step::Done(res)
+    }
+
+    fn report(&self) {
+        for (connection, c) in self.connections.iter().enumerate() {
+            let t = lock(&c.state).traffic;
+            let per = |n: u64| t.requests as f64 / n.max(1) as f64;
+            tracing::info!(
+                connection,
+                requests = t.requests,
+                sends = t.sends,
+                receives = t.receives,
+                copied_bytes = t.copied_bytes,
+                "nbd connection {connection}: {} requests in {} sends and {} receives \
+                 ({:.2} requests per send, {:.2} replies per receive), {} KiB of READ data \
+                 copied from the receive buffer",
+                t.requests,
+                t.sends,
+                t.receives,
+                per(t.sends),
+                per(t.receives),
+                t.copied_bytes >> 10,
+            );
+        }
     }
 
     fn arm(&self, thread: usize, work: &mut TargetWork) {
@@ -642,7 +713,11 @@ impl Target for NbdTarget {
         };
         let mut state = lock(&self.connections[connection].state);
         match key & 0xff {
-            KEY_SEND => work.sqes.extend(state.on_sent(res, socket, connection)),
+            KEY_SEND => {
+                let send = state.on_sent(res, socket, connection);
+                work.inline += usize::from(send.is_some());
+                work.sqes.extend(send);
+            }
             KEY_RECEIVE if connection == thread => state.on_received(res, thread, work, socket),
             // Posted only on failure (IOSQE_CQE_SKIP_SUCCESS).
             KEY_POST => {
@@ -1004,6 +1079,47 @@ mod tests {
         assert_eq!(done, [(1, len as i32), (2, 512)]);
         assert!(bufs[0] == pattern, "the large READ's data is whole and in order");
         assert!(bufs[1].iter().all(|&b| b == 5), "the reply after it is read from the stream");
+        std::mem::forget(writer.join().unwrap());
+    }
+
+    #[test]
+    fn with_only_large_reads_waiting_their_data_skips_the_receive_buffer() {
+        let (target, mut servers) = target_over(1);
+        let mut server = servers.remove(0);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
+        let len = 64 << 10;
+        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; len]).collect();
+        let reqs: Vec<IoReq> =
+            (0..4).map(|i| lp.req(UBLK_IO_OP_READ, 0, &mut bufs[i], i as u64 + 1)).collect();
+        for req in &reqs {
+            lp.start(&target, req);
+        }
+        lp.settle(&target);
+        let mut stream = Vec::new();
+        for i in 0..4 {
+            let h = request(&mut server);
+            stream.extend(reply_bytes(0, &h[8..16], &vec![i as u8 + 1; len]));
+        }
+        // Every reply at once: a RECV as large as the receive buffer would take each
+        // reply's first 64 KiB through it.
+        let writer = std::thread::spawn(move || {
+            server.write_all(&stream).unwrap();
+            server
+        });
+        let mut done = lp.finished(&target, 4);
+        done.sort();
+        assert_eq!(done, (1..=4).map(|ud| (ud, len as i32)).collect::<Vec<_>>());
+        for (i, buf) in bufs.iter().enumerate() {
+            assert!(buf.iter().all(|&b| b == i as u8 + 1), "READ {i}'s data is whole");
+        }
+        let copied = lock(&target.connections[0].state).traffic.copied_bytes;
+        // The RECV armed before any request was known takes the first reply's data
+        // (up to the buffer's size); after it, only a header's few bytes per reply.
+        assert!(
+            copied <= (len + 3 * HEADER_RECEIVE_BYTES) as u64,
+            "{copied} bytes of READ data went through the receive buffer"
+        );
         std::mem::forget(writer.join().unwrap());
     }
 
