@@ -306,6 +306,29 @@ def paired_ratio(num_recs, den_recs, metric):
     return {"median": median, "lo": lo, "hi": hi, "n": len(ratios), "resolved": resolved}
 
 
+def median_ratio(num, den, threshold=1.0):
+    """The ratio of the medians of two unpaired samples (each server's kills are its
+    own), with a bootstrap interval (each sample resampled on its own), and whether the
+    interval leaves out `threshold` (a goal's ratio, or 1.0). None if either is empty."""
+    num, den = [v for v in num if v is not None], [v for v in den if v is not None]
+    if not num or not den or not statistics.median(den):
+        return None
+    median = statistics.median(num) / statistics.median(den)
+    rng = random.Random(1)
+    ratios = []
+    for _ in range(RATIO_RESAMPLES):
+        d = statistics.median(rng.choices(den, k=len(den)))
+        if d:
+            ratios.append(statistics.median(rng.choices(num, k=len(num))) / d)
+    ratios.sort()
+    tail = (1 - RATIO_CONFIDENCE) / 2
+    lo = ratios[int(tail * (len(ratios) - 1))]
+    hi = ratios[int((1 - tail) * (len(ratios) - 1))]
+    resolved = len(num) >= 2 and len(den) >= 2 and (lo > threshold or hi < threshold)
+    return {"median": median, "lo": lo, "hi": hi, "n": min(len(num), len(den)),
+            "resolved": resolved}
+
+
 def fmt_ratio(r):
     """`x1.22 [1.10-1.31]`, and `not resolved` where the interval holds 1.0."""
     if not r:

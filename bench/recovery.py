@@ -129,9 +129,11 @@ HEAD = (f"{'server':<10} {'kills':>5}  {'stall ms: min':>13} {'median':>7} {'max
 def summarize(results):
     prm, recs = results["params"], results["records"]
     out = {}
+    stalls = {}
     for srv in prm["RECOVERY_SERVERS"]:
         kills = [r for r in recs if r.get("kind") == "kill" and r["server"] == srv]
         ok = [r for r in kills if not r.get("error")]
+        stalls[srv] = [r["stall_ms"] for r in ok]
         series = [r for r in recs if r.get("kind") == "series" and r["server"] == srv]
         out[srv] = {
             "kills": len(ok), "failed_kills": len(kills) - len(ok),
@@ -155,12 +157,25 @@ def summarize(results):
         u, k = out.get(ours), out.get(theirs)
         if u and k and u["stall_ms"] and k["stall_ms"] and k["stall_ms"]["median"]:
             r = u["stall_ms"]["median"] / k["stall_ms"]["median"]
+            # The spread of that ratio: the two servers' kills resampled on their own;
+            # "resolved" where the interval leaves out the target.
+            spread = L.median_ratio(stalls[ours], stalls[theirs], prm["RECOVERY_TARGET_RATIO"])
             if ours == "ublkd" and theirs == base:
                 out["ratio_ublkd_kublk"] = r
+                out["ratio_ublkd_kublk_spread"] = spread
                 out["target_met"] = r <= prm["RECOVERY_TARGET_RATIO"]
             elif ours != "ublkd":
                 out[f"ratio_{ours}_{theirs}"] = r
+                out[f"ratio_{ours}_{theirs}_spread"] = spread
     return out
+
+
+def spread_note(r):
+    """` [0.52-0.71]`, the ratio's bootstrap interval, and `, not resolved` where it
+    holds the target."""
+    if not r:
+        return ""
+    return f" [{r['lo']:.3f}-{r['hi']:.3f}{'' if r['resolved'] else ', not resolved'}]"
 
 
 def table(results):
@@ -198,14 +213,17 @@ def table(results):
     lines.append("")
     if "ratio_ublkd_kublk" in summ:
         r = summ["ratio_ublkd_kublk"]
-        lines.append(f"median stall ublkd / {baseline(prm['RECOVERY_SERVERS'])} = {r:.3f}  "
+        lines.append(f"median stall ublkd / {baseline(prm['RECOVERY_SERVERS'])} = {r:.3f}"
+                     f"{spread_note(summ.get('ratio_ublkd_kublk_spread'))}  "
                      f"(target <= {prm['RECOVERY_TARGET_RATIO']}: "
                      f"{'met' if summ['target_met'] else 'NOT met'})")
     for ours, theirs in PAIRS:
         # (ublkd's own pair is the line above: its key, ratio_ublkd_kublk, is the same)
         if ours != "ublkd" and f"ratio_{ours}_{theirs}" in summ:
             lines.append(f"median stall {ours} / {theirs} = "
-                         f"{summ[f'ratio_{ours}_{theirs}']:.3f}  ({NOTES[ours]})")
+                         f"{summ[f'ratio_{ours}_{theirs}']:.3f}"
+                         f"{spread_note(summ.get(f'ratio_{ours}_{theirs}_spread'))}  "
+                         f"({NOTES[ours]})")
     if len(lines) and lines[-1]:
         lines.append("")
     m = results["meta"]

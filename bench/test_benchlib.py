@@ -54,5 +54,29 @@ class PairedRatio(unittest.TestCase):
         self.assertEqual(L.fmt_ratio(None), "-")
 
 
+class MedianRatio(unittest.TestCase):
+    def test_clearly_apart_samples_resolve_against_the_target(self):
+        ours = [140, 150, 147, 160, 130, 155, 149, 145]
+        theirs = [240, 250, 230, 260, 245, 235, 238, 242]
+        r = L.median_ratio(ours, theirs, 0.35)
+        self.assertAlmostEqual(r["median"], 148 / 241, places=3)
+        self.assertLessEqual(r["lo"], r["median"])
+        self.assertGreaterEqual(r["hi"], r["median"])
+        self.assertTrue(r["resolved"], "well above 0.35 whatever the resampling")
+        self.assertEqual(r, L.median_ratio(ours, theirs, 0.35), "the same each time")
+
+    def test_a_target_inside_the_interval_is_not_resolved(self):
+        ours = [50, 300, 60, 280, 70, 250]
+        theirs = [200, 210, 190, 205]
+        r = L.median_ratio(ours, theirs, 0.8)
+        self.assertLess(r["lo"], 0.8)
+        self.assertGreater(r["hi"], 0.8)
+        self.assertFalse(r["resolved"])
+
+    def test_an_empty_side_has_no_ratio(self):
+        self.assertIsNone(L.median_ratio([], [1, 2], 0.35))
+        self.assertIsNone(L.median_ratio([1, None], [None], 0.35))
+
+
 if __name__ == "__main__":
     unittest.main()
