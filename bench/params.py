@@ -158,6 +158,7 @@ NBD_JOBS = {
     "randread-4k-qd32":  ("nbd", "randread", "4k", 32, 1),
     "randwrite-4k-qd32": ("nbd", "randwrite", "4k", 32, 1),
     "seqread-128k-qd8":  ("nbd", "read", "128k", 8, 1),
+    "seqwrite-128k-qd8": ("nbd", "write", "128k", 8, 1),
 }
 NBD_OVERHEAD_PER_RUN_S = 4.5                # for the estimate, as OVERHEAD_PER_RUN_S
 # The restart phase: fio randrw 4k with crc32c verify for NBD_RESTART_RUNTIME_S; after
