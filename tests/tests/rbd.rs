@@ -417,8 +417,8 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     // With its spare standing by (an open image, watched): the stopping ublkd asks the
     // spare to exit rather than killing it, so that it closes the image. A killed
     // spare's watch stays for the cluster's 30 s, which the check after the delete
-    // below sees. (In CI it also held the deleted worker's close past its grace, the
-    // lock's release notifying a watcher that never answers: librbd waits 5 s.)
+    // below sees. (In CI that watch also held the deleted worker's close past its 5 s
+    // grace, so that the worker was killed and left its own watch too.)
     ublkd.wait_until("the spare standing by", || ublkd.status_of(id)["standby_pid"].is_u64());
     ublkd.signal_and_restart(libc::SIGTERM, || {});
     ublkd.wait_until("the device LIVE after ublkd's restart", || {

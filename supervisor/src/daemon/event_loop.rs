@@ -44,8 +44,8 @@ impl TurnTimes {
 }
 
 /// How long a stopping ublkd waits for its devices' spares to exit, together: a
-/// standby exits at once, but an RBD spare first closes its image (~0.1 s), and one
-/// still connecting finishes that first.
+/// standby exits at once, but an RBD spare first closes its image, and one still
+/// connecting finishes that first.
 pub(super) const SPARES_END_WAIT: Duration = Duration::from_secs(2);
 
 /// How often at most the STATUS line is counted again while devices change without an
@@ -453,22 +453,15 @@ impl Daemon {
     /// `SPARES_END_WAIT` (then killing them), so that the relay logs their last lines.
     pub(super) fn leave_all(&mut self) {
         let left: Vec<Left> = self.devices.take_all().into_iter().map(Device::leave).collect();
-        let mut workers = Vec::new();
+        left.iter().for_each(Left::signal);
         let mut spares = Vec::new();
         for Left { to_kill, spare } in left {
-            for w in &to_kill {
-                w.kill();
+            spares.extend(spare);
+            for mut w in to_kill {
+                let pid = w.pid();
+                let how = w.reap(Duration::ZERO);
+                tracing::debug!(worker_pid = pid, "worker ended: {how}");
             }
-            workers.extend(to_kill);
-            if let Some(spare) = spare {
-                spare.ask_to_exit();
-                spares.push(spare);
-            }
-        }
-        for mut w in workers {
-            let pid = w.pid();
-            let how = w.reap(Duration::ZERO);
-            tracing::debug!(worker_pid = pid, "worker ended: {how}");
         }
         // The spares exit side by side, each closing what its target opened; one that
         // has not within the wait (still connecting) is killed.

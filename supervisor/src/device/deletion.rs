@@ -158,20 +158,26 @@ pub struct Left {
     pub to_kill: Vec<Worker>,
     /// The spare (standing by or starting), which serves nothing: asked to exit, so
     /// that it gives back what its target holds outside, which a kill would leave
-    /// behind (an RBD spare's watch on its image, which the cluster keeps for 30 s and
-    /// which stalls every lock hand-over on the image by librbd's notify timeout).
+    /// behind (an RBD spare's watch on its image, which the cluster keeps for its watch
+    /// timeout, 30 s by default; seen in CI to hold a later delete's close on the same
+    /// image past the worker's grace).
     pub spare: Option<Worker>,
 }
 
 impl Left {
-    /// Kills the workers to kill and asks the spare to exit; waits for none of them
-    /// (each is reaped once it ends, by `reap_lingering`).
-    pub fn end(self) {
+    /// Kills the workers to kill and asks the spare to exit, waiting for none of them.
+    pub fn signal(&self) {
         for worker in &self.to_kill {
             worker.kill();
         }
-        if let Some(spare) = self.spare {
+        if let Some(spare) = &self.spare {
             spare.ask_to_exit();
         }
+    }
+
+    /// [`Self::signal`], then lets the workers go: each is reaped once it ends, by
+    /// `reap_lingering`.
+    pub fn end(self) {
+        self.signal();
     }
 }

@@ -96,11 +96,12 @@ pub struct QueueThread {
 }
 
 /// How much each of a queue thread's wake-ups handled: requests finished and
-/// completions taken per `io_uring_enter` that waited. Logged once, when the thread
+/// completions taken per loop turn. Logged once, when the thread
 /// ends: what batching buys (or does not) shows there, without a profiler.
 #[derive(Debug, Default)]
 struct Wakeups {
-    /// Loop turns: `io_uring_enter` calls that waited for work.
+    /// Loop turns: one `io_uring_enter` each, which waits for work unless none is
+    /// expected.
     turns: u64,
     /// Completions taken from the ring.
     cqes: u64,

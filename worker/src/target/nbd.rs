@@ -874,6 +874,14 @@ mod tests {
         (target, servers)
     }
 
+    /// A target over one connection, its server's end, and thread 0's loop, armed.
+    fn one_connection() -> (NbdTarget, UnixStream, Loop) {
+        let (target, mut servers) = target_over(1);
+        let mut lp = Loop::new(0);
+        lp.arm(&target);
+        (target, servers.remove(0), lp)
+    }
+
     fn request(server: &mut UnixStream) -> [u8; nbd::REQUEST_BYTES] {
         let mut header = [0u8; nbd::REQUEST_BYTES];
         server.read_exact(&mut header).unwrap();
@@ -894,10 +902,7 @@ mod tests {
 
     #[test]
     fn replies_in_any_order_reach_their_requests_with_their_data() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         let mut read_buf = vec![0u8; 4096];
         let mut write_buf = vec![7u8; 1024];
         let read = lp.req(UBLK_IO_OP_READ, 0, &mut read_buf, 11);
@@ -950,10 +955,7 @@ mod tests {
 
     #[test]
     fn structured_replies_place_data_and_holes_in_any_order_and_carry_errors() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         let mut bufs = [vec![0xeeu8; 8192], vec![0u8; 4096], vec![0u8; 512]];
         let [a, b, c] = &mut bufs;
         let reads = [
@@ -1002,10 +1004,7 @@ mod tests {
 
     #[test]
     fn a_structured_read_not_covered_whole_fails_rather_than_return_stale_bytes() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         let mut buf = vec![0u8; 4096];
         let r = lp.req(UBLK_IO_OP_READ, 0, &mut buf, 5);
         lp.start(&target, &r);
@@ -1025,10 +1024,7 @@ mod tests {
     fn a_structured_read_with_overlapping_or_repeated_chunks_fails() {
         // The loop's requests are at device offset 8192.
         for second_at in [8192 + 1024, 8192] {
-            let (target, mut servers) = target_over(1);
-            let mut server = servers.remove(0);
-            let mut lp = Loop::new(0);
-            lp.arm(&target);
+            let (target, mut server, mut lp) = one_connection();
             let mut buf = vec![9u8; 4096];
             let r = lp.req(UBLK_IO_OP_READ, 0, &mut buf, 6);
             lp.start(&target, &r);
@@ -1052,10 +1048,7 @@ mod tests {
 
     #[test]
     fn a_read_larger_than_the_receive_buffer_lands_whole_in_its_buffer() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         let len = RECEIVE_BUFFER_BYTES * 3 + 123;
         let mut bufs = [vec![0u8; len], vec![0u8; 512]];
         let big = lp.req(UBLK_IO_OP_READ, 0, &mut bufs[0], 1);
@@ -1084,10 +1077,7 @@ mod tests {
 
     #[test]
     fn with_only_large_reads_waiting_their_data_skips_the_receive_buffer() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         let len = 64 << 10;
         let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; len]).collect();
         let reqs: Vec<IoReq> =
@@ -1125,10 +1115,7 @@ mod tests {
 
     #[test]
     fn flush_discard_and_write_zeroes_carry_no_data_and_complete_with_zero() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         let mut none = vec![0u8; 65536];
         for (op, flags, kind, cmd_flags) in [
             (UBLK_IO_OP_FLUSH, 0, nbd::CMD_FLUSH, 0),
@@ -1157,10 +1144,7 @@ mod tests {
 
     #[test]
     fn requests_queued_behind_a_send_all_go_out_whole_and_in_order() {
-        let (target, mut servers) = target_over(1);
-        let mut server = servers.remove(0);
-        let mut lp = Loop::new(0);
-        lp.arm(&target);
+        let (target, mut server, mut lp) = one_connection();
         // More requests than one WRITEV carries, each WRITE with its own data: the
         // server reads them only later, so sends fill the socket and wait.
         let n = 700;
