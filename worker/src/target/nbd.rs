@@ -6,7 +6,7 @@
 //! call per request beyond them. Queue thread `i` sends on connection `i % n` (several
 //! only where the export allows it: the supervisor decides), and thread `c` reads
 //! connection `c`:
-//! - **Sending.** A request's header (and a WRITE's data, straight from the tag's
+//! - **Sending** ([`send`]). A request's header (and a WRITE's data, straight from the tag's
 //!   buffer) is queued on its connection, and the turn's requests go in one WRITEV
 //!   before the thread waits. At most one WRITEV is in flight per connection, so that
 //!   two requests never interleave on the stream; requests queued meanwhile go together
@@ -40,8 +40,10 @@ use ublkd_proto::uapi::{
 use super::{IoReq, Reply, Step, Target, TargetError, TargetWork, own_user_data};
 
 mod coverage;
+mod send;
 
 use coverage::Coverage;
+use send::Sender;
 
 /// Each connection's receive buffer: most replies are 16-byte headers, taken a ring
 /// completion's worth at a time.
@@ -57,10 +59,6 @@ const DIRECT_RECEIVE_MIN_BYTES: u32 = 16 << 10;
 /// offset; a simple reply's header and a few bytes of data), so that the data goes
 /// straight into the tag's buffer rather than through the receive buffer and a copy.
 const HEADER_RECEIVE_BYTES: usize = nbd::CHUNK_HEADER_BYTES + 8;
-
-/// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
-/// header) or two (and a WRITE's data).
-const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
 
 /// What a connection's own SQE is, in the low bits of its key (the connection's number
 /// above them).
@@ -121,66 +119,6 @@ impl Waiting {
     }
 }
 
-/// A request waiting to be sent: its header and, for a WRITE, its data (the tag's
-/// buffer, as an address, `len` bytes).
-#[derive(Debug, Clone, Copy)]
-struct Queued {
-    header: [u8; nbd::REQUEST_BYTES],
-    data: usize,
-    len: u32,
-}
-
-/// One WRITEV and everything it points at, kept (boxed, so it does not move) until it
-/// completes: the headers and the parts (into `headers` and tag buffers).
-struct SendBatch {
-    headers: Vec<[u8; nbd::REQUEST_BYTES]>,
-    parts: Vec<libc::iovec>,
-    /// The first part not yet sent whole.
-    first: usize,
-}
-
-// SAFETY: the raw pointers are into the batch's own heap (`headers`, `parts`) and into
-// tag buffers (mapped for the process's life); a batch is touched only under its
-// connection's lock, by one thread at a time.
-unsafe impl Send for SendBatch {}
-
-impl std::fmt::Debug for SendBatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SendBatch")
-            .field("requests", &self.headers.len())
-            .field("parts", &self.parts.len())
-            .field("first", &self.first)
-            .finish()
-    }
-}
-
-impl SendBatch {
-    fn new() -> Box<SendBatch> {
-        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0 })
-    }
-
-    /// The parts not yet sent.
-    fn rest(&self) -> &[libc::iovec] {
-        &self.parts[self.first..]
-    }
-
-    /// `sent` more bytes went out: whether any are left.
-    fn advance(&mut self, mut sent: usize) -> bool {
-        while sent > 0 && self.first < self.parts.len() {
-            let part = &mut self.parts[self.first];
-            if sent >= part.iov_len {
-                sent -= part.iov_len;
-                self.first += 1;
-            } else {
-                part.iov_base = part.iov_base.wrapping_byte_add(sent);
-                part.iov_len -= sent;
-                sent = 0;
-            }
-        }
-        self.first < self.parts.len()
-    }
-}
-
 /// Where the reader is in the stream.
 #[derive(Debug, Clone, Copy)]
 enum Reading {
@@ -225,11 +163,7 @@ struct ConnectionState {
     /// Requests sent or queued and not yet answered, by cookie (their
     /// `Reply::user_data`, unique while a request is in flight).
     waiting: Cookies,
-    queued: Vec<Queued>,
-    /// The WRITEV in flight, if any.
-    sending: Option<Box<SendBatch>>,
-    /// The last batch sent, for its allocations.
-    spare: Option<Box<SendBatch>>,
+    sender: Sender,
     /// The receive buffer: bytes `start..end` received and not yet parsed.
     received: Box<[u8]>,
     start: usize,
@@ -246,14 +180,10 @@ fn received_straight(w: &Waiting) -> bool {
     w.op == UBLK_IO_OP_READ && w.len >= DIRECT_RECEIVE_MIN_BYTES
 }
 
-/// What a connection carried, for [`Target::report`]: how many requests each send and
-/// each receive took on average.
+/// What a connection's reader carried, for [`Target::report`] (the sender counts
+/// its own).
 #[derive(Debug, Default, Clone, Copy)]
 struct Traffic {
-    /// WRITEVs submitted (a short one's rest counted again).
-    sends: u64,
-    /// Requests sent (each answered by one reply).
-    requests: u64,
     /// RECVs completed.
     receives: u64,
     /// READ data copied out of the receive buffer (the rest went straight into the
@@ -265,9 +195,7 @@ impl Default for ConnectionState {
     fn default() -> Self {
         ConnectionState {
             waiting: Cookies::default(),
-            queued: Vec::new(),
-            sending: None,
-            spare: None,
+            sender: Sender::default(),
             received: vec![0u8; RECEIVE_BUFFER_BYTES].into_boxed_slice(),
             start: 0,
             end: 0,
@@ -323,65 +251,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ConnectionState {
-    /// The next WRITEV, if none is in flight and requests are queued: as many of them
-    /// as one message carries.
-    fn next_send(&mut self, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
-        if self.sending.is_some() || self.queued.is_empty() {
-            return None;
-        }
-        let mut batch = self.spare.take().unwrap_or_else(SendBatch::new);
-        batch.headers.clear();
-        batch.parts.clear();
-        batch.first = 0;
-        let mut parts = 0;
-        let taken = self
-            .queued
-            .iter()
-            .take_while(|q| {
-                parts += 1 + usize::from(q.len > 0);
-                parts <= MAX_PARTS_PER_SEND
-            })
-            .count();
-        // The headers first, all of them: the parts point into this vector, which must
-        // not grow once they do.
-        batch.headers.extend(self.queued[..taken].iter().map(|q| q.header));
-        for (i, q) in self.queued.drain(..taken).enumerate() {
-            let header = &batch.headers[i];
-            let base = header.as_ptr().cast_mut().cast();
-            batch.parts.push(libc::iovec { iov_base: base, iov_len: header.len() });
-            if q.len > 0 {
-                let base = q.data as *mut libc::c_void;
-                batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
-            }
-        }
-        let sqe = send_sqe(socket, batch.rest(), connection);
-        self.sending = Some(batch);
-        self.traffic.sends += 1;
-        self.traffic.requests += taken as u64;
-        Some(sqe)
-    }
-
-    /// The WRITEV in flight sent `res` bytes: the rest of it, else the next one.
-    fn on_sent(&mut self, res: i32, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
-        if res <= 0 {
-            let cause = if res == 0 {
-                std::io::Error::from(std::io::ErrorKind::WriteZero)
-            } else {
-                std::io::Error::from_raw_os_error(-res)
-            };
-            lost("sending requests", &cause);
-        }
-        let Some(batch) = self.sending.as_mut() else {
-            lost("sending requests", &"a send completed that was never submitted");
-        };
-        if batch.advance(res as usize) {
-            self.traffic.sends += 1;
-            return Some(send_sqe(socket, batch.rest(), connection));
-        }
-        self.spare = self.sending.take();
-        self.next_send(socket, connection)
-    }
-
     /// The RECV that continues the stream: into the receive buffer (what is left of it
     /// moved to its start), or, in a READ's data, straight into the tag's buffer.
     fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
@@ -584,17 +453,6 @@ impl ConnectionState {
     }
 }
 
-/// A WRITEV of `parts` on the socket, not a SENDMSG: a write carries no control
-/// message, so the ring cannot pass a descriptor to the server (`SCM_RIGHTS` over
-/// `nbd+unix`), and the sandbox allows the ring no SENDMSG at all. A short write is
-/// continued by [`ConnectionState::on_sent`]; a broken connection is EPIPE, not a
-/// signal (Rust's runtime ignores SIGPIPE).
-fn send_sqe(socket: RawFd, parts: &[libc::iovec], connection: usize) -> squeue::Entry {
-    opcode::Writev::new(types::Fd(socket), parts.as_ptr(), parts.len() as u32)
-        .build()
-        .user_data(own_user_data(key(connection, KEY_SEND)))
-}
-
 /// Finishes request `w` with `res`: handed back to this thread's loop if it is this
 /// thread's, else posted into its own thread's ring.
 fn finish(w: &Waiting, res: i32, thread: usize, connection: usize, work: &mut TargetWork) {
@@ -658,14 +516,14 @@ impl Target for NbdTarget {
         state.small_waiting += usize::from(!received_straight(&waiting));
         state.waiting.insert(cookie, waiting);
         // Sent with the rest of the turn's requests, before the thread waits.
-        state.queued.push(Queued { header, data: req.buf as usize, len: data_len });
+        state.sender.queue(header, req.buf as usize, data_len);
         Step::Pending
     }
 
     fn before_wait(&self, thread: usize, work: &mut TargetWork) {
         let index = thread % self.connections.len();
         if let Some(socket) = self.socket(index) {
-            let send = lock(&self.connections[index].state).next_send(socket, index);
+            let send = lock(&self.connections[index].state).sender.next(socket, index);
             work.inline += usize::from(send.is_some());
             work.sqes.extend(send);
         }
@@ -678,21 +536,23 @@ impl Target for NbdTarget {
 
     fn report(&self) {
         for (connection, c) in self.connections.iter().enumerate() {
-            let t = lock(&c.state).traffic;
-            let per = |n: u64| t.requests as f64 / n.max(1) as f64;
+            let state = lock(&c.state);
+            let (t, requests, sends) = (state.traffic, state.sender.requests, state.sender.sends);
+            drop(state);
+            let per = |n: u64| requests as f64 / n.max(1) as f64;
             tracing::info!(
                 connection,
-                requests = t.requests,
-                sends = t.sends,
+                requests,
+                sends,
                 receives = t.receives,
                 copied_bytes = t.copied_bytes,
                 "nbd connection {connection}: {} requests in {} sends and {} receives \
                  ({:.2} requests per send, {:.2} replies per receive), {} KiB of READ data \
                  copied from the receive buffer",
-                t.requests,
-                t.sends,
+                requests,
+                sends,
                 t.receives,
-                per(t.sends),
+                per(sends),
                 per(t.receives),
                 t.copied_bytes >> 10,
             );
@@ -714,7 +574,7 @@ impl Target for NbdTarget {
         let mut state = lock(&self.connections[connection].state);
         match key & 0xff {
             KEY_SEND => {
-                let send = state.on_sent(res, socket, connection);
+                let send = state.sender.on_sent(res, socket, connection);
                 work.inline += usize::from(send.is_some());
                 work.sqes.extend(send);
             }

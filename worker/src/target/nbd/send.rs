@@ -1,0 +1,211 @@
+//! The sending half of a connection: requests queued by the queue threads go out in
+//! WRITEVs of as many as one message carries, one WRITEV in flight at a time, so that
+//! two requests never interleave on the stream; what is queued meanwhile goes in the
+//! next one, when the one in flight completes, in whichever ring submitted it.
+
+use std::os::fd::RawFd;
+
+use io_uring::{opcode, squeue, types};
+use ublkd_proto::nbd;
+
+use super::{KEY_SEND, key, lost};
+use crate::target::own_user_data;
+
+/// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
+/// header) or two (and a WRITE's data).
+const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
+
+/// A request waiting to be sent: its header and, for a WRITE, its data (the tag's
+/// buffer, as an address, `len` bytes).
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    header: [u8; nbd::REQUEST_BYTES],
+    data: usize,
+    len: u32,
+}
+
+/// One WRITEV and everything it points at, kept (boxed, so it does not move) until it
+/// completes: the headers and the parts (into `headers` and tag buffers).
+struct SendBatch {
+    headers: Vec<[u8; nbd::REQUEST_BYTES]>,
+    parts: Vec<libc::iovec>,
+    /// The first part not yet sent whole.
+    first: usize,
+}
+
+// SAFETY: the raw pointers are into the batch's own heap (`headers`, `parts`) and into
+// tag buffers (mapped for the process's life); a batch is touched only under its
+// connection's lock, by one thread at a time.
+unsafe impl Send for SendBatch {}
+
+impl std::fmt::Debug for SendBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendBatch")
+            .field("requests", &self.headers.len())
+            .field("parts", &self.parts.len())
+            .field("first", &self.first)
+            .finish()
+    }
+}
+
+impl SendBatch {
+    fn new() -> Box<SendBatch> {
+        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0 })
+    }
+
+    /// The parts not yet sent.
+    fn rest(&self) -> &[libc::iovec] {
+        &self.parts[self.first..]
+    }
+
+    /// `sent` more bytes went out: whether any are left.
+    fn advance(&mut self, mut sent: usize) -> bool {
+        while sent > 0 && self.first < self.parts.len() {
+            let part = &mut self.parts[self.first];
+            if sent >= part.iov_len {
+                sent -= part.iov_len;
+                self.first += 1;
+            } else {
+                part.iov_base = part.iov_base.wrapping_byte_add(sent);
+                part.iov_len -= sent;
+                sent = 0;
+            }
+        }
+        self.first < self.parts.len()
+    }
+}
+
+/// A connection's sending half, under the connection's lock.
+#[derive(Debug, Default)]
+pub(super) struct Sender {
+    queued: Vec<Queued>,
+    /// The WRITEV in flight, if any.
+    sending: Option<Box<SendBatch>>,
+    /// The last batch sent, for its allocations.
+    spare: Option<Box<SendBatch>>,
+    /// WRITEVs submitted (a short one's rest counted again), for `Target::report`.
+    pub(super) sends: u64,
+    /// Requests sent (each answered by one reply).
+    pub(super) requests: u64,
+}
+
+impl Sender {
+    /// Queues a request: its `header`, then (a WRITE) `len` bytes of data at `data`,
+    /// which stay untouched until the request is finished.
+    pub(super) fn queue(&mut self, header: [u8; nbd::REQUEST_BYTES], data: usize, len: u32) {
+        self.queued.push(Queued { header, data, len });
+    }
+
+    /// The next WRITEV, if none is in flight and requests are queued: as many of them
+    /// as one message carries.
+    pub(super) fn next(&mut self, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
+        if self.sending.is_some() || self.queued.is_empty() {
+            return None;
+        }
+        let mut batch = self.spare.take().unwrap_or_else(SendBatch::new);
+        batch.headers.clear();
+        batch.parts.clear();
+        batch.first = 0;
+        let mut parts = 0;
+        let taken = self
+            .queued
+            .iter()
+            .take_while(|q| {
+                parts += 1 + usize::from(q.len > 0);
+                parts <= MAX_PARTS_PER_SEND
+            })
+            .count();
+        // The headers first, all of them: the parts point into this vector, which must
+        // not grow once they do.
+        batch.headers.extend(self.queued[..taken].iter().map(|q| q.header));
+        for (i, q) in self.queued.drain(..taken).enumerate() {
+            let header = &batch.headers[i];
+            let base = header.as_ptr().cast_mut().cast();
+            batch.parts.push(libc::iovec { iov_base: base, iov_len: header.len() });
+            if q.len > 0 {
+                let base = q.data as *mut libc::c_void;
+                batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
+            }
+        }
+        let sqe = send_sqe(socket, batch.rest(), connection);
+        self.sending = Some(batch);
+        self.sends += 1;
+        self.requests += taken as u64;
+        Some(sqe)
+    }
+
+    /// The WRITEV in flight sent `res` bytes: the rest of it, else the next one.
+    pub(super) fn on_sent(
+        &mut self,
+        res: i32,
+        socket: RawFd,
+        connection: usize,
+    ) -> Option<squeue::Entry> {
+        if res <= 0 {
+            let cause = if res == 0 {
+                std::io::Error::from(std::io::ErrorKind::WriteZero)
+            } else {
+                std::io::Error::from_raw_os_error(-res)
+            };
+            lost("sending requests", &cause);
+        }
+        let Some(batch) = self.sending.as_mut() else {
+            lost("sending requests", &"a send completed that was never submitted");
+        };
+        if batch.advance(res as usize) {
+            self.sends += 1;
+            return Some(send_sqe(socket, batch.rest(), connection));
+        }
+        self.spare = self.sending.take();
+        self.next(socket, connection)
+    }
+}
+
+/// A WRITEV of `parts` on the socket, not a SENDMSG: a write carries no control
+/// message, so the ring cannot pass a descriptor to the server (`SCM_RIGHTS` over
+/// `nbd+unix`), and the sandbox allows the ring no SENDMSG at all. A short write is
+/// continued by [`Sender::on_sent`]; a broken connection is EPIPE, not a signal
+/// (Rust's runtime ignores SIGPIPE).
+fn send_sqe(socket: RawFd, parts: &[libc::iovec], connection: usize) -> squeue::Entry {
+    opcode::Writev::new(types::Fd(socket), parts.as_ptr(), parts.len() as u32)
+        .build()
+        .user_data(own_user_data(key(connection, KEY_SEND)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iov(bytes: &mut [u8]) -> libc::iovec {
+        libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: bytes.len() }
+    }
+
+    #[test]
+    fn a_short_send_resumes_inside_the_part_it_stopped_in() {
+        let (mut a, mut b) = ([0u8; 10], [0u8; 20]);
+        let mut batch = SendBatch::new();
+        batch.parts.extend([iov(&mut a), iov(&mut b)]);
+        assert!(batch.advance(14));
+        assert_eq!(batch.rest().len(), 1);
+        assert_eq!(batch.rest()[0].iov_len, 16);
+        assert_eq!(batch.rest()[0].iov_base, b[4..].as_ptr().cast_mut().cast());
+        assert!(!batch.advance(16));
+        assert!(batch.rest().is_empty());
+    }
+
+    #[test]
+    fn one_send_carries_at_most_the_kernels_parts_and_the_rest_follows() {
+        let mut sender = Sender::default();
+        let data = [7u8; 8];
+        for _ in 0..MAX_PARTS_PER_SEND {
+            sender.queue([0; nbd::REQUEST_BYTES], data.as_ptr() as usize, 8);
+        }
+        assert!(sender.next(-1, 0).is_some());
+        // Two parts per WRITE: half of them went.
+        assert_eq!(sender.requests, MAX_PARTS_PER_SEND as u64 / 2);
+        assert!(sender.next(-1, 0).is_none(), "a second WRITEV while one is in flight");
+        let all = (MAX_PARTS_PER_SEND / 2) * (nbd::REQUEST_BYTES + 8);
+        assert!(sender.on_sent(all as i32, -1, 0).is_some());
+        assert_eq!((sender.requests, sender.sends), (MAX_PARTS_PER_SEND as u64, 2));
+    }
+}
