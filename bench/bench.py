@@ -96,6 +96,8 @@ def host(args):
     if args.baseline:
         hr.paths["ublkd-base"], hr.versions["ublkd-base"] = build_baseline(args.baseline)
         prm["SERVERS"] = prm["SERVERS"] + ["ublkd-base"]
+        # the change's own before/after, paired per round like the peers' ratios
+        prm["RATIO_BASELINES"] = prm["RATIO_BASELINES"] + ["ublkd-base"]
     want = set(prm["SERVERS"])
     if any(s.startswith("kublk") for s in want):
         hr.build_peer("kublk", builds.build_kublk, args.rebuild_peers)
