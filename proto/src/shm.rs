@@ -231,7 +231,9 @@ pub struct TagSlot {
     pub op: AtomicU32,
     pub nr_sectors: AtomicU32,
     pub start_sector: AtomicU64,
-    /// Worker-monotonic milliseconds when the tag was fetched.
+    /// Worker-monotonic milliseconds when the tag was fetched, at most: the queue loop's
+    /// last clock read before it (a loop turn reads the clock only when one of its
+    /// requests waits at the backend).
     pub since_ms: AtomicU64,
 }
 

@@ -186,8 +186,8 @@ pub enum UblkctlCommand {
         json: bool,
     },
     /// Every device's I/O counters, errors, in-flight requests, recoveries, worker
-    /// restarts and latency histograms (per operation, FETCH to COMMIT in the worker) as
-    /// OpenMetrics text, ending in `# EOF`.
+    /// restarts and latency histograms (per operation, time at the backend in the
+    /// worker) as OpenMetrics text, ending in `# EOF`.
     Metrics {
         /// Only this device.
         #[arg(short = 'n', long = "id")]

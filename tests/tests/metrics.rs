@@ -1,4 +1,4 @@
-//! Metrics end to end (in the VM): fio on a memory device, then `ublkctl metrics` read
+//! Metrics end to end (in the VM): fio on a loop device, then `ublkctl metrics` read
 //! by an independent parser (python3-prometheus-client's OpenMetrics parser, installed
 //! by tests/vm/install-host-deps.sh), its latency histograms holding fio's I/O, p50/p99
 //! in status, and `daemon.metrics_file` written and replaced whole.
@@ -71,7 +71,12 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
     let file = dir.join("ublkd.prom");
     let extra = format!("metrics_file = \"{}\"\nmetrics_interval_secs = 1", file.display());
     let ublkd = Ublkd::start_with("metrics", &extra, &[]);
-    let id = ublkd.add(&["-t", "memory", "-s", "64M"]);
+    // A loop device: its requests wait on the backend, from the turn that fetched them
+    // to a later one, which is what the histograms measure (a memory device's requests
+    // are answered at once: 0 there).
+    let backing = dir.join("backing");
+    std::fs::File::create(&backing).unwrap().set_len(64 << 20).unwrap();
+    let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap()]);
     let dev = block_dev(id);
     // One block request per fio I/O: no merging of adjacent ones.
     let nomerges = format!("/sys/block/{}/queue/nomerges", dev.file_name().unwrap().display());
@@ -163,7 +168,10 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
     let count = value(&last, "ublkd_device_io_latency_seconds_count", &read);
     assert!(count >= fio_reads as f64, "the file's read histogram: {count} < fio's {fio_reads}");
     let names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert!(names.iter().all(|n| n == "ublkd.prom" || n == ".ublkd.prom.tmp"), "{names:?}");
+    let ours = |n: &std::ffi::OsString| {
+        ["ublkd.prom", ".ublkd.prom.tmp", "backing"].contains(&n.to_str().unwrap_or(""))
+    };
+    assert!(names.iter().all(ours), "{names:?}");
     eprintln!("metrics file read {reads} times, replaced {replaced} times meanwhile");
 
     ublkd.stop();

@@ -1,5 +1,6 @@
 //! The worker's queue threads: which queues each serves ([`plan`](mod@plan)), its ring
-//! made while standing by ([`ring`]), and its io_uring loop ([`thread`]), which runs
+//! made while standing by ([`ring`]), and its io_uring loop ([`thread`], timed by
+//! [`clock`]), which runs
 //! the target for every request the kernel delivers, with one of two sets of ublk
 //! commands (the device's [`DataPath`](ublkd_proto::msg::DataPath)):
 //! - [`batched`] (`UBLK_F_BATCH_IO`, Linux >= 7.0): PREP its queues, keep a multishot
@@ -14,6 +15,7 @@
 //! the next worker, so no I/O fails.
 
 pub mod batched;
+pub mod clock;
 pub mod per_io;
 pub mod plan;
 pub mod ring;

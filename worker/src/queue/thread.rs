@@ -8,7 +8,6 @@
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Barrier};
-use std::time::Instant;
 
 use io_uring::{IoUring, cqueue, squeue};
 use ublkd_proto::batch::ElemBuf;
@@ -17,6 +16,7 @@ use ublkd_proto::msg::DataPath;
 use ublkd_proto::shm::{CounterSnapshot, LatencyOp, TagRecord, tag_state};
 use ublkd_proto::uapi;
 
+use super::clock::TurnClock;
 use super::plan::ThreadPlan;
 use super::user_data::UserData;
 use super::{CommitRefusal, LoopError};
@@ -24,6 +24,10 @@ use crate::bufring::BufRing;
 use crate::device::Device;
 use crate::hooks;
 use crate::target::{Bounds, IoReq, Reply, Step, TargetWork};
+
+/// The fetch time (`QueueThread::fetched_ns`) of a request the target has not left
+/// waiting.
+const FINISHED_AT_ONCE: u64 = u64::MAX;
 
 /// How long a wait that counts COMMIT completions in sleeps at most (see
 /// `QueueThread::submit_and_wait_for_work`).
@@ -68,19 +72,15 @@ pub struct QueueThread {
     pub(super) sent_unacked: Vec<ElemBuf>,
     pub(super) spare: Vec<ElemBuf>,
     inflight: u32,
-    started: Instant,
     /// Completions counted in this loop turn, added to the device's shared counters
     /// at its end: one atomic add per counter per turn, not two per I/O.
     counted: CounterSnapshot,
-    /// Nanoseconds since `started`, read once per loop turn (not per tag) when its
-    /// completions are taken: when this turn's FETCHed tags were seen.
-    turn_ns: u64,
-    /// Per tag of every queue (only this thread's tags are used): `turn_ns` of the turn
-    /// that FETCHed it.
+    /// The turn's time, read once per turn at most, only when a request in it spans
+    /// turns (see [`TurnClock`]).
+    clock: TurnClock,
+    /// Per tag of every queue (only this thread's tags are used): the time of the turn
+    /// that FETCHed it, or [`FINISHED_AT_ONCE`] until the target left it waiting.
     fetched_ns: Vec<u64>,
-    /// Requests finished since the last COMMIT, with when they were fetched: their
-    /// latency is counted when the COMMIT goes out, with one clock read for them all.
-    finished: Vec<(LatencyOp, u64)>,
     /// Completions taken from the ring and not yet handled: each turn's, and the ones
     /// the per-I/O path's first FETCH_REQs posted while it waited for none.
     pub(super) cqes: Vec<(u64, i32, u32)>,
@@ -185,10 +185,8 @@ impl QueueThread {
             sent_unacked: Vec::new(),
             spare: Vec::new(),
             inflight: 0,
-            started: Instant::now(),
-            turn_ns: 0,
+            clock: TurnClock::new(),
             fetched_ns: vec![0; nr_tags],
-            finished: Vec::with_capacity(nr_tags),
             counted: CounterSnapshot::default(),
             cqes: Vec::with_capacity(entries as usize * 4),
             failures_logged: FailureLog::default(),
@@ -271,7 +269,6 @@ impl QueueThread {
         self.with_target(|target, thread, work| target.arm(thread, work))?;
         self.start_hooks()?;
         loop {
-            self.record_latency();
             if self.path == DataPath::Batch {
                 self.flush_commits()?;
             }
@@ -306,7 +303,7 @@ impl QueueThread {
             if let Some(slot) = self.dev.shm.thread(slot_index) {
                 slot.heartbeat.store(beat.wrapping_add(1), Ordering::Relaxed);
             }
-            self.turn_ns = self.started.elapsed().as_nanos() as u64;
+            self.clock.next_turn();
             let mut cqes = std::mem::take(&mut self.cqes);
             cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
             self.wakeups.turns += 1;
@@ -406,12 +403,12 @@ impl QueueThread {
                 op: u32::from(desc.op()),
                 nr_sectors: desc.nr_sectors,
                 start_sector: desc.start_sector,
-                since_ms: self.turn_ns / 1_000_000,
+                since_ms: self.clock.known() / 1_000_000,
             });
         }
         let index = self.tag_index(q_id, tag);
         if let Some(at) = self.fetched_ns.get_mut(index) {
-            *at = self.turn_ns;
+            *at = FINISHED_AT_ONCE;
         }
         let bounds = Bounds { size_bytes: dev.size_bytes, buf_bytes: dev.bufs.buf_bytes() as u64 };
         let mut req = match IoReq::from_desc(&desc, bounds, buf, buf_index) {
@@ -435,6 +432,11 @@ impl QueueThread {
             thread: self.plan.index as u16,
         };
         let step = dev.target.start(&req);
+        if !matches!(step, Step::Done(_))
+            && let Some(at) = self.fetched_ns.get_mut(index)
+        {
+            *at = self.clock.now();
+        }
         self.reqs[index] = Some((req, 0));
         self.step(q_id, tag, step)
     }
@@ -458,7 +460,7 @@ impl QueueThread {
                 let req = self.reqs[index].take().map(|(r, _)| r);
                 if res < 0
                     && !self.dev.target.fails_on_purpose()
-                    && self.failures_logged.admit(self.turn_ns)
+                    && self.failures_logged.admit(self.clock.now())
                 {
                     tracing::warn!(
                         q_id,
@@ -540,10 +542,15 @@ impl QueueThread {
         if let Some(slot) = self.dev.shm.tag(q_id, tag) {
             slot.set_state(tag_state::COMMITTED);
         }
-        if let (Some(class), Some(&at)) =
-            (LatencyOp::of_ublk_op(op), self.fetched_ns.get(self.tag_index(q_id, tag)))
-        {
-            self.finished.push((class, at));
+        if let (Some(class), Some(&at), Some(hist)) = (
+            LatencyOp::of_ublk_op(op),
+            self.fetched_ns.get(self.tag_index(q_id, tag)),
+            self.dev.shm.latency(self.plan.index),
+        ) {
+            // Answered in the turn that fetched it: no time at the backend, and no
+            // clock read.
+            let ns = if at == FINISHED_AT_ONCE { 0 } else { self.clock.now().saturating_sub(at) };
+            hist.record(class, ns);
         }
         self.inflight = self.inflight.saturating_sub(1);
         if self.path == DataPath::PerIo {
@@ -552,22 +559,6 @@ impl QueueThread {
         let elem = self.elem(q_id, tag, res);
         let Some(q) = self.queues.iter_mut().find(|q| q.q_id == q_id) else { return Ok(()) };
         q.pending.push(elem).map_err(|e| LoopError::Commit { q_id, tag, what: e.into() })
-    }
-
-    /// Counts the latency of every request finished since the last COMMIT, from the
-    /// turn that FETCHed it to now, when its COMMIT is about to be submitted: one clock
-    /// read (vDSO, no syscall) per COMMIT turn, however many requests it carries.
-    fn record_latency(&mut self) {
-        if self.finished.is_empty() {
-            return;
-        }
-        let now = self.started.elapsed().as_nanos() as u64;
-        if let Some(hist) = self.dev.shm.latency(self.plan.index) {
-            for &(op, at) in &self.finished {
-                hist.record(op, now.saturating_sub(at));
-            }
-        }
-        self.finished.clear();
     }
 }
 
