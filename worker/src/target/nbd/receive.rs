@@ -1,0 +1,395 @@
+//! A connection's reading half: one RECV always armed, into the connection's receive
+//! buffer; replies parsed from it in whatever order the server sends them, each matched
+//! to its request by cookie. A READ's data is copied from there into the tag's buffer,
+//! and what has not arrived yet is received straight into the tag's buffer. A reply
+//! that no request asked for, or that does not fit its request, breaks the connection
+//! ([`lost`]).
+
+use std::collections::HashMap;
+use std::os::fd::RawFd;
+
+use io_uring::{opcode, squeue, types};
+use ublkd_proto::nbd::{self, Chunk, ChunkHeader, ReplyKind, SimpleReply};
+use ublkd_proto::uapi::{UBLK_IO_OP_READ, UBLK_IO_OP_WRITE};
+
+use super::coverage::Coverage;
+use super::{KEY_POST, KEY_RECEIVE, key, lost};
+use crate::target::{Reply, TargetWork, own_user_data};
+
+/// Each connection's receive buffer: most replies are 16-byte headers, taken a ring
+/// completion's worth at a time.
+pub(super) const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
+
+/// The least of a READ's data, still to come when the receive buffer runs dry, that is
+/// received straight into the tag's buffer: less comes with the next replies through
+/// the receive buffer, in one RECV rather than two.
+const DIRECT_RECEIVE_MIN_BYTES: u32 = 16 << 10;
+
+/// What a RECV takes while every request waiting on the connection is a large READ:
+/// a reply's header and no more (a structured reply's chunk header and its data's
+/// offset; a simple reply's header and a few bytes of data), so that the data goes
+/// straight into the tag's buffer rather than through the receive buffer and a copy.
+pub(super) const HEADER_RECEIVE_BYTES: usize = nbd::CHUNK_HEADER_BYTES + 8;
+
+/// What the connection's reader needs to finish a request: where a READ's data goes,
+/// whom to tell, and what its reply said so far (a structured reply comes in chunks).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Waiting {
+    pub(super) op: u8,
+    /// The request's offset on the device: a chunk's data lands at its own offset
+    /// minus this in the buffer.
+    pub(super) offset: u64,
+    /// The tag's buffer (READ: `len` bytes are written there), as an address: the
+    /// buffer belongs to the request until its result is committed, which finishing it
+    /// makes happen.
+    pub(super) buf: usize,
+    pub(super) len: u32,
+    pub(super) reply: Reply,
+    /// READ: the parts of it the reply's data and holes have covered.
+    pub(super) covered: Coverage,
+    /// The first error the reply carried, as `-errno` (0: none).
+    pub(super) error: i32,
+}
+
+impl Waiting {
+    /// The request's result once its reply is whole.
+    fn result(&self) -> i32 {
+        if self.error != 0 {
+            self.error
+        } else if self.op == UBLK_IO_OP_READ {
+            // A structured reply must cover the whole READ, each byte once; one that
+            // does not left bytes of the buffer unwritten, or written twice.
+            if self.covered.whole(self.len) { self.len as i32 } else { -libc::EIO }
+        } else if self.op == UBLK_IO_OP_WRITE {
+            self.len as i32
+        } else {
+            0
+        }
+    }
+
+    /// Where `len` bytes at device offset `offset` go in the buffer, if they are inside
+    /// this READ; they count as covered.
+    fn place(&mut self, offset: u64, len: u32) -> Option<usize> {
+        let start = offset.checked_sub(self.offset)?;
+        let end = start.checked_add(u64::from(len))?;
+        if self.op != UBLK_IO_OP_READ || end > u64::from(self.len) {
+            return None;
+        }
+        self.covered.add(start as u32, len);
+        Some(self.buf + start as usize)
+    }
+}
+
+/// Where the reader is in the stream.
+#[derive(Debug, Clone, Copy)]
+enum Reading {
+    /// At a reply's header.
+    Header,
+    /// In a READ's data: `left` bytes go to `dest` (in the tag's buffer), from the
+    /// receive buffer or, once that is empty (`direct`), received straight there. Then
+    /// request `cookie` is finished if this was its reply's last part.
+    Data { cookie: u64, dest: usize, left: u32, direct: bool, last: bool },
+}
+
+/// Hashes a cookie with one multiplication: cookies are the loop's user data for a
+/// tag, distinct by construction and not chosen by anyone outside the worker, so
+/// SipHash's protection against chosen keys buys nothing here and costs twice per
+/// request. (A reply's cookie is the server's, but it is only looked up.)
+#[derive(Debug, Default, Clone, Copy)]
+struct CookieHasher(u64);
+
+impl std::hash::Hasher for CookieHasher {
+    fn finish(&self) -> u64 {
+        // The tag in the low bits, the queue in bits 32..48 (see `UserData`): folded
+        // together, then spread to the high bits too (the table uses both ends).
+        (self.0 ^ (self.0 >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Cookies = HashMap<u64, Waiting, std::hash::BuildHasherDefault<CookieHasher>>;
+
+/// A connection's reading half, under the connection's lock.
+#[derive(Debug)]
+pub(super) struct Receiver {
+    /// Requests sent or queued and not yet answered, by cookie (their
+    /// `Reply::user_data`, unique while a request is in flight).
+    waiting: Cookies,
+    /// The receive buffer: bytes `start..end` received and not yet parsed.
+    received: Box<[u8]>,
+    start: usize,
+    end: usize,
+    reading: Reading,
+    pub(super) traffic: Traffic,
+    /// How many of `waiting` are not large READs ([`received_straight`]).
+    small_waiting: usize,
+}
+
+/// Whether a request's reply data is received straight into its buffer (once the
+/// header is parsed): a READ of at least `DIRECT_RECEIVE_MIN_BYTES`.
+fn received_straight(w: &Waiting) -> bool {
+    w.op == UBLK_IO_OP_READ && w.len >= DIRECT_RECEIVE_MIN_BYTES
+}
+
+/// What a connection's reader carried, for [`Target::report`] (the sender counts
+/// its own).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Traffic {
+    /// RECVs completed.
+    pub(super) receives: u64,
+    /// READ data copied out of the receive buffer (the rest went straight into the
+    /// tags' buffers).
+    pub(super) copied_bytes: u64,
+}
+
+impl Default for Receiver {
+    fn default() -> Self {
+        Receiver {
+            waiting: Cookies::default(),
+            received: vec![0u8; RECEIVE_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            reading: Reading::Header,
+            traffic: Traffic::default(),
+            small_waiting: 0,
+        }
+    }
+}
+
+impl Receiver {
+    /// Expects a reply to request `cookie`, which `w` describes.
+    pub(super) fn expect(&mut self, cookie: u64, w: Waiting) {
+        self.small_waiting += usize::from(!received_straight(&w));
+        self.waiting.insert(cookie, w);
+    }
+
+    /// The RECV that continues the stream: into the receive buffer (what is left of it
+    /// moved to its start), or, in a READ's data, straight into the tag's buffer.
+    pub(super) fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
+        let fd = types::Fd(socket);
+        let sqe = if let Reading::Data { dest, left, direct: true, .. } = self.reading {
+            opcode::Recv::new(fd, dest as *mut u8, left).flags(libc::MSG_WAITALL).build()
+        } else {
+            if self.start > 0 {
+                self.received.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            }
+            let room = &mut self.received[self.end..];
+            // Only large READs waiting (none at all is not that: the next request, not
+            // yet known, may be small): take the next reply's header alone.
+            let len = if self.small_waiting == 0 && !self.waiting.is_empty() {
+                room.len().min(HEADER_RECEIVE_BYTES)
+            } else {
+                room.len()
+            };
+            opcode::Recv::new(fd, room.as_mut_ptr(), len as u32).build()
+        };
+        sqe.user_data(own_user_data(key(connection, KEY_RECEIVE)))
+    }
+
+    /// The RECV in flight received `res` bytes: finishes every request whose reply is
+    /// now whole, and arms the next RECV.
+    pub(super) fn on_received(
+        &mut self,
+        res: i32,
+        thread: usize,
+        work: &mut TargetWork,
+        socket: RawFd,
+    ) {
+        let connection = thread;
+        if res <= 0 {
+            let cause: &dyn std::fmt::Display = if res == 0 {
+                &"the server closed the connection"
+            } else {
+                &std::io::Error::from_raw_os_error(-res)
+            };
+            lost("waiting for replies", cause);
+        }
+        self.traffic.receives += 1;
+        match self.reading {
+            Reading::Data { cookie, dest, left, direct: true, last } => {
+                let (dest, left) = (dest + res as usize, left.saturating_sub(res as u32));
+                if left > 0 {
+                    self.reading = Reading::Data { cookie, dest, left, direct: true, last };
+                } else {
+                    self.reading = Reading::Header;
+                    if last {
+                        self.finish_request(cookie, thread, work);
+                    }
+                }
+            }
+            _ => self.end += res as usize,
+        }
+        self.parse(thread, work);
+        work.sqes.push(self.next_receive(socket, connection));
+    }
+
+    /// Finishes request `cookie`, whose reply is whole.
+    fn finish_request(&mut self, cookie: u64, thread: usize, work: &mut TargetWork) {
+        if let Some(w) = self.waiting.remove(&cookie) {
+            self.small_waiting -= usize::from(!received_straight(&w));
+            finish(&w, w.result(), thread, thread, work);
+        }
+    }
+
+    /// The request `cookie` names, which the server cannot answer unless it asked.
+    fn waiting_for(&mut self, cookie: u64) -> &mut Waiting {
+        match self.waiting.get_mut(&cookie) {
+            Some(w) => w,
+            None => {
+                let what = format!("the server answered cookie {cookie:#x}, which no request has");
+                lost("reading a reply", &what)
+            }
+        }
+    }
+
+    /// Takes every whole reply (and every byte of READ data) from the receive buffer.
+    fn parse(&mut self, thread: usize, work: &mut TargetWork) {
+        loop {
+            match self.reading {
+                Reading::Data { direct: true, .. } => return,
+                Reading::Data { cookie, dest, left, direct: false, last } => {
+                    let have = &self.received[self.start..self.end];
+                    let n = have.len().min(left as usize);
+                    // SAFETY: `dest..dest + left` is inside the request's tag buffer
+                    // (`Waiting::place`, whose `len` `IoReq::from_desc` checked against
+                    // the buffer), mapped for the process's life; the request is in
+                    // flight until it is finished, so nothing else touches the buffer
+                    // meanwhile, and `n <= left`.
+                    unsafe { std::ptr::copy_nonoverlapping(have.as_ptr(), dest as *mut u8, n) };
+                    self.start += n;
+                    self.traffic.copied_bytes += n as u64;
+                    let (dest, left) = (dest + n, left - n as u32);
+                    if left > 0 {
+                        // The receive buffer is empty: a large rest goes straight where
+                        // it belongs.
+                        let direct = left >= DIRECT_RECEIVE_MIN_BYTES;
+                        self.reading = Reading::Data { cookie, dest, left, direct, last };
+                        return;
+                    }
+                    self.reading = Reading::Header;
+                    if last {
+                        self.finish_request(cookie, thread, work);
+                    }
+                }
+                Reading::Header => {
+                    let have = &self.received[self.start..self.end];
+                    let Some(&magic) = have.first_chunk::<4>() else { return };
+                    let kind =
+                        ReplyKind::of_magic(magic).unwrap_or_else(|e| lost("reading a reply", &e));
+                    match kind {
+                        ReplyKind::Simple => {
+                            let Some(header) = have.first_chunk::<{ nbd::SIMPLE_REPLY_BYTES }>()
+                            else {
+                                return;
+                            };
+                            let reply = SimpleReply::decode(header)
+                                .unwrap_or_else(|e| lost("reading a reply", &e));
+                            self.start += nbd::SIMPLE_REPLY_BYTES;
+                            self.on_simple_reply(reply, thread, work);
+                        }
+                        ReplyKind::Chunk => {
+                            let Some(header) = have.first_chunk::<{ nbd::CHUNK_HEADER_BYTES }>()
+                            else {
+                                return;
+                            };
+                            let header = ChunkHeader::decode(header)
+                                .unwrap_or_else(|e| lost("reading a reply", &e));
+                            let meta = header.meta_bytes().min(nbd::MAX_CHUNK_META_BYTES + 1);
+                            let whole = nbd::CHUNK_HEADER_BYTES + meta as usize;
+                            let Some(chunk) = have.get(nbd::CHUNK_HEADER_BYTES..whole) else {
+                                // Not all here yet (a bounded amount: it fits the buffer).
+                                return;
+                            };
+                            let chunk =
+                                header.chunk(chunk).unwrap_or_else(|e| lost("reading a reply", &e));
+                            self.start += whole;
+                            self.on_chunk(&header, chunk, thread, work);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_simple_reply(&mut self, reply: SimpleReply, thread: usize, work: &mut TargetWork) {
+        if reply.error == libc::ESHUTDOWN as u32 {
+            // The server is going away: the request is re-issued on the next
+            // connection rather than failed.
+            lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
+        }
+        let w = self.waiting_for(reply.cookie);
+        if reply.error != 0 {
+            w.error = -reply.errno();
+        } else if w.op == UBLK_IO_OP_READ {
+            w.covered.add(0, w.len);
+            if w.len > 0 {
+                let (dest, left) = (w.buf, w.len);
+                let cookie = reply.cookie;
+                self.reading = Reading::Data { cookie, dest, left, direct: false, last: true };
+                return;
+            }
+        }
+        self.finish_request(reply.cookie, thread, work);
+    }
+
+    fn on_chunk(&mut self, h: &ChunkHeader, chunk: Chunk, thread: usize, work: &mut TargetWork) {
+        let w = self.waiting_for(h.cookie);
+        match chunk {
+            Chunk::None => {}
+            Chunk::Data { offset, len } => {
+                let Some(dest) = w.place(offset, len) else {
+                    let what = format!("{len} bytes of data at {offset}, outside its request");
+                    lost("reading a reply", &what);
+                };
+                let (cookie, last) = (h.cookie, h.done());
+                self.reading = Reading::Data { cookie, dest, left: len, direct: false, last };
+                return;
+            }
+            Chunk::Hole { offset, len } => {
+                let Some(dest) = w.place(offset, len) else {
+                    let what = format!("a hole of {len} bytes at {offset}, outside its request");
+                    lost("reading a reply", &what);
+                };
+                // SAFETY: `dest..dest + len` is inside the request's tag buffer (see
+                // `Waiting::place`), which belongs to the request until it is finished.
+                unsafe { std::ptr::write_bytes(dest as *mut u8, 0, len as usize) };
+            }
+            Chunk::Error { error } => {
+                if error == libc::ESHUTDOWN as u32 {
+                    lost("reading a reply", &"the server is shutting down (ESHUTDOWN)");
+                }
+                if w.error == 0 {
+                    w.error = -nbd::errno(error);
+                }
+            }
+        }
+        if h.done() {
+            self.finish_request(h.cookie, thread, work);
+        }
+    }
+}
+
+/// Finishes request `w` with `res`: handed back to this thread's loop if it is this
+/// thread's, else posted into its own thread's ring.
+fn finish(w: &Waiting, res: i32, thread: usize, connection: usize, work: &mut TargetWork) {
+    if usize::from(w.reply.thread) == thread {
+        work.done.push((w.reply.user_data, res));
+        return;
+    }
+    let sqe = opcode::MsgRingData::new(types::Fd(w.reply.ring_fd), res, w.reply.user_data, None)
+        .build()
+        .flags(squeue::Flags::SKIP_SUCCESS)
+        .user_data(own_user_data(key(connection, KEY_POST)));
+    work.sqes.push(sqe);
+}
