@@ -25,10 +25,6 @@ use crate::device::Device;
 use crate::hooks;
 use crate::target::{Bounds, IoReq, Reply, Step, TargetWork};
 
-/// The fetch time (`QueueThread::fetched_ns`) of a request the target has not left
-/// waiting.
-const FINISHED_AT_ONCE: u64 = u64::MAX;
-
 /// How long a wait that counts COMMIT completions in sleeps at most (see
 /// `QueueThread::submit_and_wait_for_work`).
 const COMMIT_CQE_WAIT_NS: u32 = 20_000_000;
@@ -79,8 +75,8 @@ pub struct QueueThread {
     /// turns (see [`TurnClock`]).
     clock: TurnClock,
     /// Per tag of every queue (only this thread's tags are used): the time of the turn
-    /// that FETCHed it, or [`FINISHED_AT_ONCE`] until the target left it waiting.
-    fetched_ns: Vec<u64>,
+    /// that FETCHed it, once the target left it waiting (`None` until then).
+    fetched_ns: Vec<Option<u64>>,
     /// Completions taken from the ring and not yet handled: each turn's, and the ones
     /// the per-I/O path's first FETCH_REQs posted while it waited for none.
     pub(super) cqes: Vec<(u64, i32, u32)>,
@@ -186,7 +182,7 @@ impl QueueThread {
             spare: Vec::new(),
             inflight: 0,
             clock: TurnClock::new(),
-            fetched_ns: vec![0; nr_tags],
+            fetched_ns: vec![None; nr_tags],
             counted: CounterSnapshot::default(),
             cqes: Vec::with_capacity(entries as usize * 4),
             failures_logged: FailureLog::default(),
@@ -408,7 +404,7 @@ impl QueueThread {
         }
         let index = self.tag_index(q_id, tag);
         if let Some(at) = self.fetched_ns.get_mut(index) {
-            *at = FINISHED_AT_ONCE;
+            *at = None;
         }
         let bounds = Bounds { size_bytes: dev.size_bytes, buf_bytes: dev.bufs.buf_bytes() as u64 };
         let mut req = match IoReq::from_desc(&desc, bounds, buf, buf_index) {
@@ -435,7 +431,7 @@ impl QueueThread {
         if !matches!(step, Step::Done(_))
             && let Some(at) = self.fetched_ns.get_mut(index)
         {
-            *at = self.clock.now();
+            *at = Some(self.clock.now());
         }
         self.reqs[index] = Some((req, 0));
         self.step(q_id, tag, step)
@@ -542,14 +538,14 @@ impl QueueThread {
         if let Some(slot) = self.dev.shm.tag(q_id, tag) {
             slot.set_state(tag_state::COMMITTED);
         }
-        if let (Some(class), Some(&at), Some(hist)) = (
+        if let (Some(class), Some(at), Some(hist)) = (
             LatencyOp::of_ublk_op(op),
-            self.fetched_ns.get(self.tag_index(q_id, tag)),
+            self.fetched_ns.get(self.tag_index(q_id, tag)).copied(),
             self.dev.shm.latency(self.plan.index),
         ) {
             // Answered in the turn that fetched it: no time at the backend, and no
             // clock read.
-            let ns = if at == FINISHED_AT_ONCE { 0 } else { self.clock.now().saturating_sub(at) };
+            let ns = at.map_or(0, |at| self.clock.now().saturating_sub(at));
             hist.record(class, ns);
         }
         self.inflight = self.inflight.saturating_sub(1);
