@@ -88,7 +88,7 @@ impl Daemon {
                     let ids: Vec<u32> = devices.iter().map(Device::id).collect();
                     // Not deleted, not forgotten: left in the kernel and the state dir
                     // for the next ublkd, as a failed delete is.
-                    devices.into_iter().map(Device::leave).for_each(crate::device::Left::end);
+                    devices.into_iter().map(Device::leave).for_each(|left| left.signal());
                     ids.into_iter().map(|id| (id, Err(why.clone()))).collect()
                 }
             };

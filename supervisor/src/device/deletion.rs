@@ -165,7 +165,8 @@ pub struct Left {
 }
 
 impl Left {
-    /// Kills the workers to kill and asks the spare to exit, waiting for none of them.
+    /// Kills the workers to kill and asks the spare to exit, waiting for none of them
+    /// (a caller that then drops them leaves each to `reap_lingering`, once it ends).
     pub fn signal(&self) {
         for worker in &self.to_kill {
             worker.kill();
@@ -173,11 +174,5 @@ impl Left {
         if let Some(spare) = &self.spare {
             spare.ask_to_exit();
         }
-    }
-
-    /// [`Self::signal`], then lets the workers go: each is reaped once it ends, by
-    /// `reap_lingering`.
-    pub fn end(self) {
-        self.signal();
     }
 }
