@@ -283,43 +283,48 @@ impl Receiver {
                     }
                 }
                 Reading::Header => {
-                    let have = &self.received[self.start..self.end];
-                    let Some(&magic) = have.first_chunk::<4>() else { return };
-                    let kind =
-                        ReplyKind::of_magic(magic).unwrap_or_else(|e| lost("reading a reply", &e));
-                    match kind {
-                        ReplyKind::Simple => {
-                            let Some(header) = have.first_chunk::<{ nbd::SIMPLE_REPLY_BYTES }>()
-                            else {
-                                return;
-                            };
-                            let reply = SimpleReply::decode(header)
-                                .unwrap_or_else(|e| lost("reading a reply", &e));
-                            self.start += nbd::SIMPLE_REPLY_BYTES;
-                            self.on_simple_reply(reply, thread, work);
-                        }
-                        ReplyKind::Chunk => {
-                            let Some(header) = have.first_chunk::<{ nbd::CHUNK_HEADER_BYTES }>()
-                            else {
-                                return;
-                            };
-                            let header = ChunkHeader::decode(header)
-                                .unwrap_or_else(|e| lost("reading a reply", &e));
-                            let meta = header.meta_bytes().min(nbd::MAX_CHUNK_META_BYTES + 1);
-                            let whole = nbd::CHUNK_HEADER_BYTES + meta as usize;
-                            let Some(chunk) = have.get(nbd::CHUNK_HEADER_BYTES..whole) else {
-                                // Not all here yet (a bounded amount: it fits the buffer).
-                                return;
-                            };
-                            let chunk =
-                                header.chunk(chunk).unwrap_or_else(|e| lost("reading a reply", &e));
-                            self.start += whole;
-                            self.on_chunk(&header, chunk, thread, work);
-                        }
+                    if !self.take_reply(thread, work) {
+                        return;
                     }
                 }
             }
         }
+    }
+
+    /// Takes the reply whose header starts the receive buffer, if all of it is there
+    /// (a simple reply's header, or a chunk's header and metadata; a READ's data then
+    /// follows in `Reading::Data`): whether it was.
+    fn take_reply(&mut self, thread: usize, work: &mut TargetWork) -> bool {
+        let have = &self.received[self.start..self.end];
+        let Some(&magic) = have.first_chunk::<4>() else { return false };
+        match ReplyKind::of_magic(magic).unwrap_or_else(|e| lost("reading a reply", &e)) {
+            ReplyKind::Simple => {
+                let Some(header) = have.first_chunk::<{ nbd::SIMPLE_REPLY_BYTES }>() else {
+                    return false;
+                };
+                let reply =
+                    SimpleReply::decode(header).unwrap_or_else(|e| lost("reading a reply", &e));
+                self.start += nbd::SIMPLE_REPLY_BYTES;
+                self.on_simple_reply(reply, thread, work);
+            }
+            ReplyKind::Chunk => {
+                let Some(header) = have.first_chunk::<{ nbd::CHUNK_HEADER_BYTES }>() else {
+                    return false;
+                };
+                let header =
+                    ChunkHeader::decode(header).unwrap_or_else(|e| lost("reading a reply", &e));
+                let meta = header.meta_bytes().min(nbd::MAX_CHUNK_META_BYTES + 1);
+                let whole = nbd::CHUNK_HEADER_BYTES + meta as usize;
+                let Some(chunk) = have.get(nbd::CHUNK_HEADER_BYTES..whole) else {
+                    // Not all here yet (a bounded amount: it fits the buffer).
+                    return false;
+                };
+                let chunk = header.chunk(chunk).unwrap_or_else(|e| lost("reading a reply", &e));
+                self.start += whole;
+                self.on_chunk(&header, chunk, thread, work);
+            }
+        }
+        true
     }
 
     fn on_simple_reply(&mut self, reply: SimpleReply, thread: usize, work: &mut TargetWork) {
