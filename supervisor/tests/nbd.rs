@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use ublkd_proto::msg::DataPath;
 
 use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
-use ublkd_supervisor::nbd::{self, ExportInfo, NbdError};
+use ublkd_supervisor::nbd::{self, ExportInfo, NbdError, Replies};
 use ublkd_supervisor::target::{NbdLink, TargetError, connect_export, nbd_poll_connect};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -125,14 +125,15 @@ fn nbdkit_unix(dir: &TempDir, extra: &[&str], export: &str) -> (Server, NbdUri) 
 }
 
 fn connected(uri: &NbdUri) -> ExportInfo {
-    let (socket, info) = nbd::connect(uri, TIMEOUT).unwrap_or_else(|e| panic!("{uri}: {e}"));
+    let (socket, info) =
+        nbd::connect(uri, Replies::Structured, TIMEOUT).unwrap_or_else(|e| panic!("{uri}: {e}"));
     eprintln!("{uri}: {info}");
     nbd::disconnect(socket, info.tls);
     info
 }
 
 fn refused(uri: &NbdUri, timeout: Duration) -> NbdError {
-    match nbd::connect(uri, timeout) {
+    match nbd::connect(uri, Replies::Structured, timeout) {
         Ok((_, info)) => panic!("{uri}: expected an error, connected to {info:?}"),
         Err(e) => {
             eprintln!("{uri}: {e}");
@@ -556,7 +557,7 @@ fn kernel_tls() -> bool {
 /// the connection is handed to the kernel's TLS, or, on a host without it, only that
 /// last step fails, naming `modprobe tls`.
 fn connected_over_tls(uri: &NbdUri) {
-    match nbd::connect(uri, TIMEOUT) {
+    match nbd::connect(uri, Replies::Structured, TIMEOUT) {
         Ok((socket, info)) => {
             assert!(kernel_tls(), "handed to a kernel TLS that is not listed as loaded");
             assert_eq!(info.size, 64 << 20);

@@ -1,9 +1,10 @@
 //! The client's side of the NBD newstyle handshake, over any byte stream: the
 //! greeting and the flags ([`greet`]), `NBD_OPT_STARTTLS` for a TLS export
 //! ([`start_tls`]; the caller runs TLS and goes on inside it), then
-//! `NBD_OPT_STRUCTURED_REPLY` (taken where offered) and `NBD_OPT_GO` with
-//! `NBD_INFO_EXPORT` and `NBD_INFO_BLOCK_SIZE` asked for ([`choose_export`]). It ends in
-//! the transmission phase with what the server said about the export.
+//! `NBD_OPT_STRUCTURED_REPLY` (taken where offered, unless the caller wants simple
+//! replies only: [`Replies`]) and `NBD_OPT_GO` with `NBD_INFO_EXPORT` and
+//! `NBD_INFO_BLOCK_SIZE` asked for ([`choose_export`]). It ends in the transmission
+//! phase with what the server said about the export.
 //!
 //! Servers older than `NBD_OPT_GO` are met with `NBD_OPT_EXPORT_NAME`: a server
 //! without fixed newstyle gets nothing else (it may drop the connection on an option it
@@ -19,7 +20,7 @@
 use std::io::{self, Read, Write};
 use std::time::Duration;
 
-use super::{BlockSizes, ExportInfo, NbdError};
+use super::{BlockSizes, ExportInfo, NbdError, Replies};
 use ublkd_proto::nbd::handshake::*;
 
 /// The longest option reply ublkd reads: an `NBD_REP_INFO` carrying a name or an
@@ -37,10 +38,11 @@ const MAX_REPLIES: usize = 32;
 pub(super) fn negotiate<S: Read + Write>(
     stream: &mut S,
     export: &str,
+    replies: Replies,
     limit: Duration,
 ) -> Result<ExportInfo, NbdError> {
     let greeting = greet(stream, limit)?;
-    choose_export(stream, greeting, export, limit)
+    choose_export(stream, greeting, export, replies, limit)
 }
 
 /// What the server's greeting offered, which decides how the export is chosen.
@@ -72,16 +74,17 @@ pub(super) fn start_tls<S: Read + Write>(stream: &mut S, limit: Duration) -> Res
     })
 }
 
-/// Asks for structured replies and for `export`, as far as `greeting` allows. On success
-/// the stream is in the transmission phase.
+/// Asks for structured replies (if `replies` says so) and for `export`, as far as
+/// `greeting` allows. On success the stream is in the transmission phase.
 pub(super) fn choose_export<S: Read + Write>(
     stream: &mut S,
     greeting: Greeting,
     export: &str,
+    replies: Replies,
     limit: Duration,
 ) -> Result<ExportInfo, NbdError> {
     let mut client = Client { stream, limit };
-    match client.choose_export(greeting, export) {
+    match client.choose_export(greeting, export, replies) {
         Ok(info) => Ok(info),
         Err(error) => {
             // The protocol asks a client that gives up during option haggling for a
@@ -161,7 +164,12 @@ impl<S: Read + Write> Client<'_, S> {
         }
     }
 
-    fn choose_export(&mut self, greeting: Greeting, export: &str) -> Result<ExportInfo, NbdError> {
+    fn choose_export(
+        &mut self,
+        greeting: Greeting,
+        export: &str,
+        replies: Replies,
+    ) -> Result<ExportInfo, NbdError> {
         let name = export.as_bytes();
         if name.len() > MAX_STRING_BYTES {
             return Err(NbdError::Protocol {
@@ -177,7 +185,11 @@ impl<S: Read + Write> Client<'_, S> {
             export_name_option: false,
         };
         if greeting.fixed_newstyle {
-            info.structured_replies = self.structured_replies()?;
+            // Not asked, the server must answer with simple replies only (the
+            // protocol forbids structured ones without the option).
+            if replies == Replies::Structured {
+                info.structured_replies = self.structured_replies()?;
+            }
             if let Some((size, flags, block_sizes)) = self.go(export)? {
                 (info.size, info.transmission_flags, info.block_sizes) = (size, flags, block_sizes);
                 check_block_sizes(&info)?;

@@ -76,9 +76,14 @@ fn run(parts: &[Vec<u8>]) -> (Result<ExportInfo, NbdError>, Vec<u8>) {
 /// [`run`], also giving how many of the server's bytes the client left unread: a
 /// handshake that succeeds must end exactly where the server's part of it ends.
 fn run_counting_unread(parts: &[Vec<u8>]) -> (Result<ExportInfo, NbdError>, Vec<u8>, u64) {
+    run_asking(parts, Replies::Structured)
+}
+
+/// [`run_counting_unread`], asking the server for `replies`.
+fn run_asking(parts: &[Vec<u8>], replies: Replies) -> (Result<ExportInfo, NbdError>, Vec<u8>, u64) {
     let input = parts.concat();
     let mut server = Scripted { input: Cursor::new(input), sent: Vec::new() };
-    let result = negotiate(&mut server, "disk", Duration::from_secs(1));
+    let result = negotiate(&mut server, "disk", replies, Duration::from_secs(1));
     let unread = server.input.get_ref().len() as u64 - server.input.position();
     (result, server.sent, unread)
 }
@@ -121,6 +126,34 @@ fn a_correct_server_yields_size_flags_and_block_sizes() {
     want.extend_from_slice(b"disk");
     want.extend_from_slice(&[0, 2, 0, 0, 0, 3]);
     assert_eq!(sent[20..], want);
+}
+
+#[test]
+fn a_client_that_wants_simple_replies_never_asks_for_structured_ones() {
+    // The server would take them, but is not asked: its first reply is NBD_OPT_GO's.
+    let (result, sent, unread) = run_asking(
+        &[
+            greeting(BOTH),
+            info_block_size(512, 4096, 1 << 25),
+            info_export(1 << 30, RW),
+            reply(OPT_GO, REP_ACK, &[]),
+        ],
+        Replies::Simple,
+    );
+    let info = result.unwrap();
+    assert!(!info.structured_replies);
+    assert_eq!(info.size, 1 << 30);
+    assert_eq!(unread, 0, "the handshake ends where the server's part of it ends");
+    // The client flags, then NBD_OPT_GO straight away.
+    assert_eq!(sent[..4], (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
+    assert_eq!(sent[4..12], IHAVEOPT.to_be_bytes());
+    assert_eq!(sent[12..16], OPT_GO.to_be_bytes());
+    let options: Vec<u32> = sent[4..]
+        .windows(12)
+        .filter(|w| w[..8] == IHAVEOPT.to_be_bytes())
+        .map(|w| u32::from_be_bytes([w[8], w[9], w[10], w[11]]))
+        .collect();
+    assert_eq!(options, [OPT_GO], "only NBD_OPT_GO was sent");
 }
 
 #[test]

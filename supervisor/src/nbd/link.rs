@@ -17,7 +17,7 @@ use ublkd_config::{DeviceSpec, NbdUri};
 use ublkd_proto::msg::{DataPath, MAX_NBD_CONNECTIONS};
 
 use super::backoff::Backoff;
-use super::{ExportInfo, NbdError};
+use super::{ExportInfo, NbdError, Replies};
 use crate::target::TargetError;
 
 /// How long ublkd gives an NBD server to accept a connection and finish its handshake.
@@ -122,7 +122,7 @@ pub fn connect_export(
 ) -> Result<Option<NbdLink>, TargetError> {
     let Some(uri) = super::target::export_uri(spec) else { return Ok(None) };
     let wanted = |info: &ExportInfo| connections_for(spec, Some(info), data_path);
-    match connect_set(uri, wanted, NBD_HANDSHAKE_TIMEOUT) {
+    match connect_set(uri, wanted, Replies::Structured, NBD_HANDSHAKE_TIMEOUT) {
         Ok(set) => {
             let info = set[0].1;
             if let Err(source) = super::fits_device(&info, spec.settings.block_size) {
@@ -166,17 +166,18 @@ fn note_short_set(link: &mut NbdLink, id: Option<u32>, uri: &NbdUri, want: u8) {
     );
 }
 
-/// Connects to `uri` for one worker: the first connection (whose failure is the
-/// result), then, as many as `wanted` says of its export, the others side by side, each
-/// on a thread of its own within `timeout`. One of those that fails is left out (said
+/// Connects to `uri` for one worker, every connection asking for `replies`: the first
+/// connection (whose failure is the result), then, as many as `wanted` says of its
+/// export, the others side by side, each on a thread of its own within `timeout`. One of those that fails is left out (said
 /// in the log), so that a server that answers only some connections serves the device
 /// over fewer rather than not at all.
 fn connect_set(
     uri: &NbdUri,
     wanted: impl FnOnce(&ExportInfo) -> u8,
+    replies: Replies,
     timeout: Duration,
 ) -> ConnectedSet {
-    let first = super::connect(uri, timeout)?;
+    let first = super::connect(uri, replies, timeout)?;
     let want = usize::from(wanted(&first.1).max(1));
     let mut set = vec![first];
     if want == 1 {
@@ -187,7 +188,7 @@ fn connect_set(
             .map(|n| {
                 std::thread::Builder::new()
                     .name(format!("nbd-conn-{n}"))
-                    .spawn_scoped(scope, move || super::connect(uri, timeout))
+                    .spawn_scoped(scope, move || super::connect(uri, replies, timeout))
             })
             .collect();
         threads
@@ -244,7 +245,12 @@ pub fn nbd_poll_connect(
                     drain_dead_workers(id, dead);
                 }
                 let wanted = |info: &ExportInfo| if info.can_multi_conn() { want } else { 1 };
-                drop(tx.send(connect_set(&target, wanted, NBD_HANDSHAKE_TIMEOUT)));
+                drop(tx.send(connect_set(
+                    &target,
+                    wanted,
+                    Replies::Structured,
+                    NBD_HANDSHAKE_TIMEOUT,
+                )));
             });
         return match spawned {
             Ok(_) => {

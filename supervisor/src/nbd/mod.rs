@@ -4,8 +4,8 @@
 //!
 //! The supervisor, not the worker, connects and negotiates: the worker's sandbox has
 //! no network and no filesystem, so it is handed the connected socket, already in the
-//! transmission phase (structured replies where the server took them), with its
-//! device; the kernel device is made from the [`ExportInfo`] (`crate::target::params`).
+//! transmission phase (structured replies where the server took them and the device
+//! asks for them: [`Replies`]), with its device; the kernel device is made from the [`ExportInfo`] (`crate::target::params`).
 //!
 //! Every step has a deadline ([`connect`]'s `timeout`, for the whole handshake); a
 //! server that stalls, talks garbage or sends a huge length gets a one-line
@@ -137,17 +137,35 @@ impl fmt::Display for ExportInfo {
     }
 }
 
-/// Connects to `uri`'s server and negotiates its export, all within `timeout`. Returns
-/// the socket, in the transmission phase (no timeouts left set on it), and what the
-/// server said about the export, which has been checked to fit a kernel block device.
-pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo), NbdError> {
+/// Which replies ublkd asks an NBD server for, on every connection of a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replies {
+    /// Structured replies where the server takes them (`NBD_OPT_STRUCTURED_REPLY`),
+    /// else simple ones: the worker reads both.
+    Structured,
+    /// Simple replies only: the option is not sent. A READ's simple reply is a 16-byte
+    /// header and then exactly the data, so a worker can receive the header on its own
+    /// and the data straight into the request's pages, as a zero-copy device's does.
+    Simple,
+}
+
+/// Connects to `uri`'s server and negotiates its export, asking for `replies`, all
+/// within `timeout`. Returns the socket, in the transmission phase (no timeouts left set
+/// on it), and what the server said about the export, which has been checked to fit a
+/// kernel block device.
+pub fn connect(
+    uri: &NbdUri,
+    replies: Replies,
+    timeout: Duration,
+) -> Result<(OwnedFd, ExportInfo), NbdError> {
     let deadline = Instant::now() + timeout;
     let stream = open(&uri.transport, deadline)?;
     let mut timed = Timed { stream: &stream, deadline };
     let greeting = handshake::greet(&mut timed, timeout)?;
     let info = match &uri.tls {
         None => {
-            let info = handshake::choose_export(&mut timed, greeting, &uri.export, timeout)?;
+            let info =
+                handshake::choose_export(&mut timed, greeting, &uri.export, replies, timeout)?;
             if let Err(error) = fits_kernel(&info) {
                 let _ = timed.write_all(&disconnect_request());
                 return Err(error);
@@ -168,7 +186,7 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, ExportInfo),
             let mut private = rustls::Stream::new(&mut session, &mut timed);
             let info = ExportInfo {
                 tls: true,
-                ..handshake::choose_export(&mut private, greeting, &uri.export, timeout)?
+                ..handshake::choose_export(&mut private, greeting, &uri.export, replies, timeout)?
             };
             // The kernel's TLS is turned on before the keys leave rustls, so that a
             // kernel without it still gets the server a proper goodbye.
