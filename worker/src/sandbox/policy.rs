@@ -356,7 +356,7 @@ pub fn fixed_files_required(target: &TargetSetup) -> bool {
 
 /// The only SQE opcodes a worker's ring accepts (`IORING_REGISTER_RESTRICTIONS`),
 /// since io_uring runs many operations in kernel threads that seccomp never sees.
-/// OPENAT, CONNECT, SOCKET, SEND, … are not here, so a compromised worker cannot use
+/// OPENAT, CONNECT, SOCKET, SENDMSG, … are not here, so a compromised worker cannot use
 /// its ring to reach files or the network.
 pub const URING_OPS: &[AllowedOp] = &[
     AllowedOp {
@@ -417,6 +417,15 @@ pub const URING_OPS: &[AllowedOp] = &[
               as a gathered write: never SENDMSG, whose control messages could pass a \
               descriptor to the server; the worker opens and connects no socket (no \
               SOCKET or CONNECT here)",
+    },
+    AllowedOp {
+        opcode: opcode::Send::CODE,
+        name: "SEND",
+        only_for: OpFor::Nbd,
+        why: "zero-copy nbd target: a WRITE's data from the request's registered pages on \
+              a socket ublkd connected (a WRITEV cannot take a registered buffer); like \
+              WRITEV it carries no control message, and the worker has no socket without \
+              a peer for a destination address to matter",
     },
     AllowedOp {
         opcode: opcode::Recv::CODE,

@@ -148,6 +148,12 @@ pub enum TargetError {
     MemoryTooSmall { got: u64, want: u64 },
     #[error("the loop target's backing file is {got} bytes, smaller than the device's {want}")]
     LoopTooSmall { got: u64, want: u64 },
+    #[error(
+        "a zero-copy nbd device needs one connection per queue thread (a request's pages \
+         are registered in the ring of the thread that fetched it, which must move its \
+         data), and this worker got {connections} connection(s) for {threads} thread(s)"
+    )]
+    NbdZeroCopyConnections { connections: u8, threads: usize },
     #[error("the rbd target has no image: its setup came without `rbd`")]
     NoRbdSetup,
     #[error(transparent)]
@@ -176,7 +182,9 @@ pub fn build(setup: &WorkerSetup, mut fds: Vec<OwnedFd>) -> Result<Box<dyn Targe
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
         TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
         TargetSetup::FailIo => Box::new(FailTarget),
-        TargetSetup::Nbd { connections } => Box::new(NbdTarget::new(connections)?),
+        TargetSetup::Nbd { connections } => {
+            Box::new(NbdTarget::new(connections, setup.zero_copy, usize::from(setup.nr_threads))?)
+        }
         TargetSetup::Rbd => {
             let rbd = setup.rbd.as_ref().ok_or(TargetError::NoRbdSetup)?;
             Box::new(RbdTarget::new(rbd, size, setup.nr_threads)?)

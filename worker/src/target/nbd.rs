@@ -19,6 +19,13 @@
 //!   ([`TargetWork::done`]); one of another thread (a connection shared by several) is
 //!   posted into that thread's ring with `IORING_OP_MSG_RING`, as its completion.
 //!
+//! - **Zero copy** (`UBLK_F_AUTO_BUF_REG`, asked for per device). A request's pages are
+//!   registered by the kernel in the ring of the thread that fetched it, so that
+//!   thread must send a WRITE's data and receive a READ's: a zero-copy device has one
+//!   connection per queue thread (the supervisor makes it so, [`NbdTarget::new`]
+//!   checks), the data moves by SEND and RECV on the registered pages, and the reader
+//!   takes each reply's header alone so that no data lands in the receive buffer.
+//!
 //! A connection that breaks (the server closed it, or answered what no request asked)
 //! ends the worker with [`WorkerExit::BackendLost`]: the supervisor connects afresh for
 //! the next worker and the kernel re-issues the requests that were in flight, so no
@@ -43,7 +50,12 @@ mod send;
 
 use coverage::Coverage;
 use receive::{Receiver, Waiting};
-use send::Sender;
+use send::{Payload, Sender};
+
+/// `IORING_RECVSEND_FIXED_BUF` (in an SQE's `ioprio`): a SEND or RECV moves the data of
+/// the ring's registered buffer at `buf_index` (Linux >= 7.2 for plain SEND and RECV,
+/// 57ed21fad402 "io_uring/net: support registered buffer for plain send and recv").
+const IORING_RECVSEND_FIXED_BUF: u16 = 1 << 2;
 
 /// What a connection's own SQE is, in the low bits of its key (the connection's number
 /// above them).
@@ -56,14 +68,14 @@ fn key(connection: usize, what: u32) -> u32 {
 }
 
 /// A connection's state, under its lock: its two halves.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ConnectionState {
     sender: Sender,
     receiver: Receiver,
 }
 
 /// One connection to the server.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Connection {
     /// From activation on.
     socket: OnceLock<OwnedFd>,
@@ -77,8 +89,9 @@ pub struct NbdTarget {
 
 impl NbdTarget {
     /// A target over `connections` connections, whose sockets come at activation
-    /// ([`Target::activate`]).
-    pub fn new(connections: u8) -> Result<Self, TargetError> {
+    /// ([`Target::activate`]), for a device served by `threads` queue threads, with
+    /// `zero_copy` or not.
+    pub fn new(connections: u8, zero_copy: bool, threads: usize) -> Result<Self, TargetError> {
         if connections == 0 || connections > MAX_NBD_CONNECTIONS {
             return Err(TargetError::Fds {
                 target: "nbd",
@@ -86,7 +99,17 @@ impl NbdTarget {
                 got: usize::from(connections),
             });
         }
-        Ok(NbdTarget { connections: (0..connections).map(|_| Connection::default()).collect() })
+        if zero_copy && usize::from(connections) != threads {
+            return Err(TargetError::NbdZeroCopyConnections { connections, threads });
+        }
+        let connection = |_| Connection {
+            socket: OnceLock::new(),
+            state: Mutex::new(ConnectionState {
+                sender: Sender::default(),
+                receiver: Receiver::new(zero_copy),
+            }),
+        };
+        Ok(NbdTarget { connections: (0..connections).map(connection).collect() })
     }
 }
 
@@ -134,10 +157,17 @@ impl Target for NbdTarget {
             _ => return Step::Done(-libc::EOPNOTSUPP),
         };
         let moves_data = matches!(req.op, UBLK_IO_OP_READ | UBLK_IO_OP_WRITE);
-        if moves_data && req.buf.is_null() {
-            // Zero copy is never set up for nbd devices.
-            return Step::Done(-libc::EIO);
-        }
+        let payload = match req.buf_index {
+            // Only this thread's ring has the pages, and it reads and sends on its own
+            // connection alone (`new` checked that there is one per thread).
+            Some(buf_index) if usize::from(req.reply.thread) == index => {
+                Payload::Registered(buf_index)
+            }
+            // A thread without its own connection: `new` refuses such a device.
+            Some(_) => return Step::Done(-libc::EIO),
+            None if moves_data && req.buf.is_null() => return Step::Done(-libc::EIO),
+            None => Payload::Memory(req.buf as usize),
+        };
         let offset = if req.op == UBLK_IO_OP_FLUSH { 0 } else { req.offset };
         let cookie = req.reply.user_data;
         let header = Request { flags, kind, cookie, offset, length }.encode();
@@ -145,6 +175,7 @@ impl Target for NbdTarget {
             op: req.op,
             offset: req.offset,
             buf: req.buf as usize,
+            buf_index: req.buf_index,
             len: req.len,
             reply: req.reply,
             covered: Coverage::default(),
@@ -154,7 +185,7 @@ impl Target for NbdTarget {
         let mut state = lock(&self.connections[index].state);
         state.receiver.expect(cookie, waiting);
         // Sent with the rest of the turn's requests, before the thread waits.
-        state.sender.queue(header, req.buf as usize, data_len);
+        state.sender.queue(header, payload, data_len);
         Step::Pending
     }
 
@@ -177,6 +208,7 @@ impl Target for NbdTarget {
             let state = lock(&c.state);
             let (t, requests, sends) =
                 (state.receiver.traffic, state.sender.requests, state.sender.sends);
+            let sent_registered = state.sender.registered_bytes;
             drop(state);
             let per = |n: u64| requests as f64 / n.max(1) as f64;
             tracing::info!(
@@ -187,13 +219,16 @@ impl Target for NbdTarget {
                 copied_bytes = t.copied_bytes,
                 "nbd connection {connection}: {} requests in {} sends and {} receives \
                  ({:.2} requests per send, {:.2} replies per receive), {} KiB of READ data \
-                 copied from the receive buffer",
+                 copied from the receive buffer; zero copy: {} KiB of READ data received \
+                 into and {} KiB of WRITE data sent from the requests' registered pages",
                 requests,
                 sends,
                 t.receives,
                 per(sends),
                 per(t.receives),
                 t.copied_bytes >> 10,
+                t.registered_bytes >> 10,
+                sent_registered >> 10,
             );
         }
     }
@@ -246,6 +281,36 @@ impl Target for NbdTarget {
             }
         }
         Ok(())
+    }
+}
+
+/// The fields of an SQE the tests check and the io-uring crate does not read back.
+#[cfg(test)]
+#[derive(Debug)]
+struct SqeFields {
+    opcode: u8,
+    ioprio: u16,
+    addr: u64,
+    len: u32,
+    buf_index: u16,
+}
+
+#[cfg(test)]
+fn sqe_fields(sqe: &io_uring::squeue::Entry) -> SqeFields {
+    const _: () = assert!(size_of::<io_uring::squeue::Entry>() == 64);
+    // SAFETY: `squeue::Entry` is `#[repr(C)]` over the kernel's 64-byte `io_uring_sqe`
+    // (asserted above), plain integers with no invalid values.
+    let b: [u8; 64] = unsafe { std::mem::transmute_copy(sqe) };
+    let u16_at = |at: usize| u16::from_ne_bytes([b[at], b[at + 1]]);
+    let u32_at = |at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().unwrap());
+    let u64_at = |at: usize| u64::from_ne_bytes(b[at..at + 8].try_into().unwrap());
+    // `struct io_uring_sqe`'s offsets (include/uapi/linux/io_uring.h).
+    SqeFields {
+        opcode: b[0],
+        ioprio: u16_at(2),
+        addr: u64_at(16),
+        len: u32_at(24),
+        buf_index: u16_at(40),
     }
 }
 
@@ -372,7 +437,7 @@ mod tests {
     /// A target over `n` connections, the test playing the server on their other ends.
     fn target_over(n: u8) -> (NbdTarget, Vec<UnixStream>) {
         let (ours, servers): (Vec<_>, Vec<_>) = (0..n).map(|_| UnixStream::pair().unwrap()).unzip();
-        let target = NbdTarget::new(n).unwrap();
+        let target = NbdTarget::new(n, false, usize::from(n)).unwrap();
         target.activate(ours.into_iter().map(OwnedFd::from).collect(), &[]).unwrap();
         (target, servers)
     }
@@ -714,7 +779,8 @@ mod tests {
         // Activation takes exactly one socket per connection, once.
         let err = target.activate(Vec::new(), &[]).unwrap_err().to_string();
         assert!(err.contains("needs 2 file descriptor(s), got 0"), "{err}");
-        assert!(NbdTarget::new(0).is_err() && NbdTarget::new(MAX_NBD_CONNECTIONS + 1).is_err());
+        assert!(NbdTarget::new(0, false, 1).is_err());
+        assert!(NbdTarget::new(MAX_NBD_CONNECTIONS + 1, false, 1).is_err());
         std::mem::forget(servers);
     }
 }

@@ -4,6 +4,12 @@
 //! and what has not arrived yet is received straight into the tag's buffer. A reply
 //! that no request asked for, or that does not fit its request, breaks the connection
 //! ([`lost`]).
+//!
+//! Zero copy: a READ's pages are registered in the reading ring and have no address in
+//! the worker, so its data can never pass through the receive buffer. The connection
+//! then takes simple replies only (the supervisor does not ask for structured ones) and
+//! each RECV takes exactly what is known to come next: a reply's 16-byte header, then
+//! a READ's data straight into its registered pages (`IORING_RECVSEND_FIXED_BUF`).
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
@@ -41,8 +47,10 @@ pub(super) struct Waiting {
     pub(super) offset: u64,
     /// The tag's buffer (READ: `len` bytes are written there), as an address: the
     /// buffer belongs to the request until its result is committed, which finishing it
-    /// makes happen.
+    /// makes happen. 0 with zero copy.
     pub(super) buf: usize,
+    /// Zero copy: the request's pages, at this index of the reading ring's buffer table.
+    pub(super) buf_index: Option<u16>,
     pub(super) len: u32,
     pub(super) reply: Reply,
     /// READ: the parts of it the reply's data and holes have covered.
@@ -87,8 +95,10 @@ enum Reading {
     Header,
     /// In a READ's data: `left` bytes go to `dest` (in the tag's buffer), from the
     /// receive buffer or, once that is empty (`direct`), received straight there. Then
-    /// request `cookie` is finished if this was its reply's last part.
-    Data { cookie: u64, dest: usize, left: u32, direct: bool, last: bool },
+    /// request `cookie` is finished if this was its reply's last part. Zero copy
+    /// (`registered`: the buffer's index), always `direct`, and `dest` is the offset in
+    /// the registered pages.
+    Data { cookie: u64, dest: usize, left: u32, direct: bool, last: bool, registered: Option<u16> },
 }
 
 /// Hashes a cookie with one multiplication: cookies are the loop's user data for a
@@ -132,6 +142,8 @@ pub(super) struct Receiver {
     pub(super) traffic: Traffic,
     /// How many of `waiting` are not large READs ([`received_straight`]).
     small_waiting: usize,
+    /// The device uses zero copy: every RECV takes exactly what comes next.
+    zero_copy: bool,
 }
 
 /// Whether a request's reply data is received straight into its buffer (once the
@@ -149,10 +161,13 @@ pub(super) struct Traffic {
     /// READ data copied out of the receive buffer (the rest went straight into the
     /// tags' buffers).
     pub(super) copied_bytes: u64,
+    /// Zero copy: READ data received into the requests' registered pages.
+    pub(super) registered_bytes: u64,
 }
 
-impl Default for Receiver {
-    fn default() -> Self {
+impl Receiver {
+    /// The reading half of a new connection; `zero_copy`: the device's.
+    pub(super) fn new(zero_copy: bool) -> Self {
         Receiver {
             waiting: Cookies::default(),
             received: vec![0u8; RECEIVE_BUFFER_BYTES].into_boxed_slice(),
@@ -161,11 +176,10 @@ impl Default for Receiver {
             reading: Reading::Header,
             traffic: Traffic::default(),
             small_waiting: 0,
+            zero_copy,
         }
     }
-}
 
-impl Receiver {
     /// Expects a reply to request `cookie`, which `w` describes.
     pub(super) fn expect(&mut self, cookie: u64, w: Waiting) {
         self.small_waiting += usize::from(!received_straight(&w));
@@ -176,8 +190,14 @@ impl Receiver {
     /// moved to its start), or, in a READ's data, straight into the tag's buffer.
     pub(super) fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
         let fd = types::Fd(socket);
-        let sqe = if let Reading::Data { dest, left, direct: true, .. } = self.reading {
-            opcode::Recv::new(fd, dest as *mut u8, left).flags(libc::MSG_WAITALL).build()
+        let sqe = if let Reading::Data { dest, left, direct: true, registered, .. } = self.reading {
+            let recv = opcode::Recv::new(fd, dest as *mut u8, left).flags(libc::MSG_WAITALL);
+            match registered {
+                Some(index) => {
+                    recv.ioprio(super::IORING_RECVSEND_FIXED_BUF).buf_group(index).build()
+                }
+                None => recv.build(),
+            }
         } else {
             if self.start > 0 {
                 self.received.copy_within(self.start..self.end, 0);
@@ -187,7 +207,11 @@ impl Receiver {
             let room = &mut self.received[self.end..];
             // Only large READs waiting (none at all is not that: the next request, not
             // yet known, may be small): take the next reply's header alone.
-            let len = if self.small_waiting == 0 && !self.waiting.is_empty() {
+            let len = if self.zero_copy {
+                // What is left of the next simple reply's header, and not a byte more:
+                // a READ's data may follow it.
+                nbd::SIMPLE_REPLY_BYTES - self.end
+            } else if self.small_waiting == 0 && !self.waiting.is_empty() {
                 room.len().min(HEADER_RECEIVE_BYTES)
             } else {
                 room.len()
@@ -217,10 +241,14 @@ impl Receiver {
         }
         self.traffic.receives += 1;
         match self.reading {
-            Reading::Data { cookie, dest, left, direct: true, last } => {
+            Reading::Data { cookie, dest, left, direct: true, last, registered } => {
+                if registered.is_some() {
+                    self.traffic.registered_bytes += res as u64;
+                }
                 let (dest, left) = (dest + res as usize, left.saturating_sub(res as u32));
                 if left > 0 {
-                    self.reading = Reading::Data { cookie, dest, left, direct: true, last };
+                    self.reading =
+                        Reading::Data { cookie, dest, left, direct: true, last, registered };
                 } else {
                     self.reading = Reading::Header;
                     if last {
@@ -258,7 +286,7 @@ impl Receiver {
         loop {
             match self.reading {
                 Reading::Data { direct: true, .. } => return,
-                Reading::Data { cookie, dest, left, direct: false, last } => {
+                Reading::Data { cookie, dest, left, direct: false, last, registered } => {
                     let have = &self.received[self.start..self.end];
                     let n = have.len().min(left as usize);
                     // SAFETY: `dest..dest + left` is inside the request's tag buffer
@@ -274,7 +302,8 @@ impl Receiver {
                         // The receive buffer is empty: a large rest goes straight where
                         // it belongs.
                         let direct = left >= DIRECT_RECEIVE_MIN_BYTES;
-                        self.reading = Reading::Data { cookie, dest, left, direct, last };
+                        self.reading =
+                            Reading::Data { cookie, dest, left, direct, last, registered };
                         return;
                     }
                     self.reading = Reading::Header;
@@ -307,6 +336,10 @@ impl Receiver {
                 self.start += nbd::SIMPLE_REPLY_BYTES;
                 self.on_simple_reply(reply, thread, work);
             }
+            ReplyKind::Chunk if self.zero_copy => lost(
+                "reading a reply",
+                &"a structured reply, which a zero-copy device does not ask for",
+            ),
             ReplyKind::Chunk => {
                 let Some(header) = have.first_chunk::<{ nbd::CHUNK_HEADER_BYTES }>() else {
                     return false;
@@ -339,9 +372,11 @@ impl Receiver {
         } else if w.op == UBLK_IO_OP_READ {
             w.covered.add(0, w.len);
             if w.len > 0 {
-                let (dest, left) = (w.buf, w.len);
-                let cookie = reply.cookie;
-                self.reading = Reading::Data { cookie, dest, left, direct: false, last: true };
+                let (left, cookie, registered) = (w.len, reply.cookie, w.buf_index);
+                // Zero copy: nothing of the data is in the receive buffer (each RECV
+                // stops at a header's end), and all of it goes to the registered pages.
+                let (dest, direct) = if registered.is_some() { (0, true) } else { (w.buf, false) };
+                self.reading = Reading::Data { cookie, dest, left, direct, last: true, registered };
                 return;
             }
         }
@@ -358,7 +393,14 @@ impl Receiver {
                     lost("reading a reply", &what);
                 };
                 let (cookie, last) = (h.cookie, h.done());
-                self.reading = Reading::Data { cookie, dest, left: len, direct: false, last };
+                self.reading = Reading::Data {
+                    cookie,
+                    dest,
+                    left: len,
+                    direct: false,
+                    last,
+                    registered: None,
+                };
                 return;
             }
             Chunk::Hole { offset, len } => {
@@ -397,4 +439,68 @@ fn finish(w: &Waiting, res: i32, thread: usize, connection: usize, work: &mut Ta
         .flags(squeue::Flags::SKIP_SUCCESS)
         .user_data(own_user_data(key(connection, KEY_POST)));
     work.sqes.push(sqe);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiting(op: u8, len: u32, buf_index: u16, user_data: u64) -> Waiting {
+        Waiting {
+            op,
+            offset: 0,
+            buf: 0,
+            buf_index: Some(buf_index),
+            len,
+            reply: Reply { ring_fd: -1, user_data, thread: 0 },
+            covered: Coverage::default(),
+            error: 0,
+        }
+    }
+
+    /// `bytes` arrive from the kernel into the RECV in flight (into the receive buffer:
+    /// the registered pages are not the test's to write).
+    fn arrive(r: &mut Receiver, bytes: &[u8], work: &mut TargetWork) -> super::super::SqeFields {
+        if !matches!(r.reading, Reading::Data { registered: Some(_), .. }) {
+            r.received[r.end..r.end + bytes.len()].copy_from_slice(bytes);
+        }
+        r.on_received(bytes.len() as i32, 0, work, -1);
+        super::super::sqe_fields(&work.sqes.pop().unwrap())
+    }
+
+    fn simple_reply(cookie: u64) -> Vec<u8> {
+        let mut b = nbd::SIMPLE_REPLY_MAGIC.to_be_bytes().to_vec();
+        b.extend(0u32.to_be_bytes());
+        b.extend(cookie.to_be_bytes());
+        b
+    }
+
+    #[test]
+    fn zero_copy_takes_each_header_alone_and_a_reads_data_into_its_registered_pages() {
+        use super::super::IORING_RECVSEND_FIXED_BUF as FIXED;
+        let mut r = Receiver::new(true);
+        let mut work = TargetWork::default();
+        r.expect(7, waiting(UBLK_IO_OP_READ, 8192, 3, 7));
+        r.expect(9, waiting(UBLK_IO_OP_WRITE, 4096, 4, 9));
+        let first = super::super::sqe_fields(&r.next_receive(-1, 0));
+        assert_eq!((first.len, first.ioprio), (16, 0), "{first:?}");
+        // Part of the READ's reply header: the next RECV takes its rest and no more.
+        let reply = simple_reply(7);
+        let next = arrive(&mut r, &reply[..10], &mut work);
+        assert_eq!((next.len, next.ioprio), (6, 0), "{next:?}");
+        // The header whole: the data goes into the READ's registered pages, from 0.
+        let next = arrive(&mut r, &reply[10..], &mut work);
+        assert_eq!((next.ioprio, next.buf_index, next.addr, next.len), (FIXED, 3, 0, 8192));
+        let next = arrive(&mut r, &[0; 5000], &mut work);
+        assert_eq!((next.ioprio, next.buf_index, next.addr, next.len), (FIXED, 3, 5000, 3192));
+        assert!(work.done.is_empty(), "finished before its data came: {:?}", work.done);
+        let next = arrive(&mut r, &[0; 3192], &mut work);
+        assert_eq!(work.done, [(7, 8192)]);
+        assert_eq!((next.len, next.ioprio), (16, 0), "{next:?}");
+        // A WRITE's reply is its header alone.
+        let next = arrive(&mut r, &simple_reply(9), &mut work);
+        assert_eq!(work.done, [(7, 8192), (9, 4096)]);
+        assert_eq!((next.len, next.ioprio), (16, 0), "{next:?}");
+        assert_eq!((r.traffic.registered_bytes, r.traffic.copied_bytes), (8192, 0));
+    }
 }

@@ -1,7 +1,14 @@
 //! The sending half of a connection: requests queued by the queue threads go out in
-//! WRITEVs of as many as one message carries, one WRITEV in flight at a time, so that
+//! WRITEVs of as many as one message carries, one send in flight at a time, so that
 //! two requests never interleave on the stream; what is queued meanwhile goes in the
 //! next one, when the one in flight completes, in whichever ring submitted it.
+//!
+//! With zero copy a WRITE's data is in the request's own pages, which the kernel
+//! registered in the fetching thread's ring and which have no address in the worker:
+//! the WRITEV carries the headers up to that WRITE's, then a SEND takes the data from
+//! the registered buffer (`IORING_RECVSEND_FIXED_BUF`), and only then does the next
+//! batch go. A zero-copy device has one connection per queue thread, so that ring is
+//! the only one sending on the connection.
 
 use std::os::fd::RawFd;
 
@@ -15,12 +22,28 @@ use crate::target::own_user_data;
 /// header) or two (and a WRITE's data).
 const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
 
-/// A request waiting to be sent: its header and, for a WRITE, its data (the tag's
-/// buffer, as an address, `len` bytes).
+/// Where a WRITE's data is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Payload {
+    /// In the tag's buffer, at this address.
+    Memory(usize),
+    /// Zero copy: the request's pages, at this index of the sending ring's buffer table.
+    Registered(u16),
+}
+
+/// A request waiting to be sent: its header and, for a WRITE, its `len` bytes of data.
 #[derive(Debug, Clone, Copy)]
 struct Queued {
     header: [u8; nbd::REQUEST_BYTES],
-    data: usize,
+    data: Payload,
+    len: u32,
+}
+
+/// A zero-copy WRITE's data, sent after the batch's WRITEV: `sent` of `len` bytes gone.
+#[derive(Debug, Clone, Copy)]
+struct RegisteredPart {
+    index: u16,
+    sent: u32,
     len: u32,
 }
 
@@ -31,6 +54,8 @@ struct SendBatch {
     parts: Vec<libc::iovec>,
     /// The first part not yet sent whole.
     first: usize,
+    /// Zero copy: the last request's data, after the parts.
+    registered: Option<RegisteredPart>,
 }
 
 // SAFETY: the raw pointers are into the batch's own heap (`headers`, `parts`) and into
@@ -44,13 +69,14 @@ impl std::fmt::Debug for SendBatch {
             .field("requests", &self.headers.len())
             .field("parts", &self.parts.len())
             .field("first", &self.first)
+            .field("registered", &self.registered)
             .finish()
     }
 }
 
 impl SendBatch {
     fn new() -> Box<SendBatch> {
-        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0 })
+        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0, registered: None })
     }
 
     /// The parts not yet sent.
@@ -58,8 +84,15 @@ impl SendBatch {
         &self.parts[self.first..]
     }
 
-    /// `sent` more bytes went out: whether any are left.
+    /// `sent` more bytes went out (of the parts while any are left, else of the
+    /// registered data): whether any are left.
     fn advance(&mut self, mut sent: usize) -> bool {
+        if self.first == self.parts.len()
+            && let Some(part) = self.registered.as_mut()
+        {
+            part.sent = part.sent.saturating_add(sent as u32).min(part.len);
+            return part.sent < part.len;
+        }
         while sent > 0 && self.first < self.parts.len() {
             let part = &mut self.parts[self.first];
             if sent >= part.iov_len {
@@ -71,7 +104,18 @@ impl SendBatch {
                 sent = 0;
             }
         }
-        self.first < self.parts.len()
+        self.first < self.parts.len() || self.registered.is_some_and(|r| r.sent < r.len)
+    }
+
+    /// The send that continues the batch: a WRITEV of the parts left, else the SEND of
+    /// the registered data.
+    fn sqe(&self, socket: RawFd, connection: usize) -> squeue::Entry {
+        match self.registered {
+            Some(part) if self.first == self.parts.len() => {
+                registered_send_sqe(socket, part, connection)
+            }
+            _ => send_sqe(socket, self.rest(), connection),
+        }
     }
 }
 
@@ -87,17 +131,20 @@ pub(super) struct Sender {
     pub(super) sends: u64,
     /// Requests sent (each answered by one reply).
     pub(super) requests: u64,
+    /// Zero copy: WRITE data sent from the requests' registered pages.
+    pub(super) registered_bytes: u64,
 }
 
 impl Sender {
-    /// Queues a request: its `header`, then (a WRITE) `len` bytes of data at `data`,
-    /// which stay untouched until the request is finished.
-    pub(super) fn queue(&mut self, header: [u8; nbd::REQUEST_BYTES], data: usize, len: u32) {
+    /// Queues a request: its `header`, then (a WRITE) `len` bytes of `data`, which
+    /// stay untouched until the request is finished.
+    pub(super) fn queue(&mut self, header: [u8; nbd::REQUEST_BYTES], data: Payload, len: u32) {
         self.queued.push(Queued { header, data, len });
     }
 
-    /// The next WRITEV, if none is in flight and requests are queued: as many of them
-    /// as one message carries.
+    /// The next send, if none is in flight and requests are queued: a WRITEV of as
+    /// many of them as one message carries, up to and including the first zero-copy
+    /// WRITE, whose data a SEND then takes from its registered buffer.
     pub(super) fn next(&mut self, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
         if self.sending.is_some() || self.queued.is_empty() {
             return None;
@@ -106,13 +153,17 @@ impl Sender {
         batch.headers.clear();
         batch.parts.clear();
         batch.first = 0;
-        let mut parts = 0;
+        batch.registered = None;
+        let (mut parts, mut registered) = (0, false);
         let taken = self
             .queued
             .iter()
             .take_while(|q| {
-                parts += 1 + usize::from(q.len > 0);
-                parts <= MAX_PARTS_PER_SEND
+                let memory = q.len > 0 && matches!(q.data, Payload::Memory(_));
+                parts += 1 + usize::from(memory);
+                let fits = parts <= MAX_PARTS_PER_SEND && !registered;
+                registered |= q.len > 0 && matches!(q.data, Payload::Registered(_));
+                fits
             })
             .count();
         // The headers first, all of them: the parts point into this vector, which must
@@ -122,12 +173,18 @@ impl Sender {
             let header = &batch.headers[i];
             let base = header.as_ptr().cast_mut().cast();
             batch.parts.push(libc::iovec { iov_base: base, iov_len: header.len() });
-            if q.len > 0 {
-                let base = q.data as *mut libc::c_void;
-                batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
+            match q.data {
+                _ if q.len == 0 => {}
+                Payload::Memory(data) => {
+                    let base = data as *mut libc::c_void;
+                    batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
+                }
+                Payload::Registered(index) => {
+                    batch.registered = Some(RegisteredPart { index, sent: 0, len: q.len });
+                }
             }
         }
-        let sqe = send_sqe(socket, batch.rest(), connection);
+        let sqe = batch.sqe(socket, connection);
         self.sending = Some(batch);
         self.sends += 1;
         self.requests += taken as u64;
@@ -152,9 +209,12 @@ impl Sender {
         let Some(batch) = self.sending.as_mut() else {
             lost("sending requests", &"a send completed that was never submitted");
         };
+        if batch.first == batch.parts.len() && batch.registered.is_some() {
+            self.registered_bytes += res as u64;
+        }
         if batch.advance(res as usize) {
             self.sends += 1;
-            return Some(send_sqe(socket, batch.rest(), connection));
+            return Some(batch.sqe(socket, connection));
         }
         self.spare = self.sending.take();
         self.next(socket, connection)
@@ -168,6 +228,18 @@ impl Sender {
 /// (Rust's runtime ignores SIGPIPE).
 fn send_sqe(socket: RawFd, parts: &[libc::iovec], connection: usize) -> squeue::Entry {
     opcode::Writev::new(types::Fd(socket), parts.as_ptr(), parts.len() as u32)
+        .build()
+        .user_data(own_user_data(key(connection, KEY_SEND)))
+}
+
+/// A SEND of a zero-copy WRITE's data from the request's registered pages (address 0
+/// is their start), all of it (`MSG_WAITALL`; a short send is still continued).
+fn registered_send_sqe(socket: RawFd, part: RegisteredPart, connection: usize) -> squeue::Entry {
+    let rest = part.sent as usize as *const u8;
+    opcode::Send::new(types::Fd(socket), rest, part.len - part.sent)
+        .flags(libc::MSG_WAITALL)
+        .ioprio(super::IORING_RECVSEND_FIXED_BUF)
+        .buf_group(part.index)
         .build()
         .user_data(own_user_data(key(connection, KEY_SEND)))
 }
@@ -194,11 +266,43 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_copy_write_ends_its_batch_and_its_data_follows_from_its_registered_pages() {
+        let mut sender = Sender::default();
+        let memory = [7u8; 8];
+        let header = [0; nbd::REQUEST_BYTES];
+        sender.queue(header, Payload::Memory(0), 0); // a READ
+        sender.queue(header, Payload::Registered(5), 4096); // a zero-copy WRITE
+        sender.queue(header, Payload::Memory(memory.as_ptr() as usize), 8);
+        let first = sender.next(-1, 0).unwrap();
+        assert_eq!(first.get_opcode(), u32::from(opcode::Writev::CODE));
+        // The READ's and the WRITE's headers, not the third request.
+        assert_eq!(sender.requests, 2);
+        let data = sender.on_sent(2 * nbd::REQUEST_BYTES as i32, -1, 0).unwrap();
+        assert_eq!(data.get_opcode(), u32::from(opcode::Send::CODE));
+        let f = super::super::sqe_fields(&data);
+        assert_eq!(
+            (f.ioprio, f.buf_index, f.addr, f.len),
+            (super::super::IORING_RECVSEND_FIXED_BUF, 5, 0, 4096)
+        );
+        // A short send: the rest of the data, still from the registered pages.
+        let rest = super::super::sqe_fields(&sender.on_sent(1000, -1, 0).unwrap());
+        assert_eq!(
+            (rest.opcode, rest.buf_index, rest.addr, rest.len),
+            (opcode::Send::CODE, 5, 1000, 3096)
+        );
+        assert_eq!(sender.registered_bytes, 1000);
+        // Then, only once the data is all out, the next request.
+        let next = sender.on_sent(3096, -1, 0).unwrap();
+        assert_eq!(next.get_opcode(), u32::from(opcode::Writev::CODE));
+        assert_eq!((sender.requests, sender.registered_bytes), (3, 4096));
+    }
+
+    #[test]
     fn one_send_carries_at_most_the_kernels_parts_and_the_rest_follows() {
         let mut sender = Sender::default();
         let data = [7u8; 8];
         for _ in 0..MAX_PARTS_PER_SEND {
-            sender.queue([0; nbd::REQUEST_BYTES], data.as_ptr() as usize, 8);
+            sender.queue([0; nbd::REQUEST_BYTES], Payload::Memory(data.as_ptr() as usize), 8);
         }
         assert!(sender.next(-1, 0).is_some());
         // Two parts per WRITE: half of them went.
