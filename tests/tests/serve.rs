@@ -69,7 +69,7 @@ fn loop_device_passes_fio_verify() {
     let zero_copy_and_batch = UBLK_F_AUTO_BUF_REG | UBLK_F_BATCH_IO;
     let expected =
         if features & zero_copy_and_batch == zero_copy_and_batch { zero_copy_and_batch } else { 0 };
-    let flags = kernel_flags(&ublkd, id);
+    let flags = ublkd.kernel_flags(id);
     assert_eq!(
         flags & zero_copy_and_batch,
         expected,
@@ -194,7 +194,7 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     let ublkd = Ublkd::start_with("exact", "[recovery]\nfast_release = false", &[]);
     let own_rings = io_urings(ublkd.pid());
     let id = ublkd.add(&["-t", "loop", "-f", backing.to_str().unwrap(), "--copy"]);
-    assert_eq!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "--copy gave zero copy");
+    assert_eq!(ublkd.kernel_flags(id) & UBLK_F_AUTO_BUF_REG, 0, "--copy gave zero copy");
     assert_eq!(io_urings(ublkd.pid()), own_rings, "ublkd copied rings without fast_release");
     let dev = block_dev(id);
 
@@ -235,17 +235,6 @@ fn loop_backing_file_holds_exactly_what_was_written() {
     }
 }
 
-/// The kernel's flags of device `id` (`UBLK_F_*`, from `ublkctl list`).
-fn kernel_flags(ublkd: &Ublkd, id: u32) -> u64 {
-    let list = ublkd.ctl_ok(&["list", "-n", &id.to_string()]);
-    let hex = list
-        .split_whitespace()
-        .skip_while(|w| *w != "flags")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no flags in `ublkctl list`: {list}"));
-    u64::from_str_radix(hex.trim_start_matches("0x"), 16).unwrap()
-}
-
 #[test]
 fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
     let _serial = serial();
@@ -277,7 +266,7 @@ fn zero_copy_loop_device_verifies_reads_back_exactly_and_recovers() {
         return;
     }
     let id = ublkd.add(&args);
-    assert_ne!(kernel_flags(&ublkd, id) & UBLK_F_AUTO_BUF_REG, 0, "not a zero-copy device");
+    assert_ne!(ublkd.kernel_flags(id) & UBLK_F_AUTO_BUF_REG, 0, "not a zero-copy device");
     // recovery.fast_release (the default): ublkd holds a copy of each of the worker's
     // three rings (and of its standby's, once that is up), to take the device and the
     // registered pages out of them when the worker dies.

@@ -274,6 +274,17 @@ impl Ublkd {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// The kernel's flags of device `id` (`UBLK_F_*`, from `ublkctl list`).
+    pub fn kernel_flags(&self, id: u32) -> u64 {
+        let list = self.ctl_ok(&["list", "-n", &id.to_string()]);
+        let hex = list
+            .split_whitespace()
+            .skip_while(|w| *w != "flags")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no flags in `ublkctl list`: {list}"));
+        u64::from_str_radix(hex.trim_start_matches("0x"), 16).unwrap()
+    }
+
     /// `ublkctl add ARGS…`: the new device's id, once its block device node exists.
     pub fn add(&self, args: &[&str]) -> u32 {
         let mut full = vec!["add"];
