@@ -33,7 +33,7 @@ from benchlib import log, die, emit, sh, stats, fmt_num, fms
 from nbdclient import load_nbd
 from nbdphases import REC, META, DONE, restart_one, throughput
 
-CLIENTS = ("kernel-nbd", "ublkd", "kernel-nbd-c2")
+CLIENTS = ("kernel-nbd", "ublkd", "ublkd-zc", "kernel-nbd-c2")
 
 
 # ======================================================================================
@@ -147,15 +147,21 @@ def summarize(results):
             j["quiet"][c] = {m: stats([r.get(m) for r in q]) for m in ("iops", "nbdkit_us_per_io",
                                                                     "client_us_per_io",
                                                                     "sys_cpu_us_per_io")}
-        u, b = j.get("ublkd"), j.get(base)
-        j["ratio"] = {}
-        if u and b:
-            for m in METRICS:
-                if u[m] and b[m] and b[m]["median"]:
-                    j["ratio"][m] = u[m]["median"] / b[m]["median"]
+        # each ublkd client against the baseline ("ratio", "spread": plain ublkd's)
+        j["ratios"], j["spreads"] = {}, {}
         runs = {c: [r for r in recs if r.get("kind") == "run" and r["job"] == job
-                    and r["client"] == c and not r.get("error")] for c in ("ublkd", base)}
-        j["spread"] = {m: L.paired_ratio(runs["ublkd"], runs[base], m) for m in SPREAD_METRICS}
+                    and r["client"] == c and not r.get("error")] for c in clients}
+        for c in ublkd_clients(clients):
+            u, b, ratio = j.get(c), j.get(base), {}
+            if u and b:
+                for m in METRICS:
+                    if u[m] and b[m] and b[m]["median"]:
+                        ratio[m] = u[m]["median"] / b[m]["median"]
+            j["ratios"][c] = ratio
+            j["spreads"][c] = {m: L.paired_ratio(runs[c], runs.get(base, []), m)
+                               for m in SPREAD_METRICS}
+        j["ratio"] = j["ratios"].get("ublkd", {})
+        j["spread"] = j["spreads"].get("ublkd", {})
     for c in clients:
         out["connections"][c] = sorted({r["connections"] for r in recs
                                         if r.get("kind") == "attach" and r["client"] == c
@@ -165,9 +171,14 @@ def summarize(results):
     return out
 
 
+def ublkd_clients(clients):
+    """The clients that are ublkd (`ublkd`, `ublkd-zc`), in order."""
+    return [c for c in clients if c.startswith("ublkd")]
+
+
 def nbd_cells(c, s, med):
     """A client's row after its IOPS (L.client_rows)."""
-    cl = med("client_us_per_io") if c == "ublkd" else "(kernel)"
+    cl = med("client_us_per_io") if c.startswith("ublkd") else "(kernel)"
     return (f"{med('p50_us'):>7} {med('p99_us'):>7}  {med('nbdkit_us_per_io'):>12} {cl:>11} "
             f"{med('sys_cpu_us_per_io'):>11} {s['iops']['n']:>3} {s.get('busy_runs', 0):>4}")
 
@@ -184,17 +195,20 @@ def table(results):
         for job in prm["NBD_JOBS"]:
             lines += L.client_rows(job, prm["NBD_CLIENTS"], summ["jobs"][job], 14, 24,
                                    nbd_cells)
-            r = summ["jobs"][job]["ratio"]
-            if r:
-                def x(k):
-                    return f"x{r[k]:.2f}" if k in r else "-"
-                lines.append(f"{'':<18} {'ublkd/' + base:<14} {x('iops'):<24} "
-                             f"{x('p50_us'):>7} {x('p99_us'):>7}  {x('nbdkit_us_per_io'):>12} "
-                             f"{'':>11} {x('sys_cpu_us_per_io'):>11}")
-            sp = summ["jobs"][job].get("spread", {})
-            cells = [f"{k} {L.fmt_ratio(sp[k])}" for k in SPREAD_METRICS if sp.get(k)]
-            if cells:
-                lines.append(f"{'':<18} per round: " + "; ".join(cells))
+            js = summ["jobs"][job]
+            for c in ublkd_clients(prm["NBD_CLIENTS"]):
+                r = js.get("ratios", {"ublkd": js.get("ratio")}).get(c)
+                if r:
+                    def x(k, r=r):
+                        return f"x{r[k]:.2f}" if k in r else "-"
+                    lines.append(f"{'':<18} {c + '/' + base:<14} {x('iops'):<24} "
+                                 f"{x('p50_us'):>7} {x('p99_us'):>7}  "
+                                 f"{x('nbdkit_us_per_io'):>12} {'':>11} "
+                                 f"{x('sys_cpu_us_per_io'):>11}")
+                sp = js.get("spreads", {"ublkd": js.get("spread")}).get(c) or {}
+                cells = [f"{k} {L.fmt_ratio(sp[k])}" for k in SPREAD_METRICS if sp.get(k)]
+                if cells:
+                    lines.append(f"{'':<18} {c} per round: " + "; ".join(cells))
             lines.append("")
         qlines = []
         for job in prm["NBD_JOBS"]:
@@ -207,9 +221,10 @@ def table(results):
                     cells.append(f"{c} {fmt_num(st['iops']['median'])} IOPS "
                                  f"({fmt_num(g['median']) if g else '-'} guest us/IO, "
                                  f"n={st['iops']['n']})")
-            u, b = qj.get("ublkd", {}).get("iops"), qj.get(base, {}).get("iops")
-            if u and b and b["median"]:
-                cells.append(f"ublkd/{base} x{u['median'] / b['median']:.2f}")
+            for c in ublkd_clients(prm["NBD_CLIENTS"]):
+                u, b = qj.get(c, {}).get("iops"), qj.get(base, {}).get("iops")
+                if u and b and b["median"]:
+                    cells.append(f"{c}/{base} x{u['median'] / b['median']:.2f}")
             if cells:
                 qlines.append(f"  {job:<18} " + "; ".join(cells))
         if qlines:

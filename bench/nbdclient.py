@@ -178,6 +178,22 @@ class UblkdNbd(S.UblkdDevice):
                                "-d", str(self.prm["NBD_QUEUE_DEPTH"]))
 
 
+class UblkdNbdZeroCopy(UblkdNbd):
+    """ublkd-zc: the same with `--zero-copy` (READ data received into the request's
+    pages, WRITE data sent from them; Linux >= 7.2), its own ublkd beside the other."""
+    name = "ublkd-zc"
+    SOCK = "/run/ublkd-bench-zc.sock"
+    CFG = "/run/ublkd-bench-nbd-zc.toml"
+    LOG = "/run/ublkd-bench-nbd-zc.log"
+    STATE_DIR = "/run/ublkd-bench-zc"
+
+    def attach(self, sock):
+        return self.add_device("-t", "nbd", "--uri", f"nbd+unix:///?socket={sock}",
+                               "--zero-copy", "-q", str(self.prm["NBD_QUEUES"]),
+                               "--threads", str(self.prm.get("NBD_THREADS", 1)),
+                               "-d", str(self.prm["NBD_QUEUE_DEPTH"]))
+
+
 class UblkdNbdRestart(UblkdNbd):
     """The restart phase's ublkd: its own log, whose WARN/ERROR lines the table shows."""
     LOG = "/run/ublkd-bench-nbd-restart.log"
@@ -186,4 +202,6 @@ class UblkdNbdRestart(UblkdNbd):
 def make_client(name, plan, restart=False):
     if name == "ublkd":
         return UblkdNbdRestart(plan) if restart else UblkdNbd(plan)
+    if name == "ublkd-zc":
+        return UblkdNbdZeroCopy(plan)
     return KernelNbd(name, 2 if name.endswith("-c2") else 1)

@@ -48,7 +48,7 @@ def throughput(plan, meta):
     log(f"filled the export in {time.monotonic() - t:.1f} s")
     total = nrounds * len(clients) * len(jobs)
     count = 0
-    ublkd = None  # one ublkd for the whole phase, its device added and deleted per round
+    ublkds = {}  # one ublkd per ublkd client for the whole phase, its device per round
     for rnd in range(nrounds):
         # Every client is attached for the whole round and the clients take turns per
         # job (A B C, then B C A for the next job...): each job's runs lie within a
@@ -56,9 +56,8 @@ def throughput(plan, meta):
         order = L.rotated(clients, rnd)
         attached = {}
         for cname in order:
-            if cname == "ublkd":
-                ublkd = ublkd or UblkdNbd(plan)
-                cl = ublkd
+            if cname.startswith("ublkd"):
+                cl = ublkds[cname] = ublkds.get(cname) or make_client(cname, plan)
             else:
                 cl = make_client(cname, plan)
             base = {"round": rnd + 1, "client": cname}
@@ -101,11 +100,11 @@ def throughput(plan, meta):
                 cl.detach()
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {cname}: detach failed: {e}")
-    if ublkd:
-        S.stop(ublkd, "ublkd")
+    for cname, ublkd in ublkds.items():
+        S.stop(ublkd, cname)
         probs = ublkd.log_problems()
         if probs:
-            log(f"ublkd logged {probs[0]} warnings/errors in the throughput phase; the "
+            log(f"{cname} logged {probs[0]} warnings/errors in the throughput phase; the "
                 f"last: {probs[1]}")
     kit.stop()
 

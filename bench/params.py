@@ -142,7 +142,8 @@ SCALE_NOFILE = 65536            # ublkd's RLIMIT_NOFILE, as packaging/ublkd.serv
 # during a verifying fio and started again on the same socket.
 # kernel-nbd: `nbd-client -unix SOCKET /dev/nbdN -N ''` (netlink, 1 connection);
 # kernel-nbd-c2: the same with -C 2 (only if the export advertises multi-conn).
-NBD_CLIENTS = ["kernel-nbd", "ublkd", "kernel-nbd-c2"]
+# ublkd-zc: ublkd's device with --zero-copy (its own ublkd; Linux >= 7.2).
+NBD_CLIENTS = ["kernel-nbd", "ublkd", "ublkd-zc", "kernel-nbd-c2"]
 NBD_RATIO_BASELINE = "kernel-nbd"           # the table prints ublkd / this
 NBD_ROUNDS = 4                              # each round runs every client once, rotated
 NBD_RUNTIME_S = 4                           # fio --runtime per run (as RUNTIME_S)

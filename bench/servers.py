@@ -68,6 +68,7 @@ class Ublkd(Daemon):
     SOCK = "/run/ublkd-bench.sock"
     CFG = "/run/ublkd-bench.toml"
     LOG = "/run/ublkd-bench.log"
+    STATE_DIR = "/run/ublkd-bench"
     # log lines that are expected (a regex), not counted by log_problems
     EXPECTED = None
 
@@ -81,7 +82,7 @@ class Ublkd(Daemon):
         return sh([os.path.join(self.bindir, "ublkctl"), "--socket", self.SOCK, *a])
 
     def config(self):
-        text = f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "/run/ublkd-bench"\n'
+        text = f'[daemon]\nsocket = "{self.SOCK}"\nstate_dir = "{self.STATE_DIR}"\n'
         if not self.fast_release:
             text += "[recovery]\nfast_release = false\n"
         return text
