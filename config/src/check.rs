@@ -322,7 +322,6 @@ impl Checker<'_> {
                 for (key, present) in [
                     ("file", raw.file.is_some()),
                     ("direct", raw.direct.is_some()),
-                    ("zero_copy", raw.zero_copy.is_some()),
                     ("size", raw.size.is_some()),
                 ] {
                     if present {
@@ -347,7 +346,7 @@ impl Checker<'_> {
                 };
                 let uri = NbdUri::parse(text)
                     .map_err(|e| self.invalid(&table.key("uri"), e.to_string()))?;
-                (TargetSpec::Nbd { uri }, 0)
+                (TargetSpec::Nbd { uri, zero_copy: raw.zero_copy }, 0)
             }
             RawTarget::Null | RawTarget::Memory => {
                 let target = if matches!(raw.target, RawTarget::Null) {
@@ -355,11 +354,9 @@ impl Checker<'_> {
                 } else {
                     TargetSpec::Memory
                 };
-                for (key, present) in [
-                    ("file", raw.file.is_some()),
-                    ("direct", raw.direct.is_some()),
-                    ("zero_copy", raw.zero_copy.is_some()),
-                ] {
+                for (key, present) in
+                    [("file", raw.file.is_some()), ("direct", raw.direct.is_some())]
+                {
                     if present {
                         return Err(self.invalid(
                             &table.key(key),
@@ -370,6 +367,16 @@ impl Checker<'_> {
                             ),
                         ));
                     }
+                }
+                if raw.zero_copy.is_some() {
+                    return Err(self.invalid(
+                        &table.key("zero_copy"),
+                        format!(
+                            "only a loop or nbd target has zero copy, this one is {}; \
+                             remove zero_copy",
+                            target.name()
+                        ),
+                    ));
                 }
                 let Some(size) = size else {
                     return Err(self.invalid(
@@ -415,7 +422,7 @@ impl Checker<'_> {
         for (key, present, why) in [
             ("file", raw.file.is_some(), "only a loop target has a backing file"),
             ("direct", raw.direct.is_some(), "only a loop target has a backing file"),
-            ("zero_copy", raw.zero_copy.is_some(), "only a loop target has a backing file"),
+            ("zero_copy", raw.zero_copy.is_some(), "only a loop or nbd target has zero copy"),
             ("uri", raw.uri.is_some(), "only an nbd target has a uri"),
             (
                 "size",
@@ -496,7 +503,7 @@ impl Checker<'_> {
             }
             // The same export written two ways (a host name and its address) is not
             // caught; the server is the one to refuse a second writer.
-            if let TargetSpec::Nbd { uri } = &device.target
+            if let TargetSpec::Nbd { uri, .. } = &device.target
                 && let Some(first) = exports.insert((&uri.transport, &uri.export), index)
             {
                 return Err(self.invalid(

@@ -9,7 +9,7 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
-use ublkd_proto::msg::{LayerSet, SandboxLayer};
+use ublkd_proto::msg::{LayerSet, MAX_NBD_CONNECTIONS, SandboxLayer};
 
 use crate::nbd_uri::NbdUri;
 use crate::rbd::RbdSpec;
@@ -62,10 +62,20 @@ pub enum TargetSpec {
         zero_copy: Option<bool>,
     },
     /// An export of an NBD server. Its size, block sizes and what it supports come from
-    /// the server when ublkd connects, so a spec holds only where it is.
+    /// the server when ublkd connects, so a spec holds only where it is, and how its
+    /// data moves.
     Nbd {
         /// Where the export is.
         uri: NbdUri,
+        /// Zero copy: the kernel lends each request's pages to the worker's ring
+        /// (`UBLK_F_AUTO_BUF_REG`), which sends WRITE data from them and receives READ
+        /// data into them, instead of copying every request through the worker's
+        /// memory. Opt-in (`None` is off): the worker then receives each reply's header
+        /// on its own before its data, one more receive per READ, which costs small
+        /// reads. It needs one connection per queue thread (at most
+        /// [`MAX_NBD_CONNECTIONS`]) and simple replies; the supervisor decides the rest
+        /// at creation.
+        zero_copy: Option<bool>,
     },
     /// An RBD image in a Ceph cluster. Its size comes from the image when ublkd
     /// connects; a snapshot is served read-only.
@@ -82,6 +92,15 @@ impl TargetSpec {
             Self::Loop { .. } => "loop",
             Self::Nbd { .. } => "nbd",
             Self::Rbd(_) => "rbd",
+        }
+    }
+
+    /// What the spec says of zero copy, for the targets that have it (loop and nbd):
+    /// `None` where it is unset (before the supervisor decides) or the target has none.
+    pub fn zero_copy(&self) -> Option<bool> {
+        match self {
+            Self::Loop { zero_copy, .. } | Self::Nbd { zero_copy, .. } => *zero_copy,
+            Self::Null | Self::Memory | Self::Rbd(_) => None,
         }
     }
 }
@@ -216,15 +235,29 @@ impl DeviceSpec {
             }
             _ => check_size(self.size_bytes, self.settings.block_size)?,
         }
-        if matches!(self.target, TargetSpec::Loop { zero_copy: Some(true), .. })
-            && !self.fits_zero_copy()
-        {
+        if self.target.zero_copy() == Some(true) && !self.fits_zero_copy() {
             return Err(FieldError::new(
                 "zero_copy",
                 format!(
                     "needs queues × queue_depth <= {MAX_ZERO_COPY_SLOTS} (one registered \
                      buffer per request slot), this device has {slots}; lower queues or \
                      queue_depth, or turn zero_copy off"
+                ),
+            ));
+        }
+        // A zero-copy nbd worker reads each connection from the one thread that fetched
+        // its requests (their pages are registered in that thread's ring): one
+        // connection per thread, and a worker takes at most MAX_NBD_CONNECTIONS.
+        if matches!(self.target, TargetSpec::Nbd { zero_copy: Some(true), .. })
+            && self.settings.threads > u16::from(MAX_NBD_CONNECTIONS)
+        {
+            return Err(FieldError::new(
+                "threads",
+                format!(
+                    "{} is more than {MAX_NBD_CONNECTIONS}: a zero-copy nbd device has one \
+                     connection per thread, and at most {MAX_NBD_CONNECTIONS}; lower threads \
+                     or turn zero_copy off",
+                    self.settings.threads
                 ),
             ));
         }

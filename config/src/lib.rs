@@ -422,6 +422,13 @@ mod tests {
                 "device[0].uri: only an nbd target has a uri; remove uri or set target = \"nbd\"",
             ),
             (
+                "[[device]]\ntarget = \"nbd\"\nuri = \"nbd://h/x\"\nzero_copy = true\n\
+                 threads = 9\nqueues = 2\n"
+                    .into(),
+                "device[0].threads: 9 is more than 8: a zero-copy nbd device has one connection \
+                 per thread, and at most 8; lower threads or turn zero_copy off",
+            ),
+            (
                 "[[device]]\ntarget = \"nbd\"\nuri = \"nbds://h/x\"\n".into(),
                 "device[0].uri: \"nbds://h/x\": an nbds:// URI needs tls-certificates=DIR",
             ),
@@ -524,6 +531,16 @@ mod tests {
             (
                 "[[device]]\ntarget = \"memory\"\nsize = \"1G\"\ndirect = false\n".into(),
                 "device[0].direct: only a loop target has a backing file, this one is memory; remove direct",
+            ),
+            (
+                format!("[[device]]\n{NULL_1G}zero_copy = true\n"),
+                "device[0].zero_copy: only a loop or nbd target has zero copy, this one is null; \
+                 remove zero_copy",
+            ),
+            (
+                "[[device]]\ntarget = \"rbd\"\nimage = \"rbd/d\"\nzero_copy = false\n".into(),
+                "device[0].zero_copy: only a loop or nbd target has zero copy; remove zero_copy \
+                 from this rbd device",
             ),
             (
                 "[[device]]\ntarget = \"loop\"\n".into(),
@@ -880,14 +897,28 @@ mod tests {
                     uri = \"nbd+unix:///disk?socket=/run/nbd.sock\"\nqueues = 2\n";
         let config = Config::parse(text, ORIGIN).unwrap();
         let device = &config.devices[0];
-        let TargetSpec::Nbd { uri } = &device.target else {
-            panic!("not an nbd target: {device:?}");
+        let TargetSpec::Nbd { uri, zero_copy: None } = &device.target else {
+            panic!("not an nbd target with zero copy unset: {device:?}");
         };
         assert_eq!(uri.export, "disk");
         assert_eq!(uri.transport, NbdTransport::Unix { socket: "/run/nbd.sock".into() });
         assert_eq!(device.size_bytes, 0);
         assert_eq!(device.settings.queues, 2);
         assert_eq!(device.id, Some(4));
+    }
+
+    #[test]
+    fn an_nbd_device_may_ask_for_zero_copy_or_copy() {
+        for (value, want) in [("true", Some(true)), ("false", Some(false))] {
+            let text =
+                format!("[[device]]\ntarget = \"nbd\"\nuri = \"nbd://h/x\"\nzero_copy = {value}\n");
+            let config = Config::parse(&text, ORIGIN).unwrap();
+            assert!(
+                matches!(&config.devices[0].target, TargetSpec::Nbd { zero_copy, .. } if *zero_copy == want),
+                "{value}: {:?}",
+                config.devices[0].target
+            );
+        }
     }
 
     #[test]

@@ -137,13 +137,16 @@ pub enum UblkctlCommand {
         /// Worker threads serving the device's queues.
         #[arg(long)]
         threads: Option<u16>,
-        /// Zero copy (loop): the worker reads and writes the file straight from the
-        /// request's pages, lent by the kernel, instead of copying them. Without
-        /// --zero-copy or --copy: zero copy where the kernel has it (Linux >= 6.16) and
-        /// queues x depth fit io_uring's buffer table (16384).
+        /// Zero copy (loop, nbd): the worker reads and writes the file, or sends and
+        /// receives the export's data, straight from the request's pages, lent by the
+        /// kernel, instead of copying them. Without --zero-copy or --copy: a loop device
+        /// has zero copy where the kernel has it (Linux >= 7.0) and queues x depth fit
+        /// io_uring's buffer table (16384); an nbd device copies. An nbd device with
+        /// zero copy needs Linux >= 7.2 and one connection per thread (an export with
+        /// multi-conn, or --threads 1).
         #[arg(long, conflicts_with = "copy")]
         zero_copy: bool,
-        /// No zero copy (loop): the kernel copies every request through the worker.
+        /// No zero copy (loop, nbd): the kernel copies every request through the worker.
         #[arg(long)]
         copy: bool,
         /// Run this device's worker without its sandbox (the daemon's default is to
@@ -252,6 +255,28 @@ mod tests {
     fn both_command_lines_are_consistent() {
         UblkdCli::command().debug_assert();
         UblkctlCli::command().debug_assert();
+    }
+
+    #[test]
+    fn ublkctl_add_takes_zero_copy_or_copy_for_an_nbd_device() {
+        for (flag, want) in [("--zero-copy", (true, false)), ("--copy", (false, true))] {
+            let cli = UblkctlCli::try_parse_from([
+                "ublkctl",
+                "add",
+                "-t",
+                "nbd",
+                "--uri",
+                "nbd://127.0.0.1/disk",
+                flag,
+            ])
+            .unwrap();
+            let UblkctlCommand::Add { zero_copy, copy, .. } = cli.command else {
+                panic!("not an add: {:?}", cli.command);
+            };
+            assert_eq!((zero_copy, copy), want, "{flag}");
+        }
+        let both = ["ublkctl", "add", "-t", "nbd", "--uri", "nbd://h/", "--zero-copy", "--copy"];
+        assert!(UblkctlCli::try_parse_from(both).is_err(), "--zero-copy and --copy conflict");
     }
 
     #[test]

@@ -56,7 +56,9 @@ use crate::device_state::{StateKind, Summary};
 use crate::metrics::FileWriter;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
-use crate::target::{Reached, TargetError, reach, reach_takes_time};
+use crate::target::{
+    KernelRelease, Reached, TargetError, decide_zero_copy, reach, reach_takes_time,
+};
 use crate::worker::WorkerIdentity;
 use crate::{exit, features, recovery};
 
@@ -231,7 +233,16 @@ mod tests {
         let config = spec("target = \"nbd\"\nuri = \"nbd+unix:///?socket=/run/n.sock\"");
         let mut made = config.clone();
         (made.id, made.size_bytes, made.settings.block_size) = (Some(2), 1 << 30, 4096);
+        // Unset is copying: what the record says of a device made from it.
+        if let TargetSpec::Nbd { zero_copy, .. } = &mut made.target {
+            *zero_copy = Some(false);
+        }
         assert!(made_from(&made, &config));
+        let mut zero_copy_made = made.clone();
+        if let TargetSpec::Nbd { zero_copy, .. } = &mut zero_copy_made.target {
+            *zero_copy = Some(true);
+        }
+        assert!(!made_from(&zero_copy_made, &config), "zero copy is another device");
         made.settings.queues += 1;
         assert!(!made_from(&made, &config), "a changed queue count is another device");
 

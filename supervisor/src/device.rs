@@ -42,8 +42,8 @@ use crate::hang::HangWatch;
 use crate::nbd::target::NbdTarget;
 use crate::rbd::RbdTarget;
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
+use crate::target::{KernelRelease, TargetError, decide_zero_copy, open_target};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
-use crate::target::{TargetError, decide_zero_copy, open_target};
 use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
 pub use policy_state::{HangPolicy, RestartBudget, StandbySchedule};
 
@@ -113,6 +113,9 @@ pub struct Context {
     pub worker_identity: WorkerIdentity,
     /// The kernel's `UBLK_F_*` feature mask (`UBLK_U_CMD_GET_FEATURES`).
     pub kernel_features: u64,
+    /// The kernel's release (uname), for what no feature flag tells (`None`: it does
+    /// not read as one).
+    pub kernel_release: Option<KernelRelease>,
     /// `recovery.fast_release`, for the workers started from now on.
     pub fast_release: bool,
     /// `recovery.nbd_server_wait_secs` (`None`: for ever).
@@ -304,7 +307,7 @@ impl Device {
         }
         let quiet = self.hang_policy.backend_wait()?;
         let what = match &self.spec.target {
-            ublkd_config::TargetSpec::Nbd { uri } => format!("its NBD server ({uri})"),
+            ublkd_config::TargetSpec::Nbd { uri, .. } => format!("its NBD server ({uri})"),
             ublkd_config::TargetSpec::Rbd(rbd) => {
                 format!("the Ceph cluster (image {}): an OSD or monitor away", rbd.image)
             }

@@ -84,8 +84,9 @@ pub struct DeviceRecord {
     pub target: String,
     pub file: Option<PathBuf>,
     pub direct: bool,
-    /// Loop only, as decided at creation; absent in records written before zero copy
-    /// existed (those devices copy).
+    /// Loop and nbd, as decided at creation; absent in records written before zero
+    /// copy existed (those devices copy). Records of nbd devices made before nbd had
+    /// zero copy carry `false`, which is what they do: the format needs no new version.
     #[serde(default)]
     pub zero_copy: bool,
     pub size_bytes: u64,
@@ -154,12 +155,12 @@ impl ExportRecord {
 
 impl DeviceRecord {
     pub fn new(id: u32, spec: &DeviceSpec) -> Self {
-        let (file, direct, zero_copy) = match &spec.target {
-            TargetSpec::Loop { file, direct, zero_copy } => {
-                (Some(file.clone()), *direct, zero_copy.unwrap_or(false))
-            }
-            _ => (None, false, false),
+        let (file, direct) = match &spec.target {
+            TargetSpec::Loop { file, direct, .. } => (Some(file.clone()), *direct),
+            _ => (None, false),
         };
+        // Decided by then (`target::decide_zero_copy`): unset reads as copying.
+        let zero_copy = spec.target.zero_copy().unwrap_or(false);
         DeviceRecord {
             id,
             target: spec.target.name().to_string(),
@@ -192,7 +193,7 @@ impl DeviceRecord {
             ("nbd", None) => {
                 let text = self.uri.as_deref().ok_or("an nbd device without its uri")?;
                 let uri = NbdUri::parse(text).map_err(|e| format!("its uri: {e}"))?;
-                TargetSpec::Nbd { uri }
+                TargetSpec::Nbd { uri, zero_copy: Some(self.zero_copy) }
             }
             ("rbd", None) => {
                 TargetSpec::Rbd(self.rbd.clone().ok_or("an rbd device without its image")?)
@@ -774,9 +775,31 @@ mod tests {
     fn an_nbd_record_keeps_its_export() {
         let mut spec = spec();
         let uri = NbdUri::parse("nbd+unix:///disk?socket=/run/nbd.sock").unwrap();
-        spec.target = TargetSpec::Nbd { uri: uri.clone() };
+        spec.target = TargetSpec::Nbd { uri: uri.clone(), zero_copy: Some(false) };
         let rec = DeviceRecord::new(6, &spec);
         assert_eq!(rec.uri.as_deref(), Some("nbd+unix:///disk?socket=/run/nbd.sock"));
-        assert!(matches!(rec.spec().unwrap().target, TargetSpec::Nbd { uri: u } if u == uri));
+        assert_eq!(rec.spec().unwrap().target, spec.target);
+    }
+
+    /// A zero-copy nbd device's record says so, through a write and a read; a record
+    /// without `zero_copy` (written before zero copy existed) reads as copying.
+    #[test]
+    fn an_nbd_records_zero_copy_round_trips_and_older_records_copy() {
+        let root = tmp();
+        let state = StateDir::new(&root);
+        let uri = NbdUri::parse("nbd://127.0.0.1/disk").unwrap();
+        let mut spec = spec();
+        spec.target = TargetSpec::Nbd { uri: uri.clone(), zero_copy: Some(true) };
+        state.write_record(&DeviceRecord::new(7, &spec)).unwrap();
+        let got = state.records().pop().unwrap().unwrap();
+        assert!(got.zero_copy);
+        assert_eq!(got.spec().unwrap().target, spec.target);
+
+        let text = serde_json::to_string(&DeviceRecord::new(7, &spec)).unwrap();
+        let older = text.replace(",\"zero_copy\":true", "");
+        assert!(!older.contains("zero_copy"), "{older}");
+        let older: DeviceRecord = serde_json::from_str(&older).unwrap();
+        assert_eq!(older.spec().unwrap().target, TargetSpec::Nbd { uri, zero_copy: Some(false) });
+        let _ = std::fs::remove_dir_all(root);
     }
 }

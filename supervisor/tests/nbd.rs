@@ -403,7 +403,7 @@ fn an_oldstyle_server_is_refused_as_such() {
 fn nbd_spec(uri: NbdUri) -> DeviceSpec {
     DeviceSpec {
         id: None,
-        target: TargetSpec::Nbd { uri },
+        target: TargetSpec::Nbd { uri, zero_copy: None },
         size_bytes: 0,
         settings: DeviceSettings::default(),
     }

@@ -47,8 +47,8 @@ pub struct AddRequest {
     pub queues: Option<u16>,
     pub queue_depth: Option<u16>,
     pub threads: Option<u16>,
-    /// Loop only: zero copy on (`--zero-copy`), off (`--copy`), or `None`: on where the
-    /// kernel has it (see `WorkerSetup::zero_copy`).
+    /// Loop and nbd only: zero copy on (`--zero-copy`), off (`--copy`), or `None`: for
+    /// loop, on where the kernel has it; for nbd, off (see `WorkerSetup::zero_copy`).
     pub zero_copy: Option<bool>,
     /// Run the worker in its sandbox; `None`: the daemon's default.
     pub sandbox: Option<bool>,

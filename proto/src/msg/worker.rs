@@ -31,11 +31,12 @@ pub enum TargetSetup {
     FailIo,
     /// An NBD server's export over `connections` connections (several only where the
     /// export allows it: `NBD_FLAG_CAN_MULTI_CONN`; queue thread `i` uses connection
-    /// `i % connections`). No fd at setup: the supervisor connects and negotiates when
-    /// the worker is activated (a standby's connection would sit idle, and some servers
-    /// take one client at a time), and sends the sockets, in the transmission phase
-    /// with structured or simple replies (the worker reads both), with
-    /// [`ToWorker::Activate`].
+    /// `i % connections`; one per thread with [`WorkerSetup::zero_copy`]). No fd at
+    /// setup: the supervisor connects and negotiates when the worker is activated (a
+    /// standby's connection would sit idle, and some servers take one client at a
+    /// time), and sends the sockets, in the transmission phase with structured or
+    /// simple replies (the worker reads both; simple only with
+    /// [`WorkerSetup::zero_copy`]), with [`ToWorker::Activate`].
     Nbd { connections: u8 },
     /// An RBD image in a Ceph cluster, through librbd, which the worker loads. Its
     /// cluster, image and key come in [`WorkerSetup::rbd`]; the worker connects while
@@ -86,9 +87,14 @@ pub struct WorkerSetup {
     pub target: TargetSetup,
     /// Logical block size in bytes (the target may use it to align).
     pub block_size: u32,
-    /// The device has `UBLK_F_AUTO_BUF_REG` (a zero-copy loop device, or one failing
-    /// its I/O after being one): the worker gives each tag a buffer index instead of a
-    /// buffer address, and requests with data arrive registered in its ring.
+    /// The device has `UBLK_F_AUTO_BUF_REG` (a zero-copy loop or nbd device, or one
+    /// failing its I/O after being one): the worker gives each tag a buffer index
+    /// instead of a buffer address, and requests with data arrive registered in its
+    /// ring. Always with [`DataPath::Batch`]. For [`TargetSetup::Nbd`], the supervisor
+    /// guarantees `connections == nr_threads` (thread `i` alone uses connection `i`, so
+    /// the thread that fetched a request reads its reply), and every connection was
+    /// negotiated without `NBD_OPT_STRUCTURED_REPLY`: the server sends simple replies
+    /// only.
     pub zero_copy: bool,
     /// `recovery.fast_release`: the worker names its rings in Standby (see there) and
     /// makes them so that the supervisor may unregister their files (not

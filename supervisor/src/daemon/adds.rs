@@ -166,6 +166,10 @@ impl Daemon {
                 }
             }
         }
+        // Zero copy the kernel cannot give is refused before the server is bothered
+        // (creation decides it again, for devices made from the config).
+        decide_zero_copy(spec, self.ctx.kernel_features, self.ctx.kernel_release)
+            .map_err(|e| e.to_string())?;
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
         let binary = self.ctx.worker_binary.clone();

@@ -95,10 +95,10 @@ impl Daemon {
                     return Err(format!("{} already backs another device", file.display()));
                 }
             }
-            TargetSpec::Nbd { uri } => {
+            TargetSpec::Nbd { uri, .. } => {
                 let in_use = specs
                     .iter()
-                    .any(|s| matches!(&s.target, TargetSpec::Nbd { uri: u } if u == uri));
+                    .any(|s| matches!(&s.target, TargetSpec::Nbd { uri: u, .. } if u == uri));
                 if in_use {
                     return Err(format!("{uri} is already the export of another device"));
                 }
@@ -360,7 +360,7 @@ pub fn spec_from_request(
                  --uri nbd+unix:///EXPORT?socket=PATH)",
             )?;
             let uri = NbdUri::parse(text).map_err(|e| format!("--uri: {e}"))?;
-            TargetSpec::Nbd { uri }
+            TargetSpec::Nbd { uri, zero_copy: add.zero_copy }
         }
         TargetKind::Rbd => {
             let rbd = add.rbd.clone().unwrap_or_default();
@@ -393,10 +393,10 @@ pub fn spec_from_request(
         return Err(format!("--uri is only for nbd devices, not {}", add.target.name()));
     }
     if let Some(on) = add.zero_copy
-        && add.target != TargetKind::Loop
+        && !matches!(add.target, TargetKind::Loop | TargetKind::Nbd)
     {
         return Err(format!(
-            "{} is only for loop devices (the {} target copies no data from a file)",
+            "{} is only for loop and nbd devices, not {}; leave it out",
             if on { "--zero-copy" } else { "--copy" },
             add.target.name()
         ));
@@ -508,11 +508,26 @@ mod tests {
     }
 
     #[test]
-    fn zero_copy_is_for_loop_devices_only() {
+    fn zero_copy_is_for_loop_and_nbd_devices_only() {
         let mut a = sized(TargetKind::Memory, 1 << 20);
         a.zero_copy = Some(true);
         let err = spec_from_request(&a, &defaults()).unwrap_err();
-        assert!(err.starts_with("--zero-copy is only for loop devices"), "{err}");
+        assert_eq!(err, "--zero-copy is only for loop and nbd devices, not memory; leave it out");
+    }
+
+    #[test]
+    fn an_nbd_device_takes_zero_copy_or_copy_and_leaves_it_unset_otherwise() {
+        let mut a = add(TargetKind::Nbd);
+        a.uri = Some("nbd+unix:///disk?socket=/run/nbd.sock".into());
+        for zero_copy in [None, Some(true), Some(false)] {
+            a.zero_copy = zero_copy;
+            let spec = spec_from_request(&a, &defaults()).unwrap();
+            assert_eq!(spec.target.zero_copy(), zero_copy);
+        }
+        // One connection per thread, and a worker takes at most eight.
+        (a.zero_copy, a.threads, a.queues) = (Some(true), Some(9), Some(4));
+        let err = spec_from_request(&a, &defaults()).unwrap_err();
+        assert!(err.starts_with("--threads: 9 is more than 8: a zero-copy nbd device"), "{err}");
     }
 
     #[test]
@@ -571,7 +586,9 @@ mod tests {
         let mut a = add(TargetKind::Nbd);
         a.uri = Some("nbd+unix:///disk?socket=/run/nbd.sock".into());
         let spec = spec_from_request(&a, &defaults()).unwrap();
-        assert!(matches!(&spec.target, TargetSpec::Nbd { uri } if uri.export == "disk"));
+        assert!(
+            matches!(&spec.target, TargetSpec::Nbd { uri, zero_copy: None } if uri.export == "disk")
+        );
         assert_eq!(spec.size_bytes, 0);
 
         a.size = Some(1 << 30);

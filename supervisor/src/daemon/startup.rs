@@ -14,7 +14,8 @@ pub(super) const NEVER_STARTED_GRACE: Duration = Duration::from_secs(2);
 /// Whether the device `made` (as ublkd created it, from its record) is the configured
 /// `config`: the same, but for what ublkd decides at creation where the config leaves
 /// it open: the id if none is given, a loop device's zero copy, an nbd device's size and
-/// block size (its export's), an rbd device's size (its image's).
+/// block size (its export's) and its zero copy left unset (which is copying), an rbd
+/// device's size (its image's).
 pub(super) fn made_from(made: &DeviceSpec, config: &DeviceSpec) -> bool {
     let mut made = made.clone();
     if config.id.is_none() {
@@ -25,7 +26,10 @@ pub(super) fn made_from(made: &DeviceSpec, config: &DeviceSpec) -> bool {
             *zero_copy = None;
         }
         (TargetSpec::Rbd(_), TargetSpec::Rbd(_)) => made.size_bytes = config.size_bytes,
-        (TargetSpec::Nbd { .. }, TargetSpec::Nbd { .. }) => {
+        (TargetSpec::Nbd { zero_copy, .. }, TargetSpec::Nbd { zero_copy: unset, .. }) => {
+            if unset.is_none() && *zero_copy == Some(false) {
+                *zero_copy = None;
+            }
             made.size_bytes = config.size_bytes;
             if made.settings.block_size >= config.settings.block_size {
                 made.settings.block_size = config.settings.block_size;
@@ -176,6 +180,7 @@ impl Daemon {
             state,
             worker_identity,
             kernel_features,
+            kernel_release: KernelRelease::running(),
             fast_release,
             nbd_server_wait,
             rbd_cluster_wait: config.recovery.rbd_cluster_wait,

@@ -148,7 +148,18 @@ impl Device {
         spec: &DeviceSpec,
         reached: Reached,
     ) -> Result<Creation, DeviceError> {
-        let mut spec = decide_zero_copy(spec, ctx.kernel_features)?;
+        let mut spec = match decide_zero_copy(spec, ctx.kernel_features, ctx.kernel_release) {
+            Ok(spec) => spec,
+            Err(e) => {
+                // The export's server gets a clean goodbye on the connections made for
+                // a device that will not be.
+                if let Reached::Nbd(Some(link)) = reached {
+                    let tls = link.info.is_some_and(|i| i.tls);
+                    link.close(false, tls);
+                }
+                return Err(e.into());
+            }
+        };
         let nbd = match reached {
             Reached::Nbd(link) => link,
             // An rbd device is its image's size, probed before it is made.

@@ -7,6 +7,14 @@
 //! connection limit) gets the device served over the connections that answered, not a
 //! failed add or a recovery that never ends: the device keeps that count ([`NbdLink`]'s
 //! `cap`) and its workers are started for it.
+//!
+//! A zero-copy device is the exception: its worker receives a READ's data straight
+//! into the request's pages, which the kernel registered in the ring of the thread that
+//! fetched the request, so that thread must be the one reading the connection. Its
+//! workers get exactly one connection per thread, each negotiated with simple replies
+//! ([`Replies::Simple`]), or none: an export without multi-conn is refused when the
+//! device has several threads, and a set that comes back short is ended and tried
+//! again later, as when the server cannot be reached, never served over fewer.
 
 use std::os::fd::OwnedFd;
 use std::sync::mpsc;
@@ -18,7 +26,7 @@ use ublkd_proto::msg::{DataPath, MAX_NBD_CONNECTIONS};
 
 use super::backoff::Backoff;
 use super::{ExportInfo, NbdError, Replies};
-use crate::target::TargetError;
+use crate::target::{TargetError, zero_copy};
 
 /// How long ublkd gives an NBD server to accept a connection and finish its handshake.
 pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -55,9 +63,14 @@ impl NbdLink {
     /// per-I/O path has one per queue at most), up to [`MAX_NBD_CONNECTIONS`] and the
     /// `cap`, where the export allows several (`NBD_FLAG_CAN_MULTI_CONN`: a flush on one
     /// then covers writes completed on all); else one, which every queue thread shares.
-    /// An adopted device whose export ublkd has not talked to yet gets one.
+    /// An adopted device whose export ublkd has not talked to yet gets one. A zero-copy
+    /// device gets one per thread, always (see the module's doc; no `cap` is kept for
+    /// it).
     pub fn connections(&self, spec: &DeviceSpec, data_path: DataPath) -> u8 {
         let wanted = connections_for(spec, self.info.as_ref(), data_path);
+        if zero_copy(spec) {
+            return wanted;
+        }
         self.cap.map_or(wanted, |cap| wanted.min(cap).max(1))
     }
 
@@ -101,6 +114,12 @@ impl NbdLink {
 
 /// [`NbdLink::connections`] before the device has a link.
 fn connections_for(spec: &DeviceSpec, info: Option<&ExportInfo>, data_path: DataPath) -> u8 {
+    if zero_copy(spec) {
+        // Zero copy has the batched path, and the config keeps threads within
+        // MAX_NBD_CONNECTIONS; an export that does not allow them all is refused where
+        // the set is made (`zero_copy_refusal`).
+        return spec.settings.threads.clamp(1, u16::from(MAX_NBD_CONNECTIONS)) as u8;
+    }
     if !info.is_some_and(ExportInfo::can_multi_conn) {
         return 1;
     }
@@ -122,7 +141,7 @@ pub fn connect_export(
 ) -> Result<Option<NbdLink>, TargetError> {
     let Some(uri) = super::target::export_uri(spec) else { return Ok(None) };
     let wanted = |info: &ExportInfo| connections_for(spec, Some(info), data_path);
-    match connect_set(uri, wanted, Replies::Structured, NBD_HANDSHAKE_TIMEOUT) {
+    match connect_set(uri, wanted, replies_for(spec), NBD_HANDSHAKE_TIMEOUT) {
         Ok(set) => {
             let info = set[0].1;
             if let Err(source) = super::fits_device(&info, spec.settings.block_size) {
@@ -142,11 +161,46 @@ pub fn connect_export(
                     super::disconnect(socket, other.tls);
                 }
             }
+            if let Some(refused) = zero_copy_refusal(spec, uri, &info, link.sockets.len()) {
+                link.sockets.drain(..).for_each(|s| super::disconnect(s, info.tls));
+                return Err(refused);
+            }
             note_short_set(&mut link, None, uri, want);
             Ok(Some(link))
         }
         Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
     }
+}
+
+/// What every connection of `spec`'s device asks its server for: simple replies for a
+/// zero-copy device (whose worker reads a READ's header alone and then its data straight
+/// into the request's pages), else structured ones where the server takes them.
+fn replies_for(spec: &DeviceSpec) -> Replies {
+    if zero_copy(spec) { Replies::Simple } else { Replies::Structured }
+}
+
+/// Why a set of `got` connections to `uri`, whose export is `info`, cannot serve
+/// `spec`'s device, if it is a zero-copy one that needs one per thread and the export
+/// does not allow several (a configuration to change) or fewer answered (a server to
+/// try again later). `None` for any other device: it is served over what there is.
+fn zero_copy_refusal(
+    spec: &DeviceSpec,
+    uri: &NbdUri,
+    info: &ExportInfo,
+    got: usize,
+) -> Option<TargetError> {
+    if !zero_copy(spec) {
+        return None;
+    }
+    let want = connections_for(spec, Some(info), DataPath::Batch);
+    if want > 1 && !info.can_multi_conn() {
+        return Some(TargetError::ZeroCopyNbdOneConnection { uri: uri.to_string() });
+    }
+    (got < usize::from(want)).then(|| TargetError::ZeroCopyNbdConnections {
+        uri: uri.to_string(),
+        got,
+        want,
+    })
 }
 
 /// If fewer than `want` connections answered, caps the device's workers at what did,
@@ -239,18 +293,14 @@ pub fn nbd_poll_connect(
         let (tx, rx) = mpsc::channel();
         let target = uri.clone();
         let dead = std::mem::take(&mut link.served);
+        let replies = replies_for(spec);
         let spawned =
             std::thread::Builder::new().name(format!("nbd-connect-{id}")).spawn(move || {
                 if !dead.is_empty() {
                     drain_dead_workers(id, dead);
                 }
                 let wanted = |info: &ExportInfo| if info.can_multi_conn() { want } else { 1 };
-                drop(tx.send(connect_set(
-                    &target,
-                    wanted,
-                    Replies::Structured,
-                    NBD_HANDSHAKE_TIMEOUT,
-                )));
+                drop(tx.send(connect_set(&target, wanted, replies, NBD_HANDSHAKE_TIMEOUT)));
             });
         return match spawned {
             Ok(_) => {
@@ -284,7 +334,7 @@ pub fn nbd_poll_connect(
             }));
         }
     };
-    let multi = set[0].1.can_multi_conn();
+    let (multi, set_info) = (set[0].1.can_multi_conn(), set[0].1);
     let mut sockets = Vec::with_capacity(set.len());
     for connected in set {
         match same_export(id, uri, spec, link, connected) {
@@ -295,6 +345,11 @@ pub fn nbd_poll_connect(
                 return Poll::Ready(Err(e));
             }
         }
+    }
+    let info = link.info.unwrap_or(set_info);
+    if let Some(refused) = zero_copy_refusal(spec, uri, &info, sockets.len()) {
+        sockets.into_iter().for_each(|s| super::disconnect(s, info.tls));
+        return Poll::Ready(Err(refused));
     }
     link.sockets = sockets;
     note_short_set(link, Some(id), uri, if multi { want } else { 1 });
@@ -368,6 +423,73 @@ fn drain_dead_workers(id: u32, sockets: Vec<OwnedFd>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ublkd_config::{DeviceSettings, TargetSpec};
+    use ublkd_proto::nbd::handshake::{FLAG_CAN_MULTI_CONN, FLAG_HAS_FLAGS};
+
+    fn nbd_spec(zero_copy: Option<bool>, threads: u16) -> DeviceSpec {
+        DeviceSpec {
+            id: None,
+            target: TargetSpec::Nbd { uri: "nbd://127.0.0.1/x".parse().unwrap(), zero_copy },
+            size_bytes: 0,
+            settings: DeviceSettings { queues: 2, threads, ..DeviceSettings::default() },
+        }
+    }
+
+    fn export(multi_conn: bool) -> ExportInfo {
+        let multi = if multi_conn { FLAG_CAN_MULTI_CONN } else { 0 };
+        ExportInfo {
+            size: 1 << 30,
+            transmission_flags: FLAG_HAS_FLAGS | multi,
+            block_sizes: None,
+            structured_replies: false,
+            tls: false,
+            export_name_option: false,
+        }
+    }
+
+    #[test]
+    fn a_zero_copy_device_gets_one_connection_per_thread_with_simple_replies() {
+        let zc = nbd_spec(Some(true), 4);
+        let uri: NbdUri = "nbd://127.0.0.1/x".parse().unwrap();
+        let link = NbdLink { info: Some(export(true)), cap: Some(2), ..NbdLink::default() };
+        // Never capped, and the per-I/O path's one per queue does not apply.
+        assert_eq!(link.connections(&zc, DataPath::Batch), 4);
+        assert_eq!(connections_for(&zc, None, DataPath::PerIo), 4, "even before a link");
+        assert_eq!(replies_for(&zc), Replies::Simple);
+        assert!(zero_copy_refusal(&zc, &uri, &export(true), 4).is_none());
+        // A copying device on the same link is capped, and asks for structured replies.
+        assert_eq!(link.connections(&nbd_spec(None, 4), DataPath::Batch), 2);
+        assert_eq!(replies_for(&nbd_spec(Some(false), 4)), Replies::Structured);
+    }
+
+    #[test]
+    fn a_zero_copy_device_with_threads_refuses_an_export_without_multi_conn() {
+        let uri: NbdUri = "nbd://127.0.0.1/x".parse().unwrap();
+        let refused = zero_copy_refusal(&nbd_spec(Some(true), 2), &uri, &export(false), 1);
+        let message = refused.expect("refused").to_string();
+        assert_eq!(
+            message,
+            "zero copy needs one connection per thread; the export nbd://127.0.0.1/x does not \
+             allow several connections (no NBD_FLAG_CAN_MULTI_CONN): set threads = 1 or turn \
+             zero_copy off"
+        );
+        // One thread needs one connection, which any export allows.
+        assert!(zero_copy_refusal(&nbd_spec(Some(true), 1), &uri, &export(false), 1).is_none());
+        // A copying device shares the one connection.
+        assert!(zero_copy_refusal(&nbd_spec(None, 2), &uri, &export(false), 1).is_none());
+    }
+
+    #[test]
+    fn a_zero_copy_device_is_never_served_over_a_short_set() {
+        let uri: NbdUri = "nbd://127.0.0.1/x".parse().unwrap();
+        let refused = zero_copy_refusal(&nbd_spec(Some(true), 4), &uri, &export(true), 3);
+        assert!(
+            matches!(refused, Some(TargetError::ZeroCopyNbdConnections { got: 3, want: 4, .. })),
+            "{refused:?}"
+        );
+        // A copying device is served over what answered.
+        assert!(zero_copy_refusal(&nbd_spec(None, 4), &uri, &export(true), 3).is_none());
+    }
 
     #[test]
     fn a_deleted_devices_sessions_end_with_a_disconnect_only_if_its_worker_exited_cleanly() {

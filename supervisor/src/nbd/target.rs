@@ -60,7 +60,7 @@ pub enum Readiness {
 /// The export an nbd device of `spec` is made from; `None` for other targets.
 pub fn export_uri(spec: &DeviceSpec) -> Option<&NbdUri> {
     match &spec.target {
-        TargetSpec::Nbd { uri } => Some(uri),
+        TargetSpec::Nbd { uri, .. } => Some(uri),
         _ => None,
     }
 }
@@ -157,7 +157,18 @@ impl NbdTarget {
                     NBD_RETRY_MAX.as_secs()
                 );
                 if said != Some(why.as_str()) {
-                    tracing::warn!(dev_id = id, event = "nbd_unreachable", "{why}");
+                    // A zero-copy device that cannot have one connection per thread
+                    // waits like one whose server is away, but the operator may have
+                    // to change it: an error, not a warning.
+                    if matches!(
+                        e,
+                        TargetError::ZeroCopyNbdOneConnection { .. }
+                            | TargetError::ZeroCopyNbdConnections { .. }
+                    ) {
+                        tracing::error!(dev_id = id, event = "nbd_zero_copy_connections", "{why}");
+                    } else {
+                        tracing::warn!(dev_id = id, event = "nbd_unreachable", "{why}");
+                    }
                 }
                 self.retry_delay =
                     (self.retry_delay * 2).clamp(Duration::from_millis(100), NBD_RETRY_MAX);
