@@ -192,8 +192,9 @@ impl Target for NbdTarget {
     fn before_wait(&self, thread: usize, work: &mut TargetWork) {
         let index = thread % self.connections.len();
         if let Some(socket) = self.socket(index) {
-            let send = lock(&self.connections[index].state).sender.next(socket, index);
-            work.inline += usize::from(send.is_some());
+            let mut state = lock(&self.connections[index].state);
+            let send = state.sender.next(socket, index);
+            work.inline += usize::from(send.is_some() && state.sender.ends_alone());
             work.sqes.extend(send);
         }
     }
@@ -249,7 +250,7 @@ impl Target for NbdTarget {
         match key & 0xff {
             KEY_SEND => {
                 let send = state.sender.on_sent(res, socket, connection);
-                work.inline += usize::from(send.is_some());
+                work.inline += usize::from(send.is_some() && state.sender.ends_alone());
                 work.sqes.extend(send);
             }
             KEY_RECEIVE if connection == thread => {

@@ -16,6 +16,8 @@ use io_uring::{opcode, squeue, types};
 use ublkd_proto::nbd;
 
 use super::{KEY_SEND, key, lost};
+#[cfg(doc)]
+use crate::target::TargetWork;
 use crate::target::own_user_data;
 
 /// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
@@ -191,6 +193,19 @@ impl Sender {
         Some(sqe)
     }
 
+    /// Whether the send in flight, once it completes, leaves nothing to send: then its
+    /// completion need not wake the loop by itself ([`TargetWork::inline`]). Not so for
+    /// a WRITEV that a zero-copy WRITE's data follows, nor for a send that requests
+    /// queued behind it follow: their completions submit the next send (counted in,
+    /// each would hold that send back until some other completion ended the wait).
+    pub(super) fn ends_alone(&self) -> bool {
+        let last = self
+            .sending
+            .as_ref()
+            .is_some_and(|b| b.registered.is_none() || b.first == b.parts.len());
+        last && self.queued.is_empty()
+    }
+
     /// The WRITEV in flight sent `res` bytes: the rest of it, else the next one.
     pub(super) fn on_sent(
         &mut self,
@@ -277,6 +292,8 @@ mod tests {
         assert_eq!(first.get_opcode(), u32::from(opcode::Writev::CODE));
         // The READ's and the WRITE's headers, not the third request.
         assert_eq!(sender.requests, 2);
+        // Its completion sends the data: it must wake the loop.
+        assert!(!sender.ends_alone());
         let data = sender.on_sent(2 * nbd::REQUEST_BYTES as i32, -1, 0).unwrap();
         assert_eq!(data.get_opcode(), u32::from(opcode::Send::CODE));
         let f = super::super::sqe_fields(&data);
@@ -291,10 +308,13 @@ mod tests {
             (opcode::Send::CODE, 5, 1000, 3096)
         );
         assert_eq!(sender.registered_bytes, 1000);
+        // The third request waits behind it.
+        assert!(!sender.ends_alone());
         // Then, only once the data is all out, the next request.
         let next = sender.on_sent(3096, -1, 0).unwrap();
         assert_eq!(next.get_opcode(), u32::from(opcode::Writev::CODE));
         assert_eq!((sender.requests, sender.registered_bytes), (3, 4096));
+        assert!(sender.ends_alone(), "nothing follows the last send");
     }
 
     #[test]
