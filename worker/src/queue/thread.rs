@@ -494,6 +494,18 @@ impl QueueThread {
 
     /// Submits the target's own SQEs and finishes the requests it says are done.
     fn carry_out(&mut self, work: &mut TargetWork) -> Result<(), LoopError> {
+        // A target's SQEs go into one submission: they may be a chain linked in order
+        // (`nbd`'s zero-copy sends), which split over two would run as two chains, side
+        // by side. (A target's SQEs are far fewer than the ring's entries.)
+        let free = {
+            let sq = self.ring.submission();
+            sq.capacity() - sq.len()
+        };
+        if free < work.sqes.len() {
+            self.ring
+                .submit()
+                .map_err(|source| LoopError::Wait { thread: self.plan.index, source })?;
+        }
         for sqe in work.sqes.drain(..) {
             self.push(&sqe)?;
         }

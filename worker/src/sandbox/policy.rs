@@ -481,11 +481,14 @@ pub const URING_REGISTER_OPS: &[AllowedRegisterOp] = &[
 ];
 
 /// SQE flags the ring accepts: fixed files (every fd the data path uses is registered),
-/// buffer selection (multishot FETCH) and skipping a successful completion (a
-/// one-element COMMIT, which can only succeed whole or fail).
+/// buffer selection (multishot FETCH), skipping a successful completion (a one-element
+/// COMMIT, which can only succeed whole or fail) and linking (a zero-copy nbd batch:
+/// its WRITEVs and SENDs run one after the other, in stream order; a link only orders
+/// operations the ring already allows).
 pub const URING_SQE_FLAGS: u8 = io_uring::squeue::Flags::FIXED_FILE.bits()
     | io_uring::squeue::Flags::BUFFER_SELECT.bits()
-    | io_uring::squeue::Flags::SKIP_SUCCESS.bits();
+    | io_uring::squeue::Flags::SKIP_SUCCESS.bits()
+    | io_uring::squeue::Flags::IO_LINK.bits();
 
 /// `RLIMIT_NOFILE`: the worker holds a handful of fds (control socket, device,
 /// region, target, one ring per thread).

@@ -8,9 +8,10 @@
 //! connection `c`:
 //! - **Sending** ([`send`]). A request's header (and a WRITE's data, straight from the tag's
 //!   buffer) is queued on its connection, and the turn's requests go in one WRITEV
-//!   before the thread waits. At most one WRITEV is in flight per connection, so that
-//!   two requests never interleave on the stream; requests queued meanwhile go together
-//!   in the next one, when it completes, in whichever ring submitted it.
+//!   before the thread waits (with zero copy, a chain of WRITEVs and SENDs linked in
+//!   order). At most one batch is in flight per connection, so that two requests never
+//!   interleave on the stream; requests queued meanwhile go together in the next one,
+//!   when it completes, in whichever ring submitted it.
 //! - **Receiving** ([`receive`]). One RECV per connection is always armed, into the
 //!   connection's buffer; replies are parsed from it in whatever order the server sends
 //!   them. A READ's data is copied from there into the tag's buffer, and what has not
@@ -192,10 +193,7 @@ impl Target for NbdTarget {
     fn before_wait(&self, thread: usize, work: &mut TargetWork) {
         let index = thread % self.connections.len();
         if let Some(socket) = self.socket(index) {
-            let mut state = lock(&self.connections[index].state);
-            let send = state.sender.next(socket, index);
-            work.inline += usize::from(send.is_some() && state.sender.ends_alone());
-            work.sqes.extend(send);
+            lock(&self.connections[index].state).sender.next(socket, index, work);
         }
     }
 
@@ -249,9 +247,7 @@ impl Target for NbdTarget {
         let mut state = lock(&self.connections[connection].state);
         match key & 0xff {
             KEY_SEND => {
-                let send = state.sender.on_sent(res, socket, connection);
-                work.inline += usize::from(send.is_some() && state.sender.ends_alone());
-                work.sqes.extend(send);
+                state.sender.on_sent(res, socket, connection, work);
             }
             KEY_RECEIVE if connection == thread => {
                 state.receiver.on_received(res, thread, work, socket)
@@ -290,6 +286,7 @@ impl Target for NbdTarget {
 #[derive(Debug)]
 struct SqeFields {
     opcode: u8,
+    flags: u8,
     ioprio: u16,
     addr: u64,
     len: u32,
@@ -308,6 +305,7 @@ fn sqe_fields(sqe: &io_uring::squeue::Entry) -> SqeFields {
     // `struct io_uring_sqe`'s offsets (include/uapi/linux/io_uring.h).
     SqeFields {
         opcode: b[0],
+        flags: b[1],
         ioprio: u16_at(2),
         addr: u64_at(16),
         len: u32_at(24),

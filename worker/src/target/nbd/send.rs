@@ -1,13 +1,17 @@
 //! The sending half of a connection: requests queued by the queue threads go out in
-//! WRITEVs of as many as one message carries, one send in flight at a time, so that
+//! WRITEVs of as many as one message carries, one batch in flight at a time, so that
 //! two requests never interleave on the stream; what is queued meanwhile goes in the
 //! next one, when the one in flight completes, in whichever ring submitted it.
 //!
 //! With zero copy a WRITE's data is in the request's own pages, which the kernel
 //! registered in the fetching thread's ring and which have no address in the worker:
-//! the WRITEV carries the headers up to that WRITE's, then a SEND takes the data from
-//! the registered buffer (`IORING_RECVSEND_FIXED_BUF`), and only then does the next
-//! batch go. A zero-copy device has one connection per queue thread, so that ring is
+//! a WRITEV carries the headers up to that WRITE's, then a SEND takes the data from
+//! the registered buffer (`IORING_RECVSEND_FIXED_BUF`), then a WRITEV the next headers,
+//! and so on: one chain of SQEs linked in stream order (`IOSQE_IO_LINK`), submitted
+//! together, so that the batch costs one loop turn and not one per step. A step that
+//! sends less than all of its bytes breaks the chain (the kernel cancels the steps
+//! after it); once every step's completion is in, the batch goes on from where it
+//! stopped. A zero-copy device has one connection per queue thread, so that ring is
 //! the only one sending on the connection.
 
 use std::os::fd::RawFd;
@@ -16,13 +20,16 @@ use io_uring::{opcode, squeue, types};
 use ublkd_proto::nbd;
 
 use super::{KEY_SEND, key, lost};
-#[cfg(doc)]
-use crate::target::TargetWork;
-use crate::target::own_user_data;
+use crate::target::{TargetWork, own_user_data};
 
 /// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
 /// header) or two (and a WRITE's data).
 const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
+
+/// The most zero-copy WRITEs one batch carries: its chain is at most twice as many
+/// SQEs plus one, which every queue ring's submission queue holds at once (at least 16
+/// entries, see `StandbyRing`); a chain split over two submissions would not be one.
+const MAX_REGISTERED_PER_BATCH: usize = 4;
 
 /// Where a WRITE's data is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,23 +48,31 @@ struct Queued {
     len: u32,
 }
 
-/// A zero-copy WRITE's data, sent after the batch's WRITEV: `sent` of `len` bytes gone.
+/// One step of a batch, in stream order.
 #[derive(Debug, Clone, Copy)]
-struct RegisteredPart {
-    index: u16,
-    sent: u32,
-    len: u32,
+enum Step {
+    /// A WRITEV of the parts `start..end` (those of them not yet sent).
+    Parts { start: usize, end: usize },
+    /// A zero-copy WRITE's data: `sent` of `len` bytes gone.
+    Registered { index: u16, sent: u32, len: u32 },
 }
 
-/// One WRITEV and everything it points at, kept (boxed, so it does not move) until it
-/// completes: the headers and the parts (into `headers` and tag buffers).
+/// One batch and everything its SQEs point at, kept (boxed, so it does not move) until
+/// it is sent: the headers and the parts (into `headers` and tag buffers), and its
+/// steps.
 struct SendBatch {
     headers: Vec<[u8; nbd::REQUEST_BYTES]>,
     parts: Vec<libc::iovec>,
     /// The first part not yet sent whole.
     first: usize,
-    /// Zero copy: the last request's data, after the parts.
-    registered: Option<RegisteredPart>,
+    steps: Vec<Step>,
+    /// The first step not yet done.
+    step: usize,
+    /// SQEs of the chain submitted whose completions are still to come.
+    in_flight: usize,
+    /// A step of the chain in flight sent less than all of its bytes: the steps after
+    /// it complete with ECANCELED, having sent nothing.
+    broken: bool,
 }
 
 // SAFETY: the raw pointers are into the batch's own heap (`headers`, `parts`) and into
@@ -71,65 +86,104 @@ impl std::fmt::Debug for SendBatch {
             .field("requests", &self.headers.len())
             .field("parts", &self.parts.len())
             .field("first", &self.first)
-            .field("registered", &self.registered)
+            .field("steps", &self.steps)
+            .field("step", &self.step)
+            .field("in_flight", &self.in_flight)
+            .field("broken", &self.broken)
             .finish()
     }
 }
 
 impl SendBatch {
     fn new() -> Box<SendBatch> {
-        Box::new(SendBatch { headers: Vec::new(), parts: Vec::new(), first: 0, registered: None })
+        Box::new(SendBatch {
+            headers: Vec::new(),
+            parts: Vec::new(),
+            first: 0,
+            steps: Vec::new(),
+            step: 0,
+            in_flight: 0,
+            broken: false,
+        })
     }
 
-    /// The parts not yet sent.
-    fn rest(&self) -> &[libc::iovec] {
-        &self.parts[self.first..]
+    /// The parts of the WRITEV step `start..end` not yet sent.
+    fn rest(&self, start: usize, end: usize) -> &[libc::iovec] {
+        &self.parts[self.first.max(start)..end]
     }
 
-    /// `sent` more bytes went out (of the parts while any are left, else of the
-    /// registered data): whether any are left.
+    /// The current step sent `sent` bytes: whether it is done.
     fn advance(&mut self, mut sent: usize) -> bool {
-        if self.first == self.parts.len()
-            && let Some(part) = self.registered.as_mut()
-        {
-            part.sent = part.sent.saturating_add(sent as u32).min(part.len);
-            return part.sent < part.len;
-        }
-        while sent > 0 && self.first < self.parts.len() {
-            let part = &mut self.parts[self.first];
-            if sent >= part.iov_len {
-                sent -= part.iov_len;
-                self.first += 1;
-            } else {
-                part.iov_base = part.iov_base.wrapping_byte_add(sent);
-                part.iov_len -= sent;
-                sent = 0;
+        match &mut self.steps[self.step] {
+            Step::Parts { end, .. } => {
+                let end = *end;
+                while sent > 0 && self.first < end {
+                    let part = &mut self.parts[self.first];
+                    if sent >= part.iov_len {
+                        sent -= part.iov_len;
+                        self.first += 1;
+                    } else {
+                        part.iov_base = part.iov_base.wrapping_byte_add(sent);
+                        part.iov_len -= sent;
+                        sent = 0;
+                    }
+                }
+                self.first == end
+            }
+            Step::Registered { sent: done, len, .. } => {
+                *done = done.saturating_add(sent as u32).min(*len);
+                *done == *len
             }
         }
-        self.first < self.parts.len() || self.registered.is_some_and(|r| r.sent < r.len)
     }
 
-    /// The send that continues the batch: a WRITEV of the parts left, else the SEND of
-    /// the registered data.
-    fn sqe(&self, socket: RawFd, connection: usize) -> squeue::Entry {
-        match self.registered {
-            Some(part) if self.first == self.parts.len() => {
-                registered_send_sqe(socket, part, connection)
-            }
-            _ => send_sqe(socket, self.rest(), connection),
+    /// Pushes the chain of the steps left into `work` (linked, all but the last); how
+    /// many SQEs it is.
+    fn submit(&mut self, socket: RawFd, connection: usize, work: &mut TargetWork) -> usize {
+        let first = work.sqes.len();
+        for step in &self.steps[self.step..] {
+            let sqe = match *step {
+                Step::Parts { start, end } => send_sqe(socket, self.rest(start, end), connection),
+                Step::Registered { index, sent, len } => {
+                    registered_send_sqe(socket, index, sent, len, connection)
+                }
+            };
+            work.sqes.push(sqe);
         }
+        let n = work.sqes.len() - first;
+        if let Some((_last, linked)) = work.sqes[first..].split_last_mut() {
+            for sqe in linked {
+                *sqe = sqe.clone().flags(squeue::Flags::IO_LINK);
+            }
+        }
+        self.in_flight = n;
+        self.broken = false;
+        n
     }
+}
+
+/// The parts `steps` send: up to the end of their last WRITEV.
+fn written(steps: &[Step]) -> usize {
+    steps
+        .iter()
+        .rev()
+        .find_map(|s| match s {
+            Step::Parts { end, .. } => Some(*end),
+            Step::Registered { .. } => None,
+        })
+        .unwrap_or(0)
 }
 
 /// A connection's sending half, under the connection's lock.
 #[derive(Debug, Default)]
 pub(super) struct Sender {
     queued: Vec<Queued>,
-    /// The WRITEV in flight, if any.
+    /// The batch in flight, if any.
     sending: Option<Box<SendBatch>>,
     /// The last batch sent, for its allocations.
     spare: Option<Box<SendBatch>>,
-    /// WRITEVs submitted (a short one's rest counted again), for `Target::report`.
+    /// Sends submitted (WRITEVs and SENDs; a short one's rest counted again), for
+    /// `Target::report`.
     pub(super) sends: u64,
     /// Requests sent (each answered by one reply).
     pub(super) requests: u64,
@@ -144,28 +198,27 @@ impl Sender {
         self.queued.push(Queued { header, data, len });
     }
 
-    /// The next send, if none is in flight and requests are queued: a WRITEV of as
-    /// many of them as one message carries, up to and including the first zero-copy
-    /// WRITE, whose data a SEND then takes from its registered buffer.
-    pub(super) fn next(&mut self, socket: RawFd, connection: usize) -> Option<squeue::Entry> {
+    /// Sends the next batch, if none is in flight and requests are queued: as many of
+    /// them as one WRITEV carries and up to [`MAX_REGISTERED_PER_BATCH`] zero-copy
+    /// WRITEs, whose data SENDs take from their registered pages between WRITEVs.
+    pub(super) fn next(&mut self, socket: RawFd, connection: usize, work: &mut TargetWork) {
         if self.sending.is_some() || self.queued.is_empty() {
-            return None;
+            return;
         }
         let mut batch = self.spare.take().unwrap_or_else(SendBatch::new);
         batch.headers.clear();
         batch.parts.clear();
-        batch.first = 0;
-        batch.registered = None;
-        let (mut parts, mut registered) = (0, false);
+        batch.steps.clear();
+        (batch.first, batch.step) = (0, 0);
+        let (mut parts, mut registered) = (0, 0);
         let taken = self
             .queued
             .iter()
             .take_while(|q| {
-                let memory = q.len > 0 && matches!(q.data, Payload::Memory(_));
-                parts += 1 + usize::from(memory);
-                let fits = parts <= MAX_PARTS_PER_SEND && !registered;
-                registered |= q.len > 0 && matches!(q.data, Payload::Registered(_));
-                fits
+                let zero_copy = q.len > 0 && matches!(q.data, Payload::Registered(_));
+                parts += 1 + usize::from(q.len > 0 && !zero_copy);
+                registered += usize::from(zero_copy);
+                parts <= MAX_PARTS_PER_SEND && registered <= MAX_REGISTERED_PER_BATCH
             })
             .count();
         // The headers first, all of them: the parts point into this vector, which must
@@ -182,57 +235,79 @@ impl Sender {
                     batch.parts.push(libc::iovec { iov_base: base, iov_len: q.len as usize });
                 }
                 Payload::Registered(index) => {
-                    batch.registered = Some(RegisteredPart { index, sent: 0, len: q.len });
+                    let start = written(&batch.steps);
+                    batch.steps.push(Step::Parts { start, end: batch.parts.len() });
+                    batch.steps.push(Step::Registered { index, sent: 0, len: q.len });
                 }
             }
         }
-        let sqe = batch.sqe(socket, connection);
-        self.sending = Some(batch);
-        self.sends += 1;
+        let start = written(&batch.steps);
+        if start < batch.parts.len() {
+            batch.steps.push(Step::Parts { start, end: batch.parts.len() });
+        }
         self.requests += taken as u64;
-        Some(sqe)
+        self.submit(batch, socket, connection, work);
     }
 
-    /// Whether the send in flight, once it completes, leaves nothing to send: then its
-    /// completion need not wake the loop by itself ([`TargetWork::inline`]). Not so for
-    /// a WRITEV that a zero-copy WRITE's data follows, nor for a send that requests
-    /// queued behind it follow: their completions submit the next send (counted in,
-    /// each would hold that send back until some other completion ended the wait).
-    pub(super) fn ends_alone(&self) -> bool {
-        let last = self
-            .sending
-            .as_ref()
-            .is_some_and(|b| b.registered.is_none() || b.first == b.parts.len());
-        last && self.queued.is_empty()
+    /// Submits `batch`'s chain; its completion alone wakes the loop only if it submits
+    /// the next batch, that is if requests are queued behind it ([`TargetWork::inline`]:
+    /// the steps' completions come in while they are submitted, when the socket takes
+    /// them at once).
+    fn submit(
+        &mut self,
+        mut batch: Box<SendBatch>,
+        socket: RawFd,
+        connection: usize,
+        work: &mut TargetWork,
+    ) {
+        let n = batch.submit(socket, connection, work);
+        self.sends += n as u64;
+        work.inline += n - usize::from(!self.queued.is_empty());
+        self.sending = Some(batch);
     }
 
-    /// The WRITEV in flight sent `res` bytes: the rest of it, else the next one.
+    /// A step of the batch in flight completed with `res`: once the chain's last
+    /// completion is in, the batch's rest (a step sent short), else the next batch.
     pub(super) fn on_sent(
         &mut self,
         res: i32,
         socket: RawFd,
         connection: usize,
-    ) -> Option<squeue::Entry> {
-        if res <= 0 {
+        work: &mut TargetWork,
+    ) {
+        let Some(batch) = self.sending.as_mut() else {
+            lost("sending requests", &"a send completed that was never submitted");
+        };
+        batch.in_flight = batch.in_flight.saturating_sub(1);
+        if batch.broken && res == -libc::ECANCELED {
+            // A step after a short one: it sent nothing.
+        } else if res <= 0 {
             let cause = if res == 0 {
                 std::io::Error::from(std::io::ErrorKind::WriteZero)
             } else {
                 std::io::Error::from_raw_os_error(-res)
             };
             lost("sending requests", &cause);
+        } else {
+            if matches!(batch.steps.get(batch.step), Some(Step::Registered { .. })) {
+                self.registered_bytes += res as u64;
+            }
+            if batch.advance(res as usize) {
+                batch.step += 1;
+            } else {
+                batch.broken = true;
+            }
         }
-        let Some(batch) = self.sending.as_mut() else {
-            lost("sending requests", &"a send completed that was never submitted");
-        };
-        if batch.first == batch.parts.len() && batch.registered.is_some() {
-            self.registered_bytes += res as u64;
+        if batch.in_flight > 0 {
+            return;
         }
-        if batch.advance(res as usize) {
-            self.sends += 1;
-            return Some(batch.sqe(socket, connection));
+        let Some(batch) = self.sending.take() else { return };
+        if batch.step < batch.steps.len() {
+            self.submit(batch, socket, connection, work);
+            return;
         }
-        self.spare = self.sending.take();
-        self.next(socket, connection)
+        self.spare = Some(batch);
+        self.next(socket, connection, work);
     }
 }
 
@@ -247,89 +322,151 @@ fn send_sqe(socket: RawFd, parts: &[libc::iovec], connection: usize) -> squeue::
         .user_data(own_user_data(key(connection, KEY_SEND)))
 }
 
-/// A SEND of a zero-copy WRITE's data from the request's registered pages (address 0
-/// is their start), all of it (`MSG_WAITALL`; a short send is still continued).
-fn registered_send_sqe(socket: RawFd, part: RegisteredPart, connection: usize) -> squeue::Entry {
-    let rest = part.sent as usize as *const u8;
-    opcode::Send::new(types::Fd(socket), rest, part.len - part.sent)
+/// A SEND of a zero-copy WRITE's data from the request's registered pages at `index`
+/// (address 0 is their start), from byte `sent` on, all of it (`MSG_WAITALL`; a short
+/// send is still continued).
+fn registered_send_sqe(
+    socket: RawFd,
+    index: u16,
+    sent: u32,
+    len: u32,
+    connection: usize,
+) -> squeue::Entry {
+    let rest = sent as usize as *const u8;
+    opcode::Send::new(types::Fd(socket), rest, len - sent)
         .flags(libc::MSG_WAITALL)
         .ioprio(super::IORING_RECVSEND_FIXED_BUF)
-        .buf_group(part.index)
+        .buf_group(index)
         .build()
         .user_data(own_user_data(key(connection, KEY_SEND)))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::{IORING_RECVSEND_FIXED_BUF as FIXED, sqe_fields};
     use super::*;
 
-    fn iov(bytes: &mut [u8]) -> libc::iovec {
-        libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: bytes.len() }
+    const HEADER: [u8; nbd::REQUEST_BYTES] = [0; nbd::REQUEST_BYTES];
+
+    /// The chain `work` holds, as (opcode, linked to the next, len), and empties it.
+    fn chain(work: &mut TargetWork) -> Vec<(u8, bool, u32)> {
+        let link = squeue::Flags::IO_LINK.bits();
+        let out = work
+            .sqes
+            .iter()
+            .map(|sqe| {
+                let f = sqe_fields(sqe);
+                (f.opcode, f.flags & link != 0, f.len)
+            })
+            .collect();
+        work.sqes.clear();
+        out
     }
+
+    const WRITEV: u8 = opcode::Writev::CODE;
+    const SEND: u8 = opcode::Send::CODE;
 
     #[test]
     fn a_short_send_resumes_inside_the_part_it_stopped_in() {
-        let (mut a, mut b) = ([0u8; 10], [0u8; 20]);
-        let mut batch = SendBatch::new();
-        batch.parts.extend([iov(&mut a), iov(&mut b)]);
-        assert!(batch.advance(14));
-        assert_eq!(batch.rest().len(), 1);
-        assert_eq!(batch.rest()[0].iov_len, 16);
-        assert_eq!(batch.rest()[0].iov_base, b[4..].as_ptr().cast_mut().cast());
-        assert!(!batch.advance(16));
-        assert!(batch.rest().is_empty());
-    }
-
-    #[test]
-    fn a_zero_copy_write_ends_its_batch_and_its_data_follows_from_its_registered_pages() {
+        let (a, b) = ([0u8; 10], [0u8; 20]);
         let mut sender = Sender::default();
-        let memory = [7u8; 8];
-        let header = [0; nbd::REQUEST_BYTES];
-        sender.queue(header, Payload::Memory(0), 0); // a READ
-        sender.queue(header, Payload::Registered(5), 4096); // a zero-copy WRITE
-        sender.queue(header, Payload::Memory(memory.as_ptr() as usize), 8);
-        let first = sender.next(-1, 0).unwrap();
-        assert_eq!(first.get_opcode(), u32::from(opcode::Writev::CODE));
-        // The READ's and the WRITE's headers, not the third request.
-        assert_eq!(sender.requests, 2);
-        // Its completion sends the data: it must wake the loop.
-        assert!(!sender.ends_alone());
-        let data = sender.on_sent(2 * nbd::REQUEST_BYTES as i32, -1, 0).unwrap();
-        assert_eq!(data.get_opcode(), u32::from(opcode::Send::CODE));
-        let f = super::super::sqe_fields(&data);
-        assert_eq!(
-            (f.ioprio, f.buf_index, f.addr, f.len),
-            (super::super::IORING_RECVSEND_FIXED_BUF, 5, 0, 4096)
-        );
-        // A short send: the rest of the data, still from the registered pages.
-        let rest = super::super::sqe_fields(&sender.on_sent(1000, -1, 0).unwrap());
-        assert_eq!(
-            (rest.opcode, rest.buf_index, rest.addr, rest.len),
-            (opcode::Send::CODE, 5, 1000, 3096)
-        );
-        assert_eq!(sender.registered_bytes, 1000);
-        // The third request waits behind it.
-        assert!(!sender.ends_alone());
-        // Then, only once the data is all out, the next request.
-        let next = sender.on_sent(3096, -1, 0).unwrap();
-        assert_eq!(next.get_opcode(), u32::from(opcode::Writev::CODE));
-        assert_eq!((sender.requests, sender.registered_bytes), (3, 4096));
-        assert!(sender.ends_alone(), "nothing follows the last send");
+        let mut work = TargetWork::default();
+        sender.queue(HEADER, Payload::Memory(a.as_ptr() as usize), 10);
+        sender.queue(HEADER, Payload::Memory(b.as_ptr() as usize), 20);
+        sender.next(-1, 0, &mut work);
+        // One WRITEV of four parts, 28 + 10 + 28 + 20 bytes.
+        assert_eq!(chain(&mut work), [(WRITEV, false, 4)]);
+        sender.on_sent(28 + 10 + 28 + 4, -1, 0, &mut work);
+        assert_eq!(chain(&mut work), [(WRITEV, false, 1)]);
+        let batch = sender.sending.as_ref().unwrap();
+        let rest = batch.rest(0, batch.parts.len());
+        assert_eq!((rest[0].iov_len, rest[0].iov_base), (16, b[4..].as_ptr().cast_mut().cast()));
+        sender.on_sent(16, -1, 0, &mut work);
+        assert!(work.sqes.is_empty() && sender.sending.is_none());
+        assert_eq!((sender.requests, sender.sends), (2, 2));
     }
 
     #[test]
     fn one_send_carries_at_most_the_kernels_parts_and_the_rest_follows() {
         let mut sender = Sender::default();
+        let mut work = TargetWork::default();
         let data = [7u8; 8];
         for _ in 0..MAX_PARTS_PER_SEND {
-            sender.queue([0; nbd::REQUEST_BYTES], Payload::Memory(data.as_ptr() as usize), 8);
+            sender.queue(HEADER, Payload::Memory(data.as_ptr() as usize), 8);
         }
-        assert!(sender.next(-1, 0).is_some());
+        sender.next(-1, 0, &mut work);
         // Two parts per WRITE: half of them went.
         assert_eq!(sender.requests, MAX_PARTS_PER_SEND as u64 / 2);
-        assert!(sender.next(-1, 0).is_none(), "a second WRITEV while one is in flight");
+        // The rest wait behind it: its completion must wake the loop.
+        assert_eq!((work.sqes.len(), work.inline), (1, 0));
+        sender.next(-1, 0, &mut work);
+        assert_eq!(work.sqes.len(), 1, "a second batch while one is in flight");
         let all = (MAX_PARTS_PER_SEND / 2) * (nbd::REQUEST_BYTES + 8);
-        assert!(sender.on_sent(all as i32, -1, 0).is_some());
-        assert_eq!((sender.requests, sender.sends), (MAX_PARTS_PER_SEND as u64, 2));
+        sender.on_sent(all as i32, -1, 0, &mut work);
+        assert_eq!(work.sqes.len(), 2);
+        assert_eq!((sender.requests, sender.sends, work.inline), (MAX_PARTS_PER_SEND as u64, 2, 1));
+    }
+
+    #[test]
+    fn zero_copy_writes_go_in_one_linked_chain_their_data_from_their_registered_pages() {
+        let mut sender = Sender::default();
+        let mut work = TargetWork::default();
+        sender.queue(HEADER, Payload::Memory(0), 0); // a READ
+        sender.queue(HEADER, Payload::Registered(5), 4096); // a zero-copy WRITE
+        sender.queue(HEADER, Payload::Registered(6), 8192); // another
+        sender.queue(HEADER, Payload::Memory(0), 0); // a FLUSH
+        sender.next(-1, 0, &mut work);
+        let sends: Vec<_> = work.sqes.iter().map(sqe_fields).collect();
+        assert_eq!(
+            chain(&mut work),
+            [
+                (WRITEV, true, 2),
+                (SEND, true, 4096),
+                (WRITEV, true, 1),
+                (SEND, true, 8192),
+                (WRITEV, false, 1)
+            ]
+        );
+        assert_eq!((sends[1].ioprio, sends[1].buf_index, sends[1].addr), (FIXED, 5, 0));
+        assert_eq!((sends[3].ioprio, sends[3].buf_index, sends[3].addr), (FIXED, 6, 0));
+        // Nothing queued behind it: every completion comes in as it is submitted.
+        assert_eq!(work.inline, 5);
+        assert_eq!(sender.requests, 4);
+        // The second header's WRITEV goes short: the steps after it are cancelled, and
+        // the chain is submitted again from where it stopped once all are in.
+        let header = nbd::REQUEST_BYTES as i32;
+        sender.on_sent(2 * header, -1, 0, &mut work);
+        sender.on_sent(4096, -1, 0, &mut work);
+        sender.on_sent(10, -1, 0, &mut work);
+        sender.on_sent(-libc::ECANCELED, -1, 0, &mut work);
+        assert!(work.sqes.is_empty(), "resubmitted before the chain's last completion");
+        sender.on_sent(-libc::ECANCELED, -1, 0, &mut work);
+        assert_eq!(chain(&mut work), [(WRITEV, true, 1), (SEND, true, 8192), (WRITEV, false, 1)]);
+        assert_eq!(sender.registered_bytes, 4096);
+        // The SEND goes short too: its rest, from byte 1000 of the registered pages.
+        sender.on_sent(header - 10, -1, 0, &mut work);
+        sender.on_sent(1000, -1, 0, &mut work);
+        sender.on_sent(-libc::ECANCELED, -1, 0, &mut work);
+        let rest: Vec<_> = work.sqes.iter().map(sqe_fields).collect();
+        assert_eq!(chain(&mut work), [(SEND, true, 7192), (WRITEV, false, 1)]);
+        assert_eq!((rest[0].buf_index, rest[0].addr), (6, 1000));
+        sender.on_sent(7192, -1, 0, &mut work);
+        sender.on_sent(header, -1, 0, &mut work);
+        assert!(work.sqes.is_empty() && sender.sending.is_none());
+        assert_eq!(sender.registered_bytes, 4096 + 8192);
+    }
+
+    #[test]
+    fn a_batch_carries_at_most_its_share_of_zero_copy_writes() {
+        let mut sender = Sender::default();
+        let mut work = TargetWork::default();
+        for i in 0..=MAX_REGISTERED_PER_BATCH as u16 {
+            sender.queue(HEADER, Payload::Registered(i), 4096);
+        }
+        sender.next(-1, 0, &mut work);
+        assert_eq!(work.sqes.len(), 2 * MAX_REGISTERED_PER_BATCH);
+        assert_eq!(sender.requests, MAX_REGISTERED_PER_BATCH as u64);
+        // One waits behind the chain: its last completion must wake the loop.
+        assert_eq!(work.inline, 2 * MAX_REGISTERED_PER_BATCH - 1);
     }
 }
