@@ -13,11 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ublkd_proto::uapi::{UBLK_F_AUTO_BUF_REG, UBLK_F_BATCH_IO};
+use ublkd_proto::uapi::UBLK_F_AUTO_BUF_REG;
 use ublkd_tests::harness::fio::{Fio, assert_fio_clean, fio_verify_args};
-use ublkd_tests::harness::machine::{
-    block_dev, kernel_devices, kernel_features, serial, wait_for_path,
-};
+use ublkd_tests::harness::machine::{block_dev, kernel_devices, serial, wait_for_path};
 use ublkd_tests::harness::process::{bin, describe, run, signal};
 use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file};
 use ublkd_tests::harness::ublkd::{StatusProber, Ublkd};
@@ -436,14 +434,7 @@ fn zero_copy_verifies_across_worker_kills_with_the_data_in_the_requests_pages() 
     let nbdkit = Server::nbdkit(Listen::Tcp(10_813), &file, Offer::MultiConn);
     let ublkd = Ublkd::start_with("nbd-zero-copy", "", &[("UBLKD_LOG", "info")]);
     let args = ["-t", "nbd", "--uri", &nbdkit.uri, "--zero-copy", "-q", "2", "--threads", "2"];
-    let needed = UBLK_F_AUTO_BUF_REG | UBLK_F_BATCH_IO;
-    if kernel_features() & needed != needed {
-        let before = kernel_devices();
-        let out = ublkd.ctl(&["add"].iter().chain(&args).copied().collect::<Vec<_>>());
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "--zero-copy was accepted without the kernel's support");
-        assert!(stderr.contains("UBLK_F_AUTO_BUF_REG"), "the refusal does not say why: {stderr}");
-        assert_eq!(kernel_devices(), before, "a refused device was left");
+    if ublkd.zero_copy_refused(&args, "UBLK_F_AUTO_BUF_REG") {
         ublkd.stop();
         let _ = std::fs::remove_file(&file);
         return;

@@ -9,6 +9,7 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use ublkd_proto::ctrl::CtrlClient;
+use ublkd_proto::uapi::{UBLK_F_AUTO_BUF_REG, UBLK_F_BATCH_IO};
 
 use super::fio;
 use super::machine::{
@@ -272,6 +273,23 @@ impl Ublkd {
         let out = self.ctl(args);
         assert_succeeded(&out, &format!("ublkctl {}", args.join(" ")), "ublkd log", || self.log());
         String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Whether the kernel lacks what zero copy needs (`UBLK_F_AUTO_BUF_REG` and the
+    /// batched data path: 6.12), and if so that `ublkctl add ARGS…` (which ask for it)
+    /// is refused, naming `reason`, with no device left behind.
+    pub fn zero_copy_refused(&self, args: &[&str], reason: &str) -> bool {
+        let needed = UBLK_F_AUTO_BUF_REG | UBLK_F_BATCH_IO;
+        if super::machine::kernel_features() & needed == needed {
+            return false;
+        }
+        let before = kernel_devices();
+        let out = self.ctl(&["add"].iter().chain(args).copied().collect::<Vec<_>>());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--zero-copy was accepted without the kernel's support");
+        assert!(stderr.contains(reason), "the refusal does not say why: {stderr}");
+        assert_eq!(kernel_devices(), before, "a refused device was left");
+        true
     }
 
     /// The kernel's flags of device `id` (`UBLK_F_*`, from `ublkctl list`).
