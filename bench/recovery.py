@@ -38,13 +38,18 @@ REC, META, DONE = L.markers("RECOVERY")
 # ublkd-deferred: ublkd (copying) with `recovery.fast_release = false`, whose recovery
 # waits for the kernel to tear the dead worker's rings down, as kublk's does. kublk:
 # kublk without -b, the per-I/O peer on 6.12 (no UBLK_F_BATCH_IO; ublkd's per-I/O path).
-SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc", "ublkd-deferred", "kublk")
+# ublkd-nosandbox: ublkd's device with --no-sandbox (what the sandbox's teardown costs).
+SERVERS = ("ublkd", "kublk-b", "ublkd-zc", "kublk-b-zc", "ublkd-deferred", "kublk",
+           "ublkd-nosandbox")
 PAIRS = (("ublkd", "kublk-b"), ("ublkd-zc", "kublk-b-zc"), ("ublkd-deferred", "kublk-b"),
-         ("ublkd", "kublk"), ("ublkd-deferred", "kublk"))
+         ("ublkd", "kublk"), ("ublkd-deferred", "kublk"), ("ublkd-nosandbox", "kublk"),
+         ("ublkd-nosandbox", "kublk-b"))
 NOTES = {"ublkd-zc": "zero copy: the dead server's ring also holds the requests' registered "
                      "pages",
          "ublkd-deferred": "recovery.fast_release = false: the kernel's teardown of the dead "
-                           "worker's rings, as for kublk"}
+                           "worker's rings, as for kublk",
+         "ublkd-nosandbox": "--no-sandbox: the worker without its namespaces, seccomp and "
+                            "landlock"}
 
 
 def baseline(servers):
@@ -65,6 +70,8 @@ HOST_ARGS = {
     "--out": cli.OUT,
     "--rebuild-peers": cli.flag("rebuild kublk even if cached"),
     "--kernel": cli.KERNEL,
+    "--rcu-expedited": cli.flag("a diagnostic: the guest's RCU grace periods expedited "
+                                "(/sys/kernel/rcu_expedited = 1), to see what they cost"),
 }
 
 
@@ -80,6 +87,7 @@ def effective_params(args):
         prm["RECOVERY_INTERVAL_S"] = args.interval
     if args.servers:
         prm["RECOVERY_SERVERS"] = args.servers.split(",")
+    prm["RECOVERY_RCU_EXPEDITED"] = bool(getattr(args, "rcu_expedited", False))
     for s in prm["RECOVERY_SERVERS"]:
         if s not in SERVERS:
             die(f"unknown server {s!r}; known: {', '.join(SERVERS)}", 2)
@@ -197,7 +205,7 @@ def table(results):
         death = fms(s["death_ms"]["median"]) if s["death_ms"] else "-"
         lines.append(f"{srv:<10} {s['kills']:>5}  {fms(st['min']):>13} {fms(st['median']):>7} "
                      f"{fms(st['max']):>7}   {death:>8}  {lr:>22}  {rc:>14}  {fio}{fails}")
-    for name in ("ublkd", "ublkd-zc", "ublkd-deferred"):
+    for name in ("ublkd", "ublkd-zc", "ublkd-deferred", "ublkd-nosandbox"):
         u = summ.get(name)
         if not (u and u.get("release_ms") and u["stall_ms"]):
             continue
@@ -246,6 +254,9 @@ def table(results):
                  "of its daemon, then at once `kublk recover -n ID` with the add's arguments, "
                  "re-run until it succeeds (recover: kill -> the successful command's exit; "
                  "Nx = attempts).")
+    if prm.get("RECOVERY_RCU_EXPEDITED"):
+        lines.append("DIAGNOSTIC: the guest's RCU grace periods were expedited "
+                     "(--rcu-expedited: /sys/kernel/rcu_expedited = 1).")
     lines += L.footer(results)
     errs = [r for r in results["records"] if r.get("error")]
     for r in errs[:10]:
@@ -296,7 +307,8 @@ def fio_check(rc, out, err):
 def run_series(sname, plan, rnd, nkills, first_kill, total):
     prm = plan["params"]
     zc = sname.endswith("-zc")
-    srv = (Ublkd(plan, zc, fast_release=sname != "ublkd-deferred") if sname.startswith("ublkd")
+    srv = (Ublkd(plan, zc, fast_release=sname != "ublkd-deferred",
+                 sandbox=sname != "ublkd-nosandbox") if sname.startswith("ublkd")
            else Kublk(plan, zc, batch=sname.startswith("kublk-b")))
     tag = f"round {rnd}/{prm['RECOVERY_ROUNDS']} {sname:<8}"
     series = {"kind": "series", "server": sname, "round": rnd}
@@ -381,6 +393,10 @@ def guest(args):
     t_start = time.monotonic()
     emit(META, L.guest_meta())
     L.check_kernel(prm)
+    if prm.get("RECOVERY_RCU_EXPEDITED"):
+        with open("/sys/kernel/rcu_expedited", "w") as f:
+            f.write("1")
+        log("RCU grace periods expedited (/sys/kernel/rcu_expedited = 1): a diagnostic")
     log(f"creating the loop file {prm['RECOVERY_LOOP_FILE']} "
         f"({prm['RECOVERY_LOOP_FILE_MB']} MiB, tmpfs)")
     L.zero_file(prm["RECOVERY_LOOP_FILE"], prm["RECOVERY_LOOP_FILE_MB"])

@@ -95,8 +95,8 @@ class Ublkd(S.Ublkd):
     # the kills themselves are logged as errors: count only the other lines
     EXPECTED = r"killed by signal 9\b"
 
-    def __init__(self, plan, zero_copy=False, fast_release=True):
-        super().__init__(plan, fast_release=fast_release)
+    def __init__(self, plan, zero_copy=False, fast_release=True, sandbox=True):
+        super().__init__(plan, fast_release=fast_release, sandbox=sandbox)
         self.zero_copy = zero_copy
 
     def config(self):
@@ -108,7 +108,8 @@ class Ublkd(S.Ublkd):
     def add(self):
         out = self.ctl("add", "-t", "loop", "-f", self.prm["RECOVERY_LOOP_FILE"],
                        "--zero-copy" if self.zero_copy else "--copy",
-                       "-q", "1", "-d", "128").strip().splitlines()
+                       "-q", "1", "-d", "128",
+                       *([] if self.sandbox else ["--no-sandbox"])).strip().splitlines()
         return int(out[-1])
 
     def status(self, dev_id):
