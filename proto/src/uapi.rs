@@ -143,6 +143,12 @@ pub const fn queue_desc_offset(q_id: u16, page_size: usize) -> u64 {
 /// `io-uring` crate does not define; FETCH_IO_CMDS requires it.
 pub const IORING_URING_CMD_MULTISHOT: u32 = 1 << 1;
 
+/// io_uring's `IORING_RECVSEND_FIXED_BUF` (`sqe->ioprio`), which the `io-uring` crate
+/// does not define: a SEND or RECV moves the data of the ring's registered buffer at
+/// `buf_index` (plain SEND and RECV from Linux 7.2 on, 57ed21fad402 "io_uring/net:
+/// support registered buffer for plain send and recv"); a zero-copy nbd worker's.
+pub const IORING_RECVSEND_FIXED_BUF: u16 = 1 << 2;
+
 /// io_uring_register(2) opcodes the supervisor uses on a dead worker's rings (see
 /// `Worker::release_device`): drop the ring's registered buffers and files.
 pub const IORING_UNREGISTER_BUFFERS: u32 = 1;

@@ -53,11 +53,6 @@ use coverage::Coverage;
 use receive::{Receiver, Waiting};
 use send::{Payload, Sender};
 
-/// `IORING_RECVSEND_FIXED_BUF` (in an SQE's `ioprio`): a SEND or RECV moves the data of
-/// the ring's registered buffer at `buf_index` (Linux >= 7.2 for plain SEND and RECV,
-/// 57ed21fad402 "io_uring/net: support registered buffer for plain send and recv").
-const IORING_RECVSEND_FIXED_BUF: u16 = 1 << 2;
-
 /// What a connection's own SQE is, in the low bits of its key (the connection's number
 /// above them).
 const KEY_SEND: u32 = 1;

@@ -193,9 +193,10 @@ impl Receiver {
         let sqe = if let Reading::Data { dest, left, direct: true, registered, .. } = self.reading {
             let recv = opcode::Recv::new(fd, dest as *mut u8, left).flags(libc::MSG_WAITALL);
             match registered {
-                Some(index) => {
-                    recv.ioprio(super::IORING_RECVSEND_FIXED_BUF).buf_group(index).build()
-                }
+                Some(index) => recv
+                    .ioprio(ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF)
+                    .buf_group(index)
+                    .build(),
                 None => recv.build(),
             }
         } else {
@@ -477,7 +478,7 @@ mod tests {
 
     #[test]
     fn zero_copy_takes_each_header_alone_and_a_reads_data_into_its_registered_pages() {
-        use super::super::IORING_RECVSEND_FIXED_BUF as FIXED;
+        use ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF as FIXED;
         let mut r = Receiver::new(true);
         let mut work = TargetWork::default();
         r.expect(7, waiting(UBLK_IO_OP_READ, 8192, 3, 7));

@@ -335,7 +335,7 @@ fn registered_send_sqe(
     let rest = sent as usize as *const u8;
     opcode::Send::new(types::Fd(socket), rest, len - sent)
         .flags(libc::MSG_WAITALL)
-        .ioprio(super::IORING_RECVSEND_FIXED_BUF)
+        .ioprio(ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF)
         .buf_group(index)
         .build()
         .user_data(own_user_data(key(connection, KEY_SEND)))
@@ -343,8 +343,9 @@ fn registered_send_sqe(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{IORING_RECVSEND_FIXED_BUF as FIXED, sqe_fields};
+    use super::super::sqe_fields;
     use super::*;
+    use ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF as FIXED;
 
     const HEADER: [u8; nbd::REQUEST_BYTES] = [0; nbd::REQUEST_BYTES];
 
