@@ -9,6 +9,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib as L  # noqa: E402
+import qd1trace as Q  # noqa: E402
 
 
 def runs(server, values, metric="iops"):
@@ -80,3 +81,39 @@ class MedianRatio(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Qd1Trace(unittest.TestCase):
+    """bench/qd1trace.py: a request's path is what lies between two issues."""
+
+    TRACE = """# tracer: nop
+             fio-10    [000] .....     1.000000: block_rq_issue: 259,0 R 4096 () 8 + 8 be,0,4 [fio]
+             fio-10    [000] .....     1.000010: sched_wakeup: comm=ublkd-worker pid=20 prio=120 target_cpu=000
+             fio-10    [000] .....     1.000020: sched_switch: prev_comm=fio prev_pid=10 prev_prio=120 prev_state=S ==> next_comm=ublkd-worker next_pid=20 next_prio=120
+    ublkd-worker-20    [000] .....     1.000030: sys_exit: NR 426 = 1
+    ublkd-worker-20    [000] .....     1.000040: sys_enter: NR 426 (4, 1, 1, 1, 0, 80)
+    ublkd-worker-20    [000] .....     1.000045: sys_enter: NR 426 (4, 1, 1, 1, 0, 80)
+             fio-10    [000] .....     1.000100: block_rq_issue: 259,0 R 4096 () 16 + 8 be,0,4 [fio]
+             fio-10    [000] .....     1.000130: sched_switch: prev_comm=fio prev_pid=10 prev_prio=120 prev_state=S ==> next_comm=ublkd-worker next_pid=20 next_prio=120
+    ublkd-worker-20    [000] .....     1.000150: sys_enter: NR 426 (4, 1, 1, 1, 0, 80)
+             fio-10    [000] .....     1.000200: block_rq_issue: 259,0 R 4096 () 24 + 8 be,0,4 [fio]
+             fio-10    [000] .....     1.000210: block_rq_issue: 259,1 R 4096 () 24 + 8 be,0,4 [fio]
+             fio-10    [000] .....     1.000300: block_rq_issue: 259,0 R 4096 () 32 + 8 be,0,4 [fio]
+""".splitlines()
+
+    def test_first_occurrences_per_request_and_their_medians(self):
+        rows, n = Q.timeline(Q.parse(self.TRACE), "259,0", skip=0, min_share=0.5)
+        # Three requests on 259,0 after the last is dropped: 0-100, 100-200 (200-300
+        # is the last); the other device's issue is not a request boundary.
+        self.assertEqual(n, 2)
+        got = {k: (round(med), share) for med, share, k in rows}
+        self.assertEqual(got["switch to ublkd-worker"], (25, 1.0))
+        # Entered twice in the first request: only its first time counts.
+        self.assertEqual(got["ublkd-worker enters io_uring_enter"], (45, 1.0))
+        self.assertEqual(got["next request issued"], (100, 1.0))
+        # The wake-up happened in one request of two: kept at min_share 0.5.
+        self.assertEqual(got["wake-up of ublkd-worker"], (10, 0.5))
+        self.assertEqual([k for _, _, k in rows][0], "fio block_rq_issue")
+
+    def test_a_trace_without_requests_gives_no_timeline(self):
+        self.assertEqual(Q.timeline(Q.parse(self.TRACE), "8,0"), ([], 0))
