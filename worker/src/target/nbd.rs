@@ -51,7 +51,18 @@ mod send;
 
 use coverage::Coverage;
 use receive::{Receiver, Waiting};
-use send::{Payload, Sender};
+use send::Sender;
+
+/// Where a request's data is: a WRITE's to send, a READ's to receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Payload {
+    /// In the tag's buffer, at this address: the buffer belongs to the request until its
+    /// result is committed, which finishing it makes happen.
+    Memory(usize),
+    /// Zero copy: the request's pages, at this index of the buffer table of the ring
+    /// that fetched it (the one ring that sends and receives for it).
+    Registered(u16),
+}
 
 /// What a connection's own SQE is, in the low bits of its key (the connection's number
 /// above them).
@@ -170,8 +181,7 @@ impl Target for NbdTarget {
         let waiting = Waiting {
             op: req.op,
             offset: req.offset,
-            buf: req.buf as usize,
-            buf_index: req.buf_index,
+            data: payload,
             len: req.len,
             reply: req.reply,
             covered: Coverage::default(),

@@ -19,7 +19,7 @@ use ublkd_proto::nbd::{self, Chunk, ChunkHeader, ReplyKind, SimpleReply};
 use ublkd_proto::uapi::{UBLK_IO_OP_READ, UBLK_IO_OP_WRITE};
 
 use super::coverage::Coverage;
-use super::{KEY_POST, KEY_RECEIVE, key, lost};
+use super::{KEY_POST, KEY_RECEIVE, Payload, key, lost};
 use crate::target::{Reply, TargetWork, own_user_data};
 
 /// Each connection's receive buffer: most replies are 16-byte headers, taken a ring
@@ -45,12 +45,8 @@ pub(super) struct Waiting {
     /// The request's offset on the device: a chunk's data lands at its own offset
     /// minus this in the buffer.
     pub(super) offset: u64,
-    /// The tag's buffer (READ: `len` bytes are written there), as an address: the
-    /// buffer belongs to the request until its result is committed, which finishing it
-    /// makes happen. 0 with zero copy.
-    pub(super) buf: usize,
-    /// Zero copy: the request's pages, at this index of the reading ring's buffer table.
-    pub(super) buf_index: Option<u16>,
+    /// Where a READ's `len` bytes go.
+    pub(super) data: Payload,
     pub(super) len: u32,
     pub(super) reply: Reply,
     /// READ: the parts of it the reply's data and holes have covered.
@@ -75,16 +71,18 @@ impl Waiting {
         }
     }
 
-    /// Where `len` bytes at device offset `offset` go in the buffer, if they are inside
-    /// this READ; they count as covered.
+    /// Where `len` bytes at device offset `offset` go in the tag's buffer, if they are
+    /// inside this READ (and it has a buffer: zero copy takes no structured replies);
+    /// they count as covered.
     fn place(&mut self, offset: u64, len: u32) -> Option<usize> {
+        let Payload::Memory(buf) = self.data else { return None };
         let start = offset.checked_sub(self.offset)?;
         let end = start.checked_add(u64::from(len))?;
         if self.op != UBLK_IO_OP_READ || end > u64::from(self.len) {
             return None;
         }
         self.covered.add(start as u32, len);
-        Some(self.buf + start as usize)
+        Some(buf + start as usize)
     }
 }
 
@@ -93,12 +91,34 @@ impl Waiting {
 enum Reading {
     /// At a reply's header.
     Header,
-    /// In a READ's data: `left` bytes go to `dest` (in the tag's buffer), from the
-    /// receive buffer or, once that is empty (`direct`), received straight there. Then
-    /// request `cookie` is finished if this was its reply's last part. Zero copy
-    /// (`registered`: the buffer's index), always `direct`, and `dest` is the offset in
-    /// the registered pages.
-    Data { cookie: u64, dest: usize, left: u32, direct: bool, last: bool, registered: Option<u16> },
+    /// In a READ's data: `left` bytes go to `dest`, then request `cookie` is finished
+    /// if this was its reply's last part.
+    Data { cookie: u64, dest: Dest, left: u32, last: bool },
+}
+
+/// Where the rest of a READ's data goes, and how it gets there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dest {
+    /// To this address in the tag's buffer, copied out of the receive buffer (what is
+    /// there already; once it runs dry a large rest is received `Straight`).
+    Copied(usize),
+    /// To this address in the tag's buffer, received straight there.
+    Straight(usize),
+    /// Zero copy: received straight into the request's registered pages (at `index`
+    /// of the reading ring's buffer table), `at` bytes in. Never through the receive
+    /// buffer: the pages have no address to copy to.
+    Registered { index: u16, at: usize },
+}
+
+impl Dest {
+    /// The same place `n` bytes further on.
+    fn advance(self, n: usize) -> Dest {
+        match self {
+            Dest::Copied(a) => Dest::Copied(a + n),
+            Dest::Straight(a) => Dest::Straight(a + n),
+            Dest::Registered { index, at } => Dest::Registered { index, at: at + n },
+        }
+    }
 }
 
 /// Hashes a cookie with one multiplication: cookies are the loop's user data for a
@@ -190,15 +210,20 @@ impl Receiver {
     /// moved to its start), or, in a READ's data, straight into the tag's buffer.
     pub(super) fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
         let fd = types::Fd(socket);
-        let sqe = if let Reading::Data { dest, left, direct: true, registered, .. } = self.reading {
-            let recv = opcode::Recv::new(fd, dest as *mut u8, left).flags(libc::MSG_WAITALL);
-            match registered {
-                Some(index) => recv
-                    .ioprio(ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF)
-                    .buf_group(index)
-                    .build(),
-                None => recv.build(),
+        let straight = match self.reading {
+            Reading::Data { dest: Dest::Straight(addr), left, .. } => {
+                Some(opcode::Recv::new(fd, addr as *mut u8, left))
             }
+            // With the buffer index, the address is the offset in the registered pages.
+            Reading::Data { dest: Dest::Registered { index, at }, left, .. } => Some(
+                opcode::Recv::new(fd, at as *mut u8, left)
+                    .ioprio(ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF)
+                    .buf_group(index),
+            ),
+            _ => None,
+        };
+        let sqe = if let Some(recv) = straight {
+            recv.flags(libc::MSG_WAITALL).build()
         } else {
             if self.start > 0 {
                 self.received.copy_within(self.start..self.end, 0);
@@ -242,14 +267,18 @@ impl Receiver {
         }
         self.traffic.receives += 1;
         match self.reading {
-            Reading::Data { cookie, dest, left, direct: true, last, registered } => {
-                if registered.is_some() {
+            Reading::Data {
+                cookie,
+                dest: dest @ (Dest::Straight(_) | Dest::Registered { .. }),
+                left,
+                last,
+            } => {
+                if matches!(dest, Dest::Registered { .. }) {
                     self.traffic.registered_bytes += res as u64;
                 }
-                let (dest, left) = (dest + res as usize, left.saturating_sub(res as u32));
+                let (dest, left) = (dest.advance(res as usize), left.saturating_sub(res as u32));
                 if left > 0 {
-                    self.reading =
-                        Reading::Data { cookie, dest, left, direct: true, last, registered };
+                    self.reading = Reading::Data { cookie, dest, left, last };
                 } else {
                     self.reading = Reading::Header;
                     if last {
@@ -286,8 +315,8 @@ impl Receiver {
     fn parse(&mut self, thread: usize, work: &mut TargetWork) {
         loop {
             match self.reading {
-                Reading::Data { direct: true, .. } => return,
-                Reading::Data { cookie, dest, left, direct: false, last, registered } => {
+                Reading::Data { dest: Dest::Straight(_) | Dest::Registered { .. }, .. } => return,
+                Reading::Data { cookie, dest: Dest::Copied(dest), left, last } => {
                     let have = &self.received[self.start..self.end];
                     let n = have.len().min(left as usize);
                     // SAFETY: `dest..dest + left` is inside the request's tag buffer
@@ -302,9 +331,12 @@ impl Receiver {
                     if left > 0 {
                         // The receive buffer is empty: a large rest goes straight where
                         // it belongs.
-                        let direct = left >= DIRECT_RECEIVE_MIN_BYTES;
-                        self.reading =
-                            Reading::Data { cookie, dest, left, direct, last, registered };
+                        let dest = if left >= DIRECT_RECEIVE_MIN_BYTES {
+                            Dest::Straight(dest)
+                        } else {
+                            Dest::Copied(dest)
+                        };
+                        self.reading = Reading::Data { cookie, dest, left, last };
                         return;
                     }
                     self.reading = Reading::Header;
@@ -373,11 +405,14 @@ impl Receiver {
         } else if w.op == UBLK_IO_OP_READ {
             w.covered.add(0, w.len);
             if w.len > 0 {
-                let (left, cookie, registered) = (w.len, reply.cookie, w.buf_index);
                 // Zero copy: nothing of the data is in the receive buffer (each RECV
                 // stops at a header's end), and all of it goes to the registered pages.
-                let (dest, direct) = if registered.is_some() { (0, true) } else { (w.buf, false) };
-                self.reading = Reading::Data { cookie, dest, left, direct, last: true, registered };
+                let dest = match w.data {
+                    Payload::Memory(buf) => Dest::Copied(buf),
+                    Payload::Registered(index) => Dest::Registered { index, at: 0 },
+                };
+                self.reading =
+                    Reading::Data { cookie: reply.cookie, dest, left: w.len, last: true };
                 return;
             }
         }
@@ -394,14 +429,7 @@ impl Receiver {
                     lost("reading a reply", &what);
                 };
                 let (cookie, last) = (h.cookie, h.done());
-                self.reading = Reading::Data {
-                    cookie,
-                    dest,
-                    left: len,
-                    direct: false,
-                    last,
-                    registered: None,
-                };
+                self.reading = Reading::Data { cookie, dest: Dest::Copied(dest), left: len, last };
                 return;
             }
             Chunk::Hole { offset, len } => {
@@ -450,8 +478,7 @@ mod tests {
         Waiting {
             op,
             offset: 0,
-            buf: 0,
-            buf_index: Some(buf_index),
+            data: Payload::Registered(buf_index),
             len,
             reply: Reply { ring_fd: -1, user_data, thread: 0 },
             covered: Coverage::default(),
@@ -462,7 +489,7 @@ mod tests {
     /// `bytes` arrive from the kernel into the RECV in flight (into the receive buffer:
     /// the registered pages are not the test's to write).
     fn arrive(r: &mut Receiver, bytes: &[u8], work: &mut TargetWork) -> super::super::SqeFields {
-        if !matches!(r.reading, Reading::Data { registered: Some(_), .. }) {
+        if !matches!(r.reading, Reading::Data { dest: Dest::Registered { .. }, .. }) {
             r.received[r.end..r.end + bytes.len()].copy_from_slice(bytes);
         }
         r.on_received(bytes.len() as i32, 0, work, -1);

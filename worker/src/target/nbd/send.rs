@@ -19,7 +19,7 @@ use std::os::fd::RawFd;
 use io_uring::{opcode, squeue, types};
 use ublkd_proto::nbd;
 
-use super::{KEY_SEND, key, lost};
+use super::{KEY_SEND, Payload, key, lost};
 use crate::target::{TargetWork, own_user_data};
 
 /// The most parts one WRITEV carries (the kernel's limit): a request is one part (its
@@ -30,15 +30,6 @@ const MAX_PARTS_PER_SEND: usize = libc::UIO_MAXIOV as usize;
 /// SQEs plus one, which every queue ring's submission queue holds at once (at least 16
 /// entries, see `StandbyRing`); a chain split over two submissions would not be one.
 const MAX_REGISTERED_PER_BATCH: usize = 4;
-
-/// Where a WRITE's data is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Payload {
-    /// In the tag's buffer, at this address.
-    Memory(usize),
-    /// Zero copy: the request's pages, at this index of the sending ring's buffer table.
-    Registered(u16),
-}
 
 /// A request waiting to be sent: its header and, for a WRITE, its `len` bytes of data.
 #[derive(Debug, Clone, Copy)]
