@@ -206,45 +206,47 @@ impl Receiver {
         self.waiting.insert(cookie, w);
     }
 
-    /// The RECV that continues the stream: into the receive buffer (what is left of it
-    /// moved to its start), or, in a READ's data, straight into the tag's buffer.
+    /// The RECV that continues the stream: into the receive buffer, or, in a READ's
+    /// data, straight into the tag's buffer or the request's registered pages.
     pub(super) fn next_receive(&mut self, socket: RawFd, connection: usize) -> squeue::Entry {
         let fd = types::Fd(socket);
-        let straight = match self.reading {
+        let sqe = match self.reading {
             Reading::Data { dest: Dest::Straight(addr), left, .. } => {
-                Some(opcode::Recv::new(fd, addr as *mut u8, left))
+                opcode::Recv::new(fd, addr as *mut u8, left).flags(libc::MSG_WAITALL).build()
             }
             // With the buffer index, the address is the offset in the registered pages.
-            Reading::Data { dest: Dest::Registered { index, at }, left, .. } => Some(
+            Reading::Data { dest: Dest::Registered { index, at }, left, .. } => {
                 opcode::Recv::new(fd, at as *mut u8, left)
+                    .flags(libc::MSG_WAITALL)
                     .ioprio(ublkd_proto::uapi::IORING_RECVSEND_FIXED_BUF)
-                    .buf_group(index),
-            ),
-            _ => None,
-        };
-        let sqe = if let Some(recv) = straight {
-            recv.flags(libc::MSG_WAITALL).build()
-        } else {
-            if self.start > 0 {
-                self.received.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
+                    .buf_group(index)
+                    .build()
             }
-            let room = &mut self.received[self.end..];
-            // Only large READs waiting (none at all is not that: the next request, not
-            // yet known, may be small): take the next reply's header alone.
-            let len = if self.zero_copy {
-                // What is left of the next simple reply's header, and not a byte more:
-                // a READ's data may follow it.
-                nbd::SIMPLE_REPLY_BYTES - self.end
-            } else if self.small_waiting == 0 && !self.waiting.is_empty() {
-                room.len().min(HEADER_RECEIVE_BYTES)
-            } else {
-                room.len()
-            };
-            opcode::Recv::new(fd, room.as_mut_ptr(), len as u32).build()
+            _ => self.receive_into_buffer(fd),
         };
         sqe.user_data(own_user_data(key(connection, KEY_RECEIVE)))
+    }
+
+    /// A RECV into the receive buffer (what is left of it moved to its start first).
+    fn receive_into_buffer(&mut self, fd: types::Fd) -> squeue::Entry {
+        if self.start > 0 {
+            self.received.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let room = &mut self.received[self.end..];
+        // Only large READs waiting (none at all is not that: the next request, not
+        // yet known, may be small): take the next reply's header alone.
+        let len = if self.zero_copy {
+            // What is left of the next simple reply's header, and not a byte more:
+            // a READ's data may follow it.
+            nbd::SIMPLE_REPLY_BYTES - self.end
+        } else if self.small_waiting == 0 && !self.waiting.is_empty() {
+            room.len().min(HEADER_RECEIVE_BYTES)
+        } else {
+            room.len()
+        };
+        opcode::Recv::new(fd, room.as_mut_ptr(), len as u32).build()
     }
 
     /// The RECV in flight received `res` bytes: finishes every request whose reply is
