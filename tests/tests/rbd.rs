@@ -31,42 +31,10 @@ use ublkd_tests::harness::ublkd::Ublkd;
 const MIB: u64 = 1 << 20;
 const BLOCK: usize = 4096;
 
-/// `ublkctl add -t rbd` arguments for `image` (`POOL/IMAGE[@SNAP]`) of `cluster`, as
-/// client [`CLIENT_ID`] with its keyring, then `extra`. The worker is sandboxed (its
-/// rbd profile), as every device's is by default.
-fn rbd_args(cluster: &Cluster, image: &str, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = ["-t", "rbd", "--image", image].map(String::from).into();
-    args.extend(["--ceph-conf".into(), cluster.conf_path().display().to_string()]);
-    args.extend(["--ceph-id".into(), CLIENT_ID.into()]);
-    args.extend(["--keyring".into(), cluster.keyring_path().display().to_string()]);
-    args.extend(extra.iter().map(|a| a.to_string()));
-    args
-}
-
 /// `ublkctl add` of an rbd device for `image` (`POOL/IMAGE`); its id, its node there.
 fn add_rbd(ublkd: &Ublkd, cluster: &Cluster, image: &str) -> u32 {
-    let args = rbd_args(cluster, image, &[]);
+    let args = cluster.add_args(image, &[]);
     ublkd.add(&args.iter().map(String::as_str).collect::<Vec<_>>())
-}
-
-/// Waits until device `id` is LIVE with a worker other than `old` and more than
-/// `recoveries` recoveries.
-fn wait_replaced(ublkd: &Ublkd, id: u32, old: u32, recoveries: u64) {
-    ublkd.wait_until(&format!("device {id} recovered from worker {old}"), || {
-        let dev = ublkd.status_of(id);
-        dev["state"] == "LIVE"
-            && dev["worker_pid"].as_u64().is_some_and(|p| p != u64::from(old))
-            && dev["recoveries"].as_u64() > Some(recoveries)
-    });
-}
-
-/// SIGKILLs device `id`'s worker and waits for its recovery; the killed pid.
-fn kill_worker(ublkd: &Ublkd, id: u32) -> u32 {
-    let dev = ublkd.status_of(id);
-    let pid = ublkd.worker_pid(id);
-    assert!(signal(pid, libc::SIGKILL), "worker {pid} is gone");
-    wait_replaced(ublkd, id, pid, dev["recoveries"].as_u64().unwrap_or(0));
-    pid
 }
 
 /// The sha256 of all of `dev`, read with O_DIRECT (past the page cache) into a file.
@@ -406,12 +374,12 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     };
     let mut events = Vec::new();
     chaos::wait_for_io(&ublkd.ctl, &[id]);
-    events.push(format!("worker {} killed", kill_worker(&ublkd, id)));
+    events.push(format!("worker {} killed", ublkd.kill_worker(id)));
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     let took = cluster.restart_osd();
     events.push(format!("OSD restarted ({:.1} s)", took.as_secs_f64()));
     chaos::wait_for_io(&ublkd.ctl, &[id]);
-    events.push(format!("worker {} killed", kill_worker(&ublkd, id)));
+    events.push(format!("worker {} killed", ublkd.kill_worker(id)));
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     let serving = ublkd.worker_pid(id);
     // With its spare standing by (an open image, watched): the stopping ublkd asks the
@@ -430,7 +398,7 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     assert_eq!(dev["recoveries"], 0, "ublkd's restart cost a recovery: {dev}");
     events.push("ublkd restarted".into());
     chaos::wait_for_io(&ublkd.ctl, &[id]);
-    events.push(format!("worker {} killed", kill_worker(&ublkd, id)));
+    events.push(format!("worker {} killed", ublkd.kill_worker(id)));
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     stop.store(true, Ordering::SeqCst);
     let passes = fio
@@ -703,7 +671,7 @@ fn bad_rbd_inputs_are_named() {
     let quick = Duration::from_secs(60);
     let mut said = Vec::new();
 
-    let args = rbd_args(cluster, &Cluster::spec("no-such-image"), &[]);
+    let args = cluster.add_args(&Cluster::spec("no-such-image"), &[]);
     said.push(assert_refused(&ublkd, &args, &["no-such-image", "does not exist"], quick));
 
     // A keyring for the same client with another key (a valid one: cephx refuses it).
@@ -713,7 +681,7 @@ fn bad_rbd_inputs_are_named() {
         format!("[client.{CLIENT_ID}]\n\tkey = AQDj1I1nAAAAABAAcm9uZy1rZXktd3Jvbmc0Mg==\n"),
     )
     .unwrap();
-    let mut args = rbd_args(cluster, &Cluster::spec(image), &[]);
+    let mut args = cluster.add_args(&Cluster::spec(image), &[]);
     let at = args.iter().position(|a| a == "--keyring").unwrap();
     args[at + 1] = wrong.display().to_string();
     said.push(assert_refused(&ublkd, &args, &["key"], quick));
@@ -727,22 +695,22 @@ fn bad_rbd_inputs_are_named() {
          auth_client_required = cephx\n",
     )
     .unwrap();
-    let mut args = rbd_args(cluster, &Cluster::spec(image), &[]);
+    let mut args = cluster.add_args(&Cluster::spec(image), &[]);
     let at = args.iter().position(|a| a == "--ceph-conf").unwrap();
     args[at + 1] = unreachable.display().to_string();
     said.push(assert_refused(&ublkd, &args, &["answered"], Duration::from_secs(180)));
 
-    let args = rbd_args(cluster, &format!("{}@no-such-snap", Cluster::spec(image)), &[]);
+    let args = cluster.add_args(&format!("{}@no-such-snap", Cluster::spec(image)), &[]);
     said.push(assert_refused(&ublkd, &args, &["no-such-snap", "does not exist"], quick));
 
-    let args = rbd_args(cluster, image, &[]);
+    let args = cluster.add_args(image, &[]);
     said.push(assert_refused(&ublkd, &args, &["pool"], quick));
 
     // Another client holds the image's lock: ublkd does not take it from a client it
     // did not start (breaking it would blocklist that client).
     let holder = cluster.request(json!({"op": "hold_lock", "image": image})).unwrap();
     let holder = holder.as_str().unwrap_or_default().to_owned();
-    let args = rbd_args(cluster, &Cluster::spec(image), &[]);
+    let args = cluster.add_args(&Cluster::spec(image), &[]);
     said.push(assert_refused(&ublkd, &args, &["locked by another client", &holder], quick));
     cluster.request(json!({"op": "release_lock", "image": image})).unwrap();
     assert!(!cluster.blocklist_ls().contains(&holder), "ublkd blocklisted {holder}");
@@ -813,7 +781,7 @@ fn the_dead_workers_client_is_fenced_before_the_next_one_writes() {
     std::thread::sleep(Duration::from_secs(1));
     let recoveries = ublkd.status_of(id)["recoveries"].as_u64().unwrap_or(0);
     assert!(signal(old, libc::SIGKILL), "worker {old} is gone");
-    wait_replaced(&ublkd, id, old, recoveries);
+    ublkd.wait_replaced(id, old, recoveries);
     // The re-issued write completes through the new worker; then the newer data.
     let status = old_write.wait().unwrap();
     assert!(status.success(), "the write the dead worker held failed: {status}");

@@ -128,6 +128,18 @@ impl Cluster {
         cluster
     }
 
+    /// `ublkctl add -t rbd` arguments for `image` (`POOL/IMAGE[@SNAP]`) of this cluster,
+    /// as client [`CLIENT_ID`] with its keyring, then `extra`. The worker is sandboxed
+    /// (its rbd profile), as every device's is by default.
+    pub fn add_args(&self, image: &str, extra: &[&str]) -> Vec<String> {
+        let mut args: Vec<String> = ["-t", "rbd", "--image", image].map(String::from).into();
+        args.extend(["--ceph-conf".into(), self.conf_path().display().to_string()]);
+        args.extend(["--ceph-id".into(), CLIENT_ID.into()]);
+        args.extend(["--keyring".into(), self.keyring_path().display().to_string()]);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args
+    }
+
     /// `$CEPH_DIR/ceph.conf`.
     pub fn conf_path(&self) -> PathBuf {
         self.dir.join("ceph.conf")

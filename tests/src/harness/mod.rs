@@ -15,7 +15,7 @@
 //!   killer.
 //!
 //! These need the VM (`/dev/ublk-control`, root), so only the tests built with the
-//! `in-vm` or `in-vm-systemd` feature use them; the library builds them regardless, so
+//! `in-vm` feature use them; the library builds them regardless, so
 //! that a build without features checks them too.
 
 pub mod ceph;

@@ -25,8 +25,9 @@ pub fn hooked_worker() -> PathBuf {
     let worker = target.join("test-hooks/debug/ublkd-worker");
     assert!(
         worker.is_file(),
-        "{} is missing: build it with `cargo build -p ublkd-worker --features test-hooks \
-         --target-dir target/test-hooks` (run-tests does)",
+        "{} is missing: build it with `cargo build --workspace --bins --features \
+         ublkd-tests/in-vm,ublkd-worker/test-hooks` and copy target/debug/ublkd-worker there, \
+         then build again without test-hooks (run-tests does)",
         worker.display()
     );
     worker

@@ -42,17 +42,16 @@ impl Ctl {
         run_within(Command::new(bin("ublkctl")).arg("--socket").arg(&self.socket).args(args), limit)
     }
 
-    /// `ublkctl status --json`: the `devices` array.
+    /// `ublkctl status --json`: the `devices` array. Asked on the control socket and
+    /// rendered with ublkctl's own code, so the JSON is what `ublkctl status --json`
+    /// prints, without exec'ing ublkctl at every poll (under emulation that start
+    /// costs more than ublkd's answer).
     pub fn status(&self) -> Result<Vec<serde_json::Value>, String> {
-        let out = self.run(&["status", "--json"]);
-        if !out.status.success() {
-            return Err(format!(
-                "ublkctl status --json failed ({}):\n{}",
-                out.status,
-                describe(&out)
-            ));
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
+        let devs = match ask(&self.socket, &ublkd_proto::msg::CtlRequest::Status { id: None })? {
+            ublkd_proto::msg::CtlResponse::Status(devs) => devs,
+            other => return Err(format!("ublkd answered status with {other:?}")),
+        };
+        let text = ublkd_supervisor::render::status_json(&devs);
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| format!("`ublkctl status --json` is not JSON ({e}): {text}"))?;
         json["devices"].as_array().cloned().ok_or_else(|| format!("no devices array in {text}"))
@@ -261,6 +260,34 @@ impl Ublkd {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Waits until device `id` is LIVE with a worker other than `old` and more than
+    /// `recoveries` recoveries.
+    pub fn wait_replaced(&self, id: u32, old: u32, recoveries: u64) {
+        self.wait_until(&format!("device {id} recovered from worker {old}"), || {
+            let dev = self.status_of(id);
+            dev["state"] == "LIVE"
+                && dev["worker_pid"].as_u64().is_some_and(|p| p != u64::from(old))
+                && dev["recoveries"].as_u64() > Some(recoveries)
+        });
+    }
+
+    /// SIGKILLs device `id`'s worker and waits for its recovery; the killed pid.
+    pub fn kill_worker(&self, id: u32) -> u32 {
+        let dev = self.status_of(id);
+        let pid = self.worker_pid(id);
+        assert!(signal(pid, libc::SIGKILL), "worker {pid} is gone");
+        self.wait_replaced(id, pid, dev["recoveries"].as_u64().unwrap_or(0));
+        pid
+    }
+
+    /// Waits until device `id` has served `n` more requests (`ios`) than when called:
+    /// the event a time-based fio is stopped after, once what it brackets happened.
+    pub fn wait_for_ios(&self, id: u32, n: u64) {
+        let ios = || self.status_of(id)["ios"].as_u64().unwrap_or(0);
+        let from = ios();
+        self.wait_until(&format!("{n} more requests on device {id}"), || ios() >= from + n);
     }
 
     /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
