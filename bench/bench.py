@@ -34,11 +34,8 @@ REC, META, DONE = L.markers("BENCH")
 
 # the flags of `host` (cli.py: the shared ones)
 HOST_ARGS = {
-    "--quick": cli.flag("smoke check: 2 rounds, 2 s runs, 3 jobs (~5 min)"),
-    "--rounds": cli.override("ROUNDS"),
-    "--runtime": cli.override("RUNTIME_S", "seconds per fio run"),
-    "--servers": cli.subset(P.SERVERS),
-    "--jobs": {"help": "comma-separated subset of the jobs in params.py"},
+    **cli.run_args("", "2 rounds, 2 s runs, 3 jobs (~5 min)", "--servers", P.SERVERS,
+                   {"help": "comma-separated subset of the jobs in params.py"}),
     "--out": cli.OUT,
     "--baseline": {"metavar": "REV",
                    "help": "also run ublkd built at git revision REV (as ublkd-base), "
@@ -265,10 +262,8 @@ def make_server(name, plan):
 
 
 def guest(args):
-    plan = L.read_plan(args.plan)
-    prm = plan["params"]
-    t_start = time.monotonic()
-    emit(META, {**L.guest_meta(), "versions": {}})
+    plan, prm, t_start, meta = L.guest_start(args, versions={})
+    emit(META, meta)
     L.check_kernel(prm)
 
     jobs = prm["JOBS"]
@@ -358,5 +353,4 @@ def guest(args):
 
 if __name__ == "__main__":
     cli.main("bench/run", __doc__, HOST_ARGS, host, guest, (summarize, table, svg_plot),
-             "(inside the VM) run the rounds of a plan",
-             "re-render the table and plot of a results dir")
+             "rounds")

@@ -74,6 +74,16 @@ def need_root():
         die("needs root (the VM harness, apt-get download, the cache dir)")
 
 
+def need_tools(tools):
+    """Dies unless every (tool, package) of `tools` is installed on the host: the guest
+    runs the host's."""
+    for tool, pkg in tools:
+        if not any(os.access(os.path.join(d, tool), os.X_OK)
+                   for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin")):
+            die(f"{tool} is not installed (the guest runs the host's): apt-get install {pkg}, "
+                f"or tests/vm/install-host-deps.sh")
+
+
 def apply_kernel(prm, kernel, servers_key, chosen):
     """Fits `prm` to `kernel`: on 6.12 the KERNEL_6_12 lists replace the default ones
     (the server list `servers_key` only if `chosen`, the --servers list, is None);
@@ -362,6 +372,20 @@ def ruled(head):
     return [head, "-" * len(head)]
 
 
+def client_table(head, prm, prefix, summaries, cwidth, iwidth, cells, ratio_lines):
+    """The throughput part of a table of clients (nbd.py's, rbd.py's, whose parameters'
+    names start with `prefix`): `head` and its rule, then per job its rows (client_rows;
+    `summaries`: job: its summary), the lines `ratio_lines(job)` gives, and an empty
+    line."""
+    lines = ruled(head)
+    for job in prm[prefix + "JOBS"]:
+        lines += client_rows(job, prm[prefix + "CLIENTS"], summaries[job], cwidth, iwidth,
+                             cells)
+        lines += ratio_lines(job)
+        lines.append("")
+    return lines
+
+
 def client_rows(job, clients, job_summary, cwidth, iwidth, cells):
     """The rows of one job in a table of clients (nbd.py's, rbd.py's): the job's name on
     its first row, "no successful run" where a client has none, else the client, its
@@ -565,6 +589,13 @@ def guest_meta():
     """What the host's results record of the guest: its kernel, CPUs and fio."""
     return {"kernel": os.uname().release, "cpus": os.cpu_count(),
             "fio": sh(["fio", "--version"]).strip()}
+
+
+def guest_start(args, **meta):
+    """A guest half's start: the plan at `args.plan`, its params, the time it started
+    (monotonic) and the record of the guest, guest_meta() with `meta` added."""
+    plan = read_plan(args.plan)
+    return plan, plan["params"], time.monotonic(), {**guest_meta(), **meta}
 
 
 def check_kernel(prm):

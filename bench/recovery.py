@@ -388,10 +388,8 @@ def run_series(sname, plan, rnd, nkills, first_kill, total):
 
 
 def guest(args):
-    plan = L.read_plan(args.plan)
-    prm = plan["params"]
-    t_start = time.monotonic()
-    emit(META, L.guest_meta())
+    plan, prm, t_start, meta = L.guest_start(args)
+    emit(META, meta)
     L.check_kernel(prm)
     if prm.get("RECOVERY_RCU_EXPEDITED"):
         with open("/sys/kernel/rcu_expedited", "w") as f:
@@ -413,4 +411,4 @@ def guest(args):
 
 if __name__ == "__main__":
     cli.main("bench/run recovery", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
-             "(inside the VM) run the series of a plan", "re-print the table of a results dir")
+             "series")

@@ -445,4 +445,4 @@ def guest(args):
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     cli.main("bench/run scale", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
-             "(inside the VM) run the counts of a plan", "re-print the table of a results dir")
+             "counts")
