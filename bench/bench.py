@@ -106,12 +106,9 @@ def host(args):
     prm["SERVERS"] = servers
     log(f"peers ready after {time.monotonic() - hr.t0:.0f} s")
 
-    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
-    timeout = int(1.6 * est + 180)
-    log(f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
-        f"~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "bench.py", timeout, prm["VM_MEM_MB"],
+    what = f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
+    hr.run_and_finish(prm, "bench.py", what, est, int(1.6 * est + 180), prm["VM_MEM_MB"],
                       (REC, META, DONE), (summarize, table, svg_plot), "latest",
                       "runs it recorded", "runs")
 

@@ -157,10 +157,14 @@ class HostRun:
                "python3", "-u", os.path.join(HERE, script), "guest", plan_path]
         return run_guest(cmd, self.outdir, markers)
 
-    def run_and_finish(self, prm, plan_path, script, timeout, mem_mb, markers, outputs,
+    def run_and_finish(self, prm, script, what, est, timeout, mem_mb, markers, outputs,
                        latest, recorded, failed):
-        """run_vm, then finish with `outputs` = (summarize, render_table, render_plot);
-        exits 1 if any record failed (`failed` names them in the message)."""
+        """Writes the plan, logs `what` the VM will run (the line's start; the rest is
+        the time: `est` s, the VM's `timeout`) and runs it (run_vm), then finishes with
+        `outputs` = (summarize, render_table, render_plot); exits 1 if any record
+        failed (`failed` names them in the message)."""
+        plan_path = self.write_plan(prm)
+        log(f"{what}~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {self.outdir}")
         vm = self.run_vm(script, plan_path, timeout, mem_mb, markers)
         bad = self.finish(prm, vm, *outputs, latest, recorded)
         if bad:

@@ -91,14 +91,11 @@ def host(args):
     L.need_tools((("nbdkit", "nbdkit"), ("nbd-client", "nbd-client")))
     prm = effective_params(args)
     hr = L.HostRun(args, prm["CACHE_DIR"], suffix="-nbd")
-    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
-    timeout = int(1.6 * est + 180)
-    log(f"{prm['NBD_ROUNDS']} rounds x {len(prm['NBD_CLIENTS'])} clients x "
-        f"{len(prm['NBD_JOBS'])} jobs, restart phase for "
-        f"{', '.join(prm['NBD_RESTART_CLIENTS']) or 'none'}; ~{est / 60:.0f} min in the VM "
-        f"(timeout {timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "nbd.py", timeout, prm["NBD_VM_MEM_MB"],
+    what = (f"{prm['NBD_ROUNDS']} rounds x {len(prm['NBD_CLIENTS'])} clients x "
+            f"{len(prm['NBD_JOBS'])} jobs, restart phase for "
+            f"{', '.join(prm['NBD_RESTART_CLIENTS']) or 'none'}; ")
+    hr.run_and_finish(prm, "nbd.py", what, est, int(1.6 * est + 180), prm["NBD_VM_MEM_MB"],
                       (REC, META, DONE), (summarize, table, None), "latest-nbd",
                       "records it got", "runs or restarts")
 

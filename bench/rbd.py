@@ -75,15 +75,12 @@ def host(args):
                   ("rbd-nbd", "rbd-nbd"), ("nbd-client", "nbd-client")))
     prm = effective_params(args)
     hr = L.HostRun(args, P.CACHE_DIR, suffix="-rbd")
-    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
-    timeout = int(1.6 * est + 300)
-    log(f"{prm['RBD_ROUNDS']} rounds x {len(prm['RBD_CLIENTS'])} clients x "
-        f"{len(prm['RBD_JOBS'])} jobs, fault phase: "
-        + ("; ".join(f"{f} for {', '.join(c)}" for f, c in prm["RBD_FAULTS"].items())
-           if prm["RBD_FAULT_ROUNDS"] else "none")
-        + f"; ~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "rbd.py", timeout, prm["RBD_VM_MEM_MB"],
+    faults = ("; ".join(f"{f} for {', '.join(c)}" for f, c in prm["RBD_FAULTS"].items())
+              if prm["RBD_FAULT_ROUNDS"] else "none")
+    what = (f"{prm['RBD_ROUNDS']} rounds x {len(prm['RBD_CLIENTS'])} clients x "
+            f"{len(prm['RBD_JOBS'])} jobs, fault phase: {faults}; ")
+    hr.run_and_finish(prm, "rbd.py", what, est, int(1.6 * est + 300), prm["RBD_VM_MEM_MB"],
                       (REC, META, DONE), (summarize, table, None), "latest-rbd",
                       "records it got", "runs or faults")
 

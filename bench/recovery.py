@@ -113,13 +113,10 @@ def host(args):
             prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"]
                                        if not s.startswith("kublk")]
 
-    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
-    timeout = int(2 * est + 180)
-    log(f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
-        f"{prm['RECOVERY_ROUNDS']} rounds, ~{est / 60:.0f} min in the VM (timeout "
-        f"{timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "recovery.py", timeout, prm["VM_MEM_MB"],
+    what = (f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
+            f"{prm['RECOVERY_ROUNDS']} rounds, ")
+    hr.run_and_finish(prm, "recovery.py", what, est, int(2 * est + 180), prm["VM_MEM_MB"],
                       (REC, META, DONE), (summarize, table, None), "latest-recovery",
                       "records it got", "kills or series")
 
