@@ -89,7 +89,7 @@ def build_baseline(rev):
 def host(args):
     L.need_root()
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"])
+    hr = L.HostRun(args, prm["CACHE_DIR"], "bench.py", (REC, META, DONE))
     if args.baseline:
         hr.paths["ublkd-base"], hr.versions["ublkd-base"] = build_baseline(args.baseline)
         prm["SERVERS"] = prm["SERVERS"] + ["ublkd-base"]
@@ -108,9 +108,8 @@ def host(args):
 
     est = estimate_s(prm)
     what = f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
-    hr.run_and_finish(prm, "bench.py", what, est, int(1.6 * est + 180), prm["VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, svg_plot), "latest",
-                      "runs it recorded", "runs")
+    hr.run_and_finish(prm, what, est, int(1.6 * est + 180), prm["VM_MEM_MB"],
+                      (summarize, table, svg_plot), "runs it recorded", "runs")
 
 
 # ======================================================================================

@@ -90,14 +90,13 @@ def host(args):
     L.need_root()
     L.need_tools((("nbdkit", "nbdkit"), ("nbd-client", "nbd-client")))
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"], suffix="-nbd")
+    hr = L.HostRun(args, prm["CACHE_DIR"], "nbd.py", (REC, META, DONE), suffix="-nbd")
     est = estimate_s(prm)
     what = (f"{prm['NBD_ROUNDS']} rounds x {len(prm['NBD_CLIENTS'])} clients x "
             f"{len(prm['NBD_JOBS'])} jobs, restart phase for "
             f"{', '.join(prm['NBD_RESTART_CLIENTS']) or 'none'}; ")
-    hr.run_and_finish(prm, "nbd.py", what, est, int(1.6 * est + 180), prm["NBD_VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-nbd",
-                      "records it got", "runs or restarts")
+    hr.run_and_finish(prm, what, est, int(1.6 * est + 180), prm["NBD_VM_MEM_MB"],
+                      (summarize, table, None), "records it got", "runs or restarts")
 
 
 # ======================================================================================

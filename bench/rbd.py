@@ -74,15 +74,14 @@ def host(args):
     L.need_tools((("ceph-osd", "ceph-osd"), ("ceph-mon", "ceph-mon"), ("rbd", "ceph-common"),
                   ("rbd-nbd", "rbd-nbd"), ("nbd-client", "nbd-client")))
     prm = effective_params(args)
-    hr = L.HostRun(args, P.CACHE_DIR, suffix="-rbd")
+    hr = L.HostRun(args, P.CACHE_DIR, "rbd.py", (REC, META, DONE), suffix="-rbd")
     est = estimate_s(prm)
     faults = ("; ".join(f"{f} for {', '.join(c)}" for f, c in prm["RBD_FAULTS"].items())
               if prm["RBD_FAULT_ROUNDS"] else "none")
     what = (f"{prm['RBD_ROUNDS']} rounds x {len(prm['RBD_CLIENTS'])} clients x "
             f"{len(prm['RBD_JOBS'])} jobs, fault phase: {faults}; ")
-    hr.run_and_finish(prm, "rbd.py", what, est, int(1.6 * est + 300), prm["RBD_VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-rbd",
-                      "records it got", "runs or faults")
+    hr.run_and_finish(prm, what, est, int(1.6 * est + 300), prm["RBD_VM_MEM_MB"],
+                      (summarize, table, None), "records it got", "runs or faults")
 
 
 # ======================================================================================

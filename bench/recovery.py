@@ -107,7 +107,7 @@ def estimate_s(prm):
 def host(args):
     L.need_root()
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"], prefix="recovery-")
+    hr = L.HostRun(args, prm["CACHE_DIR"], "recovery.py", (REC, META, DONE), prefix="recovery-")
     if any(s.startswith("kublk") for s in prm["RECOVERY_SERVERS"]):
         if not hr.build_peer("kublk", builds.build_kublk, args.rebuild_peers):
             prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"]
@@ -116,9 +116,8 @@ def host(args):
     est = estimate_s(prm)
     what = (f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
             f"{prm['RECOVERY_ROUNDS']} rounds, ")
-    hr.run_and_finish(prm, "recovery.py", what, est, int(2 * est + 180), prm["VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-recovery",
-                      "records it got", "kills or series")
+    hr.run_and_finish(prm, what, est, int(2 * est + 180), prm["VM_MEM_MB"],
+                      (summarize, table, None), "records it got", "kills or series")
 
 
 # ======================================================================================

@@ -63,13 +63,12 @@ def effective_params(args):
 def host(args):
     L.need_root()
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"], prefix="scale-")
+    hr = L.HostRun(args, prm["CACHE_DIR"], "scale.py", (REC, META, DONE), prefix="scale-")
     # ~0.5-1 s per add and ~0.2 s per delete under TCG, plus the fixed parts.
     est = sum(1.2 * n + 120 for n in prm["SCALE_COUNTS"])
     timeout = int(2 * est + 300) if not args.timeout else args.timeout
-    hr.run_and_finish(prm, "scale.py", f"counts {prm['SCALE_COUNTS']}, ", est, timeout,
-                      prm["SCALE_VM_MEM_MB"], (REC, META, DONE), (summarize, table, None),
-                      "latest-scale", "counts it got", "counts")
+    hr.run_and_finish(prm, f"counts {prm['SCALE_COUNTS']}, ", est, timeout,
+                      prm["SCALE_VM_MEM_MB"], (summarize, table, None), "counts it got", "counts")
 
 
 def summarize(results):
