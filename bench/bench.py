@@ -280,11 +280,8 @@ def guest(args):
                 srv.start()
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {sname}: start failed: {e}")
-                for job in jobs:
-                    if runs_job(prm, sname, job):
-                        count += 1
-                        emit(REC, {"round": rnd + 1, "server": sname, "job": job,
-                                   "error": f"start: {e}"})
+                count += L.fail_jobs(REC, {"round": rnd + 1, "server": sname},
+                                     [j for j in jobs if runs_job(prm, sname, j)], f"start: {e}")
                 continue
             for target in targets:
                 tjobs = [j for j, s in jobs.items() if s[0] == target

@@ -589,6 +589,15 @@ def emit(marker, obj):
     print(marker + json.dumps(obj, separators=(",", ":")), flush=True)
 
 
+def fail_jobs(marker, base, jobs, error):
+    """Emits a failed record for each of `jobs` that could not run (`base` with the
+    job and `error`: the server did not start, the device did not attach) and returns
+    how many, for the count of runs."""
+    for job in jobs:
+        emit(marker, {**base, "job": job, "error": error})
+    return len(jobs)
+
+
 def read_plan(path):
     with open(path) as f:
         return json.load(f)
