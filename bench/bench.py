@@ -34,11 +34,8 @@ REC, META, DONE = L.markers("BENCH")
 
 # the flags of `host` (cli.py: the shared ones)
 HOST_ARGS = {
-    "--quick": cli.flag("smoke check: 2 rounds, 2 s runs, 3 jobs (~5 min)"),
-    "--rounds": cli.override("ROUNDS"),
-    "--runtime": cli.override("RUNTIME_S", "seconds per fio run"),
-    "--servers": cli.subset(P.SERVERS),
-    "--jobs": {"help": "comma-separated subset of the jobs in params.py"},
+    **cli.run_args("", "2 rounds, 2 s runs, 3 jobs (~5 min)", "--servers", P.SERVERS,
+                   {"help": "comma-separated subset of the jobs in params.py"}),
     "--out": cli.OUT,
     "--baseline": {"metavar": "REV",
                    "help": "also run ublkd built at git revision REV (as ublkd-base), "
@@ -92,7 +89,7 @@ def build_baseline(rev):
 def host(args):
     L.need_root()
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"])
+    hr = L.HostRun(args, prm["CACHE_DIR"], "bench.py", (REC, META, DONE))
     if args.baseline:
         hr.paths["ublkd-base"], hr.versions["ublkd-base"] = build_baseline(args.baseline)
         prm["SERVERS"] = prm["SERVERS"] + ["ublkd-base"]
@@ -109,14 +106,10 @@ def host(args):
     prm["SERVERS"] = servers
     log(f"peers ready after {time.monotonic() - hr.t0:.0f} s")
 
-    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
-    timeout = int(1.6 * est + 180)
-    log(f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
-        f"~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "bench.py", timeout, prm["VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, svg_plot), "latest",
-                      "runs it recorded", "runs")
+    what = f"{prm['ROUNDS']} rounds x {len(servers)} servers x {len(prm['JOBS'])} jobs, "
+    hr.run_and_finish(prm, what, est, int(1.6 * est + 180), prm["VM_MEM_MB"],
+                      (summarize, table, svg_plot), "runs it recorded", "runs")
 
 
 # ======================================================================================
@@ -265,10 +258,8 @@ def make_server(name, plan):
 
 
 def guest(args):
-    plan = L.read_plan(args.plan)
-    prm = plan["params"]
-    t_start = time.monotonic()
-    emit(META, {**L.guest_meta(), "versions": {}})
+    plan, prm, t_start, meta = L.guest_start(args, versions={})
+    emit(META, meta)
     L.check_kernel(prm)
 
     jobs = prm["JOBS"]
@@ -289,11 +280,8 @@ def guest(args):
                 srv.start()
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {sname}: start failed: {e}")
-                for job in jobs:
-                    if runs_job(prm, sname, job):
-                        count += 1
-                        emit(REC, {"round": rnd + 1, "server": sname, "job": job,
-                                   "error": f"start: {e}"})
+                count += L.fail_jobs(REC, {"round": rnd + 1, "server": sname},
+                                     [j for j in jobs if runs_job(prm, sname, j)], f"start: {e}")
                 continue
             for target in targets:
                 tjobs = [j for j, s in jobs.items() if s[0] == target
@@ -358,5 +346,4 @@ def guest(args):
 
 if __name__ == "__main__":
     cli.main("bench/run", __doc__, HOST_ARGS, host, guest, (summarize, table, svg_plot),
-             "(inside the VM) run the rounds of a plan",
-             "re-render the table and plot of a results dir")
+             "rounds")

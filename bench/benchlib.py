@@ -74,6 +74,16 @@ def need_root():
         die("needs root (the VM harness, apt-get download, the cache dir)")
 
 
+def need_tools(tools):
+    """Dies unless every (tool, package) of `tools` is installed on the host: the guest
+    runs the host's."""
+    for tool, pkg in tools:
+        if not any(os.access(os.path.join(d, tool), os.X_OK)
+                   for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin")):
+            die(f"{tool} is not installed (the guest runs the host's): apt-get install {pkg}, "
+                f"or tests/vm/install-host-deps.sh")
+
+
 def apply_kernel(prm, kernel, servers_key, chosen):
     """Fits `prm` to `kernel`: on 6.12 the KERNEL_6_12 lists replace the default ones
     (the server list `servers_key` only if `chosen`, the --servers list, is None);
@@ -94,9 +104,15 @@ class HostRun:
     """One run on the host: its results dir, ublkd and the peers built, the plan, the
     VM and its records, the outputs."""
 
-    def __init__(self, args, cache, prefix="", suffix=""):
+    def __init__(self, args, cache, script, markers, prefix="", suffix=""):
         """Creates bench/results/<prefix><date><suffix>/ (or under --out) and the peer
-        cache, and builds ublkd."""
+        cache, and builds ublkd. `script` (bench.py, nbd.py, ...) is what the VM runs,
+        its guest half, whose records come with `markers` (REC, META, DONE). The
+        newest results are linked as results/latest, or latest-KIND where the prefix or
+        suffix names a KIND (recovery-, -nbd)."""
+        self.script, self.markers = script, markers
+        kind = (prefix + suffix).strip("-")
+        self.latest = f"latest-{kind}" if kind else "latest"
         self.stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         parent = os.path.abspath(args.out or os.path.join(HERE, "results"))
         self.outdir = os.path.join(parent, prefix + self.stamp + suffix)
@@ -139,28 +155,31 @@ class HostRun:
             json.dump(plan, f, indent=1)
         return plan_path
 
-    def run_vm(self, script, plan_path, timeout, mem_mb, markers):
-        """Boots the test VM running `script guest PLAN`; returns run_guest's answer."""
+    def run_vm(self, plan_path, timeout, mem_mb):
+        """Boots the test VM running `SCRIPT guest PLAN`; returns run_guest's answer."""
         kernel = ["--kernel", P.KERNELS[self.kernel]] if self.kernel else []
         cmd = [os.path.join(REPO, "tests", "vm", "run"), "--timeout", str(timeout),
                "--mem", str(mem_mb), *kernel, "--",
-               "python3", "-u", os.path.join(HERE, script), "guest", plan_path]
-        return run_guest(cmd, self.outdir, markers)
+               "python3", "-u", os.path.join(HERE, self.script), "guest", plan_path]
+        return run_guest(cmd, self.outdir, self.markers)
 
-    def run_and_finish(self, prm, plan_path, script, timeout, mem_mb, markers, outputs,
-                       latest, recorded, failed):
-        """run_vm, then finish with `outputs` = (summarize, render_table, render_plot);
-        exits 1 if any record failed (`failed` names them in the message)."""
-        vm = self.run_vm(script, plan_path, timeout, mem_mb, markers)
-        bad = self.finish(prm, vm, *outputs, latest, recorded)
+    def run_and_finish(self, prm, what, est, timeout, mem_mb, outputs, recorded, failed):
+        """Writes the plan, logs `what` the VM will run (the line's start; the rest is
+        the time: `est` s, the VM's `timeout`) and runs it (run_vm), then finishes with
+        `outputs` = (summarize, render_table, render_plot); exits 1 if any record
+        failed (`failed` names them in the message)."""
+        plan_path = self.write_plan(prm)
+        log(f"{what}~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {self.outdir}")
+        vm = self.run_vm(plan_path, timeout, mem_mb)
+        bad = self.finish(prm, vm, *outputs, recorded)
         if bad:
             print(f"bench: {len(bad)} of {len(vm[0])} {failed} failed; see results.json",
                   flush=True)
             sys.exit(1)
 
-    def finish(self, prm, vm, summarize, render_table, render_plot, latest, recorded):
+    def finish(self, prm, vm, summarize, render_table, render_plot, recorded):
         """Writes the outputs from the VM's records (`vm`: run_vm's answer), points
-        results/<latest> at them, and dies if the VM did not finish (`recorded` names
+        results/latest(-KIND) at them, and dies if the VM did not finish (`recorded` names
         what the table then holds). Returns the records that failed."""
         records, meta, rc, done = vm
         results = {"meta": {**meta, "date": self.stamp,
@@ -170,7 +189,7 @@ class HostRun:
                    "peer_errors": self.peer_errors, "records": records}
         results["summary"] = summarize(results)
         write_outputs(results, self.outdir, render_table, render_plot)
-        link_latest(self.outdir, latest)
+        link_latest(self.outdir, self.latest)
         if not done or rc != 0:
             die(f"the VM run did not finish (exit {rc}; see {self.outdir}/console.log); "
                 f"the table above holds the {len(records)} {recorded}", 1)
@@ -360,6 +379,20 @@ def fms(v):
 def ruled(head):
     """A table's first lines: its head and a rule as long."""
     return [head, "-" * len(head)]
+
+
+def client_table(head, prm, prefix, summaries, cwidth, iwidth, cells, ratio_lines):
+    """The throughput part of a table of clients (nbd.py's, rbd.py's, whose parameters'
+    names start with `prefix`): `head` and its rule, then per job its rows (client_rows;
+    `summaries`: job: its summary), the lines `ratio_lines(job)` gives, and an empty
+    line."""
+    lines = ruled(head)
+    for job in prm[prefix + "JOBS"]:
+        lines += client_rows(job, prm[prefix + "CLIENTS"], summaries[job], cwidth, iwidth,
+                             cells)
+        lines += ratio_lines(job)
+        lines.append("")
+    return lines
 
 
 def client_rows(job, clients, job_summary, cwidth, iwidth, cells):
@@ -556,6 +589,15 @@ def emit(marker, obj):
     print(marker + json.dumps(obj, separators=(",", ":")), flush=True)
 
 
+def fail_jobs(marker, base, jobs, error):
+    """Emits a failed record for each of `jobs` that could not run (`base` with the
+    job and `error`: the server did not start, the device did not attach) and returns
+    how many, for the count of runs."""
+    for job in jobs:
+        emit(marker, {**base, "job": job, "error": error})
+    return len(jobs)
+
+
 def read_plan(path):
     with open(path) as f:
         return json.load(f)
@@ -565,6 +607,13 @@ def guest_meta():
     """What the host's results record of the guest: its kernel, CPUs and fio."""
     return {"kernel": os.uname().release, "cpus": os.cpu_count(),
             "fio": sh(["fio", "--version"]).strip()}
+
+
+def guest_start(args, **meta):
+    """A guest half's start: the plan at `args.plan`, its params, the time it started
+    (monotonic) and the record of the guest, guest_meta() with `meta` added."""
+    plan = read_plan(args.plan)
+    return plan, plan["params"], time.monotonic(), {**guest_meta(), **meta}
 
 
 def check_kernel(prm):

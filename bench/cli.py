@@ -32,8 +32,22 @@ def subset(names):
     return {"help": "comma-separated subset of " + ",".join(names)}
 
 
+def run_args(prefix, quick, names_flag, names, jobs=None):
+    """The flags that run_flags applies, for bench.py, nbd.py and rbd.py (whose parameters'
+    names start with `prefix`): --quick (`quick` says what it runs), --rounds, --runtime,
+    `names_flag` (--servers or --clients) for a subset of `names`, and --jobs (`jobs`: its
+    add_argument keywords; by default a subset of the {prefix}JOBS)."""
+    return {
+        "--quick": flag(f"smoke check: {quick}"),
+        "--rounds": override(prefix + "ROUNDS"),
+        "--runtime": override(prefix + "RUNTIME_S", "seconds per fio run"),
+        names_flag: subset(names),
+        "--jobs": jobs or subset(getattr(P, prefix + "JOBS")),
+    }
+
+
 def run_flags(prm, args, prefix):
-    """Applies to `prm` the flags of bench.py and nbd.py (whose parameters' names start
+    """Applies to `prm` the flags of bench.py, nbd.py and rbd.py (whose parameters' names start
     with `prefix`) that shape their fio runs: --quick (the {prefix}QUICK set), --rounds,
     --runtime and --jobs; the job list becomes a dict, name: spec."""
     jobs = getattr(P, prefix + "JOBS")
@@ -60,11 +74,14 @@ def pick(csv, known, what):
     return names
 
 
-def main(prog, doc, host_args, host, guest, outputs, guest_help, report_help):
+def main(prog, doc, host_args, host, guest, outputs, guest_runs):
     """Parses the command line and runs `host(args)`, `guest(args)` or, for `report`,
     benchlib.report with `outputs` = (summarize, render_table, render_plot or None).
-    `host_args`: the host's flags (see above); a command line without a command is
-    the host's."""
+    `host_args`: the host's flags (see above); `guest_runs`: what the guest runs of a
+    plan, for --help; a command line without a command is the host's."""
+    guest_help = f"(inside the VM) run the {guest_runs} of a plan"
+    report_help = ("re-render the table and plot of a results dir" if outputs[2]
+                   else "re-print the table of a results dir")
     ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd")

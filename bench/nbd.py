@@ -23,7 +23,6 @@ guest's phases are in bench/nbdphases.py, the clients in bench/nbdclient.py, nbd
 in bench/servers.py.
 """
 
-import os
 import time
 
 import benchlib as L
@@ -42,11 +41,8 @@ CLIENTS = ("kernel-nbd", "ublkd", "ublkd-zc", "kernel-nbd-c2")
 
 # the flags of `host` (cli.py: the shared ones)
 HOST_ARGS = {
-    "--quick": cli.flag("smoke check: 2 rounds, 2 s runs, 2 jobs, and the restart phase"),
-    "--rounds": cli.override("NBD_ROUNDS"),
-    "--runtime": cli.override("NBD_RUNTIME_S", "seconds per fio run"),
-    "--clients": cli.subset(CLIENTS),
-    "--jobs": cli.subset(P.NBD_JOBS),
+    **cli.run_args("NBD_", "2 rounds, 2 s runs, 2 jobs, and the restart phase", "--clients",
+                   CLIENTS),
     "--queues": cli.override("NBD_QUEUES", "ublkd -q"),
     "--threads": cli.override("NBD_THREADS", "ublkd --threads: one connection per thread "
                               "where the export allows multi-conn; compare 2 with kernel-nbd-c2"),
@@ -92,23 +88,15 @@ def estimate_s(prm):
 
 def host(args):
     L.need_root()
-    for tool, pkg in (("nbdkit", "nbdkit"), ("nbd-client", "nbd-client")):
-        if not any(os.access(os.path.join(d, tool), os.X_OK)
-                   for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin")):
-            die(f"{tool} is not installed (the guest runs the host's): apt-get install {pkg}, "
-                f"or tests/vm/install-host-deps.sh")
+    L.need_tools((("nbdkit", "nbdkit"), ("nbd-client", "nbd-client")))
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"], suffix="-nbd")
-    plan_path = hr.write_plan(prm)
+    hr = L.HostRun(args, prm["CACHE_DIR"], "nbd.py", (REC, META, DONE), suffix="-nbd")
     est = estimate_s(prm)
-    timeout = int(1.6 * est + 180)
-    log(f"{prm['NBD_ROUNDS']} rounds x {len(prm['NBD_CLIENTS'])} clients x "
-        f"{len(prm['NBD_JOBS'])} jobs, restart phase for "
-        f"{', '.join(prm['NBD_RESTART_CLIENTS']) or 'none'}; ~{est / 60:.0f} min in the VM "
-        f"(timeout {timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "nbd.py", timeout, prm["NBD_VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-nbd",
-                      "records it got", "runs or restarts")
+    what = (f"{prm['NBD_ROUNDS']} rounds x {len(prm['NBD_CLIENTS'])} clients x "
+            f"{len(prm['NBD_JOBS'])} jobs, restart phase for "
+            f"{', '.join(prm['NBD_RESTART_CLIENTS']) or 'none'}; ")
+    hr.run_and_finish(prm, what, est, int(1.6 * est + 180), prm["NBD_VM_MEM_MB"],
+                      (summarize, table, None), "records it got", "runs or restarts")
 
 
 # ======================================================================================
@@ -183,33 +171,35 @@ def nbd_cells(c, s, med):
             f"{med('sys_cpu_us_per_io'):>11} {s['iops']['n']:>3} {s.get('busy_runs', 0):>4}")
 
 
+HEAD = (f"{'job':<18} {'client':<14} {'IOPS median [min-max]':<24} {'p50 us':>7} "
+        f"{'p99 us':>7}  {'nbdkit us/IO':>12} {'ublkd us/IO':>11} {'guest us/IO':>11} "
+        f"{'n':>3} {'busy':>4}")
+
+
 def table(results):
     prm, summ = results["params"], results["summary"]
     m = results["meta"]
     base = prm["NBD_RATIO_BASELINE"]
     lines = []
+
+    def ratio_lines(job):
+        out, js = [], summ["jobs"][job]
+        for c in ublkd_clients(prm["NBD_CLIENTS"]):
+            r = js.get("ratios", {"ublkd": js.get("ratio")}).get(c)
+            if r:
+                def x(k, r=r):
+                    return f"x{r[k]:.2f}" if k in r else "-"
+                out.append(f"{'':<18} {c + '/' + base:<14} {x('iops'):<24} "
+                           f"{x('p50_us'):>7} {x('p99_us'):>7}  "
+                           f"{x('nbdkit_us_per_io'):>12} {'':>11} "
+                           f"{x('sys_cpu_us_per_io'):>11}")
+            sp = js.get("spreads", {"ublkd": js.get("spread")}).get(c) or {}
+            cells = [f"{k} {L.fmt_ratio(sp[k])}" for k in SPREAD_METRICS if sp.get(k)]
+            if cells:
+                out.append(f"{'':<18} {c} per round: " + "; ".join(cells))
+        return out
     if prm["NBD_ROUNDS"]:
-        lines += L.ruled(f"{'job':<18} {'client':<14} {'IOPS median [min-max]':<24} "
-                         f"{'p50 us':>7} {'p99 us':>7}  {'nbdkit us/IO':>12} "
-                         f"{'ublkd us/IO':>11} {'guest us/IO':>11} {'n':>3} {'busy':>4}")
-        for job in prm["NBD_JOBS"]:
-            lines += L.client_rows(job, prm["NBD_CLIENTS"], summ["jobs"][job], 14, 24,
-                                   nbd_cells)
-            js = summ["jobs"][job]
-            for c in ublkd_clients(prm["NBD_CLIENTS"]):
-                r = js.get("ratios", {"ublkd": js.get("ratio")}).get(c)
-                if r:
-                    def x(k, r=r):
-                        return f"x{r[k]:.2f}" if k in r else "-"
-                    lines.append(f"{'':<18} {c + '/' + base:<14} {x('iops'):<24} "
-                                 f"{x('p50_us'):>7} {x('p99_us'):>7}  "
-                                 f"{x('nbdkit_us_per_io'):>12} {'':>11} "
-                                 f"{x('sys_cpu_us_per_io'):>11}")
-                sp = js.get("spreads", {"ublkd": js.get("spread")}).get(c) or {}
-                cells = [f"{k} {L.fmt_ratio(sp[k])}" for k in SPREAD_METRICS if sp.get(k)]
-                if cells:
-                    lines.append(f"{'':<18} {c} per round: " + "; ".join(cells))
-            lines.append("")
+        lines += L.client_table(HEAD, prm, "NBD_", summ["jobs"], 14, 24, nbd_cells, ratio_lines)
         qlines = []
         for job in prm["NBD_JOBS"]:
             qj = summ["jobs"][job].get("quiet", {})
@@ -311,10 +301,7 @@ def table(results):
 # ======================================================================================
 
 def guest(args):
-    plan = L.read_plan(args.plan)
-    prm = plan["params"]
-    t_start = time.monotonic()
-    meta = {**L.guest_meta(), "skipped": {}}
+    plan, prm, t_start, meta = L.guest_start(args, skipped={})
     meta["nbdkit"] = sh(["nbdkit", "--version"]).strip().splitlines()[0]
     try:
         meta["nbd_client"] = sh(["nbd-client", "-V"]).strip().splitlines()[0]
@@ -346,4 +333,4 @@ def guest(args):
 
 if __name__ == "__main__":
     cli.main("bench/run nbd", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
-             "(inside the VM) run the phases of a plan", "re-print the table of a results dir")
+             "phases")

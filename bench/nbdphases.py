@@ -78,9 +78,7 @@ def throughput(plan, meta):
                 attached[cname] = (cl, dev)
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {cname}: attach failed: {e}")
-                for job in jobs:
-                    count += 1
-                    emit(REC, {**base, "kind": "run", "job": job, "error": f"attach: {e}"})
+                count += L.fail_jobs(REC, {**base, "kind": "run"}, jobs, f"attach: {e}")
         for ji, (job, spec) in enumerate(jobs.items()):
             for cname in L.rotated(order, ji):
                 if cname not in attached:

@@ -77,6 +77,19 @@ JOBS = {
     "loop-seqread-128k-qd16": ("loop", "read", "128k", 16, 1),
 }
 
+
+def _named_jobs(target, *names):
+    """The NBD and RBD benchmarks' jobs, one fio job each over the whole device, as JOBS
+    has them: each name reads RW-BS-qdN (RW: randread, randwrite, or seqread and
+    seqwrite for fio's read and write) and gives (target, rw, BS, N, 1)."""
+    jobs = {}
+    for name in names:
+        rw, bs, qd = name.split("-")
+        jobs[name] = (target, {"seqread": "read", "seqwrite": "write"}.get(rw, rw), bs,
+                      int(qd[len("qd"):]), 1)
+    return jobs
+
+
 # ---- --quick: a smoke check of the whole pipeline in a few minutes --------------------
 QUICK = {
     "ROUNDS": 2,
@@ -156,13 +169,8 @@ NBD_THREADS = 1                             # ublkd --threads: its connections, 
 NBD_QUEUE_DEPTH = 128                       # ublkd -d (the kernel's client's default is 128)
 NBD_NBDS_MAX = 32                           # insmod nbd.ko nbds_max=: each attach takes a fresh /dev/nbdN
 # name: (target, rw, block size, iodepth, numjobs) as in JOBS; "nbd": the whole device
-NBD_JOBS = {
-    "randread-4k-qd1":   ("nbd", "randread", "4k", 1, 1),
-    "randread-4k-qd32":  ("nbd", "randread", "4k", 32, 1),
-    "randwrite-4k-qd32": ("nbd", "randwrite", "4k", 32, 1),
-    "seqread-128k-qd8":  ("nbd", "read", "128k", 8, 1),
-    "seqwrite-128k-qd8": ("nbd", "write", "128k", 8, 1),
-}
+NBD_JOBS = _named_jobs("nbd", "randread-4k-qd1", "randread-4k-qd32", "randwrite-4k-qd32",
+                       "seqread-128k-qd8", "seqwrite-128k-qd8")
 NBD_OVERHEAD_PER_RUN_S = 4.5                # for the estimate, as OVERHEAD_PER_RUN_S
 # The restart phase: fio randrw 4k with crc32c verify for NBD_RESTART_RUNTIME_S; after
 # NBD_RESTART_KILL_AFTER_S of I/O nbdkit is SIGKILLed, and NBD_RESTART_DOWN_S later a
@@ -205,14 +213,8 @@ RBD_QUEUE_DEPTH = 128                       # ublkd -d (rbd-nbd's and krbd's def
 RBD_CEPH_DIR = "/run/ublkd-bench-ceph"      # in the guest (tmpfs)
 RBD_OSD_SIZE = "4G"                         # the OSD's sparse block file
 # name: (target, rw, block size, iodepth, numjobs) as in JOBS; the whole device
-RBD_JOBS = {
-    "randread-4k-qd32":  ("rbd", "randread", "4k", 32, 1),
-    "randwrite-4k-qd32": ("rbd", "randwrite", "4k", 32, 1),
-    "randread-4k-qd1":   ("rbd", "randread", "4k", 1, 1),
-    "randwrite-4k-qd1":  ("rbd", "randwrite", "4k", 1, 1),
-    "seqread-128k-qd8":  ("rbd", "read", "128k", 8, 1),
-    "seqwrite-128k-qd8": ("rbd", "write", "128k", 8, 1),
-}
+RBD_JOBS = _named_jobs("rbd", "randread-4k-qd32", "randwrite-4k-qd32", "randread-4k-qd1",
+                       "randwrite-4k-qd1", "seqread-128k-qd8", "seqwrite-128k-qd8")
 RBD_OVERHEAD_PER_RUN_S = 5                  # for the estimate, as OVERHEAD_PER_RUN_S
 # The fault phase: fio randrw 4k qd RBD_FAULT_IODEPTH with crc32c verify for
 # RBD_FAULT_RUNTIME_S on a fresh image; RBD_FAULT_AFTER_S into the I/O, the fault.

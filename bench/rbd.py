@@ -21,13 +21,12 @@ Python 3 standard library only; parameters in bench/params.py (the RBD_* block).
 guest's cluster, clients and phases are in bench/rbdguest.py.
 """
 
-import os
 import time
 
 import benchlib as L
 import cli
 import params as P
-from benchlib import log, die, emit, stats, fms
+from benchlib import log, emit, stats, fms
 from rbdguest import REC, META, DONE, guest_phases
 
 CLIENTS = ("ublkd", "rbd-nbd", "krbd", "rbd-nbd-nocache")
@@ -38,11 +37,8 @@ CLIENTS = ("ublkd", "rbd-nbd", "krbd", "rbd-nbd-nocache")
 # ======================================================================================
 
 HOST_ARGS = {
-    "--quick": cli.flag("smoke check: 1 round, 2 s runs, 2 jobs, and the fault phase"),
-    "--rounds": cli.override("RBD_ROUNDS"),
-    "--runtime": cli.override("RBD_RUNTIME_S", "seconds per fio run"),
-    "--clients": cli.subset(CLIENTS),
-    "--jobs": cli.subset(P.RBD_JOBS),
+    **cli.run_args("RBD_", "1 round, 2 s runs, 2 jobs, and the fault phase", "--clients",
+                   CLIENTS),
     "--no-faults": cli.flag("skip the fault phase"),
     "--no-throughput": cli.flag("only the fault phase"),
     "--out": cli.OUT,
@@ -75,25 +71,17 @@ def estimate_s(prm):
 
 def host(args):
     L.need_root()
-    for tool, pkg in (("ceph-osd", "ceph-osd"), ("ceph-mon", "ceph-mon"), ("rbd", "ceph-common"),
-                      ("rbd-nbd", "rbd-nbd"), ("nbd-client", "nbd-client")):
-        if not any(os.access(os.path.join(d, tool), os.X_OK)
-                   for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin")):
-            die(f"{tool} is not installed (the guest runs the host's): apt-get install {pkg}, "
-                f"or tests/vm/install-host-deps.sh")
+    L.need_tools((("ceph-osd", "ceph-osd"), ("ceph-mon", "ceph-mon"), ("rbd", "ceph-common"),
+                  ("rbd-nbd", "rbd-nbd"), ("nbd-client", "nbd-client")))
     prm = effective_params(args)
-    hr = L.HostRun(args, P.CACHE_DIR, suffix="-rbd")
-    plan_path = hr.write_plan(prm)
+    hr = L.HostRun(args, P.CACHE_DIR, "rbd.py", (REC, META, DONE), suffix="-rbd")
     est = estimate_s(prm)
-    timeout = int(1.6 * est + 300)
-    log(f"{prm['RBD_ROUNDS']} rounds x {len(prm['RBD_CLIENTS'])} clients x "
-        f"{len(prm['RBD_JOBS'])} jobs, fault phase: "
-        + ("; ".join(f"{f} for {', '.join(c)}" for f, c in prm["RBD_FAULTS"].items())
-           if prm["RBD_FAULT_ROUNDS"] else "none")
-        + f"; ~{est / 60:.0f} min in the VM (timeout {timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "rbd.py", timeout, prm["RBD_VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-rbd",
-                      "records it got", "runs or faults")
+    faults = ("; ".join(f"{f} for {', '.join(c)}" for f, c in prm["RBD_FAULTS"].items())
+              if prm["RBD_FAULT_ROUNDS"] else "none")
+    what = (f"{prm['RBD_ROUNDS']} rounds x {len(prm['RBD_CLIENTS'])} clients x "
+            f"{len(prm['RBD_JOBS'])} jobs, fault phase: {faults}; ")
+    hr.run_and_finish(prm, what, est, int(1.6 * est + 300), prm["RBD_VM_MEM_MB"],
+                      (summarize, table, None), "records it got", "runs or faults")
 
 
 # ======================================================================================
@@ -139,24 +127,28 @@ def rbd_cells(c, s, med):
             f"{s['iops']['n']:>2}")
 
 
+HEAD = (f"{'job':<18} {'client':<15} {'IOPS median [min-max]':<22} {'MiB/s':>6} "
+        f"{'p50 us':>7} {'p99 us':>7} {'OSD us/IO':>9} {'client us/IO':>12} "
+        f"{'guest us/IO':>11} {'n':>2}")
+
+
 def table(results):
     prm, summ, m = results["params"], results["summary"], results["meta"]
     lines = []
-    if prm["RBD_ROUNDS"]:
-        lines += L.ruled(f"{'job':<18} {'client':<15} {'IOPS median [min-max]':<22} "
-                         f"{'MiB/s':>6} {'p50 us':>7} {'p99 us':>7} {'OSD us/IO':>9} "
-                         f"{'client us/IO':>12} {'guest us/IO':>11} {'n':>2}")
-        for job in prm["RBD_JOBS"]:
-            lines += L.client_rows(job, prm["RBD_CLIENTS"], summ["jobs"][job], 15, 22, rbd_cells)
-            for base, r in summ["jobs"][job]["ratio"].items():
-                sp = summ["jobs"][job]["spread"].get(base, {})
 
-                def x(k):
-                    return f"x{r[k]:.2f}" if k in r else "-"
-                lines.append(f"{'':<18} ublkd/{base:<15} IOPS {L.fmt_ratio(sp.get('iops'))}; "
-                             f"p50 {x('p50_us')}, p99 {x('p99_us')}, guest us/IO "
-                             f"{x('sys_cpu_us_per_io')}")
-            lines.append("")
+    def ratio_lines(job):
+        out = []
+        for base, r in summ["jobs"][job]["ratio"].items():
+            sp = summ["jobs"][job]["spread"].get(base, {})
+
+            def x(k, r=r):
+                return f"x{r[k]:.2f}" if k in r else "-"
+            out.append(f"{'':<18} ublkd/{base:<15} IOPS {L.fmt_ratio(sp.get('iops'))}; "
+                       f"p50 {x('p50_us')}, p99 {x('p99_us')}, guest us/IO "
+                       f"{x('sys_cpu_us_per_io')}")
+        return out
+    if prm["RBD_ROUNDS"]:
+        lines += L.client_table(HEAD, prm, "RBD_", summ["jobs"], 15, 22, rbd_cells, ratio_lines)
         att = ", ".join(f"{c} {s['median']:.1f} s" for c, s in summ["attach_s"].items() if s)
         lines.append(f"map/add until the device is there, median: {att}")
         lines.append(
@@ -231,10 +223,7 @@ def table(results):
 # ======================================================================================
 
 def guest(args):
-    plan = L.read_plan(args.plan)
-    prm = plan["params"]
-    t_start = time.monotonic()
-    meta = {**L.guest_meta(), "skipped": {}}
+    plan, prm, t_start, meta = L.guest_start(args, skipped={})
     L.check_kernel(prm)
     try:
         guest_phases(plan, meta)
@@ -248,4 +237,4 @@ def guest(args):
 
 if __name__ == "__main__":
     cli.main("bench/run rbd", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
-             "(inside the VM) run the phases of a plan", "re-print the table of a results dir")
+             "phases")

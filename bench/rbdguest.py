@@ -300,9 +300,7 @@ def throughput(plan, cluster, ublkd, meta):
                     f"attached in {time.monotonic() - t:.1f} s")
             except Exception as e:
                 log(f"round {rnd + 1}/{nrounds} {cname}: attach failed: {e}")
-                for job in jobs:
-                    count += 1
-                    emit(REC, {**base, "kind": "run", "job": job, "error": f"attach: {e}"})
+                count += L.fail_jobs(REC, {**base, "kind": "run"}, jobs, f"attach: {e}")
                 continue
             for job, spec in jobs.items():
                 count += 1

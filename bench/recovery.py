@@ -107,21 +107,17 @@ def estimate_s(prm):
 def host(args):
     L.need_root()
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"], prefix="recovery-")
+    hr = L.HostRun(args, prm["CACHE_DIR"], "recovery.py", (REC, META, DONE), prefix="recovery-")
     if any(s.startswith("kublk") for s in prm["RECOVERY_SERVERS"]):
         if not hr.build_peer("kublk", builds.build_kublk, args.rebuild_peers):
             prm["RECOVERY_SERVERS"] = [s for s in prm["RECOVERY_SERVERS"]
                                        if not s.startswith("kublk")]
 
-    plan_path = hr.write_plan(prm)
     est = estimate_s(prm)
-    timeout = int(2 * est + 180)
-    log(f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
-        f"{prm['RECOVERY_ROUNDS']} rounds, ~{est / 60:.0f} min in the VM (timeout "
-        f"{timeout} s); results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "recovery.py", timeout, prm["VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-recovery",
-                      "records it got", "kills or series")
+    what = (f"{prm['RECOVERY_KILLS']} kills x {len(prm['RECOVERY_SERVERS'])} servers in "
+            f"{prm['RECOVERY_ROUNDS']} rounds, ")
+    hr.run_and_finish(prm, what, est, int(2 * est + 180), prm["VM_MEM_MB"],
+                      (summarize, table, None), "records it got", "kills or series")
 
 
 # ======================================================================================
@@ -388,10 +384,8 @@ def run_series(sname, plan, rnd, nkills, first_kill, total):
 
 
 def guest(args):
-    plan = L.read_plan(args.plan)
-    prm = plan["params"]
-    t_start = time.monotonic()
-    emit(META, L.guest_meta())
+    plan, prm, t_start, meta = L.guest_start(args)
+    emit(META, meta)
     L.check_kernel(prm)
     if prm.get("RECOVERY_RCU_EXPEDITED"):
         with open("/sys/kernel/rcu_expedited", "w") as f:
@@ -413,4 +407,4 @@ def guest(args):
 
 if __name__ == "__main__":
     cli.main("bench/run recovery", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
-             "(inside the VM) run the series of a plan", "re-print the table of a results dir")
+             "series")

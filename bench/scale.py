@@ -63,16 +63,12 @@ def effective_params(args):
 def host(args):
     L.need_root()
     prm = effective_params(args)
-    hr = L.HostRun(args, prm["CACHE_DIR"], prefix="scale-")
-    plan_path = hr.write_plan(prm)
+    hr = L.HostRun(args, prm["CACHE_DIR"], "scale.py", (REC, META, DONE), prefix="scale-")
     # ~0.5-1 s per add and ~0.2 s per delete under TCG, plus the fixed parts.
     est = sum(1.2 * n + 120 for n in prm["SCALE_COUNTS"])
     timeout = int(2 * est + 300) if not args.timeout else args.timeout
-    log(f"counts {prm['SCALE_COUNTS']}, ~{est / 60:.0f} min in the VM (timeout {timeout} s); "
-        f"results: {hr.outdir}")
-    hr.run_and_finish(prm, plan_path, "scale.py", timeout, prm["SCALE_VM_MEM_MB"],
-                      (REC, META, DONE), (summarize, table, None), "latest-scale",
-                      "counts it got", "counts")
+    hr.run_and_finish(prm, f"counts {prm['SCALE_COUNTS']}, ", est, timeout,
+                      prm["SCALE_VM_MEM_MB"], (summarize, table, None), "counts it got", "counts")
 
 
 def summarize(results):
@@ -445,4 +441,4 @@ def guest(args):
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     cli.main("bench/run scale", __doc__, HOST_ARGS, host, guest, (summarize, table, None),
-             "(inside the VM) run the counts of a plan", "re-print the table of a results dir")
+             "counts")

@@ -5,10 +5,10 @@
 //! is a system call and an emulated device access: 4.4 µs there, against the 70-90 µs of
 //! CPU one request costs at queue depth 1. The loop read it twice per request (when the
 //! turn began and when its COMMIT went out); without those reads null devices took 11%
-//! more requests at queue depth 1 (bench/README.md, "The clock"). A request that the
-//! target answers in the turn that fetched it (null, memory, a refused request) spent no
-//! time at the backend and needs no read at all; one that waits is timed from the turn
-//! that fetched it to the turn that finished it.
+//! more requests at queue depth 1 (bench/results/history.md, "The clock"). A request
+//! that the target answers in the turn that fetched it (null, memory, a refused request)
+//! spent no time at the backend and needs no read at all; one that waits is timed from
+//! the turn that fetched it to the turn that finished it.
 
 use std::time::Instant;
 

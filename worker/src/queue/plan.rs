@@ -74,8 +74,8 @@ pub fn allowed_cpus() -> Vec<usize> {
 /// reads and writes (tmpfs and overlayfs files cannot be read without blocking, so
 /// every target I/O goes through io-wq) and the application all compete for the CPUs;
 /// a pinned queue thread (what kublk does with its queue's first CPU) serves loop I/O
-/// markedly faster and null I/O no slower (bench/README.md, "Pinning the queue
-/// thread").
+/// markedly faster and null I/O no slower (bench/results/history.md, "The loop target:
+/// where the time goes", "Pinning the queue thread").
 pub fn pin_to_cpu(cpu: usize) {
     let mut set = CpuSet::new();
     if set.set(cpu).is_ok() {
