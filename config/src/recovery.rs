@@ -53,8 +53,8 @@ pub struct RecoveryConfig {
     pub nbd_handshake_timeout: Duration,
     /// How long a new worker has to stand by, and then to answer its activation
     /// (Ready) once it has the device (`recovery.worker_ready_timeout_secs`, 1..=600
-    /// seconds, default 30): past it the worker is given up, and the device's add,
-    /// recovery or upgrade fails (a recovery's device waits for an operator).
+    /// seconds, default 30): past it the worker is killed, and the device's add,
+    /// upgrade or recovery fails (a recovery's device then waits for an operator).
     pub worker_ready_timeout: Duration,
 }
 
