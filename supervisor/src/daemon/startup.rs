@@ -395,7 +395,6 @@ impl Daemon {
                 self.notifier.extend_timeout(Duration::from_secs(60).max(2 * (handshake + ready)));
                 let data_path = DataPath::for_kernel(self.ctx.kernel_features);
                 let binary = &self.ctx.worker_binary;
-                let handshake = self.ctx.nbd_handshake_timeout;
                 let specs = batch.iter().map(|(_, spec)| *spec);
                 let reached = reach_targets(specs, binary, data_path, handshake);
                 for ((at, spec), reached) in batch.into_iter().zip(reached) {
