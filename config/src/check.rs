@@ -21,8 +21,9 @@ use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRec
 use crate::{
     Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
     DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_METRICS_INTERVAL_SECS,
-    MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES, MAX_THREADS, NbdUri,
-    RbdImage, RbdSpec, RecoveryConfig, TargetSpec, check_ceph_id, parse_size,
+    MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES,
+    MAX_SOCKET_PATH_BYTES, MAX_THREADS, MAX_WORKER_READY_TIMEOUT_SECS, NbdUri, RbdImage, RbdSpec,
+    RecoveryConfig, TargetSpec, check_ceph_id, parse_size,
 };
 
 /// Checks config `text`; `origin` names it in messages. See [`Config::parse`].
@@ -224,6 +225,18 @@ impl Checker<'_> {
             let secs = in_range("nbd_request_timeout_secs", secs.0, 0, u32::MAX)
                 .map_err(|e| self.field(&table, e))?;
             recovery.nbd_request_timeout = (secs > 0).then(|| Duration::from_secs(secs.into()));
+        }
+        if let Some(secs) = raw.nbd_handshake_timeout_secs {
+            let secs =
+                in_range("nbd_handshake_timeout_secs", secs.0, 1, MAX_NBD_HANDSHAKE_TIMEOUT_SECS)
+                    .map_err(|e| self.field(&table, e))?;
+            recovery.nbd_handshake_timeout = Duration::from_secs(secs.into());
+        }
+        if let Some(secs) = raw.worker_ready_timeout_secs {
+            let secs =
+                in_range("worker_ready_timeout_secs", secs.0, 1, MAX_WORKER_READY_TIMEOUT_SECS)
+                    .map_err(|e| self.field(&table, e))?;
+            recovery.worker_ready_timeout = Duration::from_secs(secs.into());
         }
         Ok(recovery)
     }

@@ -57,7 +57,10 @@ pub use rbd::{
     DEFAULT_CEPH_CONF, DEFAULT_CEPH_ID, MAX_RBD_NAME_BYTES, RbdImage, RbdImageError, RbdSpec,
     check_ceph_id,
 };
-pub use recovery::{MAX_HUNG_TIMEOUT_SECS, OnRestartLimit, RecoveryConfig};
+pub use recovery::{
+    MAX_HUNG_TIMEOUT_SECS, MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_WORKER_READY_TIMEOUT_SECS,
+    OnRestartLimit, RecoveryConfig,
+};
 pub use size::{SizeError, format_size, parse_size};
 
 /// The whole config file, resolved: defaults applied, every value within its limits.
@@ -359,6 +362,22 @@ mod tests {
                 "[recovery]\nrestart_max = -1\n".into(),
                 "recovery.restart_max: -1 is out of range; expected 0..=4294967295",
             ),
+            (
+                "[recovery]\nnbd_handshake_timeout_secs = 0\n".into(),
+                "recovery.nbd_handshake_timeout_secs: 0 is out of range; expected 1..=300",
+            ),
+            (
+                "[recovery]\nnbd_handshake_timeout_secs = 301\n".into(),
+                "recovery.nbd_handshake_timeout_secs: 301 is out of range; expected 1..=300",
+            ),
+            (
+                "[recovery]\nworker_ready_timeout_secs = 0\n".into(),
+                "recovery.worker_ready_timeout_secs: 0 is out of range; expected 1..=600",
+            ),
+            (
+                "[recovery]\nworker_ready_timeout_secs = 601\n".into(),
+                "recovery.worker_ready_timeout_secs: 601 is out of range; expected 1..=600",
+            ),
             // [defaults] rules.
             (
                 "[defaults]\nqueue_depth = 5000\n".into(),
@@ -656,6 +675,8 @@ mod tests {
         assert_eq!(config.recovery.restart_max, 5);
         assert_eq!(config.recovery.restart_window, Duration::from_secs(60));
         assert_eq!(config.recovery.on_restart_limit, OnRestartLimit::Quiesce);
+        assert_eq!(config.recovery.nbd_handshake_timeout, Duration::from_secs(10));
+        assert_eq!(config.recovery.worker_ready_timeout, Duration::from_secs(30));
         assert!(config.devices.is_empty());
     }
 
@@ -688,6 +709,8 @@ mod tests {
             nbd_server_wait_secs = 30
             nbd_request_timeout_secs = 0
             rbd_cluster_wait_secs = 45
+            nbd_handshake_timeout_secs = 300
+            worker_ready_timeout_secs = 600
 
             [defaults]
             queues = 4
@@ -739,6 +762,8 @@ mod tests {
                 nbd_server_wait: Some(Duration::from_secs(30)),
                 nbd_request_timeout: None,
                 rbd_cluster_wait: Some(Duration::from_secs(45)),
+                nbd_handshake_timeout: Duration::from_secs(300),
+                worker_ready_timeout: Duration::from_secs(600),
             }
         );
         assert!(!config.recovery.automatic_recovery());
@@ -1083,7 +1108,18 @@ mod tests {
         ),
         (
             "[recovery]",
-            &["hung_timeout_secs", "restart_max", "restart_window_secs", "on_restart_limit"],
+            &[
+                "hung_timeout_secs",
+                "restart_max",
+                "restart_window_secs",
+                "on_restart_limit",
+                "fast_release",
+                "nbd_server_wait_secs",
+                "rbd_cluster_wait_secs",
+                "nbd_request_timeout_secs",
+                "nbd_handshake_timeout_secs",
+                "worker_ready_timeout_secs",
+            ],
         ),
         (
             "[defaults]",
@@ -1135,7 +1171,7 @@ mod tests {
             "file" => &["\"/dev/null\"", "\"/\"", "\"/nonexistent\"", "\"rel.img\""],
             "id" => &["\"auto\"", "0", "3", "1048575", "1048576", "\"x\""],
             "block_size" => &["512", "1024", "2048", "4096", "8192", "768"],
-            "sandbox" | "direct" | "zero_copy" => &["true", "false"],
+            "sandbox" | "direct" | "zero_copy" | "fast_release" => &["true", "false"],
             "sandbox_optional" => &["[]", "[\"user-namespace\"]", "[\"landlock\", \"x\"]"],
             _ => &["1", "1", "2", "4", "8", "64", "0", "65", "300", "4096", "4097"],
         };

@@ -45,58 +45,74 @@ pub(crate) struct RawRecovery {
     pub nbd_server_wait_secs: Option<Int>,
     pub rbd_cluster_wait_secs: Option<Int>,
     pub nbd_request_timeout_secs: Option<Int>,
+    pub nbd_handshake_timeout_secs: Option<Int>,
+    pub worker_ready_timeout_secs: Option<Int>,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, default, expecting = "a table ([defaults])")]
-pub(crate) struct RawDefaults {
-    pub queues: Option<Int>,
-    pub queue_depth: Option<Int>,
-    pub block_size: Option<Int>,
-    pub threads: Option<Int>,
-    pub sandbox: Option<bool>,
-    pub sandbox_optional: Option<Vec<String>>,
-}
-
-impl RawDevice {
-    /// The keys a `[[device]]` table shares with `[defaults]`.
-    pub fn settings(&self) -> RawDefaults {
-        RawDefaults {
-            queues: self.queues,
-            queue_depth: self.queue_depth,
-            block_size: self.block_size,
-            threads: self.threads,
-            sandbox: self.sandbox,
-            sandbox_optional: self.sandbox_optional.clone(),
+/// `[defaults]` and `[[device]]`, the keys they share written once: `RawDevice` gets
+/// every field of `RawDefaults` after its own, and [`RawDevice::settings`], which
+/// copies them out of a device's table. (`#[serde(flatten)]` would say as much, but it
+/// does not go with `deny_unknown_fields`.)
+macro_rules! defaults_and_device {
+    (
+        $(#[$defaults_meta:meta])*
+        pub(crate) struct RawDefaults { $(pub $key:ident: $ty:ty,)* }
+        $(#[$device_meta:meta])*
+        pub(crate) struct RawDevice { $(pub $own:ident: $own_ty:ty,)* }
+    ) => {
+        $(#[$defaults_meta])*
+        pub(crate) struct RawDefaults {
+            $(pub $key: $ty,)*
         }
+
+        $(#[$device_meta])*
+        pub(crate) struct RawDevice {
+            $(pub $own: $own_ty,)*
+            $(pub $key: $ty,)*
+        }
+
+        impl RawDevice {
+            /// The keys a `[[device]]` table shares with `[defaults]`.
+            pub fn settings(&self) -> RawDefaults {
+                RawDefaults { $($key: self.$key.clone(),)* }
+            }
+        }
+    };
+}
+
+defaults_and_device! {
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields, default, expecting = "a table ([defaults])")]
+    pub(crate) struct RawDefaults {
+        pub queues: Option<Int>,
+        pub queue_depth: Option<Int>,
+        pub block_size: Option<Int>,
+        pub threads: Option<Int>,
+        pub sandbox: Option<bool>,
+        pub sandbox_optional: Option<Vec<String>>,
+    }
+
+    /// A device's own keys; those of `RawDefaults` follow.
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields, expecting = "a table ([[device]])")]
+    pub(crate) struct RawDevice {
+        pub id: Option<Id>,
+        pub target: RawTarget,
+        pub size: Option<Size>,
+        pub file: Option<PathBuf>,
+        pub direct: Option<bool>,
+        pub zero_copy: Option<bool>,
+        pub uri: Option<String>,
+        pub image: Option<String>,
+        pub ceph_conf: Option<PathBuf>,
+        pub ceph_id: Option<String>,
+        pub keyring: Option<PathBuf>,
     }
 }
 
 /// The `[[device]]` array; its own type for a readable "expected" in type errors.
 #[derive(Debug, Default)]
 pub(crate) struct RawDevices(pub Vec<RawDevice>);
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a table ([[device]])")]
-pub(crate) struct RawDevice {
-    pub id: Option<Id>,
-    pub target: RawTarget,
-    pub size: Option<Size>,
-    pub file: Option<PathBuf>,
-    pub direct: Option<bool>,
-    pub zero_copy: Option<bool>,
-    pub uri: Option<String>,
-    pub image: Option<String>,
-    pub ceph_conf: Option<PathBuf>,
-    pub ceph_id: Option<String>,
-    pub keyring: Option<PathBuf>,
-    pub queues: Option<Int>,
-    pub queue_depth: Option<Int>,
-    pub block_size: Option<Int>,
-    pub threads: Option<Int>,
-    pub sandbox: Option<bool>,
-    pub sandbox_optional: Option<Vec<String>>,
-}
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum RawTarget {

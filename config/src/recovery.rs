@@ -5,6 +5,10 @@ use std::time::Duration;
 
 /// Largest `recovery.hung_timeout_secs`.
 pub const MAX_HUNG_TIMEOUT_SECS: u32 = 300;
+/// Largest `recovery.nbd_handshake_timeout_secs`.
+pub const MAX_NBD_HANDSHAKE_TIMEOUT_SECS: u32 = 300;
+/// Largest `recovery.worker_ready_timeout_secs`.
+pub const MAX_WORKER_READY_TIMEOUT_SECS: u32 = 600;
 
 /// `[recovery]`: when a worker counts as hung, and how often a device may recover.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +47,15 @@ pub struct RecoveryConfig {
     /// monitors away) before it fails with EIO (`recovery.rbd_cluster_wait_secs`, passed
     /// to librados as `rados_osd_op_timeout`; `None`, from 0, the default: for ever).
     pub rbd_cluster_wait: Option<Duration>,
+    /// How long an NBD server has to accept each connection and finish its handshake
+    /// (`recovery.nbd_handshake_timeout_secs`, 1..=300 seconds, default 10): a
+    /// connection not made by then is a failed add or a recovery's failed try.
+    pub nbd_handshake_timeout: Duration,
+    /// How long a new worker has to stand by, and then to answer its activation
+    /// (Ready) once it has the device (`recovery.worker_ready_timeout_secs`, 1..=600
+    /// seconds, default 30): past it the worker is killed, and the device's add,
+    /// upgrade or recovery fails (a recovery's device then waits for an operator).
+    pub worker_ready_timeout: Duration,
 }
 
 impl Default for RecoveryConfig {
@@ -56,6 +69,8 @@ impl Default for RecoveryConfig {
             nbd_server_wait: None,
             nbd_request_timeout: Some(Duration::from_secs(30)),
             rbd_cluster_wait: None,
+            nbd_handshake_timeout: Duration::from_secs(10),
+            worker_ready_timeout: Duration::from_secs(30),
         }
     }
 }

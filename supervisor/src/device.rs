@@ -47,8 +47,6 @@ use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
 pub use policy_state::{HangPolicy, RestartBudget, StandbySchedule};
 
-/// How long a worker may take to get set up, or to PREP every tag.
-const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a worker left serving by a previous ublkd may take to answer its take-over.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a worker may take to exit when asked.
@@ -122,6 +120,12 @@ pub struct Context {
     pub nbd_server_wait: Option<Duration>,
     /// `recovery.rbd_cluster_wait_secs` (`None`: for ever).
     pub rbd_cluster_wait: Option<Duration>,
+    /// `recovery.nbd_handshake_timeout_secs`: how long an NBD server has to accept each
+    /// connection and finish its handshake.
+    pub nbd_handshake_timeout: Duration,
+    /// `recovery.worker_ready_timeout_secs`: how long a worker may take to get set up
+    /// (stand by), or to PREP every tag and answer its activation.
+    pub worker_ready_timeout: Duration,
 }
 
 /// Where a recovery stands when the call returns.

@@ -76,15 +76,16 @@ pub enum Reached {
 
 /// Reaches `spec`'s target before its device is made, on a thread of its own: an nbd
 /// export connected and negotiated ([`connect_export`]), an rbd image probed
-/// ([`probe_rbd`]), nothing for the others.
+/// ([`probe_rbd`]), nothing for the others. `nbd_handshake`: each NBD connection's limit.
 pub fn reach(
     worker_binary: &Path,
     spec: &DeviceSpec,
     data_path: DataPath,
+    nbd_handshake: Duration,
 ) -> Result<Reached, TargetError> {
     match &spec.target {
         TargetSpec::Rbd(_) => probe_rbd(worker_binary, spec).map(Reached::Rbd),
-        _ => connect_export(spec, data_path).map(Reached::Nbd),
+        _ => connect_export(spec, data_path, nbd_handshake).map(Reached::Nbd),
     }
 }
 
@@ -108,9 +109,7 @@ pub fn probe_rbd(worker_binary: &Path, spec: &DeviceSpec) -> Result<RbdProbe, Ta
         .map_err(|source| TargetError::RbdProbe { image, source })
 }
 
-pub use crate::nbd::link::{
-    NBD_DRAIN_TIMEOUT, NBD_HANDSHAKE_TIMEOUT, NbdLink, connect_export, nbd_poll_connect,
-};
+pub use crate::nbd::link::{NBD_DRAIN_TIMEOUT, NbdLink, connect_export, nbd_poll_connect};
 
 /// The largest request, and so each tag's buffer in the worker.
 pub const MAX_IO_BUF_BYTES: u32 = 512 * 1024;

@@ -21,6 +21,9 @@ use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, TargetSpec};
 use ublkd_supervisor::nbd::{self, ExportInfo, NbdError, Replies};
 use ublkd_supervisor::target::{NbdLink, TargetError, connect_export, nbd_poll_connect};
 
+/// The limit on each connection's handshake: `recovery.nbd_handshake_timeout_secs`'s default.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A scratch directory, removed on drop.
@@ -242,7 +245,8 @@ fn an_export_whose_maximum_request_is_below_a_page_is_refused() {
     let (_server, uri) = nbdkit_unix(&dir, &args, "");
     let error = refused(&uri, TIMEOUT);
     assert!(matches!(error, NbdError::UnusableMaxBlockSize { max: 512 }), "{error}");
-    let message = connect_export(&nbd_spec(uri), DataPath::Batch).unwrap_err().to_string();
+    let message =
+        connect_export(&nbd_spec(uri), DataPath::Batch, HANDSHAKE).unwrap_err().to_string();
     assert!(message.contains("maximum block size, 512 bytes, is below 4096"), "{message}");
 }
 
@@ -256,7 +260,7 @@ fn an_export_that_is_not_whole_logical_blocks_is_refused() {
     let (_server, uri) = nbdkit_unix(&dir, &["memory", &size.to_string()], "");
     let mut spec = nbd_spec(uri);
     assert_eq!(spec.settings.block_size, 4096, "the default logical block size");
-    let message = connect_export(&spec, DataPath::Batch).unwrap_err().to_string();
+    let message = connect_export(&spec, DataPath::Batch, HANDSHAKE).unwrap_err().to_string();
     assert!(
         message.contains(&format!(
             "the export's size, {size} bytes, is not a multiple of the device's logical block \
@@ -265,7 +269,7 @@ fn an_export_that_is_not_whole_logical_blocks_is_refused() {
         "{message}"
     );
     spec.settings.block_size = 512;
-    let link = connect_export(&spec, DataPath::Batch).unwrap().expect("an nbd link");
+    let link = connect_export(&spec, DataPath::Batch, HANDSHAKE).unwrap().expect("an nbd link");
     assert_eq!(link.info.unwrap().size, size);
 }
 
@@ -417,8 +421,9 @@ fn nbd_spec(uri: NbdUri) -> DeviceSpec {
 fn ublkd_learns_an_export_before_making_its_device_and_names_a_server_that_is_not_there() {
     let dir = TempDir::new("servable");
     let (_server, uri) = nbdkit_unix(&dir, &["-r", "memory", "2G"], "");
-    let link =
-        connect_export(&nbd_spec(uri.clone()), DataPath::Batch).unwrap().expect("an nbd link");
+    let link = connect_export(&nbd_spec(uri.clone()), DataPath::Batch, HANDSHAKE)
+        .unwrap()
+        .expect("an nbd link");
     let info = link.info.expect("the export's details");
     assert_eq!(info.size, 2 << 30);
     assert!(info.read_only(), "{info}");
@@ -426,7 +431,8 @@ fn ublkd_learns_an_export_before_making_its_device_and_names_a_server_that_is_no
 
     let port = free_port();
     let nowhere = NbdUri::parse(&format!("nbd://127.0.0.1:{port}/disk")).unwrap();
-    let message = connect_export(&nbd_spec(nowhere), DataPath::Batch).unwrap_err().to_string();
+    let message =
+        connect_export(&nbd_spec(nowhere), DataPath::Batch, HANDSHAKE).unwrap_err().to_string();
     assert!(
         message.starts_with(&format!(
             "cannot use the nbd export nbd://127.0.0.1:{port}/disk: the connection to \
@@ -444,7 +450,7 @@ fn a_reconnection_to_a_changed_export_is_refused() {
     let dir = TempDir::new("changed");
     let (server, uri) = nbdkit_unix(&dir, &["memory", "64M"], "");
     let mut spec = nbd_spec(uri.clone());
-    let mut link = connect_export(&spec, DataPath::Batch).unwrap().expect("an nbd link");
+    let mut link = connect_export(&spec, DataPath::Batch, HANDSHAKE).unwrap().expect("an nbd link");
     spec.size_bytes = link.info.as_ref().unwrap().size;
     // The first worker's connection is the one made with the device.
     let first = link.sockets.remove(0);
@@ -484,7 +490,7 @@ fn a_reconnection_to_a_changed_export_is_refused() {
 /// thread as the loop would wait for it.
 fn reconnect(uri: &NbdUri, spec: &DeviceSpec, link: &mut NbdLink) -> Result<OwnedFd, TargetError> {
     loop {
-        match nbd_poll_connect(1, uri, spec, link, 1) {
+        match nbd_poll_connect(1, uri, spec, link, 1, HANDSHAKE) {
             std::task::Poll::Pending => std::thread::sleep(Duration::from_millis(10)),
             std::task::Poll::Ready(done) => return done.map(|()| link.sockets.remove(0)),
         }

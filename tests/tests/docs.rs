@@ -392,6 +392,8 @@ fn config_keys(root: &Path) -> Vec<(String, String)> {
     let mut keys = Vec::new();
     let mut table: Option<&str> = None;
     for line in raw.lines() {
+        // Indented too: `[defaults]` and `[[device]]` are declared inside a macro call.
+        let line = line.trim_start();
         if let Some(rest) = line.strip_prefix("pub(crate) struct Raw") {
             let name = rest.split([' ', '{', '(']).next().unwrap_or("");
             table = (line.ends_with('{') && name != "File").then_some(name);

@@ -10,7 +10,7 @@ use std::os::fd::AsRawFd;
 /// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
 /// that no add holds up the loop (other devices' recoveries, clients, other adds, the
 /// watchdog): an nbd device's export is first connected and negotiated on a thread of
-/// its own (up to the handshake's 10 s), then every device's first worker starts while
+/// its own (within `recovery.nbd_handshake_timeout_secs`, 10 s by default), then every device's first worker starts while
 /// the loop watches its control socket ([`Creation`]: 0.1-1 s under emulation). Adds
 /// issued together overlap.
 #[derive(Debug)]
@@ -96,7 +96,8 @@ pub(super) struct PendingRecover {
 }
 
 /// The longest an `ublkctl recover` waits for its answer: well inside ublkctl's 120 s,
-/// past a standby's 30 s start limit.
+/// past a standby's start limit at its default (`recovery.worker_ready_timeout_secs`,
+/// 30 s; past this wait the answer says where the recovery stands).
 pub(super) const RECOVER_ANSWER_WAIT: Duration = Duration::from_secs(60);
 
 impl Underway for PendingRecover {
@@ -174,9 +175,10 @@ impl Daemon {
         let for_thread = spec.clone();
         let binary = self.ctx.worker_binary.clone();
         let data_path = DataPath::for_kernel(self.ctx.kernel_features);
+        let handshake = self.ctx.nbd_handshake_timeout;
         std::thread::Builder::new()
             .name("add-reach".into())
-            .spawn(move || drop(tx.send(reach(&binary, &for_thread, data_path))))
+            .spawn(move || drop(tx.send(reach(&binary, &for_thread, data_path, handshake))))
             .map_err(|e| format!("cannot start a thread to reach the target: {e}"))?;
         Ok(AddStage::Connecting(connected))
     }

@@ -126,6 +126,8 @@ impl Daemon {
         self.ctx.fast_release = new.recovery.fast_release;
         self.ctx.nbd_server_wait = new.recovery.nbd_server_wait;
         self.ctx.rbd_cluster_wait = new.recovery.rbd_cluster_wait;
+        self.ctx.nbd_handshake_timeout = new.recovery.nbd_handshake_timeout;
+        self.ctx.worker_ready_timeout = new.recovery.worker_ready_timeout;
         self.config = new;
         // Socket, state dir and worker settings only change with a restart.
         self.config.daemon = daemon;

@@ -69,6 +69,7 @@ pub(super) fn reach_targets<'a>(
     specs: impl Iterator<Item = &'a DeviceSpec>,
     worker_binary: &Path,
     data_path: DataPath,
+    nbd_handshake: Duration,
 ) -> Vec<Result<Reached, TargetError>> {
     /// A spec's target: reached already, or on its thread.
     enum Target<T> {
@@ -79,15 +80,16 @@ pub(super) fn reach_targets<'a>(
         let pending: Vec<_> = specs
             .map(|spec| {
                 if !reach_takes_time(spec) {
-                    return Target::Done(reach(worker_binary, spec, data_path));
+                    return Target::Done(reach(worker_binary, spec, data_path, nbd_handshake));
                 }
                 match std::thread::Builder::new()
                     .name("configured".into())
-                    .spawn_scoped(scope, move || reach(worker_binary, spec, data_path))
-                {
+                    .spawn_scoped(scope, move || {
+                        reach(worker_binary, spec, data_path, nbd_handshake)
+                    }) {
                     Ok(thread) => Target::Reaching(thread),
                     // No thread to be had: reached here, one after another.
-                    Err(_) => Target::Done(reach(worker_binary, spec, data_path)),
+                    Err(_) => Target::Done(reach(worker_binary, spec, data_path, nbd_handshake)),
                 }
             })
             .collect();
@@ -184,6 +186,8 @@ impl Daemon {
             fast_release,
             nbd_server_wait,
             rbd_cluster_wait: config.recovery.rbd_cluster_wait,
+            nbd_handshake_timeout: config.recovery.nbd_handshake_timeout,
+            worker_ready_timeout: config.recovery.worker_ready_timeout,
         };
         Ok(Daemon {
             config,
@@ -377,16 +381,22 @@ impl Daemon {
         loop {
             while creating.len() < CREATING_AT_ONCE {
                 // The next few, their nbd exports negotiated side by side: a server
-                // that takes its 10 s delays its own device, not the others'.
+                // that takes its whole handshake limit delays its own device, not the
+                // others'.
                 let batch: Vec<(usize, &DeviceSpec)> =
                     next.by_ref().take(CREATING_AT_ONCE - creating.len()).collect();
                 if batch.is_empty() {
                     break;
                 }
-                self.notifier.extend_timeout(Duration::from_secs(60));
+                // Time for a batch to be made: its connections (the first, then the
+                // others of a set) and its workers' standby and activation.
+                let (handshake, ready) =
+                    (self.ctx.nbd_handshake_timeout, self.ctx.worker_ready_timeout);
+                self.notifier.extend_timeout(Duration::from_secs(60).max(2 * (handshake + ready)));
                 let data_path = DataPath::for_kernel(self.ctx.kernel_features);
                 let binary = &self.ctx.worker_binary;
-                let reached = reach_targets(batch.iter().map(|(_, spec)| *spec), binary, data_path);
+                let specs = batch.iter().map(|(_, spec)| *spec);
+                let reached = reach_targets(specs, binary, data_path, handshake);
                 for ((at, spec), reached) in batch.into_iter().zip(reached) {
                     let begun = reached
                         .map_err(DeviceError::from)

@@ -29,8 +29,6 @@ use crate::worker::Worker;
 /// How long an upgrade's answer waits for a recovery that goes on (an nbd device
 /// connecting afresh) once the device was handed over.
 const UPGRADE_SETTLE: Duration = Duration::from_secs(5);
-/// How long the new worker may take to stand by.
-const NEW_WORKER_LIMIT: Duration = Duration::from_secs(30);
 
 /// An `ublkctl upgrade` under way: the devices still to upgrade, in order, the one
 /// being upgraded, and the outcomes so far (the answer lists them all).
@@ -155,7 +153,7 @@ impl Daemon {
         match dev.start_renewed_standby(&self.ctx) {
             Ok(worker) => Ok(Step::Starting {
                 worker: Box::new(worker),
-                deadline: Instant::now() + NEW_WORKER_LIMIT,
+                deadline: Instant::now() + self.ctx.worker_ready_timeout,
             }),
             Err(e) => {
                 tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
@@ -192,7 +190,7 @@ impl Daemon {
                 if !answered && now < deadline {
                     return Ok(Step::Starting { worker, deadline });
                 }
-                if let Err(e) = dev.renew_standby(*worker, answered) {
+                if let Err(e) = dev.renew_standby(&self.ctx, *worker, answered) {
                     tracing::error!(dev_id = id, event = "upgrade_failed", "upgrade: {e}");
                     return Err(failed(format!(
                         "device {id}: not upgraded: the new worker ({binary}) did not start: \

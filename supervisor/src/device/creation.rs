@@ -19,7 +19,7 @@ use ublkd_proto::msg::Activation;
 #[derive(Debug)]
 pub struct Creation {
     dev: Device,
-    /// When the worker must have stood by ([`WORKER_TIMEOUT`] after its start).
+    /// When the worker must have stood by (`worker_ready_timeout` after its start).
     deadline: Instant,
     /// Its worker, once standing by, being handed the device.
     activating: Option<Box<Activating>>,
@@ -85,8 +85,10 @@ impl Creation {
                     self.dev.await_standby(worker, Duration::from_millis(100))
                 }
                 Some(worker) => {
-                    let source =
-                        WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() };
+                    let source = WorkerError::Timeout {
+                        pid: worker.pid(),
+                        secs: ctx.worker_ready_timeout.as_secs(),
+                    };
                     Err(self.dev.standby_failed(worker, source))
                 }
                 None => self.dev.take_standby(),
@@ -204,7 +206,7 @@ impl Device {
         // From here on, a failure deletes the half-made device.
         match Self::prepare(ctx, id, &spec, nbd) {
             Ok(dev) => {
-                let deadline = Instant::now() + WORKER_TIMEOUT;
+                let deadline = Instant::now() + ctx.worker_ready_timeout;
                 Ok(Creation { dev, deadline, activating: None })
             }
             Err(e) => {

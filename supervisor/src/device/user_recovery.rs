@@ -5,9 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{
-    Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, Spare, WORKER_TIMEOUT,
-};
+use super::{Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, Spare};
 
 use crate::device_state::{DeviceState, Release, StateKind};
 use crate::nbd::target::Readiness;
@@ -117,7 +115,7 @@ impl Device {
                 }
             }
         }
-        if !self.nbd_connected(ctx.nbd_server_wait, ctx.kernel_features) {
+        if !self.nbd_connected(ctx) {
             return Ok(Recovery::Waiting);
         }
         match self.standby_ready(ctx) {
@@ -205,7 +203,7 @@ impl Device {
     /// emulation, for each of many devices after a mass death): the loop polls its
     /// socket and comes back every [`STANDBY_POLL`], so that other devices, clients and
     /// the watchdog are served meanwhile; the device's I/O stays held. A standby that
-    /// fails, or does not stand by within [`WORKER_TIMEOUT`], fails the recovery, as a
+    /// fails, or does not stand by within `worker_ready_timeout` ([`Context`]), fails the recovery, as a
     /// wait for it did. A recovery that fails I/O wants a worker that fails I/O: a
     /// standby of the device's own target is ended, and one that fails I/O started.
     fn standby_ready(&mut self, ctx: &Context) -> Result<bool, DeviceError> {
@@ -224,7 +222,7 @@ impl Device {
             self.spare = Spare::Starting(self.spawn_worker(ctx, fail_io)?);
         }
         let answered = self.starting().is_some_and(Worker::has_answered);
-        let timed_out = since.elapsed() >= WORKER_TIMEOUT;
+        let timed_out = since.elapsed() >= ctx.worker_ready_timeout;
         if answered || timed_out {
             let Some(worker) = self.take_starting() else { return Ok(false) };
             let standby = if answered {
@@ -232,7 +230,7 @@ impl Device {
             } else {
                 let source = crate::worker::WorkerError::Timeout {
                     pid: worker.pid(),
-                    secs: WORKER_TIMEOUT.as_secs(),
+                    secs: ctx.worker_ready_timeout.as_secs(),
                 };
                 return Err(self.standby_failed(worker, source));
             };
@@ -258,14 +256,14 @@ impl Device {
     /// For an nbd device in a recovery: whether it has the connections for its next
     /// worker, connecting if not ([`crate::nbd::target::NbdTarget::poll_ready`]). A server that is not
     /// there (restarting, say) is not a failed recovery: the device's I/O stays held and
-    /// the loop tries again, for as long as it takes, or until `wait_limit`
+    /// the loop tries again, for as long as it takes, or until `ctx.nbd_server_wait`
     /// (`recovery.nbd_server_wait_secs`): then the recovery goes on with a worker that
     /// fails every I/O, until `ublkctl recover`. Status says why. Other devices always
     /// have what they need.
-    fn nbd_connected(&mut self, wait_limit: Option<Duration>, kernel_features: u64) -> bool {
+    fn nbd_connected(&mut self, ctx: &Context) -> bool {
         let Some(target) = &mut self.nbd else { return true };
         // As many connections as the next worker was started for, or will be.
-        let data_path = ublkd_proto::msg::DataPath::for_kernel(kernel_features);
+        let data_path = ublkd_proto::msg::DataPath::for_kernel(ctx.kernel_features);
         let want = match self.spare.worker() {
             Some(w) => match w.target_setup() {
                 TargetSetup::Nbd { connections } => connections,
@@ -279,7 +277,8 @@ impl Device {
             return true;
         }
         let said = r.slow.as_deref();
-        match target.poll_ready(self.id, &self.spec, want, r.started, wait_limit, said) {
+        let (wait_limit, handshake) = (ctx.nbd_server_wait, ctx.nbd_handshake_timeout);
+        match target.poll_ready(self.id, &self.spec, want, r.started, wait_limit, handshake, said) {
             Readiness::Ready { made } => {
                 r.slow = None;
                 // Fewer connections answered than the standby was made for: a worker

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use ublkd_config::TargetSpec;
 use ublkd_proto::msg::{Activation, DataPath, TargetSetup, WorkerSetup};
 
-use super::{Context, Device, DeviceError, Spare, WORKER_TIMEOUT};
+use super::{Context, Device, DeviceError, Spare};
 use crate::target::{
     MAX_IO_BUF_BYTES, TargetError, fast_release_supported, open_char_dev, zero_copy,
 };
@@ -170,11 +170,17 @@ impl Device {
     /// (`answered`: it has said something, so this does not wait; else it is given up
     /// as too slow), ending the old standby. If the new worker failed, the device
     /// keeps its worker and standby, and the error says why.
-    pub fn renew_standby(&mut self, fresh: Worker, answered: bool) -> Result<(), DeviceError> {
+    pub fn renew_standby(
+        &mut self,
+        ctx: &Context,
+        fresh: Worker,
+        answered: bool,
+    ) -> Result<(), DeviceError> {
         let fresh = if answered {
             self.await_standby(fresh, Duration::from_millis(100))?
         } else {
-            let source = WorkerError::Timeout { pid: fresh.pid(), secs: WORKER_TIMEOUT.as_secs() };
+            let secs = ctx.worker_ready_timeout.as_secs();
+            let source = WorkerError::Timeout { pid: fresh.pid(), secs };
             return Err(self.standby_failed(fresh, source));
         };
         // Not waited for: reaped once it ends (`reap_lingering`).
@@ -297,7 +303,7 @@ impl Device {
             tracing::error!(dev_id = id, "worker failed ({how}): {source}");
             return Err(DeviceError::Worker { id, source });
         }
-        Ok(Activating::new(worker, generation, Instant::now() + WORKER_TIMEOUT))
+        Ok(Activating::new(worker, generation, Instant::now() + ctx.worker_ready_timeout))
     }
 
     /// Ends an activation once its worker has answered (or the deadline passed): the
@@ -314,7 +320,10 @@ impl Device {
             worker.activation_answer(Duration::from_millis(100))
         } else {
             worker.kill();
-            Err(WorkerError::Timeout { pid: worker.pid(), secs: WORKER_TIMEOUT.as_secs() })
+            Err(WorkerError::Timeout {
+                pid: worker.pid(),
+                secs: ctx.worker_ready_timeout.as_secs(),
+            })
         };
         let activation = match answer {
             Ok(a) => a,

@@ -1,8 +1,9 @@
 //! An nbd device's connections to its export, as the supervisor makes them for each
 //! worker: never on ublkd's loop. Every connection a worker gets (one per queue thread
 //! on a multi-conn export) is made and negotiated on a thread of its own, each within
-//! [`NBD_HANDSHAKE_TIMEOUT`], the loop only looking whether they are done
-//! ([`nbd_poll_connect`], and for `ublkctl add` the daemon's pending add). A server that
+//! `recovery.nbd_handshake_timeout_secs` (the `handshake` arguments), the loop only
+//! looking whether they are done ([`nbd_poll_connect`], and for `ublkctl add` the
+//! daemon's pending add). A server that
 //! answers the first connection of a set but not the others (a proxy, a server at its
 //! connection limit) gets the device served over the connections that answered, not a
 //! failed add or a recovery that never ends: the device keeps that count ([`NbdLink`]'s
@@ -27,9 +28,6 @@ use ublkd_proto::msg::{DataPath, MAX_NBD_CONNECTIONS};
 use super::backoff::Backoff;
 use super::{ExportInfo, NbdError, Replies};
 use crate::target::{TargetError, zero_copy};
-
-/// How long ublkd gives an NBD server to accept a connection and finish its handshake.
-pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a recovery waits for the server to finish with a dead worker's connections
 /// before it connects anyway.
@@ -133,15 +131,16 @@ fn connections_for(spec: &DeviceSpec, info: Option<&ExportInfo>, data_path: Data
 
 /// For an nbd target, connects and negotiates, so that the device is made from what
 /// the export is (its size, block sizes, flags), and makes the rest of its first
-/// worker's connections (see [`connect_set`]). `None` for other targets. Runs on a
-/// thread of its own.
+/// worker's connections (see [`connect_set`]), each within `handshake`. `None` for
+/// other targets. Runs on a thread of its own.
 pub fn connect_export(
     spec: &DeviceSpec,
     data_path: DataPath,
+    handshake: Duration,
 ) -> Result<Option<NbdLink>, TargetError> {
     let Some(uri) = super::target::export_uri(spec) else { return Ok(None) };
     let wanted = |info: &ExportInfo| connections_for(spec, Some(info), data_path);
-    match connect_set(uri, wanted, replies_for(spec), NBD_HANDSHAKE_TIMEOUT) {
+    match connect_set(uri, wanted, replies_for(spec), handshake) {
         Ok(set) => {
             let info = set[0].1;
             if let Err(source) = super::fits_device(&info, spec.settings.block_size) {
@@ -165,7 +164,7 @@ pub fn connect_export(
                 link.sockets.drain(..).for_each(|s| super::disconnect(s, info.tls));
                 return Err(refused);
             }
-            note_short_set(&mut link, None, uri, want);
+            note_short_set(&mut link, None, uri, want, handshake);
             Ok(Some(link))
         }
         Err(source) => Err(TargetError::Nbd { uri: uri.to_string(), source: Box::new(source) }),
@@ -203,9 +202,15 @@ fn zero_copy_refusal(
     })
 }
 
-/// If fewer than `want` connections answered, caps the device's workers at what did,
-/// and says so.
-fn note_short_set(link: &mut NbdLink, id: Option<u32>, uri: &NbdUri, want: u8) {
+/// If fewer than `want` connections answered (each given `handshake`), caps the
+/// device's workers at what did, and says so.
+fn note_short_set(
+    link: &mut NbdLink,
+    id: Option<u32>,
+    uri: &NbdUri,
+    want: u8,
+    handshake: Duration,
+) {
     let got = link.sockets.len().min(usize::from(u8::MAX)) as u8;
     if got >= want || got == 0 {
         return;
@@ -216,7 +221,7 @@ fn note_short_set(link: &mut NbdLink, id: Option<u32>, uri: &NbdUri, want: u8) {
         event = "nbd_fewer_connections",
         "the NBD server {uri} answered {got} of the {want} connections its export allows \
          (the others not within {} s): the device is served over {got}",
-        NBD_HANDSHAKE_TIMEOUT.as_secs()
+        handshake.as_secs()
     );
 }
 
@@ -276,7 +281,7 @@ fn connect_set(
 /// Whether nbd device `id` has the connections for its next worker (which wants
 /// `want`), connecting on a thread of its own if not, so that ublkd's loop never waits
 /// for a server: `Pending` while that thread connects (ask again soon), else whether it
-/// worked. A set that came back short caps the device's connections ([`NbdLink`]'s
+/// worked; each connection within `handshake`. A set that came back short caps the device's connections ([`NbdLink`]'s
 /// `cap`): the caller then starts a worker for that many. A failed try is not retried
 /// here: the next call starts a new one.
 pub fn nbd_poll_connect(
@@ -285,6 +290,7 @@ pub fn nbd_poll_connect(
     spec: &DeviceSpec,
     link: &mut NbdLink,
     want: u8,
+    handshake: Duration,
 ) -> Poll<Result<(), TargetError>> {
     if !link.sockets.is_empty() {
         return Poll::Ready(Ok(()));
@@ -300,7 +306,7 @@ pub fn nbd_poll_connect(
                     drain_dead_workers(id, dead);
                 }
                 let wanted = |info: &ExportInfo| if info.can_multi_conn() { want } else { 1 };
-                drop(tx.send(connect_set(&target, wanted, replies, NBD_HANDSHAKE_TIMEOUT)));
+                drop(tx.send(connect_set(&target, wanted, replies, handshake)));
             });
         return match spawned {
             Ok(_) => {
@@ -352,7 +358,7 @@ pub fn nbd_poll_connect(
         return Poll::Ready(Err(refused));
     }
     link.sockets = sockets;
-    note_short_set(link, Some(id), uri, if multi { want } else { 1 });
+    note_short_set(link, Some(id), uri, if multi { want } else { 1 }, handshake);
     Poll::Ready(Ok(()))
 }
 
@@ -525,9 +531,9 @@ mod tests {
         let uri: NbdUri = "nbd://127.0.0.1:10809".parse().unwrap();
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
         link.sockets.push(a.into());
-        note_short_set(&mut link, Some(3), &uri, 8);
+        note_short_set(&mut link, Some(3), &uri, 8, Duration::from_secs(10));
         assert_eq!(link.cap, Some(1));
-        note_short_set(&mut link, Some(3), &uri, 1);
+        note_short_set(&mut link, Some(3), &uri, 1, Duration::from_secs(10));
         assert_eq!(link.cap, Some(1), "a full set leaves the cap");
     }
 }

@@ -104,8 +104,9 @@ impl NbdTarget {
     /// that keeps breaking connections is waited for (its backoff); one that is not
     /// there (restarting, say) is tried again, less and less often (up to every
     /// [`NBD_RETRY_MAX`]), for as long as it takes, or until `wait_limit`
-    /// (`recovery.nbd_server_wait_secs`). `said`: what status says of the recovery so
-    /// far (a change is logged).
+    /// (`recovery.nbd_server_wait_secs`), each connection within `handshake`. `said`:
+    /// what status says of the recovery so far (a change is logged).
+    #[allow(clippy::too_many_arguments)]
     pub fn poll_ready(
         &mut self,
         id: u32,
@@ -113,6 +114,7 @@ impl NbdTarget {
         want: u8,
         started: Instant,
         wait_limit: Option<Duration>,
+        handshake: Duration,
         said: Option<&str>,
     ) -> Readiness {
         let now = Instant::now();
@@ -126,7 +128,7 @@ impl NbdTarget {
             );
             return Readiness::Waiting { until, why: Some(why) };
         }
-        match nbd_poll_connect(id, &self.uri, spec, &mut self.link, want) {
+        match nbd_poll_connect(id, &self.uri, spec, &mut self.link, want, handshake) {
             Poll::Ready(Ok(())) => {
                 self.retry_delay = Duration::ZERO;
                 if said.is_some() {
