@@ -22,6 +22,27 @@ use ublkd_tests::harness::ublkd::{StatusProber, Ublkd};
 use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
 
 const MIB: u64 = 1 << 20;
+/// The bound on a time-based fio that a test stops itself once the kills, restarts or
+/// outages it brackets are over and verified I/O followed.
+const FIO_CAP: &str = "--runtime=600";
+/// Requests a device serves between two blows: fio is mid-run at each.
+const IOS_BETWEEN: u64 = 300;
+/// Requests a device serves after the last blow before fio is stopped: the writes
+/// around it are then behind fio's verify backlog (256) several times over.
+const IOS_AFTER: u64 = 2000;
+/// The NBD handshake's time limit (`recovery.nbd_handshake_timeout_secs`, 10 s by
+/// default) where a test waits it out against a silent server.
+const HANDSHAKE_SECS: u64 = 4;
+/// The same, in the reload test, where another device must be LIVE within it.
+const RELOAD_HANDSHAKE_SECS: u64 = 6;
+/// How long the breaking server breaks every connection: past four steps of the
+/// reconnect backoff (1 s, doubling).
+const BREAKING_FOR: Duration = Duration::from_secs(16);
+
+/// The config lines that set the NBD handshake's time limit.
+fn handshake_limit(secs: u64) -> String {
+    format!("\n[recovery]\nnbd_handshake_timeout_secs = {secs}\n")
+}
 
 /// Where a test's nbdkit listens.
 #[derive(Debug, Clone, Copy)]
@@ -331,23 +352,30 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
 
     let mut args = fio_verify_args("nbd-fio", &node, "randwrite", 2, 32 * MIB);
     // Time-based, so fio is still writing when the server goes away, reading back and
-    // checking its writes as it goes (every 256).
-    args.extend(["--time_based", "--runtime=25", "--verify_backlog=256"].map(String::from));
+    // checking its writes as it goes (every 256); stopped once all that it brackets
+    // happened and verified I/O followed ([`FIO_CAP`] is only a bound).
+    args.extend(["--time_based", FIO_CAP, "--verify_backlog=256"].map(String::from));
     let fio = Fio::spawn(args);
     for kill in 1..=3 {
-        std::thread::sleep(Duration::from_millis(1500));
+        ublkd.wait_for_ios(id, IOS_BETWEEN);
         let pid = ublkd.worker_pid(id);
         assert!(signal(pid, libc::SIGKILL), "worker {pid} is gone");
         wait_recovered(&ublkd, id, kill);
     }
+    ublkd.wait_for_ios(id, IOS_BETWEEN);
     drop(nbdkit);
-    std::thread::sleep(Duration::from_secs(3));
+    let away = Instant::now();
+    ublkd.wait_until("ublkd to wait for the NBD server", || {
+        ublkd.log().contains("waiting for the NBD server")
+    });
     let dev = ublkd.status_of(id);
     assert_ne!(dev["state"], "LIVE", "LIVE without its server: {dev}");
     eprintln!("while the server is away: {} ({})", dev["state"], dev["note"]);
     let nbdkit = Server::nbdkit(listen, &file, offer);
     wait_recovered(&ublkd, id, 4);
-    let jobs = fio.wait().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let outage = away.elapsed();
+    ublkd.wait_for_ios(id, IOS_AFTER);
+    let jobs = fio.interrupt().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     assert_fio_clean(&jobs, 2);
     let dev = ublkd.status_of(id);
     assert_eq!(dev["recoveries"].as_u64(), Some(4), "{dev}");
@@ -374,7 +402,8 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
         eprintln!("kernel TLS: {} sessions opened", tls_stat("TlsTxSw"));
     }
     eprintln!(
-        "3 worker kills and a 3 s server outage under fio ({listen:?}); last stall {} ms",
+        "3 worker kills and a {:.1} s server outage under fio ({listen:?}); last stall {} ms",
+        outage.as_secs_f64(),
         dev["last_recovery_ms"]
     );
     assert_eq!(sha256(&node), sha256(&file), "the device does not read back as the server's file");
@@ -444,15 +473,16 @@ fn zero_copy_verifies_across_worker_kills_with_the_data_in_the_requests_pages() 
     assert_eq!(connections_to(10_813), 2, "one connection per queue thread");
     let node = block_dev(id);
     let mut args = fio_verify_args("nbd-zc", &node, "randwrite", 2, 24 * MIB);
-    args.extend(["--time_based", "--runtime=12", "--verify_backlog=256"].map(String::from));
+    args.extend(["--time_based", FIO_CAP, "--verify_backlog=256"].map(String::from));
     let fio = Fio::spawn(args);
     for kill in 1..=2 {
-        std::thread::sleep(Duration::from_millis(2500));
+        ublkd.wait_for_ios(id, IOS_BETWEEN);
         let pid = ublkd.worker_pid(id);
         assert!(signal(pid, libc::SIGKILL), "worker {pid} is gone");
         wait_recovered(&ublkd, id, kill);
     }
-    let jobs = fio.wait().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    ublkd.wait_for_ios(id, IOS_AFTER);
+    let jobs = fio.interrupt().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     assert_fio_clean(&jobs, 2);
     let dev = ublkd.status_of(id);
     assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
@@ -894,11 +924,12 @@ fn silent_unix_server(socket: &Path) {
 }
 
 /// Configured nbd devices negotiate side by side at start: three silent servers cost
-/// ublkd one handshake's time limit (10 s), not three, and the other devices are made.
+/// ublkd one handshake's time limit ([`HANDSHAKE_SECS`]), not three, and the other
+/// devices are made.
 #[test]
 fn configured_exports_are_negotiated_side_by_side_at_start() {
     let _serial = serial();
-    let mut config = String::new();
+    let mut config = handshake_limit(HANDSHAKE_SECS);
     let sockets: Vec<PathBuf> =
         (0..3).map(|i| PathBuf::from(format!("/tmp/ublkd-test-nbd-silent-{i}.sock"))).collect();
     for (i, socket) in sockets.iter().enumerate() {
@@ -914,7 +945,8 @@ fn configured_exports_are_negotiated_side_by_side_at_start() {
     let ublkd = Ublkd::start_with("nbd-configured-silent", &config, &[]);
     let took = started.elapsed();
     eprintln!("three silent servers configured: ublkd answered after {took:?}");
-    assert!(took < Duration::from_secs(25), "ublkd took {took:?}: one handshake after another");
+    let one_after_another = Duration::from_secs(3 * HANDSHAKE_SECS);
+    assert!(took < one_after_another, "ublkd took {took:?}: one handshake after another");
     let status = ublkd.status();
     assert_eq!(status.len(), 1, "{status:?}");
     assert_eq!((status[0]["id"].as_u64(), status[0]["state"].as_str()), (Some(30), Some("LIVE")));
@@ -922,7 +954,7 @@ fn configured_exports_are_negotiated_side_by_side_at_start() {
     for socket in &sockets {
         assert!(
             log.lines().any(|l| l.contains(&socket.display().to_string())
-                && l.contains("did not answer within 10 s")),
+                && l.contains(&format!("did not answer within {HANDSHAKE_SECS} s"))),
             "no error for {}:\n{log}",
             socket.display()
         );
@@ -940,7 +972,9 @@ fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
     let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent-reload.sock");
     silent_unix_server(&socket);
     let null = |id: u32| format!("\n[[device]]\nid = {id}\ntarget = \"null\"\nsize = \"64M\"\n");
-    let ublkd = Ublkd::start_with("nbd-silent-reload", &null(30), &[]);
+    // Longer than the other tests' limit: device 31 must be LIVE within it.
+    let limit = handshake_limit(RELOAD_HANDSHAKE_SECS);
+    let ublkd = Ublkd::start_with("nbd-silent-reload", &format!("{}{limit}", null(30)), &[]);
     let silent = format!(
         "\n[[device]]\nid = 21\ntarget = \"nbd\"\nuri = \"nbd+unix:///?socket={}\"\n",
         socket.display()
@@ -948,7 +982,7 @@ fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
     let started = Instant::now();
     let outcome = std::thread::scope(|scope| {
         let reload =
-            scope.spawn(|| ublkd.reload_with(&format!("{}{silent}{}", null(30), null(31))));
+            scope.spawn(|| ublkd.reload_with(&format!("{}{silent}{}{limit}", null(30), null(31))));
         let mut slowest = Duration::ZERO;
         let mut seen_31 = None;
         while !reload.is_finished() {
@@ -964,17 +998,19 @@ fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
         eprintln!("during the reload: slowest status {slowest:?}, device 31 LIVE at {seen_31:?}");
         assert!(slowest < Duration::from_secs(1), "a status took {slowest:?} during the reload");
         let seen_31 = seen_31.expect("device 31 was never LIVE during the reload");
-        assert!(seen_31 < Duration::from_secs(8), "device 31 was LIVE only at {seen_31:?}");
+        let before_the_limit = Duration::from_secs(RELOAD_HANDSHAKE_SECS - 1);
+        assert!(seen_31 < before_the_limit, "device 31 was LIVE only at {seen_31:?}");
         reload.join().unwrap()
     });
     let took = started.elapsed();
-    assert!(took >= Duration::from_secs(10), "the reload ended after {took:?}");
+    let limit = Duration::from_secs(RELOAD_HANDSHAKE_SECS);
+    assert!(took >= limit, "the reload ended after {took:?}");
     assert!(outcome.contains("reloaded: 1 device(s) added, 0 deleted"), "{outcome}");
     let log = ublkd.log();
     assert!(
         log.lines()
             .any(|l| l.contains("reload: configured device")
-                && l.contains("did not answer within 10 s")),
+                && l.contains(&format!("did not answer within {RELOAD_HANDSHAKE_SECS} s"))),
         "no error for the silent server's device:\n{log}"
     );
     let ids: Vec<u64> = ublkd.status().iter().filter_map(|d| d["id"].as_u64()).collect();
@@ -985,13 +1021,13 @@ fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
 /// A server that accepts and then says nothing holds up only its own `ublkctl add`:
 /// the handshake runs on a thread of its own, so meanwhile ublkd answers `status` (which
 /// shows the add and where it stands) and adds another device; the add then fails after
-/// the handshake's 10 s, naming why.
+/// the handshake's time limit, naming why.
 #[test]
 fn a_silent_server_holds_up_only_its_own_add() {
     let _serial = serial();
     let socket = PathBuf::from("/tmp/ublkd-test-nbd-silent.sock");
     silent_unix_server(&socket);
-    let ublkd = Ublkd::start("nbd-silent");
+    let ublkd = Ublkd::start_with("nbd-silent", &handshake_limit(HANDSHAKE_SECS), &[]);
     let uri = format!("nbd+unix:///?socket={}", socket.display());
     let t = Instant::now();
     let add = Command::new(bin("ublkctl"))
@@ -1002,7 +1038,7 @@ fn a_silent_server_holds_up_only_its_own_add() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(1));
+    ublkd.wait_until("the add to be under way", || !ublkd.status().is_empty());
     let asked = Instant::now();
     // Status shows the add under way, and where it stands.
     let adding = ublkd.status();
@@ -1017,8 +1053,9 @@ fn a_silent_server_holds_up_only_its_own_add() {
     let took = t.elapsed();
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the add of a silent server succeeded: {}", describe(&out));
-    assert!(said.contains("did not answer within 10 s"), "{}", describe(&out));
-    assert!(took >= Duration::from_secs(10), "the add failed after {took:?}");
+    let limit = format!("did not answer within {HANDSHAKE_SECS} s");
+    assert!(said.contains(&limit), "{}", describe(&out));
+    assert!(took >= Duration::from_secs(HANDSHAKE_SECS), "the add failed after {took:?}");
     eprintln!("while the silent server's add waited: status and a null add took {meanwhile:?}");
     assert_eq!(ublkd.status().len(), 1, "the silent server's device exists");
     ublkd.del(id);
@@ -1086,7 +1123,7 @@ impl BreakingProxy {
 }
 
 /// A server that accepts and negotiates every connection, then breaks it at its first
-/// request, for 30 s: each broken connection is a worker lost, but a connection that
+/// request, for [`BREAKING_FOR`]: each broken connection is a worker lost, but a connection that
 /// breaks that soon counts as a failed connect, so the next one waits longer each time
 /// (1 s, doubling): one new worker per step of the backoff, not one per connection as
 /// fast as the server breaks them. ublkd answers meanwhile, status says what it waits
@@ -1107,7 +1144,7 @@ fn a_server_that_breaks_every_connection_at_once_gets_one_worker_per_backoff_ste
     let reader = std::thread::spawn(move || read_at_direct(&reading, 0, 4096));
     let started = Instant::now();
     let (mut slowest, mut noted) = (Duration::ZERO, String::new());
-    while started.elapsed() < Duration::from_secs(30) {
+    while started.elapsed() < BREAKING_FOR {
         let asked = Instant::now();
         ublkd.ctl_ok(&["list"]);
         slowest = slowest.max(asked.elapsed());
@@ -1121,10 +1158,11 @@ fn a_server_that_breaks_every_connection_at_once_gets_one_worker_per_backoff_ste
     proxy.set_breaking(false);
     let read = reader.join().expect("the held read failed");
     assert!(read == pattern(7, 4096), "the held read returned other data");
-    eprintln!("{broken} connections broken in 30 s; list took {slowest:?} at most; {noted}");
+    eprintln!("{broken} connections broken in {BREAKING_FOR:?}; list took {slowest:?} at most; {noted}");
     assert!(broken >= 3, "only {broken} connections were broken: the test proves nothing");
-    // Connections at 0, 1, 3, 7, 15 and 31 s (plus each worker's start): six at most.
-    assert!(broken <= 7, "{broken} workers in 30 s:\n{}", ublkd.log());
+    // Connections at 0, 1, 3, 7 and 15 s (plus each worker's start): five at most
+    // (without the backoff, one per worker start: dozens).
+    assert!(broken <= 6, "{broken} workers in {BREAKING_FOR:?}:\n{}", ublkd.log());
     assert!(slowest < Duration::from_secs(1), "ublkctl list took {slowest:?}");
     assert!(!noted.is_empty(), "status never said the server keeps breaking connections");
     assert!(ublkd.log().contains("keeps breaking connections"), "{}", ublkd.log());

@@ -219,8 +219,9 @@ const CONCURRENT_ADDS: usize = 8;
 const SILENT_ID: u32 = 41;
 /// The device id whose worker exits at once, before it stands by.
 const FAILING_ID: u32 = 42;
-/// ublkd's limit for a worker to stand by (`WORKER_TIMEOUT`).
-const WORKER_TIMEOUT: Duration = Duration::from_secs(30);
+/// ublkd's limit for a worker to stand by, set short (`recovery.worker_ready_timeout_secs`;
+/// the default is 30 s) because the silent worker's add waits it out.
+const WORKER_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A worker binary that sleeps [`SLOW_START`] before it becomes the real worker, but
 /// for device [`SILENT_ID`] (sleeps for an hour, never answering) and [`FAILING_ID`]
@@ -291,7 +292,11 @@ fn adds_overlap_their_workers_start_ups() {
     let _serial = serial();
     let wrapper = PathBuf::from("/tmp/ublkd-test-slow-worker");
     slow_worker(&wrapper);
-    let extra = format!("worker_binary = \"{}\"\n", wrapper.display());
+    let extra = format!(
+        "worker_binary = \"{}\"\n[recovery]\nworker_ready_timeout_secs = {}\n",
+        wrapper.display(),
+        WORKER_TIMEOUT.as_secs()
+    );
     let ublkd = Ublkd::start_with("slow-start", &extra, &[]);
     let add = |args: &[&str]| {
         Command::new(bin("ublkctl"))
@@ -385,7 +390,8 @@ fn adds_overlap_their_workers_start_ups() {
     let silent_took = started.elapsed();
     assert!(!out.status.success(), "the silent worker's add succeeded: {}", describe(&out));
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(said.contains("did not answer within 30 s"), "{}", describe(&out));
+    let limit = format!("did not answer within {} s", WORKER_TIMEOUT.as_secs());
+    assert!(said.contains(&limit), "{}", describe(&out));
     assert!(silent_took >= WORKER_TIMEOUT, "the silent add failed after {silent_took:?}");
     println!("the silent worker's add failed after {:.1} s", silent_took.as_secs_f64());
     let kernel: Vec<u32> = kernel_devices().into_iter().collect();
