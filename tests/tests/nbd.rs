@@ -1008,9 +1008,8 @@ fn a_reload_adding_a_silent_servers_device_holds_up_nothing_else() {
     assert!(outcome.contains("reloaded: 1 device(s) added, 0 deleted"), "{outcome}");
     let log = ublkd.log();
     assert!(
-        log.lines()
-            .any(|l| l.contains("reload: configured device")
-                && l.contains(&format!("did not answer within {RELOAD_HANDSHAKE_SECS} s"))),
+        log.lines().any(|l| l.contains("reload: configured device")
+            && l.contains(&format!("did not answer within {RELOAD_HANDSHAKE_SECS} s"))),
         "no error for the silent server's device:\n{log}"
     );
     let ids: Vec<u64> = ublkd.status().iter().filter_map(|d| d["id"].as_u64()).collect();
@@ -1158,7 +1157,9 @@ fn a_server_that_breaks_every_connection_at_once_gets_one_worker_per_backoff_ste
     proxy.set_breaking(false);
     let read = reader.join().expect("the held read failed");
     assert!(read == pattern(7, 4096), "the held read returned other data");
-    eprintln!("{broken} connections broken in {BREAKING_FOR:?}; list took {slowest:?} at most; {noted}");
+    eprintln!(
+        "{broken} connections broken in {BREAKING_FOR:?}; list took {slowest:?} at most; {noted}"
+    );
     assert!(broken >= 3, "only {broken} connections were broken: the test proves nothing");
     // Connections at 0, 1, 3, 7 and 15 s (plus each worker's start): five at most
     // (without the backoff, one per worker start: dozens).

@@ -114,7 +114,11 @@ fn every_target_keeps_fio_verify_clean_across_a_worker_kill() {
         let jobs = fio.interrupt().unwrap_or_else(|e| panic!("{target}: {e}\n{}", ublkd.log()));
         assert!(jobs.iter().all(|j| j.read_bytes > 0 && j.write_bytes > 0), "{target}: {jobs:?}");
         let dev = ublkd.status_of(id);
-        assert_eq!((dev["recoveries"].as_u64(), dev["errors"].as_u64()), (Some(1), Some(0)), "{dev}");
+        assert_eq!(
+            (dev["recoveries"].as_u64(), dev["errors"].as_u64()),
+            (Some(1), Some(0)),
+            "{dev}"
+        );
         if target != "null" {
             verify_region(&node, REGION).unwrap_or_else(|e| panic!("{target}: {e}"));
         }
