@@ -29,7 +29,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
@@ -40,6 +39,7 @@ use ublkd_tests::harness::machine::{
 };
 use ublkd_tests::harness::process::{self, assert_succeeded, describe, run, run_ok};
 use ublkd_tests::harness::storage;
+use ublkd_tests::harness::ublkd::Ctl;
 
 /// The worst `systemd-analyze security` exposure the unit may have (0.0 best, 10.0
 /// worst): measured 3.2 ("OK") with the hardening in packaging/ublkd.service, on
@@ -227,8 +227,8 @@ fn ublkd_package_under_systemd() {
     std::fs::write(CONFIG, config(&[(7, "64M"), (8, "32M")])).unwrap();
 
     step("4. systemctl kill -s KILL under fio verify");
-    let fio = Fio::start("after-kill", 7, 25);
-    wait_for_io(7);
+    let fio = Fio::start("after-kill", 7);
+    wait_for_ios(7, 100);
     let main_pid = prop("MainPID");
     let restarts: u32 = prop("NRestarts").parse().unwrap();
     systemctl(&["kill", "-s", "KILL", "ublkd"]);
@@ -245,8 +245,8 @@ fn ublkd_package_under_systemd() {
     let ublkd_pid: u32 = prop("MainPID").parse().unwrap();
     let rings = fd_targets(ublkd_pid).iter().filter(|t| *t == "anon_inode:[io_uring]").count();
     assert!(rings >= 3, "ublkd holds {rings} io_urings: no copies of its workers' rings");
-    let fio = Fio::start("worker-stop", 7, 20);
-    wait_for_io(7);
+    let fio = Fio::start("worker-stop", 7);
+    wait_for_ios(7, 100);
     let stopped = worker_of(7);
     assert!(process::signal(stopped, libc::SIGSTOP), "SIGSTOP {stopped}");
     wait_for("ublkd to replace the stopped worker", Duration::from_secs(60), || {
@@ -264,8 +264,8 @@ fn ublkd_package_under_systemd() {
     fio.finish();
 
     step("5b. a SIGSTOPped ublkd: the watchdog fires, systemd restarts it");
-    let fio = Fio::start("ublkd-stop", 7, 30);
-    wait_for_io(7);
+    let fio = Fio::start("ublkd-stop", 7);
+    wait_for_ios(7, 100);
     let main_pid = prop("MainPID");
     assert!(process::signal(main_pid.parse().unwrap(), libc::SIGSTOP), "SIGSTOP ublkd");
     wait_for_restart("the watchdog to restart ublkd", restarts + 2, &main_pid);
@@ -286,8 +286,8 @@ fn ublkd_package_under_systemd() {
     }
     let sums = || -> Vec<String> { files.iter().map(|f| storage::sha256(f)).collect() };
     let written = sums();
-    let fio = Fio::start("restart", 7, 15);
-    wait_for_io(7);
+    let fio = Fio::start("restart", 7);
+    wait_for_ios(7, 100);
     let main_pid = prop("MainPID");
     let serving: Vec<u32> = [7, 8].into_iter().map(worker_of).collect();
     systemctl(&["restart", "ublkd"]);
@@ -308,8 +308,8 @@ fn ublkd_package_under_systemd() {
     // dpkg -i takes tens of seconds under emulation before its postinst restarts
     // ublkd, then moves every device to the new worker binary (minutes on a loaded
     // host): fio runs until it is done.
-    let mut fio = fio::Fio::spawn(Fio::args("upgrade", 7, 1800));
-    wait_for_io(7);
+    let mut fio = fio::Fio::spawn(Fio::args("upgrade", 7));
+    wait_for_ios(7, 100);
     let t = Instant::now();
     let out = run(Command::new("dpkg").arg("-i").arg(&newer));
     assert!(out.status.success(), "dpkg -i {} failed:\n{}", newer.display(), describe(&out));
@@ -754,17 +754,20 @@ fn pids_named(name: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The packaged ublkd's control socket, asked on directly for the polls below (as
+/// `ublkctl status --json` asks; exec'ing ublkctl at every poll is the cost, under
+/// emulation, this avoids).
+fn ctl() -> Ctl {
+    Ctl { socket: PathBuf::from("/run/ublkd/ublkd.sock") }
+}
+
 /// `ublkctl status --json`'s devices.
 fn status() -> Vec<serde_json::Value> {
-    let out = run_ok(Command::new("ublkctl").args(["status", "--json"]));
-    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
-    json["devices"].as_array().cloned().unwrap_or_default()
+    ctl().status().unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn worker_of_opt(id: u32) -> Option<u32> {
-    let out = run(Command::new("ublkctl").args(["status", "--json"]));
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    let dev = json["devices"].as_array()?.iter().find(|d| d["id"] == id)?.clone();
+    let dev = ctl().device(id).ok()?;
     dev["worker_pid"].as_u64().map(|p| p as u32)
 }
 
@@ -772,15 +775,13 @@ fn worker_of(id: u32) -> u32 {
     worker_of_opt(id).unwrap_or_else(|| panic!("device {id} has no worker: {:?}", status()))
 }
 
-/// The ids `ublkctl list` shows LIVE.
+/// The ids ublkd reports LIVE (none while it does not answer).
 fn live_ids() -> Vec<u32> {
-    let out = run(Command::new("ublkctl").arg("list"));
-    let text = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<&str> = text.lines().collect();
-    lines
-        .chunks(2)
-        .filter(|pair| pair.len() == 2 && pair[1].trim_end().ends_with("state LIVE"))
-        .filter_map(|pair| pair[0].strip_prefix("dev id ")?.split(':').next()?.parse().ok())
+    let devices = ctl().status().unwrap_or_default();
+    devices
+        .iter()
+        .filter(|d| d["state"] == "LIVE")
+        .filter_map(|d| d["id"].as_u64().map(|id| id as u32))
         .collect()
 }
 
@@ -814,33 +815,41 @@ fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Waits until device `id` completed some I/O since the call.
-fn wait_for_io(id: u32) {
+/// Waits until device `id` completed `n` requests (reads plus writes) since the call.
+fn wait_for_ios(id: u32, n: u64) {
     let stat = || {
         let s = std::fs::read_to_string(format!("/sys/block/ublkb{id}/stat")).unwrap();
         let f: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
         f[0] + f[4]
     };
     let before = stat();
-    wait_for("fio's I/O to start", Duration::from_secs(30), || stat() > before + 100);
+    wait_for(&format!("{n} requests on device {id}"), Duration::from_secs(60), || {
+        stat() >= before + n
+    });
 }
 
-/// A time-based fio random read/write run with crc32c verification (fatal) on a
-/// device, in a thread; [`Fio::finish`] asserts it ended without any error.
+/// A fio random read/write run with crc32c verification (fatal) on a device, time
+/// based with [`FIO_CAP_SECS`] only as a bound: [`Fio::finish`] stops it once the
+/// event it brackets is over and verified I/O followed, and asserts it had no error.
 struct Fio {
-    name: String,
-    handle: JoinHandle<Vec<FioJob>>,
+    id: u32,
+    fio: fio::Fio,
 }
+
+/// The bound on a test's fio; each is stopped long before.
+const FIO_CAP_SECS: u64 = 1800;
+/// Requests fio completes after the event it brackets before it is stopped: the
+/// writes around the event are then behind its verify backlog (256) several times over.
+const IOS_AFTER: u64 = 1000;
 
 impl Fio {
-    fn start(name: &str, id: u32, secs: u64) -> Fio {
-        let args = Fio::args(name, id, secs);
-        let handle = std::thread::spawn(move || fio::fio(&args));
-        Fio { name: name.to_string(), handle }
+    fn start(name: &str, id: u32) -> Fio {
+        Fio { id, fio: fio::Fio::spawn(Fio::args(name, id)) }
     }
 
-    /// Random reads and writes on device `id` for `secs`, verifying every block.
-    fn args(name: &str, id: u32, secs: u64) -> Vec<String> {
+    /// Random reads and writes on device `id`, verifying every block, for at most
+    /// [`FIO_CAP_SECS`].
+    fn args(name: &str, id: u32) -> Vec<String> {
         [
             format!("--name={name}"),
             format!("--filename=/dev/ublkb{id}"),
@@ -851,7 +860,7 @@ impl Fio {
             "--ioengine=io_uring".into(),
             "--iodepth=16".into(),
             "--time_based".into(),
-            format!("--runtime={secs}"),
+            format!("--runtime={FIO_CAP_SECS}"),
             "--verify=crc32c".into(),
             "--verify_fatal=1".into(),
             "--verify_backlog=256".into(),
@@ -862,8 +871,8 @@ impl Fio {
     }
 
     fn finish(self) -> Vec<FioJob> {
-        let jobs =
-            self.handle.join().unwrap_or_else(|_| panic!("fio {} failed (above)", self.name));
+        wait_for_ios(self.id, IOS_AFTER);
+        let jobs = self.fio.interrupt().unwrap_or_else(|e| panic!("{e}"));
         fio::assert_fio_clean(&jobs, 1);
         jobs
     }
