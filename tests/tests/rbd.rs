@@ -433,20 +433,29 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     ublkd.stop();
 }
 
-/// The whole cluster away for a minute (monitor and OSD killed, then started again)
-/// under fio verify: the device holds its I/O and keeps its worker (waiting for the
-/// cluster is no hang), `ublkctl status` says what it waits for, and fio goes on without
-/// an error once the cluster is back. Then, on a device of a ublkd with
-/// `recovery.rbd_cluster_wait_secs = 4`, a read the cluster (away again) does not
-/// answer fails with EIO in about that long.
+/// How long the cluster stays away: many times the hang limit the test sets
+/// ([`AWAY_HUNG_TIMEOUT_SECS`]), and past librados' own 10 s after which an
+/// operation counts as laggy (`objecter_timeout`).
+const AWAY_FOR: Duration = Duration::from_secs(15);
+/// `recovery.hung_timeout_secs` while the cluster is away: short, so that waiting for
+/// the cluster is shown to be no hang in a short outage.
+const AWAY_HUNG_TIMEOUT_SECS: u64 = 2;
+
+/// The whole cluster away for [`AWAY_FOR`] (monitor and OSD killed, then started
+/// again) under fio verify: the device holds its I/O and keeps its worker (waiting for
+/// the cluster is no hang, past the hang limit many times), `ublkctl status` says what
+/// it waits for, and fio goes on without an error once the cluster is back. Then, on a
+/// device of a ublkd with `recovery.rbd_cluster_wait_secs = 4`, a read the cluster
+/// (away again) does not answer fails with EIO in about that long.
 #[test]
-fn the_whole_cluster_away_for_a_minute_holds_io_and_says_why() {
+fn the_whole_cluster_away_holds_io_past_the_hang_limit_and_says_why() {
     let _serial = serial();
     let cluster = Cluster::shared();
     let image = "away";
     let region = 16 * MIB;
     cluster.create_image(image, 64 * MIB);
-    let ublkd = Ublkd::start_with("rbd-away", "", &[("UBLKD_LOG", "info")]);
+    let hung = format!("[recovery]\nhung_timeout_secs = {AWAY_HUNG_TIMEOUT_SECS}\n");
+    let ublkd = Ublkd::start_with("rbd-away", &hung, &[("UBLKD_LOG", "info")]);
     let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
     let node = block_dev(id);
     chaos::prefill(&node, region);
@@ -461,13 +470,13 @@ fn the_whole_cluster_away_for_a_minute_holds_io_and_says_why() {
     let mut note = None;
     let away = Instant::now();
     cluster.away(|| {
-        while away.elapsed() < Duration::from_secs(60) {
+        while away.elapsed() < AWAY_FOR {
             let dev = ublkd.status_of(id);
             assert_eq!(dev["worker_pid"].as_u64(), Some(u64::from(worker)), "replaced: {dev}");
             if let Some(text) = dev["note"].as_str() {
                 note = Some(text.to_owned());
             }
-            std::thread::sleep(Duration::from_secs(1));
+            std::thread::sleep(Duration::from_millis(250));
         }
     });
     let back = away.elapsed();
@@ -726,7 +735,7 @@ fn bad_rbd_inputs_are_named() {
 /// How long the fencing test holds the old worker's write on loopback: past the kill,
 /// the recovery (the new worker connects, breaks the old one's lock, which blocklists
 /// it, and takes the lock), the re-issued write and the newer one.
-const FENCE_DELAY: Duration = Duration::from_secs(30);
+const FENCE_DELAY: Duration = Duration::from_secs(20);
 
 /// The fence, tested where it matters: a write the dead worker left in flight reaches
 /// the OSD only after the next worker has written newer data to the same block.

@@ -280,16 +280,23 @@ fn min_median_max(mut v: Vec<u64>) -> (u64, u64, u64) {
     (v[0], v[v.len() / 2], v[v.len() - 1])
 }
 
-/// `n` pauses of 0.5–3 s from `prng`, one before each strike.
+/// `n` pauses of 0.2–1.2 s from `prng`, one before each strike: they put the strikes
+/// at random points of fio's passes; what the device serves between two strikes is
+/// [`IOS_BETWEEN_STRIKES`]'s to ensure, not the clock's.
 pub fn pauses(prng: &mut Prng, n: usize) -> Vec<Duration> {
-    (0..n).map(|_| prng.between(Duration::from_millis(500), Duration::from_secs(3))).collect()
+    (0..n).map(|_| prng.between(Duration::from_millis(200), Duration::from_millis(1200))).collect()
 }
+
+/// Requests the struck device serves after a recovery shows before the next strike:
+/// each new worker serves verified I/O before it dies in turn.
+pub const IOS_BETWEEN_STRIKES: u64 = 50;
 
 /// Strikes device `id`'s current worker (from `ublkctl status --json`) once per pause,
 /// each pause counted from the previous strike, and after each strike waits until
 /// `ublkctl status` shows its recovery (a new worker, one more recovery, LIVE) and
-/// samples `last_recovery_ms`: strikes come every 0.5–3 s, or as soon as the previous
-/// recovery shows if it takes longer. A signal that finds no process is a miss. Reads
+/// samples `last_recovery_ms`: strikes come every 0.2–1.2 s, or later when the previous
+/// recovery takes longer or the new worker has not yet served
+/// [`IOS_BETWEEN_STRIKES`] requests. A signal that finds no process is a miss. Reads
 /// device `watch`'s I/O count at each strike and recovery. Ends early, with an error,
 /// when `abort` is set.
 pub fn strike(
@@ -302,10 +309,23 @@ pub fn strike(
 ) -> Result<Strikes, String> {
     let mut strikes = Strikes::default();
     let mut last = Instant::now();
+    // The struck device's requests when its last recovery showed (none yet: fio's I/O
+    // is flowing when the strikes begin).
+    let mut served_from: Option<u64> = None;
+    let ios = |devs: &[Value]| -> Result<u64, String> {
+        Ok(find_device(devs, id)?["ios"].as_u64().unwrap_or(0))
+    };
     for pause in pauses {
-        while last.elapsed() < *pause {
+        loop {
             if abort.load(Ordering::SeqCst) {
                 return Err("aborted".into());
+            }
+            if last.elapsed() >= *pause {
+                match served_from {
+                    None => break,
+                    Some(from) if ios(&ctl.status()?)? >= from + IOS_BETWEEN_STRIKES => break,
+                    Some(_) => {}
+                }
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -323,6 +343,7 @@ pub fn strike(
         };
         if signal(pid, blow.signal()) {
             let (mut hit, devs) = recovered(ctl, id, blow, pid, recoveries, last)?;
+            served_from = Some(ios(&devs)?);
             if let (Some(before), Some(w)) = (watched, watch) {
                 let after = find_device(&devs, w)?["ios"].as_u64().unwrap_or(0);
                 hit.watched = Some([before, (last + Duration::from_millis(hit.seen_ms), after)]);
