@@ -139,7 +139,7 @@ pub fn connect_export(
     spec: &DeviceSpec,
     data_path: DataPath,
 ) -> Result<Option<NbdLink>, TargetError> {
-    let Some(uri) = super::target::export_uri(spec) else { return Ok(None) };
+    let Some(uri) = super::export_uri(spec) else { return Ok(None) };
     let wanted = |info: &ExportInfo| connections_for(spec, Some(info), data_path);
     match connect_set(uri, wanted, replies_for(spec), NBD_HANDSHAKE_TIMEOUT) {
         Ok(set) => {
