@@ -38,12 +38,13 @@ use ublkd_proto::shm::{Geometry, ShmError, ShmRegion};
 use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 
 use crate::device_state::{DeviceState, StateKind, TransitionError};
+use crate::features::KernelRelease;
 use crate::hang::HangWatch;
 use crate::nbd::target::NbdTarget;
 use crate::rbd::RbdTarget;
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
-use crate::target::{KernelRelease, TargetError, decide_zero_copy, open_target};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
+use crate::target::{TargetError, decide_zero_copy, open_target};
 use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
 pub use policy_state::{HangPolicy, RestartBudget, StandbySchedule};
 

@@ -26,7 +26,8 @@ use ublkd_proto::msg::{DataPath, MAX_NBD_CONNECTIONS};
 
 use super::backoff::Backoff;
 use super::{ExportInfo, NbdError, Replies};
-use crate::target::{TargetError, zero_copy};
+use crate::target::error::TargetError;
+use crate::target::zero_copy::zero_copy;
 
 /// How long ublkd gives an NBD server to accept a connection and finish its handshake.
 pub const NBD_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -26,7 +26,7 @@ use super::backoff::QUICK_BREAK;
 use super::link::{NbdLink, nbd_poll_connect};
 use super::{ExportInfo, NbdError, export_uri};
 use crate::state::ExportRecord;
-use crate::target::TargetError;
+use crate::target::error::TargetError;
 use crate::worker::Worker;
 
 /// The longest a recovery waits between two tries to reach its server.
