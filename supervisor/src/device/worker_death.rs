@@ -79,8 +79,7 @@ impl Device {
     }
 
     /// Why the worker is hung at `now`, with the kernel's numbers of the scan's `disks`,
-    /// if it is (see [`crate::hang`] and
-    /// [`HangPolicy`]).
+    /// if it is (see [`crate::hang`] and [`super::HangPolicy`]).
     ///
     /// An nbd worker that waits for its server (not hung: the server is slow) is
     /// replaced once no request has completed for `request_timeout`

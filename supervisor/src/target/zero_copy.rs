@@ -1,6 +1,6 @@
 //! Whether a device serves with zero copy: decided once, when it is made, from what
 //! the kernel offers ([`decide_zero_copy`]), and read from its spec after
-//! ([`zero_copy`]), by the device's flags, its workers' setup and its nbd connections.
+//! ([`zero_copy`]) by the device's flags, its workers' setup and its nbd connections.
 
 use ublkd_config::{DeviceSpec, TargetSpec};
 use ublkd_proto::msg::DataPath;
@@ -12,9 +12,11 @@ use crate::target::error::TargetError;
 /// Whether `spec` (its zero copy decided) serves a loop file or an nbd export with zero
 /// copy: its device has `UBLK_F_AUTO_BUF_REG` and its workers `WorkerSetup::zero_copy`.
 /// An nbd device's workers then always get one connection per thread
-/// ([`NbdLink::connections`](crate::nbd::link::NbdLink::connections)), each negotiated with simple replies
+/// ([`NbdLink::connections`]), each negotiated with simple replies
 /// ([`crate::nbd::Replies::Simple`]). An nbd spec whose zero copy is unset copies, so
 /// this holds before [`decide_zero_copy`] as well as after.
+///
+/// [`NbdLink::connections`]: crate::nbd::link::NbdLink::connections
 pub fn zero_copy(spec: &DeviceSpec) -> bool {
     spec.target.zero_copy() == Some(true)
 }
