@@ -53,12 +53,11 @@ pub use handlers::spec_from_request;
 use crate::control::{ControlServer, Token};
 use crate::device::{Context, Creation, Device, DeviceError, Left, Progress};
 use crate::device_state::{StateKind, Summary};
+use crate::features::KernelRelease;
 use crate::metrics::FileWriter;
 use crate::state::StateDir;
 use crate::systemd::Notifier;
-use crate::target::{
-    KernelRelease, Reached, TargetError, decide_zero_copy, reach, reach_takes_time,
-};
+use crate::target::{Reached, TargetError, decide_zero_copy, reach, reach_takes_time};
 use crate::worker::WorkerIdentity;
 use crate::{exit, features, recovery};
 

@@ -1,6 +1,7 @@
 //! The kernel's ublk feature mask: what `ublkctl features` shows (for people and for
 //! scripts), which features ublkd requires (`ublkd --check-kernel`, and ublkd's start),
-//! and which data path the kernel gets.
+//! and which data path the kernel gets; and, for what the kernel offers without a
+//! feature flag, its release ([`KernelRelease`]).
 
 use serde::Serialize;
 use ublkd_proto::msg::DataPath;
@@ -66,6 +67,44 @@ pub fn missing_required(mask: u64) -> Vec<String> {
         .collect()
 }
 
+/// A Linux release, as `uname -r` gives it: its major and minor numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct KernelRelease {
+    pub major: u32,
+    pub minor: u32,
+}
+
+/// The first release whose io_uring sends from and receives into a registered buffer
+/// on a plain socket (kernel commit 57ed21fad402, "io_uring/net: support registered
+/// buffer for plain send and recv"), as a zero-copy nbd worker does with the request
+/// pages the kernel registered in its ring. The kernel has no feature flag for it: on
+/// 7.0 and 7.1 the device would be made and its worker's first zero-copy receive fail,
+/// so the release decides.
+pub const NBD_ZERO_COPY_RELEASE: KernelRelease = KernelRelease { major: 7, minor: 2 };
+
+impl KernelRelease {
+    /// The major and minor numbers at the front of a release string (`7.2.0-rc3`,
+    /// `6.12.48+deb13-amd64`, `7.2`), or `None` if it does not start with them.
+    pub fn parse(release: &str) -> Option<KernelRelease> {
+        let mut numbers = release.splitn(3, '.');
+        let major = numbers.next()?.parse().ok()?;
+        let minor: String = numbers.next()?.chars().take_while(char::is_ascii_digit).collect();
+        Some(KernelRelease { major, minor: minor.parse().ok()? })
+    }
+
+    /// The running kernel's (uname), if it reads as a release.
+    pub fn running() -> Option<KernelRelease> {
+        let uts = nix::sys::utsname::uname().ok()?;
+        KernelRelease::parse(uts.release().to_str()?)
+    }
+}
+
+impl std::fmt::Display for KernelRelease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,5 +144,23 @@ mod tests {
         assert_eq!(missing.len(), 1);
         assert!(missing[0].starts_with("UBLK_F_USER_RECOVERY_REISSUE (needed for"), "{missing:?}");
         assert!(missing[0].ends_with("ublkd needs Linux 6.5 or newer)"), "{missing:?}");
+    }
+
+    #[test]
+    fn a_kernel_release_reads_as_its_major_and_minor_numbers() {
+        let release = |major, minor| Some(KernelRelease { major, minor });
+        assert_eq!(KernelRelease::parse("7.2.0"), release(7, 2));
+        assert_eq!(KernelRelease::parse("7.2"), release(7, 2));
+        assert_eq!(KernelRelease::parse("7.2-rc3"), release(7, 2));
+        assert_eq!(KernelRelease::parse("7.10.1-arch1-1"), release(7, 10));
+        assert_eq!(KernelRelease::parse("6.12.48+deb13-amd64"), release(6, 12));
+        for bad in ["", "7", "7.", "x.2.0", "7.x", "-7.2"] {
+            assert_eq!(KernelRelease::parse(bad), None, "{bad:?}");
+        }
+        // Minor numbers compare as numbers: 7.10 is after 7.2.
+        assert!(KernelRelease { major: 7, minor: 10 } >= NBD_ZERO_COPY_RELEASE);
+        assert!(KernelRelease { major: 6, minor: 99 } < NBD_ZERO_COPY_RELEASE);
+        assert!(KernelRelease { major: 8, minor: 0 } >= NBD_ZERO_COPY_RELEASE);
+        assert_eq!(NBD_ZERO_COPY_RELEASE.to_string(), "7.2");
     }
 }

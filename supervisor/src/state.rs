@@ -174,7 +174,7 @@ impl DeviceRecord {
             threads: spec.settings.threads,
             sandbox: spec.settings.sandbox,
             sandbox_optional: spec.settings.sandbox_optional.layers(),
-            uri: crate::nbd::target::export_uri(spec).map(ToString::to_string),
+            uri: crate::nbd::export_uri(spec).map(ToString::to_string),
             export: None,
             rbd: match &spec.target {
                 TargetSpec::Rbd(rbd) => Some(rbd.clone()),

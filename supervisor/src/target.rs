@@ -16,55 +16,14 @@ use ublkd_proto::uapi::{self, UblkParamBasic, UblkParamDiscard, UblkParams};
 
 use ublkd_proto::msg::rbd::RbdProbe;
 
-use crate::nbd::{ExportInfo, NbdError};
-use crate::rbd::{CephConfError, ProbeError};
-use crate::state::{StateDir, StateError};
+pub mod error;
+pub mod zero_copy;
 
-/// Errors in setting up a device's target. Each names the device.
-#[derive(Debug, thiserror::Error)]
-pub enum TargetError {
-    #[error("device {id}: {source}")]
-    State { id: u32, source: StateError },
-    #[error("device {id}: cannot open its backing file {}: {source}", path.display())]
-    Backing { id: u32, path: PathBuf, source: io::Error },
-    #[error("device {id}: {} did not appear: {source}", path.display())]
-    CharDev { id: u32, path: PathBuf, source: io::Error },
-    #[error(
-        "zero_copy needs the kernel's UBLK_F_AUTO_BUF_REG with the batched data path \
-         (UBLK_F_BATCH_IO, Linux >= 7.0), which it lacks; turn zero_copy off (--copy)"
-    )]
-    ZeroCopyUnsupported,
-    #[error(
-        "zero_copy for an nbd device needs Linux >= {NBD_ZERO_COPY_RELEASE} (io_uring's \
-         socket send and receive into registered buffers), this kernel is {}; turn \
-         zero_copy off (--copy) or leave it unset",
-        release.map_or_else(|| "of a release ublkd cannot read".to_string(), |r| r.to_string())
-    )]
-    ZeroCopyNbdKernel { release: Option<KernelRelease> },
-    #[error(
-        "zero copy needs one connection per thread; the export {uri} does not allow \
-         several connections (no NBD_FLAG_CAN_MULTI_CONN): set threads = 1 or turn \
-         zero_copy off"
-    )]
-    ZeroCopyNbdOneConnection { uri: String },
-    #[error(
-        "the NBD server {uri} answered {got} of the {want} connections a zero-copy device \
-         needs (one per thread), and it is never served over fewer: let the server take \
-         {want} connections, or lower threads, or turn zero_copy off"
-    )]
-    ZeroCopyNbdConnections { uri: String, got: usize, want: u8 },
-    #[error("cannot use the nbd export {uri}: {source}")]
-    Nbd { uri: String, source: Box<NbdError> },
-    #[error(
-        "the nbd export {uri} is no longer what device {id} was made from: {what}; \
-         the device waits (its I/O held) until the server offers it again"
-    )]
-    NbdChanged { id: u32, uri: String, what: String },
-    #[error("cannot use the rbd image {image}: {source}")]
-    RbdConf { image: String, source: CephConfError },
-    #[error("cannot use the rbd image {image}: {source}")]
-    RbdProbe { image: String, source: ProbeError },
-}
+pub use error::TargetError;
+pub use zero_copy::{decide_zero_copy, zero_copy};
+
+use crate::nbd::ExportInfo;
+use crate::state::StateDir;
 
 /// What an add learnt of its target before the device is made, on a thread of its own:
 /// an nbd export connected and negotiated, or an rbd image probed.
@@ -142,91 +101,6 @@ pub fn device_flags(spec: &DeviceSpec, kernel_features: u64) -> u64 {
 /// devices are released by the rings' teardown instead.
 pub fn fast_release_supported(path: DataPath) -> bool {
     path == DataPath::Batch
-}
-
-/// Whether `spec` (its zero copy decided) serves a loop file or an nbd export with zero
-/// copy: its device has `UBLK_F_AUTO_BUF_REG` and its workers `WorkerSetup::zero_copy`.
-/// An nbd device's workers then always get one connection per thread
-/// ([`NbdLink::connections`]), each negotiated with simple replies
-/// ([`crate::nbd::Replies::Simple`]). An nbd spec whose zero copy is unset copies, so
-/// this holds before [`decide_zero_copy`] as well as after.
-pub fn zero_copy(spec: &DeviceSpec) -> bool {
-    spec.target.zero_copy() == Some(true)
-}
-
-/// A Linux release, as `uname -r` gives it: its major and minor numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct KernelRelease {
-    pub major: u32,
-    pub minor: u32,
-}
-
-/// The first release whose io_uring sends from and receives into a registered buffer
-/// on a plain socket (kernel commit 57ed21fad402, "io_uring/net: support registered
-/// buffer for plain send and recv"), as a zero-copy nbd worker does with the request
-/// pages the kernel registered in its ring. The kernel has no feature flag for it: on
-/// 7.0 and 7.1 the device would be made and its worker's first zero-copy receive fail,
-/// so the release decides.
-pub const NBD_ZERO_COPY_RELEASE: KernelRelease = KernelRelease { major: 7, minor: 2 };
-
-impl KernelRelease {
-    /// The major and minor numbers at the front of a release string (`7.2.0-rc3`,
-    /// `6.12.48+deb13-amd64`, `7.2`), or `None` if it does not start with them.
-    pub fn parse(release: &str) -> Option<KernelRelease> {
-        let mut numbers = release.splitn(3, '.');
-        let major = numbers.next()?.parse().ok()?;
-        let minor: String = numbers.next()?.chars().take_while(char::is_ascii_digit).collect();
-        Some(KernelRelease { major, minor: minor.parse().ok()? })
-    }
-
-    /// The running kernel's (uname), if it reads as a release.
-    pub fn running() -> Option<KernelRelease> {
-        let uts = nix::sys::utsname::uname().ok()?;
-        KernelRelease::parse(uts.release().to_str()?)
-    }
-}
-
-impl std::fmt::Display for KernelRelease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.major, self.minor)
-    }
-}
-
-/// `spec` with its zero copy decided, on a kernel with `kernel_features` and `release`
-/// (`None`: not known). Asked for, zero copy needs the kernel's AUTO_BUF_REG and the
-/// batched data path (the per-I/O path copies: it is what kernels without BATCH_IO get,
-/// and ublkd does not register buffers on it), and an nbd device also Linux >=
-/// [`NBD_ZERO_COPY_RELEASE`]. Left unset, a loop device gets it where the kernel has
-/// both and the device fits a ring's buffer table (zero copy is faster than copying
-/// each request's data); an nbd device copies: its zero-copy worker receives each
-/// reply's header on its own before the data, one more receive per READ, which costs
-/// small reads, so it is the operator's choice.
-pub fn decide_zero_copy(
-    spec: &DeviceSpec,
-    kernel_features: u64,
-    release: Option<KernelRelease>,
-) -> Result<DeviceSpec, TargetError> {
-    let mut spec = spec.clone();
-    let has = kernel_features & uapi::UBLK_F_AUTO_BUF_REG != 0
-        && DataPath::for_kernel(kernel_features) == DataPath::Batch;
-    let fits = spec.fits_zero_copy();
-    match &mut spec.target {
-        TargetSpec::Loop { zero_copy, .. } => match zero_copy {
-            Some(true) if !has => return Err(TargetError::ZeroCopyUnsupported),
-            Some(_) => {}
-            None => *zero_copy = Some(has && fits),
-        },
-        TargetSpec::Nbd { zero_copy, .. } => match zero_copy {
-            Some(true) if !has => return Err(TargetError::ZeroCopyUnsupported),
-            Some(true) if release.is_none_or(|r| r < NBD_ZERO_COPY_RELEASE) => {
-                return Err(TargetError::ZeroCopyNbdKernel { release });
-            }
-            Some(_) => {}
-            None => *zero_copy = Some(false),
-        },
-        TargetSpec::Null | TargetSpec::Memory | TargetSpec::Rbd(_) => {}
-    }
-    Ok(spec)
 }
 
 /// The kernel parameters for `spec`; for an nbd device, `export` is what its server
@@ -368,6 +242,7 @@ pub fn open_char_dev(id: u32) -> Result<File, TargetError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::features::{KernelRelease, NBD_ZERO_COPY_RELEASE};
 
     fn spec(target: TargetSpec, block_size: u32) -> DeviceSpec {
         DeviceSpec {
@@ -427,24 +302,6 @@ mod tests {
         // The release does not matter to a copying nbd device, nor to a loop device.
         assert!(decide_zero_copy(&nbd_spec(None), all, Some(old)).is_ok());
         assert!(decide_zero_copy(&loop_spec(Some(true)), all, Some(old)).is_ok());
-    }
-
-    #[test]
-    fn a_kernel_release_reads_as_its_major_and_minor_numbers() {
-        let release = |major, minor| Some(KernelRelease { major, minor });
-        assert_eq!(KernelRelease::parse("7.2.0"), release(7, 2));
-        assert_eq!(KernelRelease::parse("7.2"), release(7, 2));
-        assert_eq!(KernelRelease::parse("7.2-rc3"), release(7, 2));
-        assert_eq!(KernelRelease::parse("7.10.1-arch1-1"), release(7, 10));
-        assert_eq!(KernelRelease::parse("6.12.48+deb13-amd64"), release(6, 12));
-        for bad in ["", "7", "7.", "x.2.0", "7.x", "-7.2"] {
-            assert_eq!(KernelRelease::parse(bad), None, "{bad:?}");
-        }
-        // Minor numbers compare as numbers: 7.10 is after 7.2.
-        assert!(KernelRelease { major: 7, minor: 10 } >= NBD_ZERO_COPY_RELEASE);
-        assert!(KernelRelease { major: 6, minor: 99 } < NBD_ZERO_COPY_RELEASE);
-        assert!(KernelRelease { major: 8, minor: 0 } >= NBD_ZERO_COPY_RELEASE);
-        assert_eq!(NBD_ZERO_COPY_RELEASE.to_string(), "7.2");
     }
 
     #[test]

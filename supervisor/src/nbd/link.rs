@@ -27,7 +27,8 @@ use ublkd_proto::msg::{DataPath, MAX_NBD_CONNECTIONS};
 
 use super::backoff::Backoff;
 use super::{ExportInfo, NbdError, Replies};
-use crate::target::{TargetError, zero_copy};
+use crate::target::error::TargetError;
+use crate::target::zero_copy::zero_copy;
 
 /// How long a recovery waits for the server to finish with a dead worker's connections
 /// before it connects anyway.
@@ -138,7 +139,7 @@ pub fn connect_export(
     data_path: DataPath,
     handshake: Duration,
 ) -> Result<Option<NbdLink>, TargetError> {
-    let Some(uri) = super::target::export_uri(spec) else { return Ok(None) };
+    let Some(uri) = super::export_uri(spec) else { return Ok(None) };
     let wanted = |info: &ExportInfo| connections_for(spec, Some(info), data_path);
     match connect_set(uri, wanted, replies_for(spec), handshake) {
         Ok(set) => {

@@ -30,7 +30,9 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ublkd_config::{MAX_BLOCK_SIZE, MAX_SIZE_BYTES, NbdTransport, NbdUri, format_size};
+use ublkd_config::{
+    DeviceSpec, MAX_BLOCK_SIZE, MAX_SIZE_BYTES, NbdTransport, NbdUri, TargetSpec, format_size,
+};
 use ublkd_proto::nbd::handshake as handshake_wire;
 
 /// An export's block size constraints, as its server advertised them
@@ -147,6 +149,14 @@ pub enum Replies {
     /// header and then exactly the data, so a worker can receive the header on its own
     /// and the data straight into the request's pages, as a zero-copy device's does.
     Simple,
+}
+
+/// The export an nbd device of `spec` is made from; `None` for other targets.
+pub fn export_uri(spec: &DeviceSpec) -> Option<&NbdUri> {
+    match &spec.target {
+        TargetSpec::Nbd { uri, .. } => Some(uri),
+        _ => None,
+    }
 }
 
 /// Connects to `uri`'s server and negotiates its export, asking for `replies`, all

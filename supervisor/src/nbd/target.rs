@@ -19,14 +19,14 @@ use std::os::fd::OwnedFd;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use ublkd_config::{DeviceSpec, NbdUri, TargetSpec};
+use ublkd_config::{DeviceSpec, NbdUri};
 use ublkd_proto::msg::DataPath;
 
 use super::backoff::QUICK_BREAK;
 use super::link::{NbdLink, nbd_poll_connect};
-use super::{ExportInfo, NbdError};
+use super::{ExportInfo, NbdError, export_uri};
 use crate::state::ExportRecord;
-use crate::target::TargetError;
+use crate::target::error::TargetError;
 use crate::worker::Worker;
 
 /// The longest a recovery waits between two tries to reach its server.
@@ -55,14 +55,6 @@ pub enum Readiness {
     /// The server has been away past `recovery.nbd_server_wait_secs`: the device is to
     /// fail I/O, for this cause.
     GaveUp { cause: String },
-}
-
-/// The export an nbd device of `spec` is made from; `None` for other targets.
-pub fn export_uri(spec: &DeviceSpec) -> Option<&NbdUri> {
-    match &spec.target {
-        TargetSpec::Nbd { uri, .. } => Some(uri),
-        _ => None,
-    }
 }
 
 impl NbdTarget {

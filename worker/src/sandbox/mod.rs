@@ -1,6 +1,8 @@
 //! The worker's sandbox: what a compromised worker can reach is its own device's fds
-//! and nothing else. [`policy`] lists what is allowed and why; this module applies it,
-//! always in this order, before the worker reads anything from the supervisor:
+//! and nothing else. [`policy`] lists what is allowed and why; this module applies it
+//! (the namespaces and the empty root in `namespaces`, Landlock in `landlock`, the
+//! seccomp filters in `seccomp`), always in this order, before the worker reads
+//! anything from the supervisor:
 //!
 //! 1. fds: everything but stdio and the control socket is closed (`close_range`).
 //! 2. rlimits: `NOFILE`, `CORE` 0, `MEMLOCK` lowered (raising them back needs a
@@ -65,26 +67,27 @@
 //! it might start dies with it. Entering one from here would need a fork after
 //! `unshare`, with the supervisor watching a parent that is not the worker.
 
+mod landlock;
+mod namespaces;
 pub mod policy;
+mod seccomp;
 
-use std::borrow::Cow;
-use std::collections::BTreeMap;
-use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
 
 use io_uring::{IoUring, cqueue, squeue};
 use nix::errno::Errno;
-use nix::fcntl::{self, OFlag};
-use nix::mount::{self, MntFlags, MsFlags};
-use nix::sched::{self, CloneFlags};
 use nix::sys::prctl;
 use nix::sys::resource::{self, Resource};
-use nix::sys::stat::Mode;
 use nix::unistd::{self, Gid, Uid};
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
 use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report, TargetSetup};
 
+use self::landlock::apply_landlock;
+pub use self::landlock::{PortRange, parse_port_ranges};
+use self::namespaces::{
+    enter_empty_root, enter_root_namespaces, enter_user_namespace, open_proc_self,
+};
+pub use self::seccomp::lock_down;
+use self::seccomp::{apply_refusals, apply_seccomp, install_sigsys_handler};
 use crate::sys;
 
 /// Set once [`apply`] begins: from then on the worker may not open a file (a library
@@ -110,34 +113,6 @@ pub enum Profile {
     Rbd,
 }
 
-/// TCP ports, both ends included: where an rbd worker may connect (`--rbd-connect-ports`).
-pub type PortRange = (u16, u16);
-
-/// The most ports a connect rule list may name (Landlock takes one rule per port).
-const MAX_CONNECT_PORTS: usize = 4096;
-
-/// `3300,6789,6800-7568`: the ports of `--rbd-connect-ports`.
-pub fn parse_port_ranges(list: &str) -> Result<Vec<PortRange>, String> {
-    let port = |p: &str| p.parse::<u16>().map_err(|_| format!("{p:?} is not a TCP port"));
-    let mut ranges = Vec::new();
-    let mut count = 0usize;
-    for item in list.split(',').filter(|i| !i.is_empty()) {
-        let (low, high) = match item.split_once('-') {
-            Some((low, high)) => (port(low)?, port(high)?),
-            None => (port(item)?, port(item)?),
-        };
-        if low > high || low == 0 {
-            return Err(format!("{item:?} is not a range of TCP ports"));
-        }
-        count += usize::from(high - low) + 1;
-        if count > MAX_CONNECT_PORTS {
-            return Err(format!("more than {MAX_CONNECT_PORTS} ports"));
-        }
-        ranges.push((low, high));
-    }
-    Ok(ranges)
-}
-
 /// Who the worker becomes.
 #[derive(Debug, Clone, Copy)]
 pub struct Identity {
@@ -160,7 +135,7 @@ pub enum SandboxError {
     #[error("cannot install the seccomp filter: {0}")]
     SeccompInstall(seccompiler::Error),
     #[error("cannot apply Landlock: {0}")]
-    Landlock(landlock::RulesetError),
+    Landlock(::landlock::RulesetError),
     #[error("cannot drop capabilities: {0}")]
     Caps(caps::errors::CapsError),
 }
@@ -168,25 +143,6 @@ pub enum SandboxError {
 /// The sandbox step `step` failed with `errno`.
 fn step_failed(step: &'static str) -> impl FnOnce(Errno) -> SandboxError {
     move |errno| SandboxError::Step { step, source: errno.into() }
-}
-
-/// Why a layer cannot be applied: the step the kernel refused, and its error.
-#[derive(Debug, thiserror::Error)]
-enum Refused {
-    #[error("{step}: {source}")]
-    Call { step: Cow<'static, str>, source: io::Error },
-    #[error("no directory to mount it on (/tmp, /mnt, /run, /var)")]
-    NoMountPoint,
-}
-
-/// `step` failed: the cause of a missing layer, for `map_err`.
-fn failed<E: Into<io::Error>>(step: &'static str) -> impl FnOnce(E) -> Refused {
-    move |err| refused(step, err)
-}
-
-/// `step` failed with `err`: the cause of a missing layer.
-fn refused(step: impl Into<Cow<'static, str>>, err: impl Into<io::Error>) -> Refused {
-    Refused::Call { step: step.into(), source: err.into() }
 }
 
 /// The report under construction, and which layers may be missing.
@@ -282,175 +238,6 @@ fn become_user(id: Identity) -> Result<(), SandboxError> {
     unistd::setresuid(uid, uid, uid).map_err(step_failed("setresuid"))
 }
 
-/// The namespaces root may create without a user namespace, each on its own, so that
-/// a refusal names the one refused (no network namespace for an rbd worker, which
-/// reaches its cluster through the host's). Returns whether the mount namespace is
-/// among them.
-fn enter_root_namespaces(layers: &mut Layers<'_>, profile: Profile) -> Result<bool, SandboxError> {
-    let mut refused = Vec::new();
-    let mut mount_ns = false;
-    for (flag, name, call) in [
-        (CloneFlags::CLONE_NEWNS, "mnt", "unshare(CLONE_NEWNS)"),
-        (CloneFlags::CLONE_NEWNET, "net", "unshare(CLONE_NEWNET)"),
-        (CloneFlags::CLONE_NEWIPC, "ipc", "unshare(CLONE_NEWIPC)"),
-        (CloneFlags::CLONE_NEWUTS, "uts", "unshare(CLONE_NEWUTS)"),
-        (CloneFlags::CLONE_NEWCGROUP, "cgroup", "unshare(CLONE_NEWCGROUP)"),
-    ] {
-        if flag == CloneFlags::CLONE_NEWNET && profile == Profile::Rbd {
-            continue;
-        }
-        // The process is single-threaded here.
-        match sched::unshare(flag) {
-            Err(errno) => refused.push(self::refused(call, errno).to_string()),
-            Ok(()) => {
-                mount_ns |= flag == CloneFlags::CLONE_NEWNS;
-                layers.report.namespaces.push(name.into());
-            }
-        }
-    }
-    if !refused.is_empty() {
-        layers.missing(SandboxLayer::Namespaces, refused.join(", "))?;
-    }
-    Ok(mount_ns)
-}
-
-/// `/proc/self` of this process, opened while the host's `/proc` is still in reach.
-fn open_proc_self() -> Result<OwnedFd, Refused> {
-    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
-    fcntl::open(c"/proc/self", flags, Mode::empty()).map_err(|e| refused("open /proc/self", e))
-}
-
-/// A user namespace of its own that maps only the worker's uid and gid, entered after
-/// the worker became that user (so the namespaces made as root stay owned by the
-/// initial user namespace, where the worker holds no capability).
-fn enter_user_namespace(id: Identity, proc_self: &OwnedFd) -> Result<(), Refused> {
-    // The process is single-threaded here, as CLONE_NEWUSER requires.
-    sched::unshare(CloneFlags::CLONE_NEWUSER).map_err(|e| {
-        // The kernel's two refusals, in the words an operator looks for.
-        let step = match e {
-            Errno::ENOSPC => {
-                "unshare(CLONE_NEWUSER) (the host's limit sysctl user.max_user_namespaces \
-                 is reached, or 0)"
-            }
-            Errno::EPERM => {
-                "unshare(CLONE_NEWUSER) (this host refuses user namespaces here: inside a \
-                 chroot, or by a sysctl or security policy)"
-            }
-            _ => "unshare(CLONE_NEWUSER)",
-        };
-        refused(step, e)
-    })?;
-    // Changing uid made the process non-dumpable, which leaves its /proc files to
-    // root: writable again for the maps, then closed again (another worker runs as
-    // the same user).
-    prctl::set_dumpable(true).map_err(|e| refused("set dumpable", e))?;
-    let write = |name: &CStr, text: String| -> Result<(), Refused> {
-        let path = || format!("/proc/self/{}", name.to_string_lossy());
-        let flags = OFlag::O_WRONLY | OFlag::O_CLOEXEC;
-        let fd = fcntl::openat(proc_self, name, flags, Mode::empty())
-            .map_err(|e| refused(format!("open {}", path()), e))?;
-        io::Write::write_all(&mut std::fs::File::from(fd), text.as_bytes())
-            .map_err(|e| refused(format!("write {}", path()), e))
-    };
-    write(c"setgroups", "deny".into())?;
-    write(c"gid_map", format!("{0} {0} 1\n", id.gid))?;
-    write(c"uid_map", format!("{0} {0} 1\n", id.uid))?;
-    prctl::set_dumpable(false).map_err(|e| refused("clear dumpable", e))
-}
-
-/// Makes an empty read-only tmpfs the root: with pivot_root where the current root is
-/// a mount point, else (ublkd runs in a chroot) by chroot into a tmpfs that is
-/// attached nowhere. Either way the host's files are out of reach: the old root is
-/// detached, or, after the chroot, reachable only by another chroot (CAP_SYS_CHROOT,
-/// which the worker drops, and a system call seccomp refuses).
-fn enter_empty_root() -> Result<(), Refused> {
-    let none = None::<&CStr>;
-    match mount::mount(none, c"/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none) {
-        Ok(()) => pivot_to_empty_root(),
-        // `/` is not a mount point, so this is a chroot, where pivot_root is refused
-        // too.
-        Err(Errno::EINVAL) => chroot_to_empty_root(),
-        Err(e) => Err(refused("make / private", e)),
-    }
-}
-
-const EMPTY_ROOT_OPTIONS: &CStr = c"size=4k,nr_inodes=2,mode=0555";
-
-fn pivot_to_empty_root() -> Result<(), Refused> {
-    // The new root is mounted over an existing directory, then becomes `/`.
-    let Some(mount_point) = [c"/tmp", c"/mnt", c"/run", c"/var"]
-        .into_iter()
-        .find(|p| std::path::Path::new(&*p.to_string_lossy()).is_dir())
-    else {
-        return Err(Refused::NoMountPoint);
-    };
-    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY;
-    mount::mount(Some(c"tmpfs"), mount_point, Some(c"tmpfs"), flags, Some(EMPTY_ROOT_OPTIONS))
-        .map_err(failed("mount the empty root"))?;
-    unistd::chdir(mount_point).map_err(failed("chdir to the new root"))?;
-    // pivot_root(".", ".") stacks the old root under the new one; detaching "." then
-    // removes the old root from this mount namespace.
-    unistd::pivot_root(c".", c".").map_err(failed("pivot_root"))?;
-    mount::umount2(c".", MntFlags::MNT_DETACH).map_err(failed("detach the old root"))?;
-    unistd::chdir(c"/").map_err(failed("chdir /"))
-}
-
-fn chroot_to_empty_root() -> Result<(), Refused> {
-    // The new mount API makes a tmpfs mount without attaching it anywhere, so nothing
-    // propagates to the host's mounts (`/` cannot be made private from inside a
-    // chroot: it is not a mount point).
-    const FSOPEN_CLOEXEC: libc::c_uint = 1;
-    const FSMOUNT_CLOEXEC: libc::c_uint = 1;
-    const MOUNT_ATTR_RDONLY: libc::c_uint = 0x1;
-    const MOUNT_ATTR_NOSUID: libc::c_uint = 0x2;
-    const MOUNT_ATTR_NODEV: libc::c_uint = 0x4;
-    const MOUNT_ATTR_NOEXEC: libc::c_uint = 0x8;
-    let fs = sys::fsopen(c"tmpfs", FSOPEN_CLOEXEC).map_err(failed("fsopen(tmpfs)"))?;
-    for (key, value) in [(c"size", c"4k"), (c"nr_inodes", c"2"), (c"mode", c"0555")] {
-        sys::fsconfig_set_string(fs.as_fd(), key, value).map_err(failed("fsconfig(tmpfs)"))?;
-    }
-    sys::fsconfig_create(fs.as_fd()).map_err(failed("create the tmpfs"))?;
-    let attrs = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-    let mnt = sys::fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, attrs).map_err(failed("fsmount(tmpfs)"))?;
-    unistd::fchdir(&mnt).map_err(failed("fchdir to the new root"))?;
-    unistd::chroot(c".").map_err(failed("chroot"))?;
-    unistd::chdir(c"/").map_err(failed("chdir /"))
-}
-
-/// Landlock: no file access at all; for an rbd worker also TCP, which it may use only
-/// to connect to `connect_ports` (the cluster's monitors and OSDs) and never to bind
-/// (kernels from Landlock ABI 4, Linux 6.7; older ones enforce the file part only).
-fn apply_landlock(
-    profile: Profile,
-    connect_ports: &[PortRange],
-) -> Result<Option<u8>, SandboxError> {
-    use landlock::{
-        ABI, Access, AccessFs, AccessNet, NetPort, Ruleset, RulesetAttr, RulesetCreatedAttr,
-        RulesetStatus,
-    };
-    let abi = ABI::V5;
-    let ruleset = Ruleset::default().handle_access(AccessFs::from_all(abi));
-    let status = match profile {
-        Profile::Standard => ruleset.and_then(|r| r.create()),
-        Profile::Rbd => ruleset
-            .and_then(|r| r.handle_access(AccessNet::from_all(abi)))
-            .and_then(|r| r.create())
-            .and_then(|r| {
-                r.add_rules(connect_ports.iter().flat_map(|&(low, high)| {
-                    (low..=high).map(|port| Ok(NetPort::new(port, AccessNet::ConnectTcp)))
-                }))
-            }),
-    }
-    .and_then(|r| r.restrict_self())
-    .map_err(SandboxError::Landlock)?;
-    Ok(match status.ruleset {
-        RulesetStatus::NotEnforced => None,
-        RulesetStatus::FullyEnforced | RulesetStatus::PartiallyEnforced => {
-            Some(sys::landlock_abi())
-        }
-    })
-}
-
 fn drop_capabilities() -> Result<(), SandboxError> {
     let e = SandboxError::Caps;
     caps::clear(None, caps::CapSet::Ambient).map_err(e)?;
@@ -458,155 +245,6 @@ fn drop_capabilities() -> Result<(), SandboxError> {
     caps::clear(None, caps::CapSet::Inheritable).map_err(e)?;
     caps::clear(None, caps::CapSet::Effective).map_err(e)?;
     caps::clear(None, caps::CapSet::Permitted).map_err(e)
-}
-
-/// On a trapped system call: say which, with its first three arguments (what an
-/// argument filter looked at), and exit with [`EXIT_SECCOMP`].
-extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    // siginfo_t for SIGSYS carries the syscall number at byte offset 24 on x86_64
-    // (`si_syscall`, after si_call_addr), which the libc crate does not expose.
-    // SAFETY: the kernel passes a valid siginfo_t for a SA_SIGINFO handler.
-    let nr = unsafe { *(info.cast::<u8>().add(24).cast::<libc::c_int>()) };
-    // SAFETY: for a SA_SIGINFO handler the third argument is the interrupted context;
-    // at a seccomp trap its registers hold the system call's arguments.
-    let gregs = unsafe { (*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs };
-    let args = [libc::REG_RDI, libc::REG_RSI, libc::REG_RDX].map(|r| gregs[r as usize] as u64);
-    let mut msg = [0u8; 128];
-    let mut len = 0;
-    let mut put = |bytes: &[u8]| {
-        msg[len..len + bytes.len()].copy_from_slice(bytes);
-        len += bytes.len();
-    };
-    put(b"ublkd-worker: sandbox: blocked system call ");
-    let mut digits = [b'0'; 4];
-    let mut n = nr.unsigned_abs();
-    for d in digits.iter_mut().rev() {
-        *d = b'0' + (n % 10) as u8;
-        n /= 10;
-    }
-    put(&digits);
-    put(b" (args");
-    for arg in args {
-        let mut hex = *b" 0x0000000000000000";
-        for (i, h) in hex[3..].iter_mut().enumerate() {
-            *h = b"0123456789abcdef"[((arg >> (60 - 4 * i)) & 0xf) as usize];
-        }
-        put(&hex);
-    }
-    put(b")\n");
-    // SAFETY: write and _exit are async-signal-safe; `msg[..len]` is initialised.
-    unsafe {
-        libc::write(2, msg.as_ptr().cast(), len);
-        libc::_exit(EXIT_SECCOMP);
-    }
-}
-
-fn install_sigsys_handler() -> Result<(), SandboxError> {
-    // SAFETY: a zeroed sigaction is valid; we set the handler and flags below.
-    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
-    let handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = on_sigsys;
-    sa.sa_sigaction = handler as usize;
-    sa.sa_flags = libc::SA_SIGINFO;
-    // SAFETY: `sa` is a valid sigaction for the call; the handler is async-signal-safe.
-    let rc = unsafe { libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) };
-    if rc < 0 { Err(step_failed("sigaction(SIGSYS)")(Errno::last())) } else { Ok(()) }
-}
-
-/// The seccomp rule that lets through the calls `only` describes (`None`: all).
-fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError> {
-    use seccompiler::{SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond};
-    let err = SandboxError::SeccompFilter;
-    let one = |arg: u8, len: Len, op: Op, value: u64| -> Result<SeccompRule, SandboxError> {
-        SeccompRule::new(vec![Cond::new(arg, len, op, value).map_err(err)?]).map_err(err)
-    };
-    Ok(Some(match only {
-        policy::Only::Any => return Ok(None),
-        policy::Only::ArgIn { arg, values } => {
-            values.iter().map(|&v| one(arg, Len::Dword, Op::Eq, v)).collect::<Result<_, _>>()?
-        }
-        policy::Only::ArgLacks { arg, mask } => vec![one(arg, Len::Qword, Op::MaskedEq(mask), 0)?],
-        policy::Only::ArgHas { arg, mask } => {
-            vec![one(arg, Len::Qword, Op::MaskedEq(mask), mask)?]
-        }
-        policy::Only::ArgMasked { arg, mask, value } => {
-            vec![one(arg, Len::Qword, Op::MaskedEq(mask), value)?]
-        }
-    }))
-}
-
-fn filter(setup: bool, profile: Profile) -> Result<BpfProgram, SandboxError> {
-    // Per system call: `None` once any entry allows every call, else the union of the
-    // entries' rules.
-    let mut allowed: BTreeMap<i64, Option<Vec<SeccompRule>>> = BTreeMap::new();
-    let mut lists: Vec<&[policy::Allowed]> = vec![policy::ALWAYS];
-    if setup {
-        lists.push(policy::SETUP_ONLY);
-    }
-    if profile == Profile::Rbd {
-        lists.push(policy::RBD_ALWAYS);
-    }
-    for a in lists.iter().flat_map(|l| l.iter()) {
-        let rule = rule_of(a.only)?;
-        match (allowed.entry(a.nr).or_insert_with(|| Some(Vec::new())), rule) {
-            (slot, None) => *slot = None,
-            (Some(rules), Some(more)) => rules.extend(more),
-            (None, Some(_)) => {}
-        }
-    }
-    // seccompiler: an empty rule list allows every call.
-    let rules = allowed.into_iter().map(|(nr, r)| (nr, r.unwrap_or_default())).collect();
-    let f =
-        SeccompFilter::new(rules, SeccompAction::Trap, SeccompAction::Allow, TargetArch::x86_64)
-            .map_err(SandboxError::SeccompFilter)?;
-    f.try_into().map_err(SandboxError::SeccompFilter)
-}
-
-/// The filter that makes [`policy::RBD_REFUSED`] fail with their errno, and lets
-/// everything else through to the other filters. Seccomp runs every filter and takes
-/// the strictest answer: an error beats the main filter's allow (and a trap beats the
-/// error, so the main filter lets these through: `policy::RBD_ALWAYS`).
-fn refusals() -> Result<Vec<BpfProgram>, SandboxError> {
-    // One filter per errno: a seccompiler filter has one match action.
-    let mut by_errno: BTreeMap<u32, BTreeMap<i64, Vec<SeccompRule>>> = BTreeMap::new();
-    for r in policy::RBD_REFUSED {
-        let rules = by_errno.entry(r.errno).or_default().entry(r.nr).or_default();
-        if let Some(more) = rule_of(r.only)? {
-            rules.extend(more);
-        }
-    }
-    by_errno
-        .into_iter()
-        .map(|(errno, rules)| {
-            let f = SeccompFilter::new(
-                rules,
-                SeccompAction::Allow,
-                SeccompAction::Errno(errno),
-                TargetArch::x86_64,
-            )
-            .map_err(SandboxError::SeccompFilter)?;
-            f.try_into().map_err(SandboxError::SeccompFilter)
-        })
-        .collect()
-}
-
-fn apply_refusals() -> Result<(), SandboxError> {
-    for prog in refusals()? {
-        seccompiler::apply_filter(&prog).map_err(SandboxError::SeccompInstall)?;
-    }
-    Ok(())
-}
-
-fn apply_seccomp(setup: bool, profile: Profile) -> Result<(), SandboxError> {
-    let prog = filter(setup, profile)?;
-    let apply =
-        if setup { seccompiler::apply_filter } else { seccompiler::apply_filter_all_threads };
-    apply(&prog).map_err(SandboxError::SeccompInstall)
-}
-
-/// Seccomp stage 2, for every thread: no new rings, no new threads (but an rbd
-/// worker's libraries', see [`policy::RBD_ALWAYS`]).
-pub fn lock_down(profile: Profile) -> Result<(), SandboxError> {
-    apply_seccomp(false, profile)
 }
 
 /// Restricts a ring created disabled (after its files and buffer rings are
@@ -634,19 +272,6 @@ pub fn restrict_ring(
 mod tests {
     use super::*;
     use ublkd_proto::uapi;
-
-    #[test]
-    fn connect_ports_are_ports_and_ranges_and_not_too_many() {
-        assert_eq!(
-            parse_port_ranges("3300,6789,6800-7568"),
-            Ok(vec![(3300, 3300), (6789, 6789), (6800, 7568)])
-        );
-        assert_eq!(parse_port_ranges(""), Ok(Vec::new()));
-        assert!(parse_port_ranges("7568-6800").unwrap_err().contains("not a range"));
-        assert!(parse_port_ranges("0").unwrap_err().contains("not a range"));
-        assert!(parse_port_ranges("http").unwrap_err().contains("not a TCP port"));
-        assert!(parse_port_ranges("1-65535").unwrap_err().contains("more than"));
-    }
 
     #[test]
     fn policy_lists_have_no_duplicates_and_every_entry_has_a_reason() {
@@ -702,15 +327,6 @@ mod tests {
                 "register op {op} allowed"
             );
         }
-    }
-
-    #[test]
-    fn both_filter_stages_compile() {
-        for profile in [Profile::Standard, Profile::Rbd] {
-            assert!(!filter(true, profile).unwrap().is_empty());
-            assert!(filter(false, profile).unwrap().len() < filter(true, profile).unwrap().len());
-        }
-        assert!(!refusals().unwrap().is_empty());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The worker's sandbox policy, as data: every system call and io_uring operation a
 //! sandboxed worker may use, each with the reason it needs it. A reviewer reads this
-//! file; `mod.rs` only applies it.
+//! file; the rest of the sandbox module only applies it.
 //!
 //! The worker gets every file it uses as an fd from the supervisor, so nothing here
 //! opens a path: no `open`, `openat`, `execve`, `socket`, `connect`, `ptrace`, `kill`
@@ -20,8 +20,8 @@ use io_uring::opcode;
 use ublkd_proto::msg::TargetSetup;
 use ublkd_proto::uapi;
 
-/// One allowed system call, with the arguments it is allowed with. `name` and `why`
-/// are for the reader (and the tests).
+/// One allowed system call, with the arguments it is allowed with. `name` (the `libc`
+/// constant's: `SYS_read`) and `why` are for the reader (and the tests).
 #[derive(Debug, Clone, Copy)]
 #[allow(dead_code)]
 pub struct Allowed {
@@ -48,143 +48,175 @@ pub enum Only {
     ArgMasked { arg: u8, mask: u64, value: u64 },
 }
 
-const fn allow(nr: libc::c_long, name: &'static str, why: &'static str) -> Allowed {
-    Allowed { nr, name, only: Only::Any, why }
+// The tables below are written with these macros so that each entry is what a reviewer
+// checks and nothing else: its reason, as a doc comment, then what it allows. The
+// reason is kept (`why`) for the tests, which require one of every entry.
+
+/// A list of [`Allowed`] system calls: `SYS_name` (the `libc` constant), and after
+/// `if` which calls of it ([`Only`]; every call where there is no `if`).
+macro_rules! syscalls {
+    (@only) => { Only::Any };
+    (@only $only:expr) => { $only };
+    ($($(#[doc = $why:literal])+ $nr:ident $(if $only:expr)?,)*) => {
+        &[$(Allowed {
+            nr: libc::$nr,
+            name: stringify!($nr),
+            only: syscalls!(@only $($only)?),
+            why: concat!($($why),+).trim_ascii(),
+        }),*]
+    };
 }
 
-const fn allow_only(
-    nr: libc::c_long,
-    name: &'static str,
-    only: Only,
-    why: &'static str,
-) -> Allowed {
-    Allowed { nr, name, only, why }
+/// A list of [`RefusedCall`]s: `SYS_name`, which calls of it as in `syscalls!`, and
+/// after `=>` the `libc` errno they fail with.
+macro_rules! refused_calls {
+    ($($(#[doc = $why:literal])+ $nr:ident $(if $only:expr)? => $errno:ident,)*) => {
+        &[$(RefusedCall {
+            nr: libc::$nr,
+            name: stringify!($nr),
+            only: syscalls!(@only $($only)?),
+            errno: libc::$errno as u32,
+            why: concat!($($why),+).trim_ascii(),
+        }),*]
+    };
+}
+
+/// A list of [`AllowedOp`]s: the `io_uring::opcode` type, `as` the kernel's name for
+/// it, `for` the targets whose rings allow it ([`OpFor`]).
+macro_rules! uring_ops {
+    ($($(#[doc = $why:literal])+ $op:ident as $name:ident for $for:ident,)*) => {
+        &[$(AllowedOp {
+            opcode: opcode::$op::CODE,
+            name: stringify!($name),
+            only_for: OpFor::$for,
+            why: concat!($($why),+).trim_ascii(),
+        }),*]
+    };
+}
+
+/// A list of [`AllowedRegisterOp`]s: the `io_uring_register(2)` opcode, as
+/// [`ublkd_proto::uapi`] names it.
+macro_rules! register_ops {
+    ($($(#[doc = $why:literal])+ $op:ident,)*) => {
+        &[$(AllowedRegisterOp {
+            opcode: uapi::$op as u8,
+            name: stringify!($op),
+            why: concat!($($why),+).trim_ascii(),
+        }),*]
+    };
 }
 
 /// `mmap`'s and `mprotect`'s `prot` argument.
 const PROT_ARG: u8 = 2;
 
 /// Allowed for the worker's whole life once sandboxed.
-pub const ALWAYS: &[Allowed] = &[
-    allow(
-        libc::SYS_read,
-        "read",
-        "reading an fd the supervisor gave (rare; kept for std's fallbacks)",
-    ),
-    allow(libc::SYS_write, "write", "log lines to stderr (a pipe ublkd relays to its log)"),
-    allow(libc::SYS_writev, "writev", "log lines to stderr, as the logger writes them"),
-    allow(libc::SYS_close, "close", "dropping fds it no longer needs"),
-    allow(libc::SYS_recvmsg, "recvmsg", "messages and fds from the supervisor (SCM_RIGHTS)"),
-    allow(libc::SYS_sendmsg, "sendmsg", "answers to the supervisor"),
-    allow_only(
-        libc::SYS_mmap,
-        "mmap",
-        Only::ArgLacks { arg: PROT_ARG, mask: libc::PROT_EXEC as u64 },
-        "descriptor arrays, the shared region, memory target, buffers, thread stacks; \
-         never executable: the worker loads no code once sandboxed",
-    ),
-    allow(libc::SYS_munmap, "munmap", "freeing mappings (allocator, thread stacks)"),
-    allow_only(
-        libc::SYS_mprotect,
-        "mprotect",
-        Only::ArgLacks { arg: PROT_ARG, mask: libc::PROT_EXEC as u64 },
-        "guard pages of thread stacks; never making memory executable",
-    ),
-    allow(libc::SYS_mremap, "mremap", "the allocator growing large blocks"),
-    allow(libc::SYS_madvise, "madvise", "the allocator returning memory"),
-    allow(libc::SYS_brk, "brk", "the allocator's heap"),
-    allow(libc::SYS_futex, "futex", "locks, channels and thread joins"),
-    allow(
-        libc::SYS_io_uring_enter,
-        "io_uring_enter",
-        "the data path: submit and wait on each thread's ring",
-    ),
-    allow(
-        libc::SYS_io_uring_register,
-        "io_uring_register",
-        "registering files, FETCH buffer rings and restrictions while a ring is disabled; \
-         once enabled, the ring itself allows only URING_REGISTER_OPS",
-    ),
-    allow(libc::SYS_fstat, "fstat", "sizes of the target's fd and the shared region"),
-    allow_only(
-        libc::SYS_newfstatat,
-        "newfstatat",
-        Only::ArgHas { arg: 3, mask: libc::AT_EMPTY_PATH as u64 },
-        "fstat as glibc issues it: AT_EMPTY_PATH on an fd (a path would still be looked \
-         up, in the empty root, where there is nothing to find)",
-    ),
-    allow_only(
-        libc::SYS_statx,
-        "statx",
-        Only::ArgHas { arg: 2, mask: libc::AT_EMPTY_PATH as u64 },
-        "file metadata of a given fd (std's File::metadata: AT_EMPTY_PATH; a path would \
-         still be looked up, in the empty root)",
-    ),
-    allow(libc::SYS_lseek, "lseek", "size of a block device behind the loop target's fd"),
-    allow_only(
-        libc::SYS_fcntl,
-        "fcntl",
-        Only::ArgIn { arg: 1, values: &[libc::F_DUPFD_CLOEXEC as u64, libc::F_GETFD as u64] },
-        "std duplicating fds with F_DUPFD_CLOEXEC (try_clone of the region's and the \
-         target's fds), and std's check that an fd is open before it closes it (F_GETFD, \
-         which only reads the close-on-exec flag; debug builds); no other command",
-    ),
-    allow(libc::SYS_ppoll, "ppoll", "waiting on the control socket"),
-    allow(libc::SYS_poll, "poll", "waiting on the control socket"),
-    allow(libc::SYS_gettid, "gettid", "the thread id it reports in the shared region"),
-    allow(libc::SYS_getpid, "getpid", "logging"),
-    allow(
-        libc::SYS_clock_gettime,
-        "clock_gettime",
-        "timestamps (when the vDSO falls back to the syscall)",
-    ),
-    allow(libc::SYS_clock_nanosleep, "clock_nanosleep", "short sleeps"),
-    allow(libc::SYS_nanosleep, "nanosleep", "short sleeps"),
-    allow(libc::SYS_sched_yield, "sched_yield", "spin loops in locks"),
-    allow(libc::SYS_sched_getaffinity, "sched_getaffinity", "std asking how many CPUs there are"),
-    allow(libc::SYS_rt_sigprocmask, "rt_sigprocmask", "std masking signals around thread creation"),
-    allow(libc::SYS_rt_sigreturn, "rt_sigreturn", "returning from the SIGSYS handler's frame"),
-    allow(
-        libc::SYS_rt_sigaction,
-        "rt_sigaction",
-        "std's signal setup in new threads (dropping the SIGSYS handler only makes a trap kill the worker outright)",
-    ),
-    allow(libc::SYS_sigaltstack, "sigaltstack", "std's per-thread signal stacks"),
-    allow(libc::SYS_getrandom, "getrandom", "std's hash seeds"),
-    allow(libc::SYS_exit, "exit", "a thread ending"),
-    allow(libc::SYS_exit_group, "exit_group", "the worker ending"),
-    allow(
-        libc::SYS_pause,
-        "pause",
-        "std: a thread that calls exit while another thread exits waits here for its end",
-    ),
-    allow_only(
-        libc::SYS_prctl,
-        "prctl",
-        Only::ArgIn { arg: 0, values: &[libc::PR_SET_NAME as u64] },
-        "std naming threads (PR_SET_NAME); no other option",
-    ),
-    allow(libc::SYS_set_robust_list, "set_robust_list", "glibc's per-thread setup"),
-    allow(libc::SYS_rseq, "rseq", "glibc's per-thread setup"),
+pub const ALWAYS: &[Allowed] = syscalls![
+    /// reading an fd the supervisor gave (rare; kept for std's fallbacks)
+    SYS_read,
+    /// log lines to stderr (a pipe ublkd relays to its log)
+    SYS_write,
+    /// log lines to stderr, as the logger writes them
+    SYS_writev,
+    /// dropping fds it no longer needs
+    SYS_close,
+    /// messages and fds from the supervisor (SCM_RIGHTS)
+    SYS_recvmsg,
+    /// answers to the supervisor
+    SYS_sendmsg,
+    /// descriptor arrays, the shared region, memory target, buffers, thread stacks; never
+    /// executable: the worker loads no code once sandboxed
+    SYS_mmap if Only::ArgLacks { arg: PROT_ARG, mask: libc::PROT_EXEC as u64 },
+    /// freeing mappings (allocator, thread stacks)
+    SYS_munmap,
+    /// guard pages of thread stacks; never making memory executable
+    SYS_mprotect if Only::ArgLacks { arg: PROT_ARG, mask: libc::PROT_EXEC as u64 },
+    /// the allocator growing large blocks
+    SYS_mremap,
+    /// the allocator returning memory
+    SYS_madvise,
+    /// the allocator's heap
+    SYS_brk,
+    /// locks, channels and thread joins
+    SYS_futex,
+    /// the data path: submit and wait on each thread's ring
+    SYS_io_uring_enter,
+    /// registering files, FETCH buffer rings and restrictions while a ring is disabled; once
+    /// enabled, the ring itself allows only URING_REGISTER_OPS
+    SYS_io_uring_register,
+    /// sizes of the target's fd and the shared region
+    SYS_fstat,
+    /// fstat as glibc issues it: AT_EMPTY_PATH on an fd (a path would still be looked up, in the
+    /// empty root, where there is nothing to find)
+    SYS_newfstatat if Only::ArgHas { arg: 3, mask: libc::AT_EMPTY_PATH as u64 },
+    /// file metadata of a given fd (std's File::metadata: AT_EMPTY_PATH; a path would still be
+    /// looked up, in the empty root)
+    SYS_statx if Only::ArgHas { arg: 2, mask: libc::AT_EMPTY_PATH as u64 },
+    /// size of a block device behind the loop target's fd
+    SYS_lseek,
+    /// std duplicating fds with F_DUPFD_CLOEXEC (try_clone of the region's and the target's fds),
+    /// and std's check that an fd is open before it closes it (F_GETFD, which only reads the
+    /// close-on-exec flag; debug builds); no other command
+    SYS_fcntl if Only::ArgIn {
+        arg: 1,
+        values: &[libc::F_DUPFD_CLOEXEC as u64, libc::F_GETFD as u64],
+    },
+    /// waiting on the control socket
+    SYS_ppoll,
+    /// waiting on the control socket
+    SYS_poll,
+    /// the thread id it reports in the shared region
+    SYS_gettid,
+    /// logging
+    SYS_getpid,
+    /// timestamps (when the vDSO falls back to the syscall)
+    SYS_clock_gettime,
+    /// short sleeps
+    SYS_clock_nanosleep,
+    /// short sleeps
+    SYS_nanosleep,
+    /// spin loops in locks
+    SYS_sched_yield,
+    /// std asking how many CPUs there are
+    SYS_sched_getaffinity,
+    /// std masking signals around thread creation
+    SYS_rt_sigprocmask,
+    /// returning from the SIGSYS handler's frame
+    SYS_rt_sigreturn,
+    /// std's signal setup in new threads (dropping the SIGSYS handler only makes a trap kill the
+    /// worker outright)
+    SYS_rt_sigaction,
+    /// std's per-thread signal stacks
+    SYS_sigaltstack,
+    /// std's hash seeds
+    SYS_getrandom,
+    /// a thread ending
+    SYS_exit,
+    /// the worker ending
+    SYS_exit_group,
+    /// std: a thread that calls exit while another thread exits waits here for its end
+    SYS_pause,
+    /// std naming threads (PR_SET_NAME); no other option
+    SYS_prctl if Only::ArgIn { arg: 0, values: &[libc::PR_SET_NAME as u64] },
+    /// glibc's per-thread setup
+    SYS_set_robust_list,
+    /// glibc's per-thread setup
+    SYS_rseq,
 ];
 
 /// Allowed only while the worker sets up (until its rings exist and its threads run).
-pub const SETUP_ONLY: &[Allowed] = &[
-    allow(
-        libc::SYS_io_uring_setup,
-        "io_uring_setup",
-        "one ring per queue thread, created while standing by",
-    ),
-    allow(libc::SYS_clone3, "clone3", "starting the queue threads"),
-    allow(libc::SYS_sched_setaffinity, "sched_setaffinity", "pinning a queue thread to its CPU"),
-    allow(libc::SYS_clone, "clone", "starting the queue threads (older glibc)"),
-    allow(libc::SYS_seccomp, "seccomp", "installing stage 2 of this very filter"),
-    allow_only(
-        libc::SYS_prctl,
-        "prctl",
-        Only::ArgIn { arg: 0, values: &[libc::PR_SET_NO_NEW_PRIVS as u64] },
-        "seccompiler sets no_new_privs (already set) before it installs stage 2",
-    ),
+pub const SETUP_ONLY: &[Allowed] = syscalls![
+    /// one ring per queue thread, created while standing by
+    SYS_io_uring_setup,
+    /// starting the queue threads
+    SYS_clone3,
+    /// pinning a queue thread to its CPU
+    SYS_sched_setaffinity,
+    /// starting the queue threads (older glibc)
+    SYS_clone,
+    /// installing stage 2 of this very filter
+    SYS_seccomp,
+    /// seccompiler sets no_new_privs (already set) before it installs stage 2
+    SYS_prctl if Only::ArgIn { arg: 0, values: &[libc::PR_SET_NO_NEW_PRIVS as u64] },
 ];
 
 /// The namespace flags of `clone`: a thread may be started with none of them.
@@ -202,64 +234,58 @@ const CLONE_NAMESPACES: u64 = (libc::CLONE_NEWNS
 /// them, also once the worker serves (a new OSD session, a lock request). Seen with
 /// `strace -f` of the probe and of the target's host tests (I/O, lock break and
 /// acquire), librbd 16.2.15.
-pub const RBD_ALWAYS: &[Allowed] = &[
-    allow_only(
-        libc::SYS_clone,
-        "clone",
-        Only::ArgMasked {
-            arg: 0,
-            mask: libc::CLONE_THREAD as u64 | CLONE_NAMESPACES,
-            value: libc::CLONE_THREAD as u64,
-        },
-        "librados and librbd starting their threads (messenger workers, timers, finishers, asio) at any time: a thread of this process only (CLONE_THREAD, which the kernel allows only with CLONE_VM and CLONE_SIGHAND), with no new namespace; clone3 is refused with ENOSYS (RBD_REFUSED), on which glibc retries with clone",
-    ),
-    allow(
-        libc::SYS_clone3,
-        "clone3",
-        "let through here only to be refused with ENOSYS by RBD_REFUSED (its flags are in memory, which seccomp cannot read); trapping it would end the worker",
-    ),
-    allow_only(
-        libc::SYS_socket,
-        "socket",
-        Only::ArgIn { arg: 0, values: &[libc::AF_INET as u64, libc::AF_INET6 as u64] },
-        "librados's connections to the cluster's monitors and OSDs: IPv4 or IPv6 only (no unix, netlink or packet socket)",
-    ),
-    allow(libc::SYS_connect, "connect", "librados connecting to a monitor or an OSD"),
-    allow(libc::SYS_getsockname, "getsockname", "librados learning its own address"),
-    allow(libc::SYS_setsockopt, "setsockopt", "librados setting TCP_NODELAY on its connections"),
-    allow(libc::SYS_shutdown, "shutdown", "librados closing a connection"),
-    allow(libc::SYS_epoll_create, "epoll_create", "librados's messenger event loops"),
-    allow(libc::SYS_epoll_create1, "epoll_create1", "librbd's asio event loop"),
-    allow(libc::SYS_epoll_ctl, "epoll_ctl", "librados's and librbd's event loops"),
-    allow(libc::SYS_epoll_wait, "epoll_wait", "librados's and librbd's event loops"),
-    allow(libc::SYS_pipe2, "pipe2", "librados's messenger waking its event loops"),
-    allow(
-        libc::SYS_eventfd2,
-        "eventfd2",
-        "librbd's asio waking its event loop; the target's per-thread completion eventfds",
-    ),
-    allow(libc::SYS_timerfd_create, "timerfd_create", "librbd's asio timers"),
-    allow(libc::SYS_timerfd_settime, "timerfd_settime", "librbd's asio timers"),
-    allow(libc::SYS_uname, "uname", "librados naming its host in its client metadata"),
-    allow_only(
-        libc::SYS_fcntl,
-        "fcntl",
-        Only::ArgIn {
-            arg: 1,
-            values: &[libc::F_GETFL as u64, libc::F_SETFL as u64, libc::F_SETFD as u64],
-        },
-        "librados making its sockets and pipes non-blocking (F_GETFL, F_SETFL) and close-on-exec (F_SETFD)",
-    ),
-    allow(
-        libc::SYS_openat,
-        "openat",
-        "let through here only to be refused with ENOENT by RBD_REFUSED, before the kernel sees it",
-    ),
-    allow(
-        libc::SYS_statx,
-        "statx",
-        "of a path: let through here only to be refused with ENOENT by RBD_REFUSED",
-    ),
+pub const RBD_ALWAYS: &[Allowed] = syscalls![
+    /// librados and librbd starting their threads (messenger workers, timers, finishers, asio) at
+    /// any time: a thread of this process only (CLONE_THREAD, which the kernel allows only with
+    /// CLONE_VM and CLONE_SIGHAND), with no new namespace; clone3 is refused with ENOSYS
+    /// (RBD_REFUSED), on which glibc retries with clone
+    SYS_clone if Only::ArgMasked {
+        arg: 0,
+        mask: libc::CLONE_THREAD as u64 | CLONE_NAMESPACES,
+        value: libc::CLONE_THREAD as u64,
+    },
+    /// let through here only to be refused with ENOSYS by RBD_REFUSED (its flags are in memory,
+    /// which seccomp cannot read); trapping it would end the worker
+    SYS_clone3,
+    /// librados's connections to the cluster's monitors and OSDs: IPv4 or IPv6 only (no unix,
+    /// netlink or packet socket)
+    SYS_socket if Only::ArgIn { arg: 0, values: &[libc::AF_INET as u64, libc::AF_INET6 as u64] },
+    /// librados connecting to a monitor or an OSD
+    SYS_connect,
+    /// librados learning its own address
+    SYS_getsockname,
+    /// librados setting TCP_NODELAY on its connections
+    SYS_setsockopt,
+    /// librados closing a connection
+    SYS_shutdown,
+    /// librados's messenger event loops
+    SYS_epoll_create,
+    /// librbd's asio event loop
+    SYS_epoll_create1,
+    /// librados's and librbd's event loops
+    SYS_epoll_ctl,
+    /// librados's and librbd's event loops
+    SYS_epoll_wait,
+    /// librados's messenger waking its event loops
+    SYS_pipe2,
+    /// librbd's asio waking its event loop; the target's per-thread completion eventfds
+    SYS_eventfd2,
+    /// librbd's asio timers
+    SYS_timerfd_create,
+    /// librbd's asio timers
+    SYS_timerfd_settime,
+    /// librados naming its host in its client metadata
+    SYS_uname,
+    /// librados making its sockets and pipes non-blocking (F_GETFL, F_SETFL) and close-on-exec
+    /// (F_SETFD)
+    SYS_fcntl if Only::ArgIn {
+        arg: 1,
+        values: &[libc::F_GETFL as u64, libc::F_SETFL as u64, libc::F_SETFD as u64],
+    },
+    /// let through here only to be refused with ENOENT by RBD_REFUSED, before the kernel sees it
+    SYS_openat,
+    /// of a path: let through here only to be refused with ENOENT by RBD_REFUSED
+    SYS_statx,
 ];
 
 /// A system call an rbd worker's libraries make that fails with `errno` instead of
@@ -278,28 +304,16 @@ pub struct RefusedCall {
 
 /// What an rbd worker's libraries still look for after they were loaded, and get an
 /// error for.
-pub const RBD_REFUSED: &[RefusedCall] = &[
-    RefusedCall {
-        nr: libc::SYS_openat,
-        name: "openat",
-        only: Only::Any,
-        errno: libc::ENOENT as u32,
-        why: "every open: librados's OpenSSL reading /usr/lib/ssl/openssl.cnf (it runs without), glibc reading /etc/localtime (UTC then) and /sys/devices/system/cpu/online (it counts CPUs otherwise), librados naming a thread through /proc/self/task/N/comm (left unnamed)",
-    },
-    RefusedCall {
-        nr: libc::SYS_statx,
-        name: "statx",
-        only: Only::ArgLacks { arg: 2, mask: libc::AT_EMPTY_PATH as u64 },
-        errno: libc::ENOENT as u32,
-        why: "of a path: librados looking for /sys/fs/cgroup/cpu/ (a CPU quota; none then)",
-    },
-    RefusedCall {
-        nr: libc::SYS_clone3,
-        name: "clone3",
-        only: Only::Any,
-        errno: libc::ENOSYS as u32,
-        why: "its flags are in memory seccomp cannot read: glibc retries with clone, whose flags RBD_ALWAYS checks",
-    },
+pub const RBD_REFUSED: &[RefusedCall] = refused_calls![
+    /// every open: librados's OpenSSL reading /usr/lib/ssl/openssl.cnf (it runs without), glibc
+    /// reading /etc/localtime (UTC then) and /sys/devices/system/cpu/online (it counts CPUs
+    /// otherwise), librados naming a thread through /proc/self/task/N/comm (left unnamed)
+    SYS_openat => ENOENT,
+    /// of a path: librados looking for /sys/fs/cgroup/cpu/ (a CPU quota; none then)
+    SYS_statx if Only::ArgLacks { arg: 2, mask: libc::AT_EMPTY_PATH as u64 } => ENOENT,
+    /// its flags are in memory seccomp cannot read: glibc retries with clone, whose flags
+    /// RBD_ALWAYS checks
+    SYS_clone3 => ENOSYS,
 ];
 
 /// One allowed io_uring operation, for the targets that need it. `name` and `why` are
@@ -358,89 +372,38 @@ pub fn fixed_files_required(target: &TargetSetup) -> bool {
 /// since io_uring runs many operations in kernel threads that seccomp never sees.
 /// OPENAT, CONNECT, SOCKET, SENDMSG, … are not here, so a compromised worker cannot use
 /// its ring to reach files or the network.
-pub const URING_OPS: &[AllowedOp] = &[
-    AllowedOp {
-        opcode: opcode::UringCmd16::CODE,
-        name: "URING_CMD",
-        only_for: OpFor::Every,
-        why: "ublk PREP/FETCH/COMMIT on /dev/ublkcN",
-    },
-    AllowedOp {
-        opcode: opcode::Read::CODE,
-        name: "READ",
-        only_for: OpFor::Loop,
-        why: "loop target reads from its backing fd",
-    },
-    AllowedOp {
-        opcode: opcode::Read::CODE,
-        name: "READ",
-        only_for: OpFor::Rbd,
-        why: "rbd target: each queue thread waiting on its own eventfd (registered in its \
-              ring, the only file the ring reaches but /dev/ublkcN), which librbd's \
-              completion callback writes",
-    },
-    AllowedOp {
-        opcode: opcode::Write::CODE,
-        name: "WRITE",
-        only_for: OpFor::Loop,
-        why: "loop target writes to its backing fd",
-    },
-    AllowedOp {
-        opcode: opcode::ReadFixed::CODE,
-        name: "READ_FIXED",
-        only_for: OpFor::Loop,
-        why: "zero-copy loop target reads into a request's pages the kernel registered",
-    },
-    AllowedOp {
-        opcode: opcode::WriteFixed::CODE,
-        name: "WRITE_FIXED",
-        only_for: OpFor::Loop,
-        why: "zero-copy loop target writes from a request's pages the kernel registered",
-    },
-    AllowedOp {
-        opcode: opcode::Fsync::CODE,
-        name: "FSYNC",
-        only_for: OpFor::Loop,
-        why: "loop target FLUSH (fdatasync)",
-    },
-    AllowedOp {
-        opcode: opcode::Fallocate::CODE,
-        name: "FALLOCATE",
-        only_for: OpFor::Loop,
-        why: "loop target DISCARD/WRITE_ZEROES (punch hole)",
-    },
-    AllowedOp {
-        opcode: opcode::Writev::CODE,
-        name: "WRITEV",
-        only_for: OpFor::Nbd,
-        why: "nbd target: requests (and a WRITE's data) on the socket ublkd connected, \
-              as a gathered write: never SENDMSG, whose control messages could pass a \
-              descriptor to the server; the worker opens and connects no socket (no \
-              SOCKET or CONNECT here)",
-    },
-    AllowedOp {
-        opcode: opcode::Send::CODE,
-        name: "SEND",
-        only_for: OpFor::Nbd,
-        why: "zero-copy nbd target: a WRITE's data from the request's registered pages on \
-              a socket ublkd connected (a WRITEV cannot take a registered buffer); like \
-              WRITEV it carries no control message, and the worker has no socket without \
-              a peer for a destination address to matter",
-    },
-    AllowedOp {
-        opcode: opcode::Recv::CODE,
-        name: "RECV",
-        only_for: OpFor::Nbd,
-        why: "nbd target: replies (and a READ's data) on the socket ublkd connected",
-    },
-    AllowedOp {
-        opcode: opcode::MsgRingData::CODE,
-        name: "MSG_RING",
-        only_for: OpFor::Nbd,
-        why: "nbd target: a connection's reader posting a reply's result into the ring of \
-              the queue thread that sent the request; MSG_RING's other command, passing a \
-              registered file, would pass only files this worker already has",
-    },
+pub const URING_OPS: &[AllowedOp] = uring_ops![
+    /// ublk PREP/FETCH/COMMIT on /dev/ublkcN
+    UringCmd16 as URING_CMD for Every,
+    /// loop target reads from its backing fd
+    Read as READ for Loop,
+    /// rbd target: each queue thread waiting on its own eventfd (registered in its ring, the only
+    /// file the ring reaches but /dev/ublkcN), which librbd's completion callback writes
+    Read as READ for Rbd,
+    /// loop target writes to its backing fd
+    Write as WRITE for Loop,
+    /// zero-copy loop target reads into a request's pages the kernel registered
+    ReadFixed as READ_FIXED for Loop,
+    /// zero-copy loop target writes from a request's pages the kernel registered
+    WriteFixed as WRITE_FIXED for Loop,
+    /// loop target FLUSH (fdatasync)
+    Fsync as FSYNC for Loop,
+    /// loop target DISCARD/WRITE_ZEROES (punch hole)
+    Fallocate as FALLOCATE for Loop,
+    /// nbd target: requests (and a WRITE's data) on the socket ublkd connected, as a gathered
+    /// write: never SENDMSG, whose control messages could pass a descriptor to the server; the
+    /// worker opens and connects no socket (no SOCKET or CONNECT here)
+    Writev as WRITEV for Nbd,
+    /// zero-copy nbd target: a WRITE's data from the request's registered pages on a socket ublkd
+    /// connected (a WRITEV cannot take a registered buffer); like WRITEV it carries no control
+    /// message, and the worker has no socket without a peer for a destination address to matter
+    Send as SEND for Nbd,
+    /// nbd target: replies (and a READ's data) on the socket ublkd connected
+    Recv as RECV for Nbd,
+    /// nbd target: a connection's reader posting a reply's result into the ring of the queue thread
+    /// that sent the request; MSG_RING's other command, passing a registered file, would pass only
+    /// files this worker already has
+    MsgRingData as MSG_RING for Nbd,
 ];
 
 /// One allowed `io_uring_register` operation on an enabled ring.
@@ -460,24 +423,15 @@ pub struct AllowedRegisterOp {
 /// exempts from its own register restrictions. So no PERSONALITY (running requests
 /// with other credentials), PBUF_RING, BUFFERS, FILES, EVENTFD, IOWQ_*, RESTRICTIONS
 /// again, MEM_REGION, ZCRX, BPF_FILTER, RESIZE_RINGS, CLONE_BUFFERS, …
-pub const URING_REGISTER_OPS: &[AllowedRegisterOp] = &[
-    AllowedRegisterOp {
-        opcode: uapi::IORING_REGISTER_FILES_UPDATE as u8,
-        name: "REGISTER_FILES_UPDATE",
-        why: "activation: /dev/ublkcN into the slot kept free for it while standing by",
-    },
-    AllowedRegisterOp {
-        opcode: uapi::IORING_UNREGISTER_BUFFERS as u8,
-        name: "UNREGISTER_BUFFERS",
-        why: "recovery.fast_release: the supervisor, on its copy of a dead worker's ring, \
-              lets go of the requests' pages (zero copy) so the device is released at once",
-    },
-    AllowedRegisterOp {
-        opcode: uapi::IORING_UNREGISTER_FILES as u8,
-        name: "UNREGISTER_FILES",
-        why: "recovery.fast_release: the supervisor, on its copy of a dead worker's ring, \
-              drops /dev/ublkcN so the device is released at once",
-    },
+pub const URING_REGISTER_OPS: &[AllowedRegisterOp] = register_ops![
+    /// activation: /dev/ublkcN into the slot kept free for it while standing by
+    IORING_REGISTER_FILES_UPDATE,
+    /// recovery.fast_release: the supervisor, on its copy of a dead worker's ring, lets go of the
+    /// requests' pages (zero copy) so the device is released at once
+    IORING_UNREGISTER_BUFFERS,
+    /// recovery.fast_release: the supervisor, on its copy of a dead worker's ring, drops
+    /// /dev/ublkcN so the device is released at once
+    IORING_UNREGISTER_FILES,
 ];
 
 /// SQE flags the ring accepts: fixed files (every fd the data path uses is registered),

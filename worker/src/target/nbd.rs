@@ -318,13 +318,27 @@ fn sqe_fields(sqe: &io_uring::squeue::Entry) -> SqeFields {
     }
 }
 
+/// A test's turn of the ring that stands in for a queue thread's: submits what is
+/// queued, waits up to `wait_ns` for a completion (none coming is no error: ETIME),
+/// and takes every completion there is, as (user_data, result). For the target tests'
+/// stand-in loops; the rbd host tests' `Loop::finished` does the same.
+#[cfg(test)]
+pub(super) fn submit_and_reap(ring: &mut io_uring::IoUring, wait_ns: u32) -> Vec<(u64, i32)> {
+    let timeout = io_uring::types::Timespec::new().nsec(wait_ns);
+    let args = io_uring::types::SubmitArgs::new().timespec(&timeout);
+    if let Err(e) = ring.submitter().submit_with_args(1, &args) {
+        assert_eq!(e.raw_os_error(), Some(libc::ETIME), "{e}");
+    }
+    ring.completion().map(|c| (c.user_data(), c.result())).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Write};
     use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;
 
-    use io_uring::{IoUring, squeue, types};
+    use io_uring::{IoUring, squeue};
 
     use super::receive::{HEADER_RECEIVE_BYTES, RECEIVE_BUFFER_BYTES};
     use super::*;
@@ -387,15 +401,7 @@ mod tests {
             for sqe in std::mem::take(&mut self.work.sqes) {
                 self.push(&sqe);
             }
-            let timeout = types::Timespec::new().nsec(ms * 1_000_000);
-            let args = types::SubmitArgs::new().timespec(&timeout);
-            match self.ring.submitter().submit_with_args(1, &args) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {}
-                Err(e) => panic!("{e}"),
-            }
-            let cqes: Vec<_> =
-                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            let cqes = submit_and_reap(&mut self.ring, ms * 1_000_000);
             let mut finished = Vec::new();
             for &(ud, res) in &cqes {
                 if let Some(UserData::TargetOwn { key }) = UserData::decode(ud) {

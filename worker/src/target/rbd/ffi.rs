@@ -73,42 +73,68 @@ pub enum LoadError {
     NotPreloaded,
 }
 
-/// The functions the rbd target calls, resolved once.
-#[derive(Debug)]
-pub struct Lib {
-    pub rados_create2: unsafe extern "C" fn(*mut Rados, *const c_char, *const c_char, u64) -> c_int,
-    pub rados_conf_set: unsafe extern "C" fn(Rados, *const c_char, *const c_char) -> c_int,
-    pub rados_connect: unsafe extern "C" fn(Rados) -> c_int,
-    pub rados_shutdown: unsafe extern "C" fn(Rados),
-    pub rados_getaddrs: unsafe extern "C" fn(Rados, *mut *mut c_char) -> c_int,
-    pub rados_buffer_free: unsafe extern "C" fn(*mut c_char),
-    pub rados_ioctx_create: unsafe extern "C" fn(Rados, *const c_char, *mut Ioctx) -> c_int,
-    pub rados_ioctx_destroy: unsafe extern "C" fn(Ioctx),
-    pub rados_ioctx_set_namespace: unsafe extern "C" fn(Ioctx, *const c_char),
-    pub rbd_open: unsafe extern "C" fn(Ioctx, *const c_char, *mut Image, *const c_char) -> c_int,
-    pub rbd_open_read_only:
-        unsafe extern "C" fn(Ioctx, *const c_char, *mut Image, *const c_char) -> c_int,
-    pub rbd_close: unsafe extern "C" fn(Image) -> c_int,
-    pub rbd_stat: unsafe extern "C" fn(Image, *mut ImageInfo, usize) -> c_int,
-    pub rbd_get_features: unsafe extern "C" fn(Image, *mut u64) -> c_int,
-    pub rbd_lock_acquire: unsafe extern "C" fn(Image, LockMode) -> c_int,
-    pub rbd_lock_release: unsafe extern "C" fn(Image) -> c_int,
-    pub rbd_lock_get_owners:
-        unsafe extern "C" fn(Image, *mut LockMode, *mut *mut c_char, *mut usize) -> c_int,
-    pub rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
-    pub rbd_lock_break: unsafe extern "C" fn(Image, LockMode, *const c_char) -> c_int,
-    pub rbd_aio_create_completion:
-        unsafe extern "C" fn(*mut c_void, Callback, *mut Completion) -> c_int,
-    pub rbd_aio_get_return_value: unsafe extern "C" fn(Completion) -> isize,
-    pub rbd_aio_release: unsafe extern "C" fn(Completion),
-    pub rbd_aio_read: unsafe extern "C" fn(Image, u64, usize, *mut c_char, Completion) -> c_int,
-    pub rbd_aio_write: unsafe extern "C" fn(Image, u64, usize, *const c_char, Completion) -> c_int,
-    pub rbd_aio_flush: unsafe extern "C" fn(Image, Completion) -> c_int,
-    pub rbd_aio_discard: unsafe extern "C" fn(Image, u64, u64, Completion) -> c_int,
-    pub rbd_aio_write_zeroes:
-        unsafe extern "C" fn(Image, u64, usize, Completion, c_int, c_int) -> c_int,
-    /// Kept open for the process's life: the pointers above point into them.
-    _libraries: [Library; 2],
+/// Declares [`Lib`], the functions the rbd target calls, and `resolve`, which looks
+/// each of them up in its library: one list, in which a function is named once, with
+/// the signature its header declares.
+macro_rules! functions {
+    ($($library:ident in $file:ident { $($name:ident: $signature:ty,)* })*) => {
+        /// The functions the rbd target calls, resolved once.
+        #[derive(Debug)]
+        pub struct Lib {
+            $($(pub $name: $signature,)*)*
+            /// Kept open for the process's life: the pointers above point into them.
+            _libraries: [Library; 2],
+        }
+
+        fn resolve($($library: Library),*) -> Result<Lib, LoadError> {
+            Ok(Lib {
+                $($(
+                    // SAFETY: the field's type is the function's signature as the header
+                    // declares it (stated once, in the list `Lib` is declared from).
+                    $name: unsafe { symbol(&$library, $file, stringify!($name))? },
+                )*)*
+                _libraries: [$($library),*],
+            })
+        }
+    };
+}
+
+functions! {
+    rados in LIBRADOS {
+        rados_create2: unsafe extern "C" fn(*mut Rados, *const c_char, *const c_char, u64) -> c_int,
+        rados_conf_set: unsafe extern "C" fn(Rados, *const c_char, *const c_char) -> c_int,
+        rados_connect: unsafe extern "C" fn(Rados) -> c_int,
+        rados_shutdown: unsafe extern "C" fn(Rados),
+        rados_getaddrs: unsafe extern "C" fn(Rados, *mut *mut c_char) -> c_int,
+        rados_buffer_free: unsafe extern "C" fn(*mut c_char),
+        rados_ioctx_create: unsafe extern "C" fn(Rados, *const c_char, *mut Ioctx) -> c_int,
+        rados_ioctx_destroy: unsafe extern "C" fn(Ioctx),
+        rados_ioctx_set_namespace: unsafe extern "C" fn(Ioctx, *const c_char),
+    }
+    rbd in LIBRBD {
+        rbd_open: unsafe extern "C" fn(Ioctx, *const c_char, *mut Image, *const c_char) -> c_int,
+        rbd_open_read_only:
+            unsafe extern "C" fn(Ioctx, *const c_char, *mut Image, *const c_char) -> c_int,
+        rbd_close: unsafe extern "C" fn(Image) -> c_int,
+        rbd_stat: unsafe extern "C" fn(Image, *mut ImageInfo, usize) -> c_int,
+        rbd_get_features: unsafe extern "C" fn(Image, *mut u64) -> c_int,
+        rbd_lock_acquire: unsafe extern "C" fn(Image, LockMode) -> c_int,
+        rbd_lock_release: unsafe extern "C" fn(Image) -> c_int,
+        rbd_lock_get_owners:
+            unsafe extern "C" fn(Image, *mut LockMode, *mut *mut c_char, *mut usize) -> c_int,
+        rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
+        rbd_lock_break: unsafe extern "C" fn(Image, LockMode, *const c_char) -> c_int,
+        rbd_aio_create_completion:
+            unsafe extern "C" fn(*mut c_void, Callback, *mut Completion) -> c_int,
+        rbd_aio_get_return_value: unsafe extern "C" fn(Completion) -> isize,
+        rbd_aio_release: unsafe extern "C" fn(Completion),
+        rbd_aio_read: unsafe extern "C" fn(Image, u64, usize, *mut c_char, Completion) -> c_int,
+        rbd_aio_write: unsafe extern "C" fn(Image, u64, usize, *const c_char, Completion) -> c_int,
+        rbd_aio_flush: unsafe extern "C" fn(Image, Completion) -> c_int,
+        rbd_aio_discard: unsafe extern "C" fn(Image, u64, u64, Completion) -> c_int,
+        rbd_aio_write_zeroes:
+            unsafe extern "C" fn(Image, u64, usize, Completion, c_int, c_int) -> c_int,
+    }
 }
 
 static LIB: OnceLock<Result<Lib, LoadError>> = OnceLock::new();
@@ -169,78 +195,5 @@ unsafe fn symbol<T: Copy>(
 fn load() -> Result<Lib, LoadError> {
     let rados = open(LIBRADOS, "librados", "librados2")?;
     let rbd = open(LIBRBD, "librbd", "librbd1")?;
-    macro_rules! resolve {
-        ($library:ident, $file:expr, $($name:ident),* $(,)?) => {
-            $(
-                // SAFETY: the field's type is the function's signature as the header
-                // declares it (restated above, field by field).
-                let $name = unsafe { symbol(&$library, $file, stringify!($name))? };
-            )*
-        };
-    }
-    resolve!(
-        rados,
-        LIBRADOS,
-        rados_create2,
-        rados_conf_set,
-        rados_connect,
-        rados_shutdown,
-        rados_getaddrs,
-        rados_buffer_free,
-        rados_ioctx_create,
-        rados_ioctx_destroy,
-        rados_ioctx_set_namespace,
-    );
-    resolve!(
-        rbd,
-        LIBRBD,
-        rbd_open,
-        rbd_open_read_only,
-        rbd_close,
-        rbd_stat,
-        rbd_get_features,
-        rbd_lock_acquire,
-        rbd_lock_release,
-        rbd_lock_get_owners,
-        rbd_lock_get_owners_cleanup,
-        rbd_lock_break,
-        rbd_aio_create_completion,
-        rbd_aio_get_return_value,
-        rbd_aio_release,
-        rbd_aio_read,
-        rbd_aio_write,
-        rbd_aio_flush,
-        rbd_aio_discard,
-        rbd_aio_write_zeroes,
-    );
-    Ok(Lib {
-        rados_create2,
-        rados_conf_set,
-        rados_connect,
-        rados_shutdown,
-        rados_getaddrs,
-        rados_buffer_free,
-        rados_ioctx_create,
-        rados_ioctx_destroy,
-        rados_ioctx_set_namespace,
-        rbd_open,
-        rbd_open_read_only,
-        rbd_close,
-        rbd_stat,
-        rbd_get_features,
-        rbd_lock_acquire,
-        rbd_lock_release,
-        rbd_lock_get_owners,
-        rbd_lock_get_owners_cleanup,
-        rbd_lock_break,
-        rbd_aio_create_completion,
-        rbd_aio_get_return_value,
-        rbd_aio_release,
-        rbd_aio_read,
-        rbd_aio_write,
-        rbd_aio_flush,
-        rbd_aio_discard,
-        rbd_aio_write_zeroes,
-        _libraries: [rados, rbd],
-    })
+    resolve(rados, rbd)
 }
