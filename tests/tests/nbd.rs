@@ -30,6 +30,9 @@ const IOS_BETWEEN: u64 = 300;
 /// Requests a device serves after the last blow before fio is stopped: the writes
 /// around it are then behind fio's verify backlog (256) several times over.
 const IOS_AFTER: u64 = 2000;
+/// How long the server stays away in the restart tests, at least: several of
+/// ublkd's reconnects fail meanwhile.
+const MIN_OUTAGE: Duration = Duration::from_secs(2);
 /// The NBD handshake's time limit (`recovery.nbd_handshake_timeout_secs`, 10 s by
 /// default) where a test waits it out against a silent server.
 const HANDSHAKE_SECS: u64 = 4;
@@ -368,6 +371,9 @@ fn fio_verify_survives_three_worker_kills_and_a_server_restart(listen: Listen) {
     ublkd.wait_until("ublkd to wait for the NBD server", || {
         ublkd.log().contains("waiting for the NBD server")
     });
+    // Away for a while (the outage is the subject): several of ublkd's reconnects
+    // (100 ms, doubling) find no server.
+    std::thread::sleep(MIN_OUTAGE.saturating_sub(away.elapsed()));
     let dev = ublkd.status_of(id);
     assert_ne!(dev["state"], "LIVE", "LIVE without its server: {dev}");
     eprintln!("while the server is away: {} ({})", dev["state"], dev["note"]);
