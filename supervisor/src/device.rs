@@ -25,7 +25,7 @@ mod user_recovery;
 mod workers;
 
 pub use creation::{Creation, Progress};
-pub use deletion::Left;
+pub use deletion::{Deletion, Left, Refusal, Safety, Stages};
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
