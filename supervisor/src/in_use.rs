@@ -38,6 +38,17 @@ pub enum Holder {
 }
 
 impl Holder {
+    /// Whether the hold is likely over in a moment: udev probing a new or just closed
+    /// disk (blkid), or an opener gone by the time ublkd looked. A delete asks again
+    /// for a little while before it refuses.
+    pub fn transient(&self) -> bool {
+        match self {
+            Holder::Process { comm, .. } => comm.contains("udev"),
+            Holder::Unnamed => true,
+            Holder::Mount(_) | Holder::Stacked(_) => false,
+        }
+    }
+
     /// What the operator does to free the disk.
     pub fn remedy(&self) -> String {
         match self {
@@ -444,5 +455,13 @@ mod tests {
         assert_eq!(process.to_string(), "device 2 is in use: open in process 9 (dd)");
         assert_eq!(Holder::Stacked("dm-0".into()).to_string(), "held by dm-0");
         assert_eq!(Holder::Stacked("dm-0".into()).remedy(), "remove dm-0");
+    }
+
+    #[test]
+    fn only_udev_and_unnamed_holds_count_as_transient() {
+        assert!(Holder::Process { pid: 1, comm: "systemd-udevd".into() }.transient());
+        assert!(Holder::Unnamed.transient());
+        assert!(!Holder::Process { pid: 1, comm: "dd".into() }.transient());
+        assert!(!Holder::Mount("/mnt".into()).transient());
     }
 }

@@ -45,6 +45,12 @@ enum Stop {
     Holding(Option<std::fs::File>),
 }
 
+/// How long a delete asks again while the only holds on its disks are transient
+/// ([`crate::in_use::Holder::transient`]: udev's probe after an add or a close).
+const TRANSIENT_WAIT: Duration = Duration::from_secs(2);
+/// How often it asks meanwhile.
+const TRANSIENT_POLL: Duration = Duration::from_millis(100);
+
 /// Why a device was not deleted and is given back, to be served as before.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
@@ -136,7 +142,18 @@ impl Device {
             .collect();
         let ids: Vec<u32> = devices.iter().map(Device::id).collect();
         let hold: BTreeSet<u32> = ids.iter().copied().filter(|id| !safe.contains(id)).collect();
-        let mut claims = claim_all(&Roots::default(), &ids, &hold);
+        let roots = Roots::default();
+        let give_up = Instant::now() + TRANSIENT_WAIT;
+        let mut claims = loop {
+            let claims = claim_all(&roots, &ids, &hold);
+            let transient = claims.values().any(|c| matches!(c, Claim::Busy(h) if h.transient()));
+            let lasting = claims.values().any(|c| matches!(c, Claim::Busy(h) if !h.transient()));
+            if !transient || lasting || Instant::now() >= give_up {
+                break claims;
+            }
+            drop(claims);
+            std::thread::sleep(TRANSIENT_POLL);
+        };
         let mut refusals = BTreeMap::new();
         let mut stops = BTreeMap::new();
         for id in ids {
@@ -253,15 +270,25 @@ impl Device {
                 drop(claim);
                 stopped
             }
-            Stop::Try => match ctrl.try_stop_dev(id) {
-                Err(e) if e.errno() == Some(libc::EBUSY) => {
-                    let holder = Roots::default().holder(id, std::process::id());
-                    return Deletion::Kept(Box::new(self), Refusal::InUse(InUse { id, holder }));
+            Stop::Try => {
+                let give_up = Instant::now() + TRANSIENT_WAIT;
+                loop {
+                    match ctrl.try_stop_dev(id) {
+                        Err(e) if e.errno() == Some(libc::EBUSY) => {
+                            let holder = Roots::default().holder(id, std::process::id());
+                            if holder.transient() && Instant::now() < give_up {
+                                std::thread::sleep(TRANSIENT_POLL);
+                                continue;
+                            }
+                            let why = Refusal::InUse(InUse { id, holder });
+                            return Deletion::Kept(Box::new(self), why);
+                        }
+                        // No disk (never started, or stopped already): nothing holds it.
+                        Err(e) if e.errno() == Some(libc::ENODEV) => break Ok(()),
+                        other => break other,
+                    }
                 }
-                // No disk (never started, or stopped already): nothing holds it.
-                Err(e) if e.errno() == Some(libc::ENODEV) => Ok(()),
-                other => other,
-            },
+            }
         };
         match self.finish_delete(ctrl, state, stopped, started, stages) {
             Ok(()) => Deletion::Deleted,
