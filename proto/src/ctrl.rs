@@ -40,6 +40,7 @@ pub enum CtrlCmd {
     DelDev,
     StartDev,
     StopDev,
+    TryStopDev,
     SetParams,
     GetParams,
     GetDevInfo,
@@ -57,6 +58,7 @@ impl CtrlCmd {
             CtrlCmd::DelDev => uapi::UBLK_U_CMD_DEL_DEV,
             CtrlCmd::StartDev => uapi::UBLK_U_CMD_START_DEV,
             CtrlCmd::StopDev => uapi::UBLK_U_CMD_STOP_DEV,
+            CtrlCmd::TryStopDev => uapi::UBLK_U_CMD_TRY_STOP_DEV,
             CtrlCmd::SetParams => uapi::UBLK_U_CMD_SET_PARAMS,
             CtrlCmd::GetParams => uapi::UBLK_U_CMD_GET_PARAMS,
             CtrlCmd::GetDevInfo => uapi::UBLK_U_CMD_GET_DEV_INFO,
@@ -74,6 +76,7 @@ impl CtrlCmd {
             CtrlCmd::DelDev => "DEL_DEV",
             CtrlCmd::StartDev => "START_DEV",
             CtrlCmd::StopDev => "STOP_DEV",
+            CtrlCmd::TryStopDev => "TRY_STOP_DEV",
             CtrlCmd::SetParams => "SET_PARAMS",
             CtrlCmd::GetParams => "GET_PARAMS",
             CtrlCmd::GetDevInfo => "GET_DEV_INFO",
@@ -163,6 +166,7 @@ fn kernel_hint(cmd: CtrlCmd, errno: Errno) -> &'static str {
             "; the device is not quiesced yet, or its old server has not released /dev/ublkcN"
         }
         (CtrlCmd::StartDev, libc::EEXIST) => "; the device is already started",
+        (CtrlCmd::TryStopDev, libc::EBUSY) => "; the device's disk is open",
         _ => "",
     }
 }
@@ -248,6 +252,15 @@ impl CtrlClient {
 
     pub fn stop_dev(&self, id: u32) -> Result<(), CtrlError> {
         self.run(CtrlCmd::StopDev, DevTarget::Id(id), 0, Payload::None).map(drop)
+    }
+
+    /// Stops device `id` only if nobody has its disk (`/dev/ublkbN`, or a partition of
+    /// it) open: `EBUSY` otherwise, the device left as it was. The kernel checks the
+    /// disk's openers and blocks new opens (`ENXIO`) under the disk's open mutex, so no
+    /// mount slips in between the check and the stop. Kernels with
+    /// `UBLK_F_SAFE_STOP_DEV` (Linux 7.0+) have it; older ones answer `EOPNOTSUPP`.
+    pub fn try_stop_dev(&self, id: u32) -> Result<(), CtrlError> {
+        self.run(CtrlCmd::TryStopDev, DevTarget::Id(id), 0, Payload::None).map(drop)
     }
 
     pub fn set_params(&self, id: u32, params: &UblkParams) -> Result<(), CtrlError> {

@@ -226,6 +226,19 @@ mod tests {
         assert!(matches!(read_frame::<CtlRequest>(&mut b), Err(MsgError::Closed)));
     }
 
+    #[test]
+    fn requests_of_older_clients_decode_as_they_did() {
+        // Encoded by a ublkctl from before `--force`: `del -n 4` and `shutdown`.
+        let del: CtlRequest = codec::decode(&[1, 1, 4]).unwrap();
+        assert_eq!(del, CtlRequest::Del { id: Some(4) });
+        assert_eq!(codec::decode::<CtlRequest>(&[5]).unwrap(), CtlRequest::Shutdown);
+        assert_eq!(codec::encode(&CtlRequest::Del { id: Some(4) }).unwrap(), [1, 1, 4]);
+        let forced = CtlRequest::DelForce { id: None };
+        assert_eq!(codec::decode::<CtlRequest>(&codec::encode(&forced).unwrap()).unwrap(), forced);
+        let forced = CtlRequest::ShutdownForce;
+        assert_eq!(codec::decode::<CtlRequest>(&codec::encode(&forced).unwrap()).unwrap(), forced);
+    }
+
     /// A `status` answer for `n` devices.
     fn status_of(n: u32) -> CtlResponse {
         CtlResponse::Status(

@@ -164,7 +164,14 @@ pub enum UblkctlCommand {
         #[arg(short = 'n', long = "id")]
         id: Option<u32>,
     },
-    /// Delete a device (-n ID) or all of them (-a).
+    /// Delete a device (-n ID) or all of them (-a). A device in use (its filesystem
+    /// mounted, held by dm or md, open in a process) is not deleted: the command fails
+    /// naming what holds it (the mount point, the holder, or the process), and the
+    /// device serves on unchanged; with -a, if any device is in use, none is deleted.
+    /// Where the kernel has UBLK_F_SAFE_STOP_DEV (Linux >= 7.0) it refuses the stop
+    /// itself while the disk is open; elsewhere ublkd holds the disk open exclusively
+    /// across the stop. A delete that is not done after 25 s fails saying where it
+    /// stands, and ublkd finishes it by itself.
     Del {
         /// The device id.
         #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
@@ -172,6 +179,10 @@ pub enum UblkctlCommand {
         /// Every device ublkd serves.
         #[arg(short, long)]
         all: bool,
+        /// Delete devices in use too. A mounted filesystem loses what it had not
+        /// written, and its users get I/O errors.
+        #[arg(long)]
+        force: bool,
     },
     /// List devices in the kernel selftests' two-line format.
     List {
@@ -224,7 +235,14 @@ pub enum UblkctlCommand {
     },
     /// Delete every device, then stop ublkd (what removing the package does). A stop
     /// or restart of ublkd (SIGTERM, `systemctl stop`) keeps the devices; this does not.
-    Shutdown,
+    /// If any device is in use (as for del), nothing is deleted and ublkd serves on:
+    /// the command fails listing each busy device and what holds it.
+    Shutdown {
+        /// Delete devices in use too (their filesystems lose what they had not
+        /// written).
+        #[arg(long)]
+        force: bool,
+    },
     /// List the ublk features this kernel supports, one per line (no daemon needed),
     /// and on stderr the data path its devices get: "batched (BATCH_IO)" or "per-I/O".
     Features {
@@ -277,6 +295,16 @@ mod tests {
         }
         let both = ["ublkctl", "add", "-t", "nbd", "--uri", "nbd://h/", "--zero-copy", "--copy"];
         assert!(UblkctlCli::try_parse_from(both).is_err(), "--zero-copy and --copy conflict");
+    }
+
+    #[test]
+    fn del_and_shutdown_take_force() {
+        let cli = UblkctlCli::try_parse_from(["ublkctl", "del", "-a", "--force"]).unwrap();
+        assert!(matches!(cli.command, UblkctlCommand::Del { all: true, force: true, .. }));
+        let cli = UblkctlCli::try_parse_from(["ublkctl", "del", "-n", "0"]).unwrap();
+        assert!(matches!(cli.command, UblkctlCommand::Del { id: Some(0), force: false, .. }));
+        let cli = UblkctlCli::try_parse_from(["ublkctl", "shutdown", "--force"]).unwrap();
+        assert!(matches!(cli.command, UblkctlCommand::Shutdown { force: true }));
     }
 
     #[test]

@@ -26,7 +26,7 @@ mod worker_death;
 mod workers;
 
 pub use creation::{Creation, Progress};
-pub use deletion::Left;
+pub use deletion::{Deletion, Left, Refusal, Safety, Stages};
 pub use worker_death::WorkerDeath;
 
 use std::os::fd::{AsFd, OwnedFd};

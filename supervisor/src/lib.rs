@@ -10,6 +10,7 @@
 //! - [`worker`]: starting, talking to and reaping worker processes.
 //! - [`worker_log`]: workers' stderr, relayed into the log with their identity, rate-limited.
 //! - [`features`]: rendering the kernel's ublk feature mask.
+//! - [`in_use`]: whether a device's disk is open, and what holds it (a safe delete's check).
 //! - [`inspect`]: a worker's sandbox as `/proc` shows it.
 //! - [`recovery`]: recovery policy: the restart budget, hang verdicts, standby timing.
 //! - [`logging`]: the log, to the journal under systemd, else to stderr.
@@ -30,6 +31,7 @@ pub mod exit;
 pub mod features;
 pub mod generator;
 pub mod hang;
+pub mod in_use;
 pub mod inspect;
 pub mod logging;
 pub mod metrics;

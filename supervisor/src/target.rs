@@ -79,13 +79,15 @@ pub const DEVICE_FLAGS: u64 = uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_REC
 
 /// The flags of a device on a kernel with `kernel_features`: [`DEVICE_FLAGS`],
 /// `UBLK_F_BATCH_IO` where the kernel has it (the batched data path, see
-/// [`DataPath::for_kernel`]), and automatic buffer registration for a zero-copy loop
-/// or nbd device.
+/// [`DataPath::for_kernel`]), `UBLK_F_SAFE_STOP_DEV` where the kernel has it (a delete
+/// then stops the device with `TRY_STOP_DEV`, which the kernel refuses while the disk
+/// is open), and automatic buffer registration for a zero-copy loop or nbd device.
 pub fn device_flags(spec: &DeviceSpec, kernel_features: u64) -> u64 {
     let mut flags = DEVICE_FLAGS;
     if DataPath::for_kernel(kernel_features) == DataPath::Batch {
         flags |= uapi::UBLK_F_BATCH_IO;
     }
+    flags |= kernel_features & uapi::UBLK_F_SAFE_STOP_DEV;
     if zero_copy(spec) {
         flags |= uapi::UBLK_F_AUTO_BUF_REG;
     }
@@ -336,6 +338,13 @@ mod tests {
         assert_eq!(batched, DEVICE_FLAGS | uapi::UBLK_F_BATCH_IO);
         assert!(!fast_release_supported(DataPath::for_kernel(features)));
         assert!(fast_release_supported(DataPath::for_kernel(features | uapi::UBLK_F_BATCH_IO)));
+    }
+
+    #[test]
+    fn devices_get_safe_stop_where_the_kernel_has_it() {
+        let safe = uapi::UBLK_F_SAFE_STOP_DEV;
+        assert_eq!(device_flags(&loop_spec(Some(false)), DEVICE_FLAGS) & safe, 0);
+        assert_eq!(device_flags(&loop_spec(Some(false)), DEVICE_FLAGS | safe) & safe, safe);
     }
 
     #[test]

@@ -75,7 +75,8 @@ pub struct RbdAdd {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CtlRequest {
     Add(AddRequest),
-    /// `None`: every device.
+    /// `None`: every device. Refused, with nothing deleted, if any of the devices'
+    /// disks is in use (mounted, held by dm or md, open in a process).
     Del {
         id: Option<u32>,
     },
@@ -89,7 +90,8 @@ pub enum CtlRequest {
         id: u32,
     },
     /// Delete every device, answer [`CtlResponse::Deleted`], then exit: the one
-    /// request (besides `Del`) that deletes devices; signals never do.
+    /// request (besides `Del`) that deletes devices; signals never do. Refused, with
+    /// nothing deleted and ublkd serving on, if any device's disk is in use.
     Shutdown,
     /// Move device `id` (`None`: every device) to the worker binary now on disk, one
     /// device at a time, each serving throughout.
@@ -101,6 +103,14 @@ pub enum CtlRequest {
     Metrics {
         id: Option<u32>,
     },
+    // New requests go last: the encoding is positional (a variant is its index), so a
+    // variant appended keeps every older client's requests as they were.
+    /// `del --force`: [`CtlRequest::Del`] that deletes devices in use too.
+    DelForce {
+        id: Option<u32>,
+    },
+    /// `shutdown --force`: [`CtlRequest::Shutdown`] that deletes devices in use too.
+    ShutdownForce,
 }
 
 /// What `ublkctl upgrade` did to one device.

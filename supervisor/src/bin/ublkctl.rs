@@ -69,14 +69,17 @@ fn main() -> ExitCode {
                 rbd,
             })
         }
-        Command::Del { id, all: _ } => CtlRequest::Del { id },
+        // Unforced, the request old daemons know (which delete regardless).
+        Command::Del { id, all: _, force: false } => CtlRequest::Del { id },
+        Command::Del { id, all: _, force: true } => CtlRequest::DelForce { id },
         Command::Recover { id, id_flag } => {
             CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
         }
         Command::List { id } => CtlRequest::List { id },
         Command::Upgrade { id, all: _ } => return cmd_upgrade(&cli.socket, id),
-        Command::Shutdown => {
-            return match call(&cli.socket, &CtlRequest::Shutdown) {
+        Command::Shutdown { force } => {
+            let request = if force { CtlRequest::ShutdownForce } else { CtlRequest::Shutdown };
+            return match call(&cli.socket, &request) {
                 Ok(CtlResponse::Deleted { ids }) => {
                     for id in ids {
                         eprintln!("deleted device {id}");

@@ -240,11 +240,19 @@ impl Daemon {
                         let message = "ublkd is shutting down".to_string();
                         CtlResponse::Error { message }
                     }
-                    CtlRequest::Del { id } => match self.begin_del(token, id, false) {
+                    CtlRequest::Del { id } => match self.begin_del(token, id, false, false) {
                         Some(response) => response,
                         None => continue,
                     },
-                    CtlRequest::Shutdown => match self.begin_del(token, None, true) {
+                    CtlRequest::DelForce { id } => match self.begin_del(token, id, false, true) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::Shutdown => match self.begin_del(token, None, true, false) {
+                        Some(response) => response,
+                        None => continue,
+                    },
+                    CtlRequest::ShutdownForce => match self.begin_del(token, None, true, true) {
                         Some(response) => response,
                         None => continue,
                     },

@@ -12,7 +12,7 @@ use ublkd_proto::shm::{CounterSnapshot, DevLatency};
 use ublkd_proto::uapi::DevState;
 
 use super::Daemon;
-use crate::device::{Device, Recovery};
+use crate::device::{Device, Recovery, Safety};
 use crate::device_state::StateKind;
 
 impl Daemon {
@@ -22,7 +22,9 @@ impl Daemon {
             // `begin_del`, `begin_recover`, `begin_upgrade`): never waited for here.
             CtlRequest::Add(_)
             | CtlRequest::Del { .. }
+            | CtlRequest::DelForce { .. }
             | CtlRequest::Shutdown
+            | CtlRequest::ShutdownForce
             | CtlRequest::Recover { .. }
             | CtlRequest::Upgrade { .. } => Err("this request is answered by the loop".into()),
             CtlRequest::List { id } => self.selected(id).map(|ids| {
@@ -120,33 +122,37 @@ impl Daemon {
 
     /// `ublkctl del` (`id`: one device, else every one) and `shutdown`: the devices
     /// deleted off the loop ([`Self::begin_delete`]); answered now only if refused or
-    /// if there was nothing to delete.
+    /// if there was nothing to delete. Unless `force`, none is deleted if any of them
+    /// is in use: the delete's thread gives them back, served as before.
     pub(super) fn begin_del(
         &mut self,
         token: crate::control::Token,
         id: Option<u32>,
         shutdown: bool,
+        force: bool,
     ) -> Option<CtlResponse> {
+        use super::delete::{DeleteFor, Request};
         let all = |daemon: &mut Daemon, why: &str| {
             // Adds under way too: none of them may come up after the answer.
             let made = daemon.give_up_pending_adds(None, why);
             let devices: Vec<Device> = daemon.devices.take_all();
             (devices, made)
         };
-        let (devices, one, given_up) = match id {
+        let (devices, request, given_up) = match id {
             _ if shutdown => {
                 tracing::info!(
                     event = "shutdown",
-                    "shutdown requested: deleting {} device(s), then exiting",
+                    "shutdown requested{}: deleting {} device(s), then exiting",
+                    if force { " (--force)" } else { "" },
                     self.devices.len()
                 );
                 self.shutting_down = true;
                 let (devices, made) = all(self, "ublkd was shut down");
-                (devices, false, made)
+                (devices, Request::Shutdown, made)
             }
             None => {
                 let (devices, made) = all(self, "deleted by `ublkctl del -a`");
-                (devices, false, made)
+                (devices, Request::All, made)
             }
             Some(id) if !self.devices.contains(id) => {
                 let before = self.pending_adds.len();
@@ -158,10 +164,11 @@ impl Daemon {
             }
             Some(id) => {
                 let dev = self.devices.remove(id).expect("checked above");
-                (vec![dev], true, Vec::new())
+                (vec![dev], Request::One, Vec::new())
             }
         };
-        self.begin_delete(super::delete::DeleteFor::Client { token, one, given_up }, devices)
+        let safety = if force { Safety::Force } else { Safety::AllOrNothing };
+        self.begin_delete(DeleteFor::Client { token, request, given_up }, devices, safety)
     }
 
     /// `ublkctl recover`: recovers the device now and resets its restart budget. The

@@ -16,6 +16,7 @@ use super::delete::DeleteFor;
 use super::event_loop::CREATING_AT_ONCE;
 use super::handlers::describe_spec;
 use super::underway::{Standing, Underway, Wake};
+use crate::device::{Refusal, Safety};
 
 /// A reload under way: its deletes run on a thread and its adds as `ublkctl add`s do,
 /// while the loop serves every client and device (and feeds the watchdog). systemd
@@ -29,6 +30,9 @@ pub(super) struct PendingReload {
     removed: usize,
     /// The devices gone from the file are being deleted (the adds begin after).
     deleting: bool,
+    /// Those devices, with the config's description of each: one found in use is kept,
+    /// configured as before, so that a later reload deletes it once it is free.
+    dropping: Vec<(DeviceSpec, u32)>,
     /// Devices new in the file, not yet begun ([`CREATING_AT_ONCE`] are made at once).
     queued: VecDeque<DeviceSpec>,
     /// Adds begun and not yet ended.
@@ -109,6 +113,7 @@ impl Daemon {
             }
             if let Some(dev) = self.devices.remove(id) {
                 dropped.push(dev);
+                reload.dropping.push((spec, id));
             }
         }
         reload.queued = new
@@ -136,19 +141,30 @@ impl Daemon {
         // The devices gone from the file first: a new one may need what an old one
         // held (its file, its export's connections).
         if !dropped.is_empty() {
-            self.begin_delete(DeleteFor::Reload, dropped);
+            self.begin_delete(DeleteFor::Reload, dropped, Safety::Each);
         }
         self.advance_reload();
     }
 
-    /// The reload's deletes are done.
-    pub(super) fn reload_deletes_done(&mut self, outcomes: Vec<(u32, Result<(), String>)>) {
+    /// The reload's deletes are done; the devices `kept` (in use) stay configured and
+    /// served, and the outcome says so.
+    pub(super) fn reload_deletes_done(
+        &mut self,
+        outcomes: Vec<(u32, Result<(), String>)>,
+        kept: Vec<(u32, Refusal)>,
+    ) {
         let Some(reload) = &mut self.pending_reload else { return };
         for (id, outcome) in outcomes {
             match outcome {
                 Ok(()) => reload.removed += 1,
                 Err(e) => tracing::error!(dev_id = id, "reload: delete failed: {e}"),
             }
+        }
+        for (id, why) in kept {
+            if let Some(at) = reload.dropping.iter().position(|(_, d)| *d == id) {
+                self.configured.push(reload.dropping.swap_remove(at));
+            }
+            reload.notes.push(kept_in_use(&why));
         }
         reload.deleting = false;
         self.advance_reload();
@@ -212,6 +228,13 @@ impl Daemon {
         tracing::info!(event = "reloaded", "{msg}");
         self.reload_ended(msg);
     }
+}
+
+/// What a reload says of a device gone from the config file that it did not delete:
+/// `kept: device 0 is in use: mounted at /mnt (unmount it, then reload again)`.
+pub(super) fn kept_in_use(why: &Refusal) -> String {
+    let what = why.what().unwrap_or_else(|| "a device gone from the config file".into());
+    format!("kept: {what} ({}, then reload again)", why.remedy())
 }
 
 /// What ublkd says of configured device `id`, whose description in the config is not

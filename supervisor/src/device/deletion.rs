@@ -1,40 +1,219 @@
 //! Deleting devices: STOP_DEV, the workers' exit within their grace, the NBD sessions
-//! ended, the record set aside and DEL_DEV ([`Device::destroy`]), many at once on
+//! ended, the record set aside and DEL_DEV ([`Device::delete_all`]), many at once on
 //! threads of their own; and leaving a device to the next ublkd ([`Device::leave`]).
+//!
+//! A safe delete (all but `--force`) takes no device whose disk is open: the kernel's
+//! TRY_STOP_DEV refuses it atomically where the device has `UBLK_F_SAFE_STOP_DEV`;
+//! elsewhere ublkd holds an exclusive open of the disk across STOP_DEV
+//! ([`crate::in_use`]). A device refused is given back untouched, to be served on.
 
 #![allow(unused_imports)]
 use super::*;
 
-/// The most devices [`Device::destroy_all`] deletes at once. Much of a delete is
+use std::collections::{BTreeMap, BTreeSet};
+
+use ublkd_proto::uapi;
+
+use crate::in_use::{Claim, InUse, Roots, claim_all, disk_name};
+
+/// The most devices [`Device::delete_all`] deletes at once. Much of a delete is
 /// waiting (STOP_DEV and DEL_DEV sleep in the kernel, the workers exit on their own
 /// CPU time), so more threads than CPUs pay, up to where the CPUs are the limit (under
 /// emulation they soon are: 300 deletes overlapped 14.5 at a time on average).
 pub(super) const DELETE_THREADS: usize = 16;
 
+/// Which devices a delete may take while their disks are in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Safety {
+    /// Every device, whatever holds it (`--force`): STOP_DEV.
+    Force,
+    /// Each device whose disk is free; the others are kept, served (a reload).
+    Each,
+    /// Every device if every disk is free, else none (`del`, `del -a`, `shutdown`).
+    AllOrNothing,
+}
+
+/// How one delete stops its device.
+#[derive(Debug)]
+enum Stop {
+    /// STOP_DEV, whatever holds the disk.
+    Force,
+    /// TRY_STOP_DEV: the kernel refuses (EBUSY) while the disk is open.
+    Try,
+    /// STOP_DEV with ublkd's exclusive open of the disk held across it, so that nobody
+    /// mounts it in between (dropped right after: DEL_DEV waits for every opener).
+    Holding(Option<std::fs::File>),
+}
+
+/// How long a delete asks again while the only holds on its disks are transient
+/// ([`crate::in_use::Holder::transient`]: udev's probe after an add or a close).
+const TRANSIENT_WAIT: Duration = Duration::from_secs(2);
+/// How often it asks meanwhile.
+const TRANSIENT_POLL: Duration = Duration::from_millis(100);
+
+/// Why a device was not deleted and is given back, to be served as before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// Its disk is in use.
+    InUse(InUse),
+    /// Whether its disk is in use could not be checked.
+    Unchecked { id: u32, why: String },
+    /// It is free, but another device of the same request is not.
+    Others,
+}
+
+impl Refusal {
+    /// The sentence naming what was wrong (`None` for [`Refusal::Others`]).
+    pub fn what(&self) -> Option<String> {
+        match self {
+            Refusal::InUse(in_use) => Some(in_use.to_string()),
+            Refusal::Unchecked { id, why } => {
+                Some(format!("cannot tell whether device {id} is in use: {why}"))
+            }
+            Refusal::Others => None,
+        }
+    }
+
+    /// What frees it.
+    pub fn remedy(&self) -> String {
+        match self {
+            Refusal::InUse(in_use) => in_use.holder.remedy(),
+            Refusal::Unchecked { .. } | Refusal::Others => "free it".into(),
+        }
+    }
+}
+
+/// How one device's delete ended.
+#[derive(Debug)]
+pub enum Deletion {
+    Deleted,
+    /// The delete failed part way: the device is no longer served (see
+    /// [`Device::destroy_with`]).
+    Failed(DeviceError),
+    /// Not deleted, nothing done to it: the device, to be served as before.
+    Kept(Box<Device>, Refusal),
+}
+
+/// Where each delete under way stands, by device, for a delete that must answer before
+/// it is done.
+#[derive(Debug, Clone, Default)]
+pub struct Stages(std::sync::Arc<Mutex<BTreeMap<u32, &'static str>>>);
+
+impl Stages {
+    fn set(&self, id: u32, what: &'static str) {
+        lock(&self.0).insert(id, what);
+    }
+
+    /// Each device's stage, by id.
+    pub fn now(&self) -> Vec<(u32, &'static str)> {
+        lock(&self.0).iter().map(|(id, what)| (*id, *what)).collect()
+    }
+}
+
 impl Device {
-    /// Stops and deletes the device: STOP_DEV, the workers' exit, DEL_DEV (which waits
-    /// for `/dev/ublkcN` to be released), and its state.
-    pub fn destroy(self, ctx: &Context) -> Result<(), DeviceError> {
-        self.destroy_with(&ctx.ctrl, &ctx.state)
-    }
-
-    /// Deletes every one of `devices` ([`Self::destroy`]), up to `DELETE_THREADS` (16) at
-    /// once, and returns each one's outcome. Each device's delete sleeps in the kernel
-    /// (STOP_DEV, DEL_DEV) and waits for its workers to exit: ~100 ms under emulation,
-    /// which one device after another made minutes of a thousand. Each thread sends its
-    /// commands on a control client of its own, since a client runs one command at a
-    /// time.
-    pub fn destroy_all(ctx: &Context, devices: Vec<Device>) -> Vec<(u32, Result<(), DeviceError>)> {
-        Self::destroy_each(&ctx.ctrl, &ctx.state, devices)
-    }
-
-    /// [`Self::destroy_all`] with `ctrl` as the control client of last resort (each
-    /// helper thread opens its own): for a thread of its own, off ublkd's loop.
-    pub fn destroy_each(
+    /// Deletes `devices` as `safety` allows (each stopped with TRY_STOP_DEV where its
+    /// flags have `UBLK_F_SAFE_STOP_DEV`, else with ublkd's exclusive open of its disk
+    /// held across STOP_DEV), up to `DELETE_THREADS` (16) at once, and returns each
+    /// one's outcome. A device found in use is given back untouched
+    /// ([`Deletion::Kept`]); with [`Safety::AllOrNothing`], if any is, every one is.
+    pub fn delete_all(
         shared: &CtrlClient,
         state: &StateDir,
         devices: Vec<Device>,
-    ) -> Vec<(u32, Result<(), DeviceError>)> {
+        safety: Safety,
+        stages: &Stages,
+    ) -> Vec<(u32, Deletion)> {
+        if safety == Safety::Force {
+            let stops = devices.into_iter().map(|d| (d, Stop::Force)).collect();
+            return Self::destroy_each(shared, state, stops, stages);
+        }
+        for dev in &devices {
+            stages.set(dev.id, "checking whether its disk is in use");
+        }
+        // The kernel checks the devices it can stop safely; ublkd claims the others'
+        // disks itself (and checks every disk first, so that a request that takes many
+        // devices takes none if one of them is busy).
+        let safe: BTreeSet<u32> = devices
+            .iter()
+            .map(Device::id)
+            .filter(|&id| {
+                shared.get_dev_info(id).is_ok_and(|i| i.flags & uapi::UBLK_F_SAFE_STOP_DEV != 0)
+            })
+            .collect();
+        let ids: Vec<u32> = devices.iter().map(Device::id).collect();
+        let hold: BTreeSet<u32> = ids.iter().copied().filter(|id| !safe.contains(id)).collect();
+        let roots = Roots::default();
+        let give_up = Instant::now() + TRANSIENT_WAIT;
+        let mut claims = loop {
+            let claims = claim_all(&roots, &ids, &hold);
+            let transient = claims.values().any(|c| matches!(c, Claim::Busy(h) if h.transient()));
+            let lasting = claims.values().any(|c| matches!(c, Claim::Busy(h) if !h.transient()));
+            if !transient || lasting || Instant::now() >= give_up {
+                break claims;
+            }
+            drop(claims);
+            std::thread::sleep(TRANSIENT_POLL);
+        };
+        let mut refusals = BTreeMap::new();
+        let mut stops = BTreeMap::new();
+        for id in ids {
+            match claims.remove(&id) {
+                Some(Claim::Busy(holder)) => {
+                    refusals.insert(id, Refusal::InUse(InUse { id, holder }));
+                }
+                Some(Claim::Unchecked(e)) if !safe.contains(&id) => {
+                    let why = format!("cannot open /dev/{}: {e}", disk_name(id));
+                    refusals.insert(id, Refusal::Unchecked { id, why });
+                }
+                // Opened or not, TRY_STOP_DEV checks again.
+                _ if safe.contains(&id) => {
+                    stops.insert(id, Stop::Try);
+                }
+                Some(Claim::Free(file)) => {
+                    stops.insert(id, Stop::Holding(file));
+                }
+                Some(Claim::Unchecked(_)) | None => {
+                    stops.insert(id, Stop::Holding(None));
+                }
+            }
+        }
+        if safety == Safety::AllOrNothing && !refusals.is_empty() {
+            // Dropping the stops closes the disks claimed.
+            return devices
+                .into_iter()
+                .map(|dev| {
+                    let why = refusals.remove(&dev.id).unwrap_or(Refusal::Others);
+                    (dev.id, Deletion::Kept(Box::new(dev), why))
+                })
+                .collect();
+        }
+        let mut outcomes = Vec::new();
+        let mut to_delete = Vec::new();
+        for dev in devices {
+            match (refusals.remove(&dev.id), stops.remove(&dev.id)) {
+                (None, Some(stop)) => to_delete.push((dev, stop)),
+                (why, _) => {
+                    let why = why.unwrap_or(Refusal::Others);
+                    outcomes.push((dev.id, Deletion::Kept(Box::new(dev), why)));
+                }
+            }
+        }
+        outcomes.extend(Self::destroy_each(shared, state, to_delete, stages));
+        outcomes
+    }
+
+    /// Deletes every one of `devices`, each stopped as it says, up to
+    /// `DELETE_THREADS` (16) at once. Each device's delete sleeps in the kernel
+    /// (STOP_DEV, DEL_DEV) and waits for its workers to exit: ~100 ms under emulation,
+    /// which one device after another made minutes of a thousand. Each thread sends its
+    /// commands on a control client of its own (`shared` is the one of last resort),
+    /// since a client runs one command at a time.
+    fn destroy_each(
+        shared: &CtrlClient,
+        state: &StateDir,
+        devices: Vec<(Device, Stop)>,
+        stages: &Stages,
+    ) -> Vec<(u32, Deletion)> {
         let count = devices.len();
         let queue = Mutex::new(devices);
         let outcomes = Mutex::new(Vec::with_capacity(count));
@@ -42,9 +221,9 @@ impl Device {
             loop {
                 // Its own statement: the guard must not live through the delete.
                 let next = lock(&queue).pop();
-                let Some(dev) = next else { break };
+                let Some((dev, stop)) = next else { break };
                 let id = dev.id;
-                let outcome = dev.destroy_with(ctrl, state);
+                let outcome = dev.destroy_with(ctrl, state, stop, stages);
                 lock(&outcomes).push((id, outcome));
             }
         };
@@ -71,15 +250,65 @@ impl Device {
         outcomes.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(super) fn destroy_with(
+    /// Stops the device (as `stop` says: a refusal gives it back untouched), then its
+    /// workers' exit, DEL_DEV (which waits for `/dev/ublkcN` to be released), and its
+    /// state.
+    fn destroy_with(
         mut self,
         ctrl: &CtrlClient,
         state: &StateDir,
-    ) -> Result<(), DeviceError> {
+        stop: Stop,
+        stages: &Stages,
+    ) -> Deletion {
         let id = self.id;
         let started = Instant::now();
-        let stopped = ctrl.stop_dev(id);
+        stages.set(id, "stopping it (STOP_DEV)");
+        let stopped = match stop {
+            Stop::Force | Stop::Holding(None) => ctrl.stop_dev(id),
+            Stop::Holding(Some(claim)) => {
+                let stopped = ctrl.stop_dev(id);
+                drop(claim);
+                stopped
+            }
+            Stop::Try => {
+                let give_up = Instant::now() + TRANSIENT_WAIT;
+                loop {
+                    match ctrl.try_stop_dev(id) {
+                        Err(e) if e.errno() == Some(libc::EBUSY) => {
+                            let holder = Roots::default().holder(id, std::process::id());
+                            if holder.transient() && Instant::now() < give_up {
+                                std::thread::sleep(TRANSIENT_POLL);
+                                continue;
+                            }
+                            let why = Refusal::InUse(InUse { id, holder });
+                            return Deletion::Kept(Box::new(self), why);
+                        }
+                        // No disk (never started, or stopped already): nothing holds it.
+                        Err(e) if e.errno() == Some(libc::ENODEV) => break Ok(()),
+                        other => break other,
+                    }
+                }
+            }
+        };
+        match self.finish_delete(ctrl, state, stopped, started, stages) {
+            Ok(()) => Deletion::Deleted,
+            Err(e) => Deletion::Failed(e),
+        }
+    }
+
+    /// The rest of a delete once the device is stopped (or failed to stop): its workers'
+    /// exit, DEL_DEV, its record.
+    fn finish_delete(
+        &mut self,
+        ctrl: &CtrlClient,
+        state: &StateDir,
+        stopped: Result<(), CtrlError>,
+        started: Instant,
+        stages: &Stages,
+    ) -> Result<(), DeviceError> {
+        let id = self.id;
         let stop_done = Instant::now();
+        stages.set(id, "waiting for its workers to exit");
         let serving = self.worker().map(Worker::pid);
         let workers = self.take_workers();
         // Asked at once, the workers exit side by side.
@@ -101,6 +330,7 @@ impl Device {
             target.close(id, served_cleanly && stopped.is_ok());
         }
         let workers_done = Instant::now();
+        stages.set(id, "deleting it (DEL_DEV waits until every opener of its disk has closed it)");
         // Out of the id's place first: once deleted, the id may go to a new device.
         let aside = state.set_aside(id);
         let deleted = ctrl.del_dev(id);
