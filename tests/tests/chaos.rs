@@ -187,11 +187,12 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
     let watch = bystander.as_ref().map(|b| b.id);
     wait_for_io(&daemon.ctl, &[victim.id].into_iter().chain(watch).collect::<Vec<_>>());
     let setup = started.elapsed();
-    let hits = strike(&daemon.ctl, victim.id, blow, &pauses, watch, &stop)
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let struck = strike(&daemon.ctl, victim.id, blow, &pauses, watch, &stop);
     let striking = started.elapsed() - setup;
     stop.store(true, Ordering::SeqCst);
+    // A failed fio is the likelier story of a strike that failed: joined first.
     let passes = joined(victim_fio, "fio on the struck device");
+    let hits = struck.unwrap_or_else(|e| panic!("{name}: {e}"));
     let during = bystander_fio.map(|t| joined(t, "fio on the bystander"));
     let draining = started.elapsed() - setup - striking;
 

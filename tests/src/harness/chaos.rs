@@ -290,6 +290,8 @@ pub fn pauses(prng: &mut Prng, n: usize) -> Vec<Duration> {
 /// Requests the struck device serves after a recovery shows before the next strike:
 /// each new worker serves verified I/O before it dies in turn.
 pub const IOS_BETWEEN_STRIKES: u64 = 50;
+/// How long after a strike the struck device may take to serve them.
+const IOS_BETWEEN_STRIKES_LIMIT: Duration = Duration::from_secs(30);
 
 /// Strikes device `id`'s current worker (from `ublkctl status --json`) once per pause,
 /// each pause counted from the previous strike, and after each strike waits until
@@ -321,10 +323,18 @@ pub fn strike(
                 return Err("aborted".into());
             }
             if last.elapsed() >= *pause {
-                match served_from {
-                    None => break,
-                    Some(from) if ios(&ctl.status()?)? >= from + IOS_BETWEEN_STRIKES => break,
-                    Some(_) => {}
+                let Some(from) = served_from else { break };
+                let served = ios(&ctl.status()?)? - from;
+                if served >= IOS_BETWEEN_STRIKES {
+                    break;
+                }
+                // fio failed, or the new worker serves nothing: say so, rather than wait.
+                if last.elapsed() > IOS_BETWEEN_STRIKES_LIMIT {
+                    return Err(format!(
+                        "device {id} served {served} requests in the {:?} since its last \
+                         recovery",
+                        last.elapsed()
+                    ));
                 }
             }
             std::thread::sleep(Duration::from_millis(20));
