@@ -22,7 +22,7 @@ use ublkd_tests::harness::storage::pattern;
 use ublkd_tests::harness::ublkd::{Ctl, Ublkd};
 
 const CLIENTS: u64 = 3;
-const ROUNDS: u64 = 50;
+const ROUNDS: u64 = 34;
 const MIB: usize = 1 << 20;
 /// The longest one `ublkctl` command may take before it counts as hanging.
 const HANGING: Duration = Duration::from_secs(30);

@@ -27,7 +27,7 @@ const FIO_CAP_SECS: u64 = 600;
 const IOS_BEFORE: u64 = 200;
 /// Requests each device serves after its recovery before fio is stopped: the writes
 /// around the kill are then behind fio's verify backlog (256 writes) twice over.
-const IOS_AFTER: u64 = 1000;
+const IOS_AFTER: u64 = 600;
 
 /// nbdkit's file plugin on a unix socket, killed when dropped (and when the test
 /// process ends: `--exit-with-parent`).
