@@ -153,9 +153,20 @@ fn main() -> ExitCode {
         .transpose()
     {
         Ok(report) => report,
-        Err(e) => return ExitCode::from(fail(control.as_fd(), e.into())),
+        Err(e) => return leave(profile, fail(control.as_fd(), e.into())),
     };
-    ExitCode::from(run(control, report, profile))
+    let code = run(control, report, profile);
+    leave(profile, code)
+}
+
+/// The exit code main returns; with librbd loaded, `_exit` instead: returning from
+/// main runs `exit`, whose C++ static destructors would race with librados's threads,
+/// still running (librados has no way to stop them all).
+fn leave(profile: sandbox::Profile, code: WorkerExit) -> ExitCode {
+    if profile == sandbox::Profile::Rbd {
+        sys::exit_now(i32::from(code.code()));
+    }
+    ExitCode::from(code)
 }
 
 /// `--sandbox-uid U --sandbox-gid G [--sandbox-optional LAYER,…]`, or `--no-sandbox`.

@@ -32,10 +32,13 @@ pub fn run() -> ExitCode {
     let mut line = serde_json::to_string(&answer).expect("an answer always serializes");
     line.push('\n');
     let mut out = std::io::stdout().lock();
-    if out.write_all(line.as_bytes()).and_then(|()| out.flush()).is_err() {
-        return ExitCode::from(WorkerExit::Orphaned);
-    }
-    ExitCode::SUCCESS
+    let code = match out.write_all(line.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => 0,
+        Err(_) => WorkerExit::Orphaned.code(),
+    };
+    // librados's threads may outlive the image's close: no C++ destructor may run
+    // under them (see `crate::sys::exit_now`). The answer is flushed above.
+    crate::sys::exit_now(i32::from(code))
 }
 
 /// Why standard input holds no setup.

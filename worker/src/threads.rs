@@ -141,9 +141,9 @@ impl ThreadSet {
                         Ok(Ok(())) => {}
                         Ok(Err(reason)) => {
                             tracing::error!("data path failed: {reason}");
-                            std::process::exit(i32::from(WorkerExit::DataPath.code()));
+                            crate::sys::exit_now(i32::from(WorkerExit::DataPath.code()));
                         }
-                        Err(_) => std::process::exit(i32::from(WorkerExit::DataPath.code())),
+                        Err(_) => crate::sys::exit_now(i32::from(WorkerExit::DataPath.code())),
                     }
                 }
                 tracing::info!(dev_id, "queues closed, exiting");
@@ -153,7 +153,7 @@ impl ThreadSet {
                 // SAFETY: every queue thread has ended (each sent its result above), so
                 // nothing uses the target for I/O any more.
                 unsafe { dev.target.close() };
-                std::process::exit(i32::from(WorkerExit::Clean.code()));
+                crate::sys::exit_now(i32::from(WorkerExit::Clean.code()));
             })
             .map_err(|source| ThreadError::Spawn {
                 what: "the worker's end thread".into(),
@@ -212,7 +212,7 @@ impl ThreadSet {
                         }
                     }
                 };
-                std::process::exit(i32::from(code.code()));
+                crate::sys::exit_now(i32::from(code.code()));
             })
             .map_err(|source| ThreadError::Spawn {
                 what: "the worker's control thread".into(),

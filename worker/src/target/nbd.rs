@@ -129,7 +129,7 @@ fn lost(what: &str, cause: &dyn std::fmt::Display) -> ! {
         "the NBD connection broke while {what}: {cause}; ending so that a fresh worker \
          serves the device over a new connection (requests in flight are re-issued)"
     );
-    std::process::exit(i32::from(WorkerExit::BackendLost.code()))
+    crate::sys::exit_now(i32::from(WorkerExit::BackendLost.code()))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
