@@ -47,6 +47,7 @@ pub enum CtrlCmd {
     StartUserRecovery,
     EndUserRecovery,
     QuiesceDev,
+    UpdateSize,
 }
 
 impl CtrlCmd {
@@ -65,6 +66,7 @@ impl CtrlCmd {
             CtrlCmd::StartUserRecovery => uapi::UBLK_U_CMD_START_USER_RECOVERY,
             CtrlCmd::EndUserRecovery => uapi::UBLK_U_CMD_END_USER_RECOVERY,
             CtrlCmd::QuiesceDev => uapi::UBLK_U_CMD_QUIESCE_DEV,
+            CtrlCmd::UpdateSize => uapi::UBLK_U_CMD_UPDATE_SIZE,
         }
     }
 
@@ -83,6 +85,7 @@ impl CtrlCmd {
             CtrlCmd::StartUserRecovery => "START_USER_RECOVERY",
             CtrlCmd::EndUserRecovery => "END_USER_RECOVERY",
             CtrlCmd::QuiesceDev => "QUIESCE_DEV",
+            CtrlCmd::UpdateSize => "UPDATE_SIZE",
         }
     }
 }
@@ -167,6 +170,10 @@ fn kernel_hint(cmd: CtrlCmd, errno: Errno) -> &'static str {
         }
         (CtrlCmd::StartDev, libc::EEXIST) => "; the device is already started",
         (CtrlCmd::TryStopDev, libc::EBUSY) => "; the device's disk is open",
+        (CtrlCmd::UpdateSize, libc::EACCES | libc::EINVAL | libc::EOPNOTSUPP) => {
+            "; the device was not created with UBLK_F_UPDATE_SIZE, or this kernel lacks it \
+             (Linux 6.16+)"
+        }
         _ => "",
     }
 }
@@ -297,6 +304,14 @@ impl CtrlClient {
     /// Quiesces a running device, waiting up to `timeout_ms` for in-flight I/O.
     pub fn quiesce_dev(&self, id: u32, timeout_ms: u64) -> Result<(), CtrlError> {
         self.run(CtrlCmd::QuiesceDev, DevTarget::Id(id), timeout_ms, Payload::None).map(drop)
+    }
+
+    /// Changes device `id`'s capacity to `sectors` (512-byte), telling the block layer
+    /// and anyone watching the disk (`set_capacity_and_notify`). Needs a device added
+    /// with `UBLK_F_UPDATE_SIZE` (Linux 6.16+). The kernel keeps the new size in the
+    /// device's params, so a recovery's next server sees it too.
+    pub fn update_size(&self, id: u32, sectors: u64) -> Result<(), CtrlError> {
+        self.run(CtrlCmd::UpdateSize, DevTarget::Id(id), sectors, Payload::None).map(drop)
     }
 
     /// Sends one command and waits for its completion.
@@ -435,6 +450,7 @@ mod tests {
     fn opcodes_match_the_uapi() {
         assert_eq!(CtrlCmd::GetFeatures.opcode(), uapi::UBLK_U_CMD_GET_FEATURES);
         assert_eq!(CtrlCmd::EndUserRecovery.opcode(), uapi::UBLK_U_CMD_END_USER_RECOVERY);
+        assert_eq!(CtrlCmd::UpdateSize.opcode(), uapi::UBLK_U_CMD_UPDATE_SIZE);
     }
 
     #[test]

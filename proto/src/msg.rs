@@ -237,6 +237,8 @@ mod tests {
         assert_eq!(codec::decode::<CtlRequest>(&codec::encode(&forced).unwrap()).unwrap(), forced);
         let forced = CtlRequest::ShutdownForce;
         assert_eq!(codec::decode::<CtlRequest>(&codec::encode(&forced).unwrap()).unwrap(), forced);
+        let resize = CtlRequest::Resize { id: 3, size_bytes: 1 << 30, allow_shrink: true };
+        assert_eq!(codec::decode::<CtlRequest>(&codec::encode(&resize).unwrap()).unwrap(), resize);
     }
 
     /// A `status` answer for `n` devices.

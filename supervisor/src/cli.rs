@@ -233,6 +233,24 @@ pub enum UblkctlCommand {
         #[arg(short, long)]
         all: bool,
     },
+    /// Change a device's size while it serves (Linux 6.16+): a memory device's memory
+    /// or a loop device's file grows to fit (a loop device on a block device only as
+    /// far as that device goes), then the device moves to a worker serving the new
+    /// size, as in an upgrade, and the disk's users see it (grow the filesystem with,
+    /// e.g., `resize2fs`). nbd and rbd devices take their size from their server.
+    Resize {
+        /// The device id.
+        #[arg(short = 'n', long = "id", value_name = "ID")]
+        id: u32,
+        /// The new size in bytes, or with a suffix: K, M, G, T (powers of 1024); a
+        /// multiple of the device's block size.
+        #[arg(short, long, value_parser = parse_size)]
+        size: u64,
+        /// Allow a smaller size: the data past the new end is cut off from the device
+        /// (shrink what is on it first).
+        #[arg(long)]
+        allow_shrink: bool,
+    },
     /// Delete every device, then stop ublkd (what removing the package does). A stop
     /// or restart of ublkd (SIGTERM, `systemctl stop`) keeps the devices; this does not.
     /// If any device is in use (as for del), nothing is deleted and ublkd serves on:

@@ -21,6 +21,7 @@ mod adoption;
 mod creation;
 mod deletion;
 mod policy_state;
+mod resize;
 mod user_recovery;
 mod worker_death;
 mod workers;
@@ -49,6 +50,7 @@ use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::target::{TargetError, decide_zero_copy, open_target};
 use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
 pub use policy_state::{HangPolicy, RestartBudget, StandbySchedule};
+pub use resize::{ResizeError, ResizePlan};
 
 /// How long a worker left serving by a previous ublkd may take to answer its take-over.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(2);

@@ -81,13 +81,15 @@ pub const DEVICE_FLAGS: u64 = uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_REC
 /// `UBLK_F_BATCH_IO` where the kernel has it (the batched data path, see
 /// [`DataPath::for_kernel`]), `UBLK_F_SAFE_STOP_DEV` where the kernel has it (a delete
 /// then stops the device with `TRY_STOP_DEV`, which the kernel refuses while the disk
-/// is open), and automatic buffer registration for a zero-copy loop or nbd device.
+/// is open), `UBLK_F_UPDATE_SIZE` where the kernel has it (`ublkctl resize`: the
+/// kernel takes UPDATE_SIZE only for a device created with it, and a device's flags
+/// never change), and automatic buffer registration for a zero-copy loop or nbd device.
 pub fn device_flags(spec: &DeviceSpec, kernel_features: u64) -> u64 {
     let mut flags = DEVICE_FLAGS;
     if DataPath::for_kernel(kernel_features) == DataPath::Batch {
         flags |= uapi::UBLK_F_BATCH_IO;
     }
-    flags |= kernel_features & uapi::UBLK_F_SAFE_STOP_DEV;
+    flags |= kernel_features & (uapi::UBLK_F_SAFE_STOP_DEV | uapi::UBLK_F_UPDATE_SIZE);
     if zero_copy(spec) {
         flags |= uapi::UBLK_F_AUTO_BUF_REG;
     }
@@ -345,6 +347,13 @@ mod tests {
         let safe = uapi::UBLK_F_SAFE_STOP_DEV;
         assert_eq!(device_flags(&loop_spec(Some(false)), DEVICE_FLAGS) & safe, 0);
         assert_eq!(device_flags(&loop_spec(Some(false)), DEVICE_FLAGS | safe) & safe, safe);
+    }
+
+    #[test]
+    fn devices_can_be_resized_where_the_kernel_has_update_size() {
+        let update = uapi::UBLK_F_UPDATE_SIZE;
+        assert_eq!(device_flags(&loop_spec(Some(false)), DEVICE_FLAGS) & update, 0);
+        assert_eq!(device_flags(&loop_spec(Some(false)), DEVICE_FLAGS | update) & update, update);
     }
 
     #[test]

@@ -109,7 +109,9 @@ mod tests {
         let pages = man_pages(&dir).unwrap();
         let names: Vec<String> =
             pages.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
-        for want in ["ublkd.8", "ublkctl.8", "ublkctl-add.8", "ublkctl-recover.8"] {
+        for want in
+            ["ublkd.8", "ublkctl.8", "ublkctl-add.8", "ublkctl-recover.8", "ublkctl-resize.8"]
+        {
             assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
         }
         let ublkd = std::fs::read_to_string(dir.join("ublkd.8")).unwrap();
@@ -127,7 +129,7 @@ mod tests {
         assert_eq!(files.len(), 6, "{files:?}");
         let bash = std::fs::read_to_string(dir.join("bash/ublkctl")).unwrap();
         assert!(bash.contains("complete -F _ublkctl"), "{bash}");
-        for sub in ["add", "del", "recover", "upgrade", "shutdown"] {
+        for sub in ["add", "del", "recover", "upgrade", "resize", "shutdown"] {
             assert!(bash.contains(sub), "bash completion lacks {sub}");
         }
         assert!(dir.join("zsh/_ublkctl").is_file() && dir.join("fish/ublkd.fish").is_file());

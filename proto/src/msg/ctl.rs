@@ -111,6 +111,13 @@ pub enum CtlRequest {
     },
     /// `shutdown --force`: [`CtlRequest::Shutdown`] that deletes devices in use too.
     ShutdownForce,
+    /// `ublkctl resize`: device `id` to `size_bytes`, online. A smaller size is refused
+    /// unless `allow_shrink`.
+    Resize {
+        id: u32,
+        size_bytes: u64,
+        allow_shrink: bool,
+    },
 }
 
 /// What `ublkctl upgrade` did to one device.
@@ -226,4 +233,11 @@ pub enum CtlResponse {
         message: String,
     },
     Metrics(Vec<DevMetrics>),
+    // New responses go last, as requests do.
+    /// `ublkctl resize` done: the device serves `size_bytes` now.
+    Resized {
+        id: u32,
+        size_bytes: u64,
+        message: String,
+    },
 }

@@ -76,6 +76,9 @@ fn main() -> ExitCode {
             CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
         }
         Command::List { id } => CtlRequest::List { id },
+        Command::Resize { id, size, allow_shrink } => {
+            CtlRequest::Resize { id, size_bytes: size, allow_shrink }
+        }
         Command::Upgrade { id, all: _ } => return cmd_upgrade(&cli.socket, id),
         Command::Shutdown { force } => {
             let request = if force { CtlRequest::ShutdownForce } else { CtlRequest::Shutdown };
@@ -123,7 +126,9 @@ fn main() -> ExitCode {
             }
         }
         Ok(CtlResponse::List(devs)) => devs.iter().for_each(|d| print!("{}", render::listing(d))),
-        Ok(CtlResponse::Recovered { message, .. }) => println!("{message}"),
+        Ok(CtlResponse::Recovered { message, .. } | CtlResponse::Resized { message, .. }) => {
+            println!("{message}")
+        }
         Ok(other) => return unexpected(other),
         Err(code) => return code,
     }

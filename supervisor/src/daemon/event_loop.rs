@@ -235,6 +235,7 @@ impl Daemon {
                     CtlRequest::Add(_)
                     | CtlRequest::Upgrade { .. }
                     | CtlRequest::Recover { .. }
+                    | CtlRequest::Resize { .. }
                         if self.shutting_down =>
                     {
                         let message = "ublkd is shutting down".to_string();
@@ -264,6 +265,12 @@ impl Daemon {
                         Some(response) => response,
                         None => continue,
                     },
+                    CtlRequest::Resize { id, size_bytes, allow_shrink } => {
+                        match self.begin_resize(token, id, size_bytes, allow_shrink) {
+                            Some(response) => response,
+                            None => continue,
+                        }
+                    }
                     CtlRequest::Upgrade { id } => match self.selected(id) {
                         Ok(ids) => {
                             self.begin_upgrade(token, ids);

@@ -1,5 +1,5 @@
 //! The control socket's requests (`ublkctl add, del, list, status, metrics, recover, upgrade,
-//! shutdown`): each
+//! resize, shutdown`): each
 //! parsed, checked and answered against the daemon's devices.
 
 use ublkd_config::{
@@ -26,7 +26,8 @@ impl Daemon {
             | CtlRequest::Shutdown
             | CtlRequest::ShutdownForce
             | CtlRequest::Recover { .. }
-            | CtlRequest::Upgrade { .. } => Err("this request is answered by the loop".into()),
+            | CtlRequest::Upgrade { .. }
+            | CtlRequest::Resize { .. } => Err("this request is answered by the loop".into()),
             CtlRequest::List { id } => self.selected(id).map(|ids| {
                 CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
             }),

@@ -17,12 +17,13 @@ use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use ublkd_config::format_size;
 use ublkd_proto::msg::{CtlResponse, UpgradeOutcome};
 
 use super::Daemon;
 use super::underway::{Standing, Underway, Wake};
 use crate::control::Token;
-use crate::device::Recovery;
+use crate::device::{Recovery, ResizePlan};
 use crate::device_state::StateKind;
 use crate::worker::Worker;
 
@@ -31,13 +32,16 @@ use crate::worker::Worker;
 const UPGRADE_SETTLE: Duration = Duration::from_secs(5);
 
 /// An `ublkctl upgrade` under way: the devices still to upgrade, in order, the one
-/// being upgraded, and the outcomes so far (the answer lists them all).
+/// being upgraded, and the outcomes so far (the answer lists them all). Or the hand-off
+/// of an `ublkctl resize` (`resize`: its one device's, see [`Daemon::begin_resize`]),
+/// which moves the device onto a worker set up with its new size the same way.
 #[derive(Debug)]
 pub(super) struct PendingUpgrade {
     token: Token,
     queue: VecDeque<u32>,
     current: Option<(u32, Step)>,
     outcomes: Vec<UpgradeOutcome>,
+    resize: Option<ResizePlan>,
 }
 
 #[derive(Debug)]
@@ -66,17 +70,21 @@ impl Underway for PendingUpgrade {
             0 => String::new(),
             n => format!(" ({n} more device(s) to upgrade after it)"),
         };
+        let being = match self.resize {
+            Some(plan) => format!("being resized to {}", format_size(plan.to)),
+            None => "being upgraded".to_string(),
+        };
         match &self.current {
             Some((id, Step::Starting { worker, .. })) => Standing {
                 devices: vec![*id],
                 what: format!(
-                    "being upgraded: its new worker (pid {}) is starting, the old one serves{after}",
+                    "{being}: its new worker (pid {}) is starting, the old one serves{after}",
                     worker.pid()
                 ),
             },
             Some((id, Step::Settling { .. })) => Standing {
                 devices: vec![*id],
-                what: format!("being upgraded: handed to its new worker{after}"),
+                what: format!("{being}: handed to its new worker{after}"),
             },
             None => Standing { devices: Vec::new(), what: format!("upgrading{after}") },
         }
@@ -92,8 +100,99 @@ impl Daemon {
             queue,
             current: None,
             outcomes: Vec::new(),
+            resize: None,
         });
         self.advance_upgrades(false);
+    }
+
+    /// `ublkctl resize`: checked, its first half done ([`Device::begin_resize`]), and
+    /// the device handed to a worker set up with the new size as an upgrade hands it;
+    /// answered once that is done and the kernel told ([`Self::resize_answer`]). The
+    /// answer now if it is refused or there is nothing to do.
+    ///
+    /// [`Device::begin_resize`]: crate::device::Device::begin_resize
+    pub(super) fn begin_resize(
+        &mut self,
+        token: Token,
+        id: u32,
+        size_bytes: u64,
+        allow_shrink: bool,
+    ) -> Option<CtlResponse> {
+        let error = |message: String| Some(CtlResponse::Error { message });
+        let Some(dev) = self.devices.get(id) else {
+            return error(self.selected(Some(id)).err().unwrap_or_default());
+        };
+        let state = dev.state();
+        if state.kind() != StateKind::Live || !state.has_worker() || state.failing_io() {
+            return error(format!(
+                "device {id} is not LIVE ({}): resize it once it is served again",
+                state.kind()
+            ));
+        }
+        let busy = |p: &PendingUpgrade| {
+            p.queue.contains(&id) || p.current.as_ref().is_some_and(|(c, _)| *c == id)
+        };
+        if self.pending_upgrades.iter().any(busy) {
+            return error(format!(
+                "device {id} is being upgraded or resized: resize it once that is done"
+            ));
+        }
+        let plan = match dev.plan_resize(&self.ctx, size_bytes, allow_shrink) {
+            Ok(Some(plan)) => plan,
+            Ok(None) => {
+                let message = format!("device {id} is {} already", format_size(size_bytes));
+                return Some(CtlResponse::Resized { id, size_bytes, message });
+            }
+            Err(e) => return error(e.to_string()),
+        };
+        let dev = self.devices.get_mut(id).expect("looked up above");
+        if let Err(e) = dev.begin_resize(&self.ctx, plan) {
+            tracing::error!(dev_id = id, event = "resize_failed", "resize: {e}");
+            return error(e.to_string());
+        }
+        self.pending_upgrades.push(PendingUpgrade {
+            token,
+            queue: VecDeque::from([id]),
+            current: None,
+            outcomes: Vec::new(),
+            resize: Some(plan),
+        });
+        self.advance_upgrades(false);
+        None
+    }
+
+    /// The answer to a resize whose hand-off ended with `outcomes`: the kernel told of
+    /// the new size if the device is LIVE on a worker set up with it.
+    fn resize_answer(&mut self, plan: ResizePlan, outcomes: &[UpgradeOutcome]) -> CtlResponse {
+        let id = plan.id;
+        let handed = outcomes.iter().any(|o| o.id == id && o.upgraded);
+        let live = self.devices.get(id).is_some_and(|dev| dev.state().kind() == StateKind::Live);
+        let result = match self.devices.get_mut(id) {
+            Some(dev) if handed && live => {
+                dev.finish_resize(&self.ctx, plan).map_err(|e| e.to_string())
+            }
+            _ => Err(outcomes.iter().map(|o| o.message.clone()).collect::<Vec<_>>().join("; ")),
+        };
+        match result {
+            Ok(()) => CtlResponse::Resized {
+                id,
+                size_bytes: plan.to,
+                message: format!(
+                    "device {id} resized from {} to {}",
+                    format_size(plan.from),
+                    format_size(plan.to)
+                ),
+            },
+            Err(why) => {
+                tracing::error!(dev_id = id, event = "resize_failed", "resize: {why}");
+                CtlResponse::Error {
+                    message: format!(
+                        "device {id}: not resized: its new size ({}) is recorded, but it was                          not handed to a worker serving that size ({why}); run the same                          `ublkctl resize` again once the device is LIVE",
+                        format_size(plan.to)
+                    ),
+                }
+            }
+        }
     }
 
     /// Moves every upgrade under way on by the steps that are ready, and answers those
@@ -131,7 +230,10 @@ impl Daemon {
                 self.pending_upgrades.push(pending);
                 continue;
             }
-            let response = CtlResponse::Upgraded(pending.outcomes);
+            let response = match pending.resize {
+                Some(plan) => self.resize_answer(plan, &pending.outcomes),
+                _ => CtlResponse::Upgraded(pending.outcomes),
+            };
             self.control.respond(pending.token, &response, Instant::now());
         }
     }

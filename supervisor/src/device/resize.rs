@@ -1,0 +1,259 @@
+//! `ublkctl resize`: a device's size changed while it serves, with the kernel's
+//! UPDATE_SIZE (Linux 6.16+, for a device created with `UBLK_F_UPDATE_SIZE`).
+//!
+//! A worker serves the size it was set up with (it refuses a request past it, and a
+//! memory worker maps the memory file as long as it was), so the kernel is told of a
+//! larger size only once a worker set up with it serves: the target's data is grown
+//! and the record rewritten first ([`Device::begin_resize`]), then the device is handed
+//! to a new worker as an upgrade hands it (the daemon's part), then the kernel learns
+//! the size ([`Device::finish_resize`]). A smaller size goes to the kernel first, so
+//! that nothing past the new end reaches a worker afterwards. Each step is safe to
+//! repeat: a resize cut short (a worker killed, ublkd stopped) is finished by running
+//! it again, and every worker started after the record's rewrite serves the new size.
+
+use std::io;
+use std::os::unix::fs::FileTypeExt;
+use std::path::PathBuf;
+
+use ublkd_config::{FieldError, TargetSpec, format_size};
+use ublkd_proto::ctrl::CtrlError;
+use ublkd_proto::uapi;
+
+use super::{Context, Device};
+use crate::features::KernelRelease;
+use crate::state::{DeviceRecord, StateError};
+
+/// Why a resize was refused or failed. Each names the device (but the kernel's).
+#[derive(Debug, thiserror::Error)]
+pub enum ResizeError {
+    #[error(
+        "this kernel ({}) has no UBLK_F_UPDATE_SIZE (Linux 6.16+): a device's size cannot \
+         change while it serves; nothing was changed",
+        release.map_or_else(|| "of a release ublkd cannot read".to_string(), |r| r.to_string())
+    )]
+    KernelLacksUpdateSize { release: Option<KernelRelease> },
+    #[error(
+        "device {id} was created without UBLK_F_UPDATE_SIZE (by an older ublkd or on an \
+         older kernel), and a device keeps its flags: it cannot be resized; nothing was \
+         changed"
+    )]
+    CreatedWithout { id: u32 },
+    #[error(
+        "device {id} is an nbd device: its size is its export's, which the server gives \
+         at connection (a server that comes back with another size is refused); nothing \
+         was changed"
+    )]
+    Nbd { id: u32 },
+    #[error(
+        "device {id} is an rbd device: its size is its image's, and ublkd does not resize \
+         images yet; nothing was changed"
+    )]
+    Rbd { id: u32 },
+    #[error(
+        "device {id} is {} ({current} bytes), and {} is smaller: shrinking cuts off the \
+         data past the new end; shrink what is on it first, then pass --allow-shrink",
+        format_size(*current),
+        format_size(*wanted)
+    )]
+    Shrink { id: u32, current: u64, wanted: u64 },
+    #[error("device {id}: {source}")]
+    Size { id: u32, source: FieldError },
+    #[error(
+        "device {id}: its backing file {} is a block device of {have} bytes, and a loop \
+         device on a block device grows only as far as the block device does: grow it \
+         first ({wanted} bytes asked); nothing was changed",
+        path.display()
+    )]
+    BlockDeviceTooSmall { id: u32, path: PathBuf, have: u64, wanted: u64 },
+    #[error("device {id}: cannot grow its backing file {}: {source}", path.display())]
+    Grow { id: u32, path: PathBuf, source: io::Error },
+    #[error("device {id}: cannot grow its memory file: {source}")]
+    GrowMemory { id: u32, source: io::Error },
+    #[error("device {id}: cannot record its new size: {source}; nothing was changed")]
+    Record { id: u32, source: StateError },
+    #[error("{0}")]
+    Kernel(#[from] CtrlError),
+}
+
+/// A resize of one device, from the size the kernel gives its disk now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResizePlan {
+    pub id: u32,
+    pub from: u64,
+    pub to: u64,
+}
+
+impl ResizePlan {
+    pub fn grows(&self) -> bool {
+        self.to > self.from
+    }
+}
+
+impl Device {
+    /// What resizing this device to `to` bytes takes, or why it cannot be; `None`: it
+    /// is that size already, in the kernel and in its record. Changes nothing.
+    pub fn plan_resize(
+        &self,
+        ctx: &Context,
+        to: u64,
+        allow_shrink: bool,
+    ) -> Result<Option<ResizePlan>, ResizeError> {
+        let id = self.id;
+        if ctx.kernel_features & uapi::UBLK_F_UPDATE_SIZE == 0 {
+            return Err(ResizeError::KernelLacksUpdateSize { release: ctx.kernel_release });
+        }
+        match self.spec.target {
+            TargetSpec::Nbd { .. } => return Err(ResizeError::Nbd { id }),
+            TargetSpec::Rbd(_) => return Err(ResizeError::Rbd { id }),
+            TargetSpec::Null | TargetSpec::Memory | TargetSpec::Loop { .. } => {}
+        }
+        if ctx.ctrl.get_dev_info(id)?.flags & uapi::UBLK_F_UPDATE_SIZE == 0 {
+            return Err(ResizeError::CreatedWithout { id });
+        }
+        // What the disk is now, as its users see it (the record may be ahead of it,
+        // after a resize cut short).
+        let from = ctx.ctrl.get_params(id)?.basic.dev_sectors << 9;
+        let mut wanted = self.spec.clone();
+        wanted.size_bytes = to;
+        if let TargetSpec::Loop { file, .. } = &self.spec.target {
+            // A regular file is grown to fit (`begin_resize`); a block device is not.
+            let meta = std::fs::metadata(file).map_err(|source| ResizeError::Grow {
+                id,
+                path: file.clone(),
+                source,
+            })?;
+            if meta.file_type().is_block_device() {
+                let have = ublkd_config::backing_file_size(file)
+                    .map_err(|source| ResizeError::Size { id, source })?;
+                if to > have {
+                    let path = file.clone();
+                    return Err(ResizeError::BlockDeviceTooSmall { id, path, have, wanted: to });
+                }
+            } else {
+                // The checks but the file's length, which grows.
+                wanted.target = TargetSpec::Null;
+            }
+        }
+        wanted.validate().map_err(|source| ResizeError::Size { id, source })?;
+        if to < from && !allow_shrink {
+            return Err(ResizeError::Shrink { id, current: from, wanted: to });
+        }
+        if to == from && to == self.spec.size_bytes {
+            return Ok(None);
+        }
+        Ok(Some(ResizePlan { id, from, to }))
+    }
+
+    /// The first half of `plan`: a smaller size told to the kernel, a larger one given
+    /// room in the target's data, and the record rewritten, so that every worker
+    /// started from now on serves the new size. The caller then hands the device to a
+    /// new worker and calls [`Self::finish_resize`].
+    pub fn begin_resize(&mut self, ctx: &Context, plan: ResizePlan) -> Result<(), ResizeError> {
+        let id = self.id;
+        if plan.grows() {
+            self.grow_data(plan.to)?;
+        }
+        let old = self.spec.size_bytes;
+        self.spec.size_bytes = plan.to;
+        let record = DeviceRecord::new(id, &self.spec);
+        if let Err(source) = ctx.state.write_record(&record) {
+            self.spec.size_bytes = old;
+            return Err(ResizeError::Record { id, source });
+        }
+        if !plan.grows() {
+            // Before any worker set up with the smaller size serves: the kernel sends
+            // nothing past the new end from here on.
+            ctx.ctrl.update_size(id, plan.to >> 9)?;
+        }
+        tracing::info!(
+            dev_id = id,
+            event = "resizing",
+            from = plan.from,
+            to = plan.to,
+            "resizing from {} to {}",
+            format_size(plan.from),
+            format_size(plan.to)
+        );
+        Ok(())
+    }
+
+    /// The second half of `plan`, once a worker set up with the new size serves: a
+    /// larger size told to the kernel (the disk's users see it now), a memory device's
+    /// memory past a smaller end given back. A loop device's file keeps what lies past
+    /// a smaller end: ublkd never cuts an operator's file.
+    pub fn finish_resize(&mut self, ctx: &Context, plan: ResizePlan) -> Result<(), ResizeError> {
+        let id = self.id;
+        if plan.grows() {
+            ctx.ctrl.update_size(id, plan.to >> 9)?;
+        } else if let (TargetSpec::Memory, Some(fd)) = (&self.spec.target, &self.target_fd) {
+            // Only workers set up with the smaller size are left, none of which maps
+            // past it.
+            let file = std::fs::File::from(
+                fd.try_clone().map_err(|source| ResizeError::GrowMemory { id, source })?,
+            );
+            file.set_len(plan.to).map_err(|source| ResizeError::GrowMemory { id, source })?;
+        }
+        tracing::info!(
+            dev_id = id,
+            event = "resized",
+            size_bytes = plan.to,
+            "resized to {}",
+            format_size(plan.to)
+        );
+        Ok(())
+    }
+
+    /// Room for `to` bytes in the target's data: the memory file or a loop device's
+    /// regular file made that long if shorter (`ftruncate`: sparse, the blocks come as
+    /// they are written). Never shortens.
+    fn grow_data(&self, to: u64) -> Result<(), ResizeError> {
+        let id = self.id;
+        match (&self.spec.target, &self.target_fd) {
+            (TargetSpec::Memory, Some(fd)) => {
+                let err = |source| ResizeError::GrowMemory { id, source };
+                let file = std::fs::File::from(fd.try_clone().map_err(err)?);
+                if file.metadata().map_err(err)?.len() < to {
+                    file.set_len(to).map_err(err)?;
+                }
+            }
+            (TargetSpec::Loop { file: path, .. }, Some(fd)) => {
+                let err = |source| ResizeError::Grow { id, path: path.clone(), source };
+                let file = std::fs::File::from(fd.try_clone().map_err(err)?);
+                let meta = file.metadata().map_err(err)?;
+                if meta.is_file() && meta.len() < to {
+                    file.set_len(to).map_err(err)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shrink_refused_names_the_current_size_and_the_flag() {
+        let e = ResizeError::Shrink { id: 3, current: 64 << 20, wanted: 32 << 20 };
+        let msg = e.to_string();
+        assert!(msg.starts_with("device 3 is 64M (67108864 bytes), and 32M is smaller"), "{msg}");
+        assert!(msg.contains("--allow-shrink"), "{msg}");
+    }
+
+    #[test]
+    fn the_kernel_refusal_names_its_release_and_the_one_needed() {
+        let release = Some(KernelRelease { major: 6, minor: 12 });
+        let msg = ResizeError::KernelLacksUpdateSize { release }.to_string();
+        assert!(msg.starts_with("this kernel (6.12) has no UBLK_F_UPDATE_SIZE (Linux 6.16+)"));
+        assert!(msg.ends_with("nothing was changed"), "{msg}");
+    }
+
+    #[test]
+    fn a_plan_grows_only_to_a_larger_size() {
+        assert!(ResizePlan { id: 0, from: 1, to: 2 }.grows());
+        assert!(!ResizePlan { id: 0, from: 2, to: 1 }.grows());
+        assert!(!ResizePlan { id: 0, from: 2, to: 2 }.grows());
+    }
+}
