@@ -187,7 +187,9 @@ impl Daemon {
                 tracing::error!(dev_id = id, event = "resize_failed", "resize: {why}");
                 CtlResponse::Error {
                     message: format!(
-                        "device {id}: not resized: its new size ({}) is recorded, but it was                          not handed to a worker serving that size ({why}); run the same                          `ublkctl resize` again once the device is LIVE",
+                        "device {id}: not resized: its new size ({}) is recorded, but it was \
+                         not handed to a worker serving that size ({why}); run the same \
+                         `ublkctl resize` again once the device is LIVE",
                         format_size(plan.to)
                     ),
                 }
