@@ -3,9 +3,10 @@
 //! one per VM boot, about 10 s to start, shared by this file's tests). What must hold:
 //! fio's verified data survives worker kills, an OSD restart and a ublkd restart, and
 //! the image reads back as the device does; ext4 on an image survives an upgrade; bad
-//! inputs are named in one line and make no device; and a dead worker's client is
-//! fenced (blocklisted) before its successor writes, so that a write the dead one left
-//! in flight can never land over newer data.
+//! inputs are named in one line and make no device; a dead worker's client is fenced
+//! (blocklisted) before its successor writes, so that a write the dead one left in
+//! flight can never land over newer data; and after a power loss a configured device
+//! comes back by itself, the dead client's lock broken.
 //!
 //! [`the_test_cluster_serves_an_image`] and
 //! [`a_delayed_write_of_a_killed_client_lands_unless_it_is_fenced`] check the harness
@@ -21,9 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use ublkd_proto::ctrl::CtrlClient;
 use ublkd_tests::harness::ceph::{CLIENT_ID, Cluster, LoDelay, osd_ports, tcp_connections};
 use ublkd_tests::harness::chaos::{self, SetOnDrop};
-use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial};
+use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial, worker_pids};
 use ublkd_tests::harness::process::{describe, hooked_worker, run, run_ok, signal};
 use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file, write_files};
 use ublkd_tests::harness::ublkd::Ublkd;
@@ -834,4 +836,116 @@ fn the_dead_workers_client_is_fenced_before_the_next_one_writes() {
     ublkd.del(id);
     ublkd.stop();
     cluster.forget_image(image);
+}
+
+/// The OSD's watch timeout while [`a_configured_device_comes_back_after_a_power_loss`]
+/// runs: how long the cluster keeps a dead client's watch (30 s by default), which is
+/// what a reboot must outlast for the dead client to count as dead.
+const POWER_LOSS_WATCH_TIMEOUT_SECS: u32 = 5;
+
+/// Sets osd.0's `osd_client_watch_timeout` (a watch registered after it takes it).
+fn set_watch_timeout(cluster: &Cluster, secs: u32) {
+    cluster.osd_admin(json!({
+        "prefix": "config set", "var": "osd_client_watch_timeout", "val": [secs.to_string()]
+    }));
+}
+
+/// A power loss: a configured rbd device under fio, ublkd and every worker SIGKILLed,
+/// the kernel's devices and ublkd's /run directory gone as a reboot leaves them. Once
+/// the dead clients' watches have lapsed (a reboot outlasts them), the ublkd started
+/// afresh, which knows none of its predecessor's workers, breaks the dead client's
+/// lock (blocklisting it) and serves the device again, with no `rbd lock rm`; every
+/// block fio wrote reads back intact. (A live client's lock is still refused by name:
+/// [`bad_rbd_inputs_are_named`].)
+#[test]
+fn a_configured_device_comes_back_after_a_power_loss() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "powerloss";
+    let (id, size, region) = (9, 32 * MIB, 8 * MIB);
+    cluster.create_image(image, size);
+    // Set before the workers open the image: their watches take it.
+    set_watch_timeout(cluster, POWER_LOSS_WATCH_TIMEOUT_SECS);
+    struct Restore<'a>(&'a Cluster);
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            set_watch_timeout(self.0, 30);
+        }
+    }
+    let _restore = Restore(cluster);
+    let configured = format!(
+        "\n[[device]]\nid = {id}\ntarget = \"rbd\"\nimage = \"{}\"\nceph_conf = \"{}\"\n\
+         ceph_id = \"{CLIENT_ID}\"\nkeyring = \"{}\"\n",
+        Cluster::spec(image),
+        cluster.conf_path().display(),
+        cluster.keyring_path().display()
+    );
+    let mut ublkd = Ublkd::start_with("rbd-powerloss", &configured, &[("UBLKD_LOG", "info")]);
+    ublkd.wait_until("the configured device LIVE", || {
+        ublkd.ctl.device(id).is_ok_and(|d| d["state"] == "LIVE")
+    });
+    let node = block_dev(id);
+    chaos::prefill(&node, region);
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = SetOnDrop(Arc::clone(&stop));
+    let fio = {
+        let (node, stop) = (node.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || chaos::randrw_passes(&node, region, 0x90e, &stop))
+    };
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    let dead_owners = cluster.lock_owners(image);
+    assert_eq!(dead_owners.len(), 1, "the serving worker holds the lock: {dead_owners:?}");
+
+    // The power goes.
+    ublkd.sigkill();
+    for pid in worker_pids() {
+        signal(pid, libc::SIGKILL);
+    }
+    // What the reboot takes with it: the kernel's devices (fio's I/O in flight fails
+    // with them, as it would with the machine) and /run.
+    let ctrl = CtrlClient::open().expect("/dev/ublk-control");
+    for dev in kernel_devices() {
+        let _ = ctrl.stop_dev(dev);
+        ctrl.del_dev(dev).unwrap_or_else(|e| panic!("deleting ublk device {dev}: {e}"));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let _ = fio.join().expect("the fio thread");
+    std::fs::remove_dir_all("/run/ublkd-test-rbd-powerloss").expect("wiping ublkd's /run");
+    assert_eq!(cluster.lock_owners(image), dead_owners, "the dead client's lock is left");
+    // The reboot outlasts the dead clients' watches.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cluster.watchers(image).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "dead clients still watch: {:?}",
+            cluster.watchers(image)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    ublkd.restart();
+    ublkd.wait_until("the configured device LIVE after the reboot", || {
+        ublkd.ctl.device(id).is_ok_and(|d| d["state"] == "LIVE")
+    });
+    let owners = cluster.lock_owners(image);
+    assert!(
+        owners.len() == 1 && owners != dead_owners,
+        "the new worker should hold the lock: {owners:?} (dead: {dead_owners:?})"
+    );
+    let blocklist = cluster.blocklist_ls();
+    assert!(
+        blocklist.iter().any(|b| b.contains(&dead_owners[0])),
+        "the dead client {} is not blocklisted: {blocklist:?}",
+        dead_owners[0]
+    );
+    assert!(
+        ublkd.log().contains("no longer watches the image"),
+        "the log does not say why the lock was broken:\n{}",
+        ublkd.log()
+    );
+    chaos::verify_region(&node, region)
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    ublkd.del(id);
+    cluster.remove_image(image);
+    ublkd.stop();
 }

@@ -7,9 +7,10 @@
 //!   worker of the device may fence it.
 //! - **Activation.** Unless the image is a snapshot or lacks the exclusive-lock
 //!   feature, the worker breaks the lock of each owner that is one of the device's
-//!   earlier workers (which blocklists it: a write it still has in flight can never
-//!   land), refuses any other owner ([`fence`]), and takes the lock in exclusive mode,
-//!   which librbd then gives to no one who asks.
+//!   earlier workers or that no longer watches the image (dead: a crash or a power
+//!   loss), which blocklists it: a write it still has in flight can never land. It
+//!   refuses any other owner ([`fence`]), and takes the lock in exclusive mode, which
+//!   librbd then gives to no one who asks.
 //! - **Requests.** Each request is one librbd call (`rbd_aio_read`, `_write`,
 //!   `_flush`, `_discard`, `_write_zeroes`) straight on the tag's buffer, then
 //!   [`Step::Pending`]. librbd finishes it on a thread of its own, which hands it back
@@ -67,6 +68,11 @@ pub enum RbdError {
     LockedByOther(#[from] LockedByOther),
     #[error("cannot list the owners of image {spec}'s lock: {errno}")]
     LockOwners { spec: String, errno: Errno },
+    #[error(
+        "cannot list the clients watching image {spec} (which tells a dead lock owner \
+         from a live one): {errno}"
+    )]
+    Watchers { spec: String, errno: Errno },
     #[error(
         "cannot break client {owner}'s lock on image {spec} (which blocklists it; \
          this client's mon caps need `profile rbd`): {errno}"
@@ -154,7 +160,20 @@ impl RbdTarget {
             .image
             .lock_owners()
             .map_err(|errno| RbdError::LockOwners { spec: spec.to_string(), errno })?;
-        for owner in fence::owners_to_break(spec, &owners, fence)? {
+        // Only asked when someone holds the lock: who of them is still alive.
+        let watchers = if owners.is_empty() {
+            Vec::new()
+        } else {
+            self.image
+                .watchers()
+                .map_err(|errno| RbdError::Watchers { spec: spec.to_string(), errno })?
+        };
+        for owner in fence::owners_to_break(spec, &owners, fence, &watchers)? {
+            let whose = if fence.iter().any(|f| f == owner) {
+                "an earlier worker's client"
+            } else {
+                "a client that no longer watches the image (it crashed or lost power)"
+            };
             let started = Instant::now();
             self.image.break_lock(mode, owner).map_err(|errno| RbdError::Break {
                 spec: spec.to_string(),
@@ -164,8 +183,7 @@ impl RbdTarget {
             tracing::info!(
                 image = spec,
                 event = "rbd_fenced",
-                "broke the lock of an earlier worker's client {owner}, which blocklisted \
-                 it ({} ms)",
+                "broke the lock of {whose}, {owner}, which blocklisted it ({} ms)",
                 started.elapsed().as_millis()
             );
         }

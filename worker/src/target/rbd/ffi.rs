@@ -55,6 +55,21 @@ const _: () = assert!(core::mem::offset_of!(ImageInfo, order) == 24);
 const _: () = assert!(core::mem::offset_of!(ImageInfo, parent_pool) == 56);
 const _: () = assert!(core::mem::offset_of!(ImageInfo, parent_name) == 64);
 
+/// `rbd_image_watcher_t`: one client watching the image's header (every client that
+/// has it open does; a crashed one stops once the OSD's watch timeout passes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ImageWatcher {
+    /// The client's address, as `rbd_lock_get_owners` names a lock owner.
+    pub addr: *mut c_char,
+    pub id: i64,
+    pub cookie: u64,
+}
+
+// A pointer and two 64-bit integers, as the header declares them (Ceph 13 Mimic on).
+const _: () = assert!(size_of::<ImageWatcher>() == 24);
+const _: () = assert!(core::mem::offset_of!(ImageWatcher, cookie) == 16);
+
 /// The shared object files, by their sonames.
 pub const LIBRBD: &str = "librbd.so.1";
 pub const LIBRADOS: &str = "librados.so.2";
@@ -124,6 +139,8 @@ functions! {
             unsafe extern "C" fn(Image, *mut LockMode, *mut *mut c_char, *mut usize) -> c_int,
         rbd_lock_get_owners_cleanup: unsafe extern "C" fn(*mut *mut c_char, usize),
         rbd_lock_break: unsafe extern "C" fn(Image, LockMode, *const c_char) -> c_int,
+        rbd_watchers_list: unsafe extern "C" fn(Image, *mut ImageWatcher, *mut usize) -> c_int,
+        rbd_watchers_list_cleanup: unsafe extern "C" fn(*mut ImageWatcher, usize),
         rbd_aio_create_completion:
             unsafe extern "C" fn(*mut c_void, Callback, *mut Completion) -> c_int,
         rbd_aio_get_return_value: unsafe extern "C" fn(Completion) -> isize,

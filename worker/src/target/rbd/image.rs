@@ -364,6 +364,40 @@ impl RbdImage {
         }
     }
 
+    /// The addresses of the clients watching the image's header: every client that has
+    /// it open, this one included, and a dead one until the OSD's watch timeout
+    /// (`osd_client_watch_timeout`, 30 s by default) has passed.
+    pub fn watchers(&self) -> Result<Vec<String>, Errno> {
+        let empty = ffi::ImageWatcher { addr: ptr::null_mut(), id: 0, cookie: 0 };
+        let mut room = 8usize;
+        loop {
+            let mut list = vec![empty; room];
+            let mut count = room;
+            // SAFETY: an open image; `list` has room for `count` watchers, which
+            // librbd fills (allocating each address) and sets `count` to how many, or
+            // sets `count` to the room it needs (ERANGE).
+            let rc =
+                unsafe { (self.lib.rbd_watchers_list)(self.handle, list.as_mut_ptr(), &mut count) };
+            match -rc {
+                0 => {
+                    let count = count.min(room);
+                    let addrs = list[..count]
+                        .iter()
+                        .filter(|w| !w.addr.is_null())
+                        // SAFETY: librbd wrote NUL-terminated strings, read before they
+                        // are freed below.
+                        .map(|w| unsafe { CStr::from_ptr(w.addr) }.to_string_lossy().into_owned())
+                        .collect();
+                    // SAFETY: the `count` watchers librbd filled, freed once.
+                    unsafe { (self.lib.rbd_watchers_list_cleanup)(list.as_mut_ptr(), count) };
+                    return Ok(addrs);
+                }
+                libc::ERANGE if count > room && count <= 1024 => room = count,
+                _ => return Err(errno(rc.min(-libc::EIO))),
+            }
+        }
+    }
+
     /// Breaks `owner`'s lock, which blocklists it first: a request it still has in
     /// flight can never land.
     pub fn break_lock(&self, mode: ffi::LockMode, owner: &str) -> Result<(), Errno> {
