@@ -259,6 +259,9 @@ fn add_null() -> CtlRequest {
         sandbox: None,
         sandbox_optional: None,
         rbd: None,
+        name: None,
+        read_only: false,
+        partitions: false,
     })
 }
 

@@ -205,7 +205,7 @@ impl Daemon {
             let mut attempts = 1;
             match self.first_add_stage(&spec, &mut attempts) {
                 Ok(stage) => {
-                    let for_whom = AddFor::Reload(spec.clone());
+                    let for_whom = AddFor::Reload(Box::new(spec.clone()));
                     let began = Instant::now();
                     let add = PendingAdd { for_whom, spec, stage, attempts, began };
                     self.pending_adds.push(add);
