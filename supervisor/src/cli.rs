@@ -95,7 +95,7 @@ pub enum Target {
 /// `ublkctl`'s subcommands.
 #[derive(Debug, Subcommand)]
 pub enum UblkctlCommand {
-    /// Add a device; prints its id.
+    /// Add a device; prints its disk (/dev/ublkbN).
     Add {
         /// What serves the device.
         #[arg(short, long, value_enum)]

@@ -144,7 +144,9 @@ fn main() -> ExitCode {
         }
     };
     match call(&cli.socket, &request) {
-        Ok(CtlResponse::Added { id }) => println!("{id}"),
+        // The disk, which is what the operator uses next (`mkfs`, `mount`); scripts take
+        // the id from its end.
+        Ok(CtlResponse::Added { id }) => println!("/dev/ublkb{id}"),
         Ok(CtlResponse::Deleted { ids }) => {
             for id in ids {
                 eprintln!("deleted device {id}");
