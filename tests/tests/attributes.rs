@@ -187,6 +187,13 @@ fn a_name_stands_for_the_device_in_every_command_and_outlives_a_restart() {
     assert!(recovered.contains(&id.to_string()), "{recovered}");
     let upgraded = ublkd.ctl_ok(&["upgrade", "-n", "db-1"]);
     assert!(!upgraded.trim().is_empty(), "upgrade said nothing");
+    // A config file's device may not take the name either.
+    let outcome =
+        ublkd.reload_with("[[device]]\ntarget = \"memory\"\nsize = \"16M\"\nname = \"db-1\"\n");
+    assert!(outcome.contains("0 device(s) added"), "{outcome}");
+    let refusal = format!("name \"db-1\" is already the name of device {id}");
+    assert!(ublkd.log().contains(&refusal), "the reload did not say why:\n{}", ublkd.log());
+    assert_eq!(ublkd.status().len(), 1, "a second db-1 was made");
     ublkd.ctl_ok(&["del", "-n", "db-1"]);
     assert!(ublkd.status().is_empty(), "the device is still there after del -n db-1");
     ublkd.stop();

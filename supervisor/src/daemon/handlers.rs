@@ -88,19 +88,8 @@ impl Daemon {
         {
             return Err(format!("device {id} already exists"));
         }
-        if let Some(name) = &spec.attrs.name
-            && let Some(other) = specs.iter().find(|s| s.attrs.name.as_ref() == Some(name))
-        {
-            return Err(match other.id {
-                Some(id) => format!(
-                    "--name: {name:?} is already the name of device {id} (/dev/ublkb{id}); \
-                     give each device its own name"
-                ),
-                None => format!(
-                    "--name: {name:?} is already the name of a device being added; give \
-                     each device its own name"
-                ),
-            });
+        if let Some(taken) = self.name_taken(&spec) {
+            return Err(format!("--name: {taken}"));
         }
         match &spec.target {
             TargetSpec::Loop { file, .. } => {
@@ -132,6 +121,26 @@ impl Daemon {
             TargetSpec::Rbd(_) | TargetSpec::Null | TargetSpec::Memory => {}
         }
         Ok(spec)
+    }
+
+    /// Why `spec`'s name cannot be had, if another device (or an add under way) has it:
+    /// for `ublkctl add`, and for the config file's devices, which the config's own
+    /// check keeps unique only among themselves.
+    pub(super) fn name_taken(&self, spec: &DeviceSpec) -> Option<String> {
+        let name = spec.attrs.name.as_ref()?;
+        let pending = self.pending_adds.iter().map(|p| &p.spec);
+        let mut specs = self.devices.values().map(Device::spec).chain(pending);
+        let other = specs.find(|s| s.attrs.name.as_ref() == Some(name))?;
+        Some(match other.id {
+            Some(id) => format!(
+                "{name:?} is already the name of device {id} (/dev/ublkb{id}); give each \
+                 device its own name"
+            ),
+            None => format!(
+                "{name:?} is already the name of a device being added; give each device \
+                 its own name"
+            ),
+        })
     }
 
     /// `ublkctl del` (`id`: one device, else every one) and `shutdown`: the devices

@@ -202,6 +202,10 @@ impl Daemon {
                 );
                 continue;
             }
+            if let Some(taken) = self.name_taken(&spec) {
+                tracing::error!("reload: configured device {}: name {taken}", describe_spec(&spec));
+                continue;
+            }
             let mut attempts = 1;
             match self.first_add_stage(&spec, &mut attempts) {
                 Ok(stage) => {
