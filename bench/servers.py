@@ -144,7 +144,7 @@ class UblkdDevice(Ublkd):
         if not self.proc:
             self.start()
         out = self.ctl("add", *add_args).strip().splitlines()
-        self.dev_id = int(out[-1])
+        self.dev_id = int(out[-1].removeprefix("/dev/ublkb"))
         self.dev = wait_dev(self.dev_id)
         return self.dev
 

@@ -110,7 +110,7 @@ class Ublkd(S.Ublkd):
                        "--zero-copy" if self.zero_copy else "--copy",
                        "-q", "1", "-d", "128",
                        *([] if self.sandbox else ["--no-sandbox"])).strip().splitlines()
-        return int(out[-1])
+        return int(out[-1].removeprefix("/dev/ublkb"))
 
     def status(self, dev_id):
         st = json.loads(self.ctl("status", "--json"))

@@ -13,8 +13,8 @@ use ublkd_proto::msg::LayerSet;
 
 use crate::daemon::check_user_name;
 use crate::device::{
-    backing_file_metadata, check_absolute, check_block_size_wide, check_device_id, in_range,
-    parse_sandbox_optional,
+    DeviceAttrs, backing_file_metadata, check_absolute, check_block_size_wide, check_device_id,
+    in_range, parse_sandbox_optional,
 };
 use crate::locate::{self, KeyPath};
 use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
@@ -420,7 +420,12 @@ impl Checker<'_> {
             }
         };
 
-        let spec = DeviceSpec { id, target, size_bytes, settings };
+        let attrs = DeviceAttrs {
+            name: raw.name.clone(),
+            read_only: raw.read_only.unwrap_or(false),
+            partitions: raw.partitions.unwrap_or(false),
+        };
+        let spec = DeviceSpec { id, target, size_bytes, settings, attrs };
         spec.validate().map_err(|mut e| {
             if overrides.inherits(e.field) {
                 e.problem.push_str(&format!(" (the value comes from defaults.{})", e.field));
@@ -487,6 +492,7 @@ impl Checker<'_> {
         let mut files = HashMap::new();
         let mut exports = HashMap::new();
         let mut images = HashMap::new();
+        let mut names = HashMap::new();
         for (index, device) in devices.iter().enumerate() {
             let table = KeyPath::root().key("device").index(index);
             if let Some(id) = device.id
@@ -497,6 +503,17 @@ impl Checker<'_> {
                     format!(
                         "{id} is already used by device[{first}]; give each device its \
                          own id or use \"auto\""
+                    ),
+                ));
+            }
+            if let Some(name) = &device.attrs.name
+                && let Some(first) = names.insert(name, index)
+            {
+                return Err(self.invalid(
+                    &table.key("name"),
+                    format!(
+                        "{name:?} is already the name of device[{first}]; give each device \
+                         its own name"
                     ),
                 ));
             }

@@ -163,6 +163,56 @@ pub struct DeviceSpec {
     pub size_bytes: u64,
     /// Queues, threads, block size and sandbox.
     pub settings: DeviceSettings,
+    /// Its name, whether it is read-only and whether its partitions are scanned.
+    pub attrs: DeviceAttrs,
+}
+
+/// Longest device name: short enough for a udev symlink (`/dev/disk/by-id/ublk-NAME`)
+/// and a journal field, long enough for a host name plus a purpose.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// What a device is besides its data path: set at add time, kept for its life (and
+/// across ublkd restarts, in its record).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct DeviceAttrs {
+    /// The operator's name for the device (`name = "..."`, `ublkctl add --name`),
+    /// unique among the devices: commands take it instead of the id, and udev links
+    /// `/dev/disk/by-id/ublk-NAME` to the disk. Checked by [`check_name`].
+    pub name: Option<String>,
+    /// The kernel makes the disk read-only (`UBLK_ATTR_READ_ONLY`) and the worker
+    /// refuses every request that would change data, whatever the kernel sends.
+    pub read_only: bool,
+    /// The kernel scans the disk for partitions (`/dev/ublkbNpM`). Off by default:
+    /// where the kernel has `UBLK_F_NO_AUTO_PART_SCAN` (Linux 7.0+) the device is made
+    /// with it, so a device's content never makes the kernel parse a partition table.
+    /// Only for an unsandboxed worker: the kernel never scans a disk whose server lacks
+    /// CAP_SYS_ADMIN (it calls such a server unprivileged), so a sandboxed worker's
+    /// disk has no partitions on any kernel.
+    pub partitions: bool,
+}
+
+/// Checks a device name: 1 to [`MAX_NAME_LEN`] characters of `A-Z a-z 0-9 . _ -`, not
+/// starting with `.` or `-` and not all digits. Why so narrow: the name becomes a
+/// path component under `/dev/disk/by-id/` (no `/`, no `..`), a journal field and a
+/// command-line argument (no leading `-`), and an all-digit name would be read as an
+/// id by `-n`.
+pub fn check_name(name: &str) -> Result<(), FieldError> {
+    let problem = if name.is_empty() {
+        "is empty; a name has 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'".to_string()
+    } else if name.len() > MAX_NAME_LEN {
+        format!("{name:?} is {} characters long; the limit is {MAX_NAME_LEN}", name.len())
+    } else if let Some(c) =
+        name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        format!("{name:?} has {c:?}; a name may have only A-Z, a-z, 0-9, '.', '_' and '-'")
+    } else if name.starts_with(['.', '-']) {
+        format!("{name:?} starts with {:?}; start it with a letter, digit or '_'", &name[..1])
+    } else if name.bytes().all(|b| b.is_ascii_digit()) {
+        format!("{name:?} is all digits, which reads as a device id; add a letter")
+    } else {
+        return Ok(());
+    };
+    Err(FieldError::new("name", problem))
 }
 
 /// A device setting that breaks a rule: which field, and what is wrong with it.
@@ -201,6 +251,20 @@ impl DeviceSpec {
     pub fn validate(&self) -> Result<(), FieldError> {
         if let Some(id) = self.id {
             check_device_id(i128::from(id))?;
+        }
+        if let Some(name) = &self.attrs.name {
+            check_name(name)?;
+        }
+        // Measured on 7.2: a sandboxed worker's disk got no partitions, and BLKRRPART
+        // on it failed with EINVAL.
+        if self.attrs.partitions && self.settings.sandbox {
+            return Err(FieldError::new(
+                "partitions",
+                "needs the device's worker unsandboxed (sandbox = false): the kernel \
+                 scans the partitions of a disk only when its server has CAP_SYS_ADMIN, \
+                 and a sandboxed worker has none; or leave partitions off and map them \
+                 with kpartx",
+            ));
         }
         check_queues(self.settings.queues)?;
         check_queue_depth(self.settings.queue_depth)?;
@@ -496,7 +560,42 @@ pub(crate) mod tests {
             target: TargetSpec::Null,
             size_bytes: 1 << 30,
             settings: DeviceSettings::default(),
+            attrs: DeviceAttrs::default(),
         }
+    }
+
+    #[test]
+    fn a_name_of_the_safe_charset_passes_and_others_say_why() {
+        for good in ["db", "db-01.prod", "_x", "a".repeat(MAX_NAME_LEN).as_str(), "0x1"] {
+            assert_eq!(check_name(good), Ok(()), "{good}");
+        }
+        for (bad, says) in [
+            ("", "is empty"),
+            ("a/b", "'/'"),
+            ("..", "starts with"),
+            ("-n", "starts with"),
+            ("a b", "' '"),
+            ("é", "'é'"),
+            ("12", "all digits"),
+        ] {
+            let e = check_name(bad).unwrap_err();
+            assert!(e.field == "name" && e.problem.contains(says), "{bad:?}: {e}");
+        }
+        assert!(check_name(&"a".repeat(MAX_NAME_LEN + 1)).unwrap_err().problem.contains("limit"));
+        let named = DeviceSpec {
+            attrs: DeviceAttrs { name: Some("a/b".into()), ..DeviceAttrs::default() },
+            ..null_device()
+        };
+        assert_eq!(field_of(&named), Some("name"));
+    }
+
+    #[test]
+    fn partitions_need_an_unsandboxed_worker() {
+        let mut spec = null_device();
+        spec.attrs.partitions = true;
+        assert_eq!(field_of(&spec), Some("partitions"));
+        spec.settings.sandbox = false;
+        assert_eq!(spec.validate(), Ok(()));
     }
 
     /// [`null_device`] with `change` made to its settings.

@@ -44,9 +44,9 @@ pub use daemon::{
     PACKAGED_WORKER_BINARY,
 };
 pub use device::{
-    DeviceSettings, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID, MAX_QUEUE_DEPTH,
-    MAX_QUEUES, MAX_SIZE_BYTES, MAX_THREADS, MAX_ZERO_COPY_SLOTS, MIN_BLOCK_SIZE, TargetSpec,
-    backing_file_size,
+    DeviceAttrs, DeviceSettings, DeviceSpec, FieldError, MAX_BLOCK_SIZE, MAX_DEVICE_ID,
+    MAX_NAME_LEN, MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES, MAX_THREADS, MAX_ZERO_COPY_SLOTS,
+    MIN_BLOCK_SIZE, TargetSpec, backing_file_size, check_name,
 };
 pub use error::{ConfigError, Location};
 pub use nbd_uri::{
@@ -786,6 +786,7 @@ mod tests {
                     target: TargetSpec::Memory,
                     size_bytes: 64 << 20,
                     settings: config.defaults,
+                    attrs: Default::default(),
                 },
                 DeviceSpec {
                     id: None,
@@ -803,6 +804,7 @@ mod tests {
                         sandbox: true,
                         sandbox_optional: LayerSet::EMPTY,
                     },
+                    attrs: Default::default(),
                 },
             ]
         );
@@ -1283,6 +1285,7 @@ mod tests {
                                 sandbox,
                                 sandbox_optional: LayerSet::EMPTY,
                             },
+                            attrs: Default::default(),
                         };
                         (text, spec)
                     })

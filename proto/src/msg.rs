@@ -118,6 +118,7 @@ mod tests {
             fast_release: true,
             data_path: DataPath::PerIo,
             rbd: None,
+            read_only: true,
         };
         let f1 = std::fs::File::open("/dev/null").unwrap();
         let f2 = std::fs::File::open("/dev/zero").unwrap();
@@ -263,6 +264,9 @@ mod tests {
                     latency: LatencySnapshot::default(),
                     note: None,
                     failing_io: false,
+                    name: None,
+                    read_only: false,
+                    backing: None,
                 })
                 .collect(),
         )

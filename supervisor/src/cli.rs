@@ -95,7 +95,7 @@ pub enum Target {
 /// `ublkctl`'s subcommands.
 #[derive(Debug, Subcommand)]
 pub enum UblkctlCommand {
-    /// Add a device; prints its id.
+    /// Add a device; prints its disk (/dev/ublkbN).
     Add {
         /// What serves the device.
         #[arg(short, long, value_enum)]
@@ -163,6 +163,22 @@ pub enum UblkctlCommand {
         /// Device id (default: the kernel picks one).
         #[arg(short = 'n', long = "id")]
         id: Option<u32>,
+        /// A name for the device, unique among ublkd's devices: every command's -n
+        /// takes it instead of the id, and udev links /dev/disk/by-id/ublk-NAME to the
+        /// disk. 1 to 64 characters of A-Z a-z 0-9 . _ -, not starting with . or -, not
+        /// all digits.
+        #[arg(long, value_name = "NAME")]
+        name: Option<String>,
+        /// A read-only disk: the kernel refuses writes, and the worker refuses any
+        /// request that would change data before it reaches the target.
+        #[arg(long)]
+        read_only: bool,
+        /// Let the kernel scan the disk for partitions (/dev/ublkbNpM). Needs
+        /// --no-sandbox: the kernel never scans a disk whose server lacks
+        /// CAP_SYS_ADMIN. Without it, an unsandboxed device is not scanned where the
+        /// kernel has UBLK_F_NO_AUTO_PART_SCAN (Linux >= 7.0); 6.12 scans regardless.
+        #[arg(long)]
+        partitions: bool,
     },
     /// Delete a device (-n ID) or all of them (-a). A device in use (its filesystem
     /// mounted, held by dm or md, open in a process) is not deleted: the command fails
@@ -173,9 +189,15 @@ pub enum UblkctlCommand {
     /// across the stop. A delete that is not done after 25 s fails saying where it
     /// stands, and ublkd finishes it by itself.
     Del {
-        /// The device id.
-        #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
-        id: Option<u32>,
+        /// The device's id or name.
+        #[arg(
+            short = 'n',
+            long = "id",
+            value_name = "ID|NAME",
+            conflicts_with = "all",
+            required_unless_present = "all"
+        )]
+        id: Option<DevRef>,
         /// Every device ublkd serves.
         #[arg(short, long)]
         all: bool,
@@ -186,15 +208,15 @@ pub enum UblkctlCommand {
     },
     /// List devices in the kernel selftests' two-line format.
     List {
-        /// Only this device.
-        #[arg(short = 'n', long = "id")]
-        id: Option<u32>,
+        /// Only this device (its id or name).
+        #[arg(short = 'n', long = "id", value_name = "ID|NAME")]
+        id: Option<DevRef>,
     },
     /// Devices' state, worker and I/O counters.
     Status {
-        /// Only this device.
-        #[arg(short = 'n', long = "id")]
-        id: Option<u32>,
+        /// Only this device (its id or name).
+        #[arg(short = 'n', long = "id", value_name = "ID|NAME")]
+        id: Option<DevRef>,
         /// One JSON object: {"devices":[…]}.
         #[arg(long)]
         json: bool,
@@ -203,9 +225,9 @@ pub enum UblkctlCommand {
     /// restarts and latency histograms (per operation, time at the backend in the
     /// worker) as OpenMetrics text, ending in `# EOF`.
     Metrics {
-        /// Only this device.
-        #[arg(short = 'n', long = "id")]
-        id: Option<u32>,
+        /// Only this device (its id or name).
+        #[arg(short = 'n', long = "id", value_name = "ID|NAME")]
+        id: Option<DevRef>,
     },
     /// Recover a device now (after fixing what made its worker fail), resetting its
     /// restart budget; on a LIVE device it says so and does nothing. Exits 0 once the
@@ -214,21 +236,31 @@ pub enum UblkctlCommand {
     /// minute, it fails saying where the recovery stands, and ublkd finishes it by
     /// itself; `ublkctl status` shows when.
     Recover {
-        /// The device id.
-        #[arg(value_name = "ID", required_unless_present = "id_flag", conflicts_with = "id_flag")]
-        id: Option<u32>,
-        /// The device id (same as the positional ID).
-        #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID")]
-        id_flag: Option<u32>,
+        /// The device's id or name.
+        #[arg(
+            value_name = "ID|NAME",
+            required_unless_present = "id_flag",
+            conflicts_with = "id_flag"
+        )]
+        id: Option<DevRef>,
+        /// The device's id or name (same as the positional one).
+        #[arg(short = 'n', long = "id", id = "id_flag", value_name = "ID|NAME")]
+        id_flag: Option<DevRef>,
     },
     /// Move devices to the worker binary now on disk (after a package upgrade), one at
     /// a time, each serving throughout: a new standby from the binary, then a planned
     /// handover, printing each device's stall. A binary that fails to start leaves the
     /// old worker serving and says why.
     Upgrade {
-        /// The device id.
-        #[arg(short = 'n', long = "id", conflicts_with = "all", required_unless_present = "all")]
-        id: Option<u32>,
+        /// The device's id or name.
+        #[arg(
+            short = 'n',
+            long = "id",
+            value_name = "ID|NAME",
+            conflicts_with = "all",
+            required_unless_present = "all"
+        )]
+        id: Option<DevRef>,
         /// Every device ublkd serves.
         #[arg(short, long)]
         all: bool,
@@ -239,9 +271,9 @@ pub enum UblkctlCommand {
     /// size, as in an upgrade, and the disk's users see it (grow the filesystem with,
     /// e.g., `resize2fs`). nbd and rbd devices take their size from their server.
     Resize {
-        /// The device id.
-        #[arg(short = 'n', long = "id", value_name = "ID")]
-        id: u32,
+        /// The device's id or name.
+        #[arg(short = 'n', long = "id", value_name = "ID|NAME")]
+        id: DevRef,
         /// The new size in bytes, or with a suffix: K, M, G, T (powers of 1024); a
         /// multiple of the device's block size.
         #[arg(short, long, value_parser = parse_size)]
@@ -268,6 +300,27 @@ pub enum UblkctlCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// A device as `-n` names it: all digits is an id, anything else a name (a name is
+/// never all digits, see `ublkd_config::check_name`), which ublkctl looks up in
+/// ublkd's status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DevRef {
+    Id(u32),
+    Name(String),
+}
+
+impl std::str::FromStr for DevRef {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+            return text.parse().map(DevRef::Id).map_err(|e| format!("{text:?}: {e}"));
+        }
+        ublkd_config::check_name(text).map_err(|e| e.problem)?;
+        Ok(DevRef::Name(text.to_string()))
+    }
 }
 
 /// Sandbox layers as `--sandbox-optional` lists them.
@@ -320,9 +373,42 @@ mod tests {
         let cli = UblkctlCli::try_parse_from(["ublkctl", "del", "-a", "--force"]).unwrap();
         assert!(matches!(cli.command, UblkctlCommand::Del { all: true, force: true, .. }));
         let cli = UblkctlCli::try_parse_from(["ublkctl", "del", "-n", "0"]).unwrap();
-        assert!(matches!(cli.command, UblkctlCommand::Del { id: Some(0), force: false, .. }));
+        assert!(matches!(
+            cli.command,
+            UblkctlCommand::Del { id: Some(DevRef::Id(0)), force: false, .. }
+        ));
         let cli = UblkctlCli::try_parse_from(["ublkctl", "shutdown", "--force"]).unwrap();
         assert!(matches!(cli.command, UblkctlCommand::Shutdown { force: true }));
+    }
+
+    #[test]
+    fn n_takes_an_id_or_a_name_and_refuses_what_no_name_can_be() {
+        let cli = UblkctlCli::try_parse_from(["ublkctl", "status", "-n", "db-1"]).unwrap();
+        let want = Some(DevRef::Name("db-1".into()));
+        assert!(matches!(cli.command, UblkctlCommand::Status { id, .. } if id == want));
+        let cli = UblkctlCli::try_parse_from(["ublkctl", "recover", "7"]).unwrap();
+        let want = Some(DevRef::Id(7));
+        assert!(matches!(cli.command, UblkctlCommand::Recover { id, .. } if id == want));
+        for bad in ["a/b", "99999999999", ""] {
+            assert!(UblkctlCli::try_parse_from(["ublkctl", "del", "-n", bad]).is_err(), "{bad}");
+        }
+        let cli = UblkctlCli::try_parse_from([
+            "ublkctl",
+            "add",
+            "-t",
+            "null",
+            "-s",
+            "1M",
+            "--name",
+            "x",
+            "--read-only",
+            "--partitions",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            UblkctlCommand::Add { name: Some(_), read_only: true, partitions: true, .. }
+        ));
     }
 
     #[test]

@@ -43,6 +43,7 @@ use ublkd_proto::uapi::UblksrvCtrlDevInfo;
 use crate::device_state::{DeviceState, StateKind, TransitionError};
 use crate::features::KernelRelease;
 use crate::hang::HangWatch;
+use crate::nbd::ExportInfo;
 use crate::nbd::target::NbdTarget;
 use crate::rbd::RbdTarget;
 use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
@@ -280,6 +281,12 @@ impl Device {
     }
 
     /// The device's description, its zero copy and queue count as decided at creation.
+    /// Whether the device's nbd export is read-only, as its server last said (false
+    /// for other targets, and for an adopted nbd device until it connects again).
+    pub fn export_read_only(&self) -> bool {
+        self.nbd.as_ref().and_then(NbdTarget::info).is_some_and(ExportInfo::read_only)
+    }
+
     pub fn spec(&self) -> &DeviceSpec {
         &self.spec
     }

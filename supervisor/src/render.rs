@@ -59,6 +59,10 @@ struct DeviceJson<'a> {
     /// (8388608 µs); null before the first request.
     latency_p50_us: serde_json::Value,
     latency_p99_us: serde_json::Value,
+    name: Option<&'a str>,
+    read_only: bool,
+    /// See `DevStatus::backing`.
+    backing: Option<&'a str>,
 }
 
 /// A quantile of `h` for `status --json` (see `DeviceJson::latency_p50_us`).
@@ -125,6 +129,9 @@ pub fn status_json(devs: &[DevStatus]) -> String {
             sandbox: d.sandbox.as_ref(),
             latency_p50_us: quantile_json(&d.latency, 0.5),
             latency_p99_us: quantile_json(&d.latency, 0.99),
+            name: d.name.as_deref(),
+            read_only: d.read_only,
+            backing: d.backing.as_deref(),
         })
         .collect();
     serde_json::to_string(&StatusJson { devices }).expect("plain data always serializes")
@@ -148,6 +155,20 @@ pub fn status_text(devs: &[DevStatus]) -> String {
             quantile_text(&d.latency, 0.99),
             d.note.as_ref().map(|n| format!(" ({n})")).unwrap_or_default()
         ));
+        // What the device is, on a line of its own: the first stays as scripts read it.
+        let mut what = format!(
+            "  {} {}",
+            ublkd_config::format_size(d.size_bytes),
+            if d.read_only { "read-only" } else { "read-write" }
+        );
+        if let Some(name) = &d.name {
+            what.push_str(&format!(" name {name}"));
+        }
+        if let Some(backing) = &d.backing {
+            what.push_str(&format!(" backing {backing}"));
+        }
+        out.push_str(&what);
+        out.push('\n');
         if let Some(missing) = d.sandbox.as_ref().map(|s| &s.missing).filter(|m| !m.is_empty()) {
             let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
             out.push_str(&format!(
@@ -203,7 +224,20 @@ mod tests {
             note: None,
             failing_io: false,
             latency: LatencySnapshot::default(),
+            name: Some("db".into()),
+            read_only: true,
+            backing: Some("/srv/db.img".into()),
         }
+    }
+
+    #[test]
+    fn status_names_the_device_and_what_backs_it() {
+        let v: serde_json::Value = serde_json::from_str(&status_json(&[a_device()])).unwrap();
+        let dev = &v["devices"][0];
+        assert_eq!((&dev["name"], &dev["read_only"]), (&"db".into(), &true.into()));
+        assert_eq!(dev["backing"], "/srv/db.img");
+        let text = status_text(&[a_device()]);
+        assert!(text.contains("\n  4K read-only name db backing /srv/db.img\n"), "{text}");
     }
 
     #[test]

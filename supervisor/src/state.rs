@@ -21,7 +21,9 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use ublkd_config::{DeviceSettings, DeviceSpec, NbdUri, RbdSpec, TargetSpec};
+use ublkd_config::{
+    DeviceAttrs, DeviceSettings, DeviceSpec, NbdUri, RbdSpec, TargetSpec, check_name,
+};
 
 use crate::nbd::{BlockSizes, ExportInfo};
 use crate::worker::AttachClaim;
@@ -77,6 +79,14 @@ fn unsafe_error(path: &Path, why: String) -> StateError {
     StateError::Unsafe { path: path.to_path_buf(), why, uid: nix::unistd::geteuid().as_raw() }
 }
 
+/// A named device's udev properties (`UBLKD_NAME=NAME`), in its directory: the
+/// package's udev rule (`packaging/60-ublkd.rules`) imports it when the disk appears
+/// and links `/dev/disk/by-id/ublk-NAME`. A file rather than a sysfs attribute: ublk
+/// has no attribute the server may set, and the record is written before START_DEV
+/// makes the disk, so the file is there for the disk's first uevent, and for every
+/// later one (`udevadm trigger`) while the device lives, whatever ublkd does.
+pub const UDEV_FILE: &str = "udev.env";
+
 /// A device as it was created, enough to serve it again.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceRecord {
@@ -113,6 +123,15 @@ pub struct DeviceRecord {
     /// the image's lock only if one of these holds it.
     #[serde(default)]
     pub rbd_clients: Vec<String>,
+    /// The device's name (`DeviceAttrs`), kept so that a restarted ublkd knows the
+    /// device by it. Absent in older records, as are the two below (then off, which is
+    /// what those devices were).
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(default)]
+    pub partitions: bool,
 }
 
 /// The part of an NBD export's description that the kernel device was made from.
@@ -181,6 +200,9 @@ impl DeviceRecord {
                 _ => None,
             },
             rbd_clients: Vec::new(),
+            name: spec.attrs.name.clone(),
+            read_only: spec.attrs.read_only,
+            partitions: spec.attrs.partitions,
         }
     }
 
@@ -208,6 +230,11 @@ impl DeviceRecord {
         if self.queues == 0 || self.queue_depth == 0 || self.threads == 0 || self.size_bytes == 0 {
             return Err("a zero queue count, depth, thread count or size".into());
         }
+        // A record is the supervisor's own, but the state dir outlives versions: the
+        // name is checked as an add's would be.
+        if let Some(name) = &self.name {
+            check_name(name).map_err(|e| format!("its {e}"))?;
+        }
         Ok(DeviceSpec {
             id: Some(self.id),
             target,
@@ -219,6 +246,11 @@ impl DeviceRecord {
                 threads: self.threads,
                 sandbox: self.sandbox,
                 sandbox_optional: LayerSet::of(&self.sandbox_optional),
+            },
+            attrs: DeviceAttrs {
+                name: self.name.clone(),
+                read_only: self.read_only,
+                partitions: self.partitions,
             },
         })
     }
@@ -350,9 +382,17 @@ impl StateDir {
     }
 
     /// Writes the record atomically (a temp file, created exclusively, renamed over the
-    /// old one).
+    /// old one), and beside it what udev reads of a named device ([`UDEV_FILE`]).
     pub fn write_record(&self, rec: &DeviceRecord) -> Result<(), StateError> {
-        self.write_json(rec.id, "device.json", rec)
+        self.write_json(rec.id, "device.json", rec)?;
+        match &rec.name {
+            // `check_name`'s charset: nothing in it needs quoting for udev.
+            Some(name) => self.write_file(rec.id, UDEV_FILE, format!("UBLKD_NAME={name}\n")),
+            None => {
+                let _ = std::fs::remove_file(self.dir(rec.id).join(UDEV_FILE));
+                Ok(())
+            }
+        }
     }
 
     /// Records the worker that serves device `claim.dev_id`, for the next ublkd to take
@@ -377,10 +417,15 @@ impl StateDir {
 
     /// Writes `name` in device `id`'s directory, whole or not at all.
     fn write_json(&self, id: u32, name: &str, value: &impl Serialize) -> Result<(), StateError> {
+        let text = serde_json::to_string_pretty(value).expect("plain data always serializes");
+        self.write_file(id, name, text)
+    }
+
+    /// Writes `text` as `name` in device `id`'s directory, whole or not at all.
+    fn write_file(&self, id: u32, name: &str, text: String) -> Result<(), StateError> {
         let dir = self.make_dir(id)?;
         let path = dir.join(name);
         let tmp = dir.join(format!("{name}.tmp"));
-        let text = serde_json::to_string_pretty(value).expect("plain data always serializes");
         // A stale temp file (or anything planted under its name) goes first: unlink
         // never follows a symlink.
         let _ = std::fs::remove_file(&tmp);
@@ -537,7 +582,38 @@ mod tests {
                 // Kept in the record: an adopted device keeps its opt-in.
                 sandbox_optional: LayerSet::of(&[SandboxLayer::UserNamespace]),
             },
+            attrs: DeviceAttrs::default(),
         }
+    }
+
+    /// A restarted ublkd knows a device by its name, read-only and partitions as made;
+    /// a record from before they existed reads as a device without them; a record
+    /// with a name no add would take is refused.
+    #[test]
+    fn a_name_and_the_attributes_round_trip_and_older_records_have_none() {
+        let mut named = spec();
+        named.attrs = DeviceAttrs { name: Some("db-1".into()), read_only: true, partitions: true };
+        let rec = DeviceRecord::new(3, &named);
+        let text = serde_json::to_string(&rec).unwrap();
+        let back: DeviceRecord = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.spec().unwrap().attrs, named.attrs);
+        let mut older: serde_json::Value = serde_json::from_str(&text).unwrap();
+        for key in ["name", "read_only", "partitions"] {
+            older.as_object_mut().unwrap().remove(key);
+        }
+        let older: DeviceRecord = serde_json::from_value(older).unwrap();
+        assert_eq!(older.spec().unwrap().attrs, DeviceAttrs::default());
+        // What udev reads, there while the device is named.
+        let root = tmp();
+        let state = StateDir::new(&root);
+        state.write_record(&rec).unwrap();
+        let udev = root.join("devices/3").join(UDEV_FILE);
+        assert_eq!(std::fs::read_to_string(&udev).unwrap(), "UBLKD_NAME=db-1\n");
+        state.write_record(&DeviceRecord::new(3, &spec())).unwrap();
+        assert!(!udev.exists(), "an unnamed device's udev file is left");
+        let _ = std::fs::remove_dir_all(root);
+        let bad = DeviceRecord { name: Some("../x".into()), ..rec };
+        assert!(bad.spec().unwrap_err().contains("name"), "{:?}", bad.spec());
     }
 
     #[test]

@@ -83,13 +83,19 @@ pub const DEVICE_FLAGS: u64 = uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_REC
 /// then stops the device with `TRY_STOP_DEV`, which the kernel refuses while the disk
 /// is open), `UBLK_F_UPDATE_SIZE` where the kernel has it (`ublkctl resize`: the
 /// kernel takes UPDATE_SIZE only for a device created with it, and a device's flags
-/// never change), and automatic buffer registration for a zero-copy loop or nbd device.
+/// never change), `UBLK_F_NO_AUTO_PART_SCAN` where the kernel has it and the device did
+/// not ask for partitions (a device's content, which may come from anywhere, then never
+/// makes the kernel parse a partition table; older kernels scan, see the operator's
+/// guide), and automatic buffer registration for a zero-copy loop or nbd device.
 pub fn device_flags(spec: &DeviceSpec, kernel_features: u64) -> u64 {
     let mut flags = DEVICE_FLAGS;
     if DataPath::for_kernel(kernel_features) == DataPath::Batch {
         flags |= uapi::UBLK_F_BATCH_IO;
     }
     flags |= kernel_features & (uapi::UBLK_F_SAFE_STOP_DEV | uapi::UBLK_F_UPDATE_SIZE);
+    if !spec.attrs.partitions {
+        flags |= kernel_features & uapi::UBLK_F_NO_AUTO_PART_SCAN;
+    }
     if zero_copy(spec) {
         flags |= uapi::UBLK_F_AUTO_BUF_REG;
     }
@@ -150,6 +156,8 @@ pub fn params(spec: &DeviceSpec, export: Option<&ExportInfo>) -> UblkParams {
         (TargetSpec::Rbd(rbd), _) if rbd.image.snapshot.is_some() => uapi::UBLK_ATTR_READ_ONLY,
         (TargetSpec::Null | TargetSpec::Memory | TargetSpec::Rbd(_), _) => 0,
     };
+    // Asked for, on any target; the worker refuses writes too (`WorkerSetup::read_only`).
+    let attrs = if spec.attrs.read_only { attrs | uapi::UBLK_ATTR_READ_ONLY } else { attrs };
     UblkParams {
         len: 0,
         types,
@@ -259,7 +267,38 @@ mod tests {
                 block_size,
                 ..Default::default()
             },
+            attrs: ublkd_config::DeviceAttrs::default(),
         }
+    }
+
+    #[test]
+    fn partitions_are_not_scanned_unless_asked_where_the_kernel_can_say_so() {
+        let no_scan = uapi::UBLK_F_NO_AUTO_PART_SCAN;
+        let plain = loop_spec(Some(false));
+        assert_eq!(device_flags(&plain, DEVICE_FLAGS | no_scan) & no_scan, no_scan);
+        assert_eq!(device_flags(&plain, DEVICE_FLAGS) & no_scan, 0, "6.12 has no such flag");
+        let mut scanned = plain;
+        scanned.attrs.partitions = true;
+        assert_eq!(device_flags(&scanned, DEVICE_FLAGS | no_scan) & no_scan, 0);
+    }
+
+    #[test]
+    fn a_read_only_device_of_any_target_is_read_only_to_the_kernel() {
+        let uri = ublkd_config::NbdUri::parse("nbd://127.0.0.1/x").unwrap();
+        for target in
+            [TargetSpec::Null, TargetSpec::Memory, TargetSpec::Nbd { uri, zero_copy: None }]
+        {
+            let mut spec = spec(target, 4096);
+            spec.attrs.read_only = true;
+            let ro = params(&spec, None).basic.attrs;
+            assert_eq!(ro & uapi::UBLK_ATTR_READ_ONLY, uapi::UBLK_ATTR_READ_ONLY, "{spec:?}");
+        }
+        let mut lp = loop_spec(None);
+        lp.attrs.read_only = true;
+        assert_eq!(
+            params(&lp, None).basic.attrs,
+            uapi::UBLK_ATTR_READ_ONLY | uapi::UBLK_ATTR_VOLATILE_CACHE | uapi::UBLK_ATTR_FUA
+        );
     }
 
     fn loop_spec(zero_copy: Option<bool>) -> DeviceSpec {

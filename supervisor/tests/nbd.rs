@@ -410,6 +410,7 @@ fn nbd_spec(uri: NbdUri) -> DeviceSpec {
         target: TargetSpec::Nbd { uri, zero_copy: None },
         size_bytes: 0,
         settings: DeviceSettings::default(),
+        attrs: Default::default(),
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use ublkd_tests::prng::{Prng, chaos_seed};
 
 use ublkd_tests::harness::machine::{
-    block_dev, kernel_devices, serial, wait_for_path, worker_pids,
+    added_id, block_dev, kernel_devices, serial, wait_for_path, worker_pids,
 };
 use ublkd_tests::harness::process::{self, describe, signal};
 use ublkd_tests::harness::storage::pattern;
@@ -89,7 +89,7 @@ fn client(ctl: &Ctl, client: u64, failures: &Mutex<Vec<String>>, log: &dyn Fn() 
             fail(format!("round {round}: add failed: {}", describe(&added)));
             continue;
         }
-        let id: u32 = String::from_utf8_lossy(&added.stdout).trim().parse().unwrap();
+        let id = added_id(&String::from_utf8_lossy(&added.stdout));
         let dev = block_dev(id);
         wait_for_path(&dev);
         let dd = |from: &PathBuf, to: &PathBuf, flag: &str| {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ublkd_tests::harness::fio::{Fio, assert_fio_clean, fio_args, fio_verify_args};
 use ublkd_tests::harness::machine::{
-    block_dev, kernel_devices, serial, wait_for_path, worker_pids,
+    added_id, block_dev, kernel_devices, serial, wait_for_path, worker_pids,
 };
 use ublkd_tests::harness::process::{bin, describe, run, run_ok, signal};
 use ublkd_tests::harness::storage::{Mount, pattern, sha256, sparse_file, write_file, write_files};
@@ -257,7 +257,7 @@ fn upgrading_fifty_devices_holds_up_neither_status_nor_a_recovery() {
                         .map(|_| {
                             let out = ctl.run(&["add", "-t", "null", "-s", "16M", "-q", "1"]);
                             assert!(out.status.success(), "add: {}", describe(&out));
-                            String::from_utf8_lossy(&out.stdout).trim().parse::<u32>().unwrap()
+                            added_id(&String::from_utf8_lossy(&out.stdout))
                         })
                         .collect::<Vec<u32>>()
                 })

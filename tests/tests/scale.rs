@@ -26,7 +26,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, TargetKind};
-use ublkd_tests::harness::machine::{fd_targets, kernel_devices, serial, worker_pids};
+use ublkd_tests::harness::machine::{added_id, fd_targets, kernel_devices, serial, worker_pids};
 use ublkd_tests::harness::process::{self, bin, describe};
 use ublkd_tests::harness::ublkd::Ublkd;
 
@@ -97,7 +97,7 @@ fn three_hundred_null_devices_are_added_listed_and_deleted_in_seconds() {
                 for _ in (adder..DEVICES).step_by(ADDERS) {
                     let out =
                         ublkd.ctl_ok(&["add", "-t", "null", "-s", "1M", "-q", "1", "-d", "4"]);
-                    let id: u32 = out.trim().parse().unwrap();
+                    let id = added_id(&out);
                     ids.lock().unwrap().push(id);
                 }
             });
@@ -259,6 +259,9 @@ fn add_null() -> CtlRequest {
         sandbox: None,
         sandbox_optional: None,
         rbd: None,
+        name: None,
+        read_only: false,
+        partitions: false,
     })
 }
 

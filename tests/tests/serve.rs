@@ -107,7 +107,7 @@ fn more_queues_than_cpus_are_served_or_refused_clearly() {
     let ublkd = Ublkd::start("many-queues");
     let out = ublkd.ctl(&["add", "-t", "memory", "-s", "16M", "-q", &asked.to_string()]);
     if out.status.success() {
-        let id: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        let id = machine::added_id(&String::from_utf8_lossy(&out.stdout));
         machine::wait_for_path(&block_dev(id));
         let list = ublkd.ctl_ok(&["list", "-n", &id.to_string()]);
         assert!(list.contains(&format!(" nr_hw_queues {cpus} ")), "{list}");

@@ -35,7 +35,7 @@ use ublkd_tests::proxy::{Endpoint, OneAtATimeProxy};
 
 use ublkd_tests::harness::fio::{self, FioJob};
 use ublkd_tests::harness::machine::{
-    fd_targets, kernel_devices, pid_exists, ublk_nodes, worker_pids,
+    added_id, fd_targets, kernel_devices, pid_exists, ublk_nodes, worker_pids,
 };
 use ublkd_tests::harness::process::{self, assert_succeeded, describe, run, run_ok};
 use ublkd_tests::harness::storage;
@@ -181,7 +181,7 @@ fn ublkd_package_under_systemd() {
         Endpoint::Unix("/run/ublkd-test-nbdkit.sock".into()),
     );
     let (main_pid, restarts) = (prop("MainPID"), prop("NRestarts"));
-    let id: u32 = run_ok(Command::new("ublkctl").args([
+    let id = added_id(&run_ok(Command::new("ublkctl").args([
         "add",
         "-t",
         "nbd",
@@ -191,10 +191,7 @@ fn ublkd_package_under_systemd() {
         "2",
         "--threads",
         "8",
-    ]))
-    .trim()
-    .parse()
-    .expect("ublkctl add printed no id");
+    ])));
     nbd_round_trip(id);
     journal_entry("EVENT=nbd_fewer_connections", "the device served over fewer connections");
     assert!(proxy.silent() >= 1, "no connection was left unanswered: the step proves nothing");
@@ -535,10 +532,7 @@ fn nbdkit(listen: &[&str]) -> Nbdkit {
 
 /// `ublkctl add -t nbd --uri URI`: the new device's id, once its node is there.
 fn nbd_add(uri: &str) -> u32 {
-    let id: u32 = run_ok(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", uri]))
-        .trim()
-        .parse()
-        .expect("ublkctl add printed no id");
+    let id = added_id(&run_ok(Command::new("ublkctl").args(["add", "-t", "nbd", "--uri", uri])));
     let node = PathBuf::from(format!("/dev/ublkb{id}"));
     wait_for("the nbd device's node", Duration::from_secs(30), || node.exists());
     id

@@ -25,6 +25,7 @@ for _ in $(seq 50); do [ -S "$sock" ] && break; sleep 0.1; done
 
 say "ublkctl add -t memory -s 256M"
 id=$(ublkctl --socket "$sock" add -t memory -s 256M)
+id=${id#/dev/ublkb}
 ublkctl --socket "$sock" list -n "$id"
 
 say "fio: random 4k-16k writes and reads with crc32c verification, 10 s"

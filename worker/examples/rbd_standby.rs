@@ -74,6 +74,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         fast_release: true,
         data_path: DataPath::PerIo,
         rbd: Some(rbd),
+        read_only: false,
     };
     msg::send_packet(ours.as_fd(), &ToWorker::Setup(setup), &[shm.as_fd()])?;
     let (answer, _) = msg::recv_packet::<FromWorker>(ours.as_fd())?;

@@ -57,6 +57,16 @@ pub struct AddRequest {
     pub sandbox_optional: Option<Vec<SandboxLayer>>,
     /// The rbd flags, if any was given (ublkd refuses them for another target).
     pub rbd: Option<RbdAdd>,
+    // Fields below were added later; each defaults to what an older client meant.
+    /// `--name NAME`: unique among the devices (ublkd checks it).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `--read-only`.
+    #[serde(default)]
+    pub read_only: bool,
+    /// `--partitions`: the kernel scans the disk for partitions.
+    #[serde(default)]
+    pub partitions: bool,
 }
 
 /// `ublkctl add`'s rbd flags, as typed (ublkd checks them; paths made absolute).
@@ -72,6 +82,9 @@ pub struct RbdAdd {
     pub keyring: Option<PathBuf>,
 }
 
+// One request per connection, decoded once: the size of `Add` costs nothing, and
+// boxing it would change every `CtlRequest::Add(...)` for no gain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CtlRequest {
     Add(AddRequest),
@@ -192,6 +205,20 @@ pub struct DevStatus {
     /// The latency of every request the device's workers served, all operations in one
     /// histogram (from the shared region: untrusted values).
     pub latency: LatencySnapshot,
+    // Fields below were added later; an older ublkd's answer has none of them.
+    /// The device's name, if it was given one.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The disk is read-only: asked for (`--read-only`), or because its target is (a
+    /// read-only nbd export, an rbd snapshot).
+    #[serde(default)]
+    pub read_only: bool,
+    /// What backs the device: a loop device's file, an nbd device's URI (it carries
+    /// no secret: ublkd refuses a URI with a user or password, and TLS names a
+    /// directory), an rbd device's `POOL[/NAMESPACE]/IMAGE[@SNAPSHOT]`; `None` for
+    /// null and memory.
+    #[serde(default)]
+    pub backing: Option<String>,
 }
 
 /// One device's numbers as `ublkctl metrics` renders them. The counters and histograms

@@ -105,6 +105,12 @@ pub struct WorkerSetup {
     pub data_path: DataPath,
     /// With [`TargetSetup::Rbd`] (and only then): the cluster and image.
     pub rbd: Option<RbdSetup>,
+    /// The device is read-only: the worker completes every request that would change
+    /// data (WRITE, DISCARD, WRITE_ZEROES) with `EROFS` without its target seeing it,
+    /// whatever the kernel sends (the kernel refuses writes to a read-only disk too,
+    /// but the worker does not rely on it).
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 impl WorkerSetup {

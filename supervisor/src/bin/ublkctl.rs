@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
 use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, DataPath, RbdAdd, TargetKind};
-use ublkd_supervisor::cli::{Target, UblkctlCli, UblkctlCommand as Command};
+use ublkd_supervisor::cli::{DevRef, Target, UblkctlCli, UblkctlCommand as Command};
 use ublkd_supervisor::metrics::{self, Format};
 use ublkd_supervisor::{exit, features, logging, render};
 
@@ -37,6 +37,9 @@ fn main() -> ExitCode {
             no_sandbox,
             sandbox_optional,
             id,
+            name,
+            read_only,
+            partitions,
         } => {
             let [file, ceph_conf, keyring] =
                 match [file, ceph_conf, keyring].map(|f| f.map(|f| absolute(&f)).transpose()) {
@@ -67,19 +70,37 @@ fn main() -> ExitCode {
                 sandbox: no_sandbox.then_some(false),
                 sandbox_optional: sandbox_optional.map(|l| l.0),
                 rbd,
+                name,
+                read_only,
+                partitions,
             })
         }
         // Unforced, the request old daemons know (which delete regardless).
-        Command::Del { id, all: _, force: false } => CtlRequest::Del { id },
-        Command::Del { id, all: _, force: true } => CtlRequest::DelForce { id },
+        Command::Del { id, all: _, force } => {
+            let id = match resolve_opt(&cli.socket, id) {
+                Ok(id) => id,
+                Err(code) => return code,
+            };
+            if force { CtlRequest::DelForce { id } } else { CtlRequest::Del { id } }
+        }
         Command::Recover { id, id_flag } => {
-            CtlRequest::Recover { id: id.or(id_flag).expect("clap requires one") }
+            match resolve(&cli.socket, id.or(id_flag).expect("clap requires one")) {
+                Ok(id) => CtlRequest::Recover { id },
+                Err(code) => return code,
+            }
         }
-        Command::List { id } => CtlRequest::List { id },
-        Command::Resize { id, size, allow_shrink } => {
-            CtlRequest::Resize { id, size_bytes: size, allow_shrink }
-        }
-        Command::Upgrade { id, all: _ } => return cmd_upgrade(&cli.socket, id),
+        Command::List { id } => match resolve_opt(&cli.socket, id) {
+            Ok(id) => CtlRequest::List { id },
+            Err(code) => return code,
+        },
+        Command::Resize { id, size, allow_shrink } => match resolve(&cli.socket, id) {
+            Ok(id) => CtlRequest::Resize { id, size_bytes: size, allow_shrink },
+            Err(code) => return code,
+        },
+        Command::Upgrade { id, all: _ } => match resolve_opt(&cli.socket, id) {
+            Ok(id) => return cmd_upgrade(&cli.socket, id),
+            Err(code) => return code,
+        },
         Command::Shutdown { force } => {
             let request = if force { CtlRequest::ShutdownForce } else { CtlRequest::Shutdown };
             return match call(&cli.socket, &request) {
@@ -94,6 +115,10 @@ fn main() -> ExitCode {
             };
         }
         Command::Metrics { id } => {
+            let id = match resolve_opt(&cli.socket, id) {
+                Ok(id) => id,
+                Err(code) => return code,
+            };
             return match call(&cli.socket, &CtlRequest::Metrics { id }) {
                 Ok(CtlResponse::Metrics(devs)) => {
                     print!("{}", metrics::render(&devs, Format::OpenMetrics));
@@ -104,6 +129,10 @@ fn main() -> ExitCode {
             };
         }
         Command::Status { id, json } => {
+            let id = match resolve_opt(&cli.socket, id) {
+                Ok(id) => id,
+                Err(code) => return code,
+            };
             return match call(&cli.socket, &CtlRequest::Status { id }) {
                 Ok(CtlResponse::Status(devs)) => {
                     if json {
@@ -119,7 +148,9 @@ fn main() -> ExitCode {
         }
     };
     match call(&cli.socket, &request) {
-        Ok(CtlResponse::Added { id }) => println!("{id}"),
+        // The disk, which is what the operator uses next (`mkfs`, `mount`); scripts take
+        // the id from its end.
+        Ok(CtlResponse::Added { id }) => println!("/dev/ublkb{id}"),
         Ok(CtlResponse::Deleted { ids }) => {
             for id in ids {
                 eprintln!("deleted device {id}");
@@ -155,6 +186,35 @@ fn wait_for_exit(socket: &Path) -> ExitCode {
 /// The daemon runs elsewhere: relative paths are made absolute here.
 fn absolute(path: &Path) -> Result<PathBuf, String> {
     std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The id of the device `dev` names: an id as it is, a name looked up in ublkd's
+/// status (one request more; names live in ublkd, which keeps them unique).
+fn resolve(socket: &Path, dev: DevRef) -> Result<u32, ExitCode> {
+    let name = match dev {
+        DevRef::Id(id) => return Ok(id),
+        DevRef::Name(name) => name,
+    };
+    match call(socket, &CtlRequest::Status { id: None })? {
+        CtlResponse::Status(devs) => {
+            if let Some(dev) = devs.iter().find(|d| d.name.as_deref() == Some(name.as_str())) {
+                return Ok(dev.id);
+            }
+            let mut names: Vec<&str> = devs.iter().filter_map(|d| d.name.as_deref()).collect();
+            names.sort_unstable();
+            let known = if names.is_empty() {
+                "ublkd has no named device".to_string()
+            } else {
+                format!("ublkd's names are {}", names.join(", "))
+            };
+            Err(fail(exit::FAILURE, &format!("no device is named {name:?}: {known}")))
+        }
+        other => Err(unexpected(other)),
+    }
+}
+
+fn resolve_opt(socket: &Path, dev: Option<DevRef>) -> Result<Option<u32>, ExitCode> {
+    dev.map(|dev| resolve(socket, dev)).transpose()
 }
 
 /// Sends one request and returns the response, or the exit code of a failure (after

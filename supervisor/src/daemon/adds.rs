@@ -65,7 +65,7 @@ pub(super) enum AddFor {
     Client(Token),
     /// A device a reload found in the config file (as the file describes it), counted
     /// in the reload's outcome.
-    Reload(DeviceSpec),
+    Reload(Box<DeviceSpec>),
 }
 
 /// How many times an add is begun before a lost worker fails it: a client asked for
@@ -264,7 +264,7 @@ impl Daemon {
                 };
                 self.control.respond(token, &response, Instant::now());
             }
-            AddFor::Reload(spec) => self.reload_add_done(spec, outcome),
+            AddFor::Reload(spec) => self.reload_add_done(*spec, outcome),
         }
     }
 
@@ -327,6 +327,9 @@ impl Daemon {
                     note: None,
                     failing_io: false,
                     latency: Default::default(),
+                    name: spec.attrs.name.clone(),
+                    read_only: handlers::read_only(spec, false),
+                    backing: handlers::backing(spec),
                 })
             })
             .collect()

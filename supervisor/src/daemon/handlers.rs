@@ -3,7 +3,7 @@
 //! parsed, checked and answered against the daemon's devices.
 
 use ublkd_config::{
-    DeviceSettings, DeviceSpec, NbdUri, RbdImage, RbdSpec, TargetSpec, check_ceph_id,
+    DeviceAttrs, DeviceSettings, DeviceSpec, NbdUri, RbdImage, RbdSpec, TargetSpec, check_ceph_id,
 };
 use ublkd_proto::msg::{
     AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
@@ -89,6 +89,9 @@ impl Daemon {
         {
             return Err(format!("device {id} already exists"));
         }
+        if let Some(taken) = self.name_taken(&spec) {
+            return Err(format!("--name: {taken}"));
+        }
         match &spec.target {
             TargetSpec::Loop { file, .. } => {
                 let in_use = specs
@@ -119,6 +122,26 @@ impl Daemon {
             TargetSpec::Rbd(_) | TargetSpec::Null | TargetSpec::Memory => {}
         }
         Ok(spec)
+    }
+
+    /// Why `spec`'s name cannot be had, if another device (or an add under way) has it:
+    /// for `ublkctl add`, and for the config file's devices, which the config's own
+    /// check keeps unique only among themselves.
+    pub(super) fn name_taken(&self, spec: &DeviceSpec) -> Option<String> {
+        let name = spec.attrs.name.as_ref()?;
+        let pending = self.pending_adds.iter().map(|p| &p.spec);
+        let mut specs = self.devices.values().map(Device::spec).chain(pending);
+        let other = specs.find(|s| s.attrs.name.as_ref() == Some(name))?;
+        Some(match other.id {
+            Some(id) => format!(
+                "{name:?} is already the name of device {id} (/dev/ublkb{id}); give each \
+                 device its own name"
+            ),
+            None => format!(
+                "{name:?} is already the name of a device being added; give each device \
+                 its own name"
+            ),
+        })
     }
 
     /// `ublkctl del` (`id`: one device, else every one) and `shutdown`: the devices
@@ -314,6 +337,9 @@ impl Daemon {
             note: dev.status_note(),
             failing_io: dev.state().failing_io(),
             latency: latency.merged(),
+            name: dev.spec().attrs.name.clone(),
+            read_only: read_only(dev.spec(), dev.export_read_only()),
+            backing: backing(dev.spec()),
         })
     }
 
@@ -439,9 +465,32 @@ pub fn spec_from_request(
                 .as_deref()
                 .map_or(defaults.sandbox_optional, LayerSet::of),
         },
+        attrs: DeviceAttrs {
+            name: add.name.clone(),
+            read_only: add.read_only,
+            partitions: add.partitions,
+        },
     };
     spec.validate().map_err(|e| flag_error(&e))?;
     Ok(spec)
+}
+
+/// Whether `spec`'s disk is read-only: asked for, an rbd snapshot, or an nbd export
+/// its server said was (`export_read_only`).
+pub(super) fn read_only(spec: &DeviceSpec, export_read_only: bool) -> bool {
+    spec.attrs.read_only
+        || export_read_only
+        || matches!(&spec.target, TargetSpec::Rbd(rbd) if rbd.image.snapshot.is_some())
+}
+
+/// What backs `spec`'s device, as status shows it (see `DevStatus::backing`).
+pub(super) fn backing(spec: &DeviceSpec) -> Option<String> {
+    match &spec.target {
+        TargetSpec::Loop { file, .. } => Some(file.display().to_string()),
+        TargetSpec::Nbd { uri, .. } => Some(uri.to_string()),
+        TargetSpec::Rbd(rbd) => Some(rbd.image.to_string()),
+        TargetSpec::Null | TargetSpec::Memory => None,
+    }
 }
 
 /// A config-key error restated with the `ublkctl add` flag for that key.
@@ -455,6 +504,8 @@ fn flag_error(e: &ublkd_config::FieldError) -> String {
         "file" => "-f/--file",
         "zero_copy" => "--zero-copy",
         "uri" => "--uri",
+        "name" => "--name",
+        "partitions" => "--partitions",
         other => other,
     };
     format!("{flag}: {}", e.problem)
@@ -495,6 +546,9 @@ mod tests {
             sandbox: None,
             sandbox_optional: None,
             rbd: None,
+            name: None,
+            read_only: false,
+            partitions: false,
         }
     }
 

@@ -202,10 +202,14 @@ impl Daemon {
                 );
                 continue;
             }
+            if let Some(taken) = self.name_taken(&spec) {
+                tracing::error!("reload: configured device {}: name {taken}", describe_spec(&spec));
+                continue;
+            }
             let mut attempts = 1;
             match self.first_add_stage(&spec, &mut attempts) {
                 Ok(stage) => {
-                    let for_whom = AddFor::Reload(spec.clone());
+                    let for_whom = AddFor::Reload(Box::new(spec.clone()));
                     let began = Instant::now();
                     let add = PendingAdd { for_whom, spec, stage, attempts, began };
                     self.pending_adds.push(add);

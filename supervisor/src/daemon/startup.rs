@@ -352,6 +352,17 @@ impl Daemon {
                 self.configured.push((spec.clone(), id));
                 continue;
             }
+            // A device added with `ublkctl add` and adopted may have its name.
+            if let Some(taken) = self.name_taken(&spec) {
+                let error = format!("name {taken}");
+                tracing::error!("configured device {}: {error}", describe_spec(&spec));
+                self.last_event = Some(crate::event::Event::ConfiguredDeviceFailed {
+                    device: describe_spec(&spec),
+                    error,
+                });
+                failed += 1;
+                continue;
+            }
             missing.push(spec);
         }
         for (spec, made) in missing.iter().zip(self.create_all(&missing)) {

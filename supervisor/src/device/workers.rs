@@ -94,6 +94,7 @@ impl Device {
             block_size: self.spec.settings.block_size,
             data_path,
             rbd,
+            read_only: self.spec.attrs.read_only,
         };
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.shm_fd.as_fd()];
         if let Some(fd) = self.target_fd.as_ref().filter(|_| setup.target.target_fds() > 0) {

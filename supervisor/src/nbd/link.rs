@@ -439,6 +439,7 @@ mod tests {
             target: TargetSpec::Nbd { uri: "nbd://127.0.0.1/x".parse().unwrap(), zero_copy },
             size_bytes: 0,
             settings: DeviceSettings { queues: 2, threads, ..DeviceSettings::default() },
+            attrs: Default::default(),
         }
     }
 

@@ -29,6 +29,14 @@ pub fn block_dev(id: u32) -> PathBuf {
     PathBuf::from(format!("/dev/ublkb{id}"))
 }
 
+/// The id of the device `ublkctl add` printed as `out` (its disk, `/dev/ublkbN`).
+pub fn added_id(out: &str) -> u32 {
+    let text = out.trim();
+    text.strip_prefix("/dev/ublkb")
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("`ublkctl add` printed {text:?}, not /dev/ublkbN"))
+}
+
 /// Waits (at most 10 s) for `path` to appear: devtmpfs creates nodes asynchronously.
 pub fn wait_for_path(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(10);

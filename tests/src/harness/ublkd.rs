@@ -335,8 +335,7 @@ impl Ublkd {
         let mut full = vec!["add"];
         full.extend_from_slice(args);
         let out = self.ctl_ok(&full);
-        let id: u32 =
-            out.trim().parse().unwrap_or_else(|e| panic!("`ublkctl add` printed {out:?}: {e}"));
+        let id = super::machine::added_id(&out);
         wait_for_path(&block_dev(id));
         id
     }

@@ -15,6 +15,7 @@ mod memory;
 mod nbd;
 mod null;
 pub mod rbd;
+mod read_only;
 mod request;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -28,6 +29,7 @@ pub use memory::MemoryTarget;
 pub use nbd::NbdTarget;
 pub use null::NullTarget;
 pub use rbd::RbdTarget;
+pub use read_only::ReadOnlyTarget;
 pub use request::{Bounds, IoReq, Reply};
 
 /// Index of the target's file in each ring's registered files (1 is `/dev/ublkcN`).
@@ -177,7 +179,7 @@ pub fn build(setup: &WorkerSetup, mut fds: Vec<OwnedFd>) -> Result<Box<dyn Targe
         };
         return Err(TargetError::Fds { target, want, got: fds.len() });
     }
-    Ok(match setup.target {
+    let target: Box<dyn Target> = match setup.target {
         TargetSetup::Null => Box::new(NullTarget),
         TargetSetup::Memory => Box::new(MemoryTarget::new(fds.remove(0), size)?),
         TargetSetup::Loop => Box::new(LoopTarget::new(fds.remove(0), size)?),
@@ -189,5 +191,11 @@ pub fn build(setup: &WorkerSetup, mut fds: Vec<OwnedFd>) -> Result<Box<dyn Targe
             let rbd = setup.rbd.as_ref().ok_or(TargetError::NoRbdSetup)?;
             Box::new(RbdTarget::new(rbd, size, setup.nr_threads)?)
         }
+    };
+    // `fail-io` fails every request anyway.
+    Ok(if setup.read_only && setup.target != TargetSetup::FailIo {
+        Box::new(ReadOnlyTarget::new(target))
+    } else {
+        target
     })
 }
