@@ -247,8 +247,14 @@ mod tests {
 
         let memory = spec("target = \"memory\"\nsize = \"1G\"");
         let mut bigger = memory.clone();
-        bigger.size_bytes *= 2;
-        // `ublkctl resize` changes a device's size, not which device it is.
+        (bigger.id, bigger.size_bytes) = (Some(5), bigger.size_bytes * 2);
+        // `ublkctl resize` changes a device's size, not which device it is: made again
+        // it would be a second one.
         assert!(made_from(&bigger, &memory), "a resized device is its configured one");
+        // Under the id the config gives, it is adopted either way; a size the config
+        // does not give is said to differ from it.
+        let mut with_id = memory.clone();
+        with_id.id = Some(5);
+        assert!(!made_from(&bigger, &with_id), "a size other than the config's differs");
     }
 }

@@ -15,23 +15,27 @@ pub(super) const NEVER_STARTED_GRACE: Duration = Duration::from_secs(2);
 /// `config`: the same, but for what ublkd decides at creation where the config leaves
 /// it open: the id if none is given, a loop device's zero copy, an nbd device's size and
 /// block size (its export's) and its zero copy left unset (which is copying), an rbd
-/// device's size (its image's); and any device's size, which `ublkctl resize` may have
-/// changed since (a resized device is still the configured one: made again, it would be
-/// a second device, or be refused its loop file).
+/// device's size (its image's); and, where the config gives no id, any device's size,
+/// which `ublkctl resize` may have changed since (made again, a resized device would be
+/// a second one beside it, or be refused its loop file). Where the config gives the id,
+/// a size other than the config's is a device that differs from it: it is adopted and
+/// serves on as it is, and the journal says so (`create_configured`).
 pub(super) fn made_from(made: &DeviceSpec, config: &DeviceSpec) -> bool {
     let mut made = made.clone();
     if config.id.is_none() {
         made.id = None;
+        made.size_bytes = config.size_bytes;
     }
-    made.size_bytes = config.size_bytes;
     match (&mut made.target, &config.target) {
         (TargetSpec::Loop { zero_copy, .. }, TargetSpec::Loop { zero_copy: None, .. }) => {
             *zero_copy = None;
         }
+        (TargetSpec::Rbd(_), TargetSpec::Rbd(_)) => made.size_bytes = config.size_bytes,
         (TargetSpec::Nbd { zero_copy, .. }, TargetSpec::Nbd { zero_copy: unset, .. }) => {
             if unset.is_none() && *zero_copy == Some(false) {
                 *zero_copy = None;
             }
+            made.size_bytes = config.size_bytes;
             if made.settings.block_size >= config.settings.block_size {
                 made.settings.block_size = config.settings.block_size;
             }
