@@ -590,7 +590,7 @@ fn install_package() {
         );
         run_ok(Command::new("bash").args(["-c", &script])).trim().to_string()
     };
-    assert_eq!(complete("ublkctl re", 1, "re", "ublkctl"), "recover", "`ublkctl re<TAB>`");
+    assert_eq!(complete("ublkctl re", 1, "re", "ublkctl"), "recover resize", "`ublkctl re<TAB>`");
     assert_eq!(complete("ublkctl add -t ''", 3, "", "-t"), "null memory loop nbd rbd");
     let conffiles = run_ok(Command::new("dpkg-query").args(["-W", "-f=${Conffiles}", "ublkd"]));
     assert!(conffiles.contains(CONFIG), "{CONFIG} is not a conffile: {conffiles:?}");
