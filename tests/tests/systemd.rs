@@ -471,7 +471,7 @@ fn readme_tour() {
         let out = run_ok(Command::new("sh").args(["-c", &command]));
         match line {
             l if l.starts_with("ublkctl add ") => {
-                assert_eq!(out.trim(), "0", "the tour's first device is not device 0")
+                assert_eq!(out.trim(), "/dev/ublkb0", "the tour's first device is not device 0")
             }
             "ublkctl status" => assert!(out.contains("LIVE"), "{out}"),
             l if l.starts_with("kill -9") => {
