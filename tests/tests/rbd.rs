@@ -17,14 +17,12 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use ublkd_proto::ctrl::CtrlClient;
 use ublkd_tests::harness::ceph::{CLIENT_ID, Cluster, LoDelay, osd_ports, tcp_connections};
-use ublkd_tests::harness::chaos::{self, SetOnDrop};
+use ublkd_tests::harness::chaos::{self, BackgroundPasses};
 use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial, worker_pids};
 use ublkd_tests::harness::process::{describe, hooked_worker, run, run_ok, signal};
 use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file, write_files};
@@ -368,12 +366,7 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     let node = block_dev(id);
     chaos::prefill(&node, region);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let _stop_on_drop = SetOnDrop(Arc::clone(&stop));
-    let fio = {
-        let (node, stop) = (node.clone(), Arc::clone(&stop));
-        std::thread::spawn(move || chaos::randrw_passes(&node, region, 0x7b0, &stop))
-    };
+    let fio = BackgroundPasses::start(&node, region, 0x7b0);
     let mut events = Vec::new();
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     events.push(format!("worker {} killed", ublkd.kill_worker(id)));
@@ -402,11 +395,7 @@ fn fio_verify_survives_worker_kills_an_osd_restart_and_a_ublkd_restart() {
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     events.push(format!("worker {} killed", ublkd.kill_worker(id)));
     chaos::wait_for_io(&ublkd.ctl, &[id]);
-    stop.store(true, Ordering::SeqCst);
-    let passes = fio
-        .join()
-        .expect("the fio thread")
-        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let passes = fio.finish().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     chaos::verify_region(&node, region)
         .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     let dev = ublkd.status_of(id);
@@ -462,12 +451,7 @@ fn the_whole_cluster_away_holds_io_past_the_hang_limit_and_says_why() {
     let node = block_dev(id);
     chaos::prefill(&node, region);
     let worker = ublkd.worker_pid(id);
-    let stop = Arc::new(AtomicBool::new(false));
-    let _stop_on_drop = SetOnDrop(Arc::clone(&stop));
-    let fio = {
-        let (node, stop) = (node.clone(), Arc::clone(&stop));
-        std::thread::spawn(move || chaos::randrw_passes(&node, region, 0xa3a, &stop))
-    };
+    let fio = BackgroundPasses::start(&node, region, 0xa3a);
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     let mut note = None;
     let away = Instant::now();
@@ -485,11 +469,7 @@ fn the_whole_cluster_away_holds_io_past_the_hang_limit_and_says_why() {
     let note = note.unwrap_or_else(|| panic!("status never said why no I/O completed"));
     assert!(note.contains("waits for the Ceph cluster (image rbd/away)"), "{note}");
     chaos::wait_for_io(&ublkd.ctl, &[id]);
-    stop.store(true, Ordering::SeqCst);
-    let passes = fio
-        .join()
-        .expect("the fio thread")
-        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let passes = fio.finish().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     chaos::verify_region(&node, region)
         .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
     let dev = ublkd.status_of(id);
@@ -886,12 +866,7 @@ fn a_configured_device_comes_back_after_a_power_loss() {
     });
     let node = block_dev(id);
     chaos::prefill(&node, region);
-    let stop = Arc::new(AtomicBool::new(false));
-    let _stop_on_drop = SetOnDrop(Arc::clone(&stop));
-    let fio = {
-        let (node, stop) = (node.clone(), Arc::clone(&stop));
-        std::thread::spawn(move || chaos::randrw_passes(&node, region, 0x90e, &stop))
-    };
+    let fio = BackgroundPasses::start(&node, region, 0x90e);
     chaos::wait_for_io(&ublkd.ctl, &[id]);
     let dead_owners = cluster.lock_owners(image);
     assert_eq!(dead_owners.len(), 1, "the serving worker holds the lock: {dead_owners:?}");
@@ -908,8 +883,8 @@ fn a_configured_device_comes_back_after_a_power_loss() {
         let _ = ctrl.stop_dev(dev);
         ctrl.del_dev(dev).unwrap_or_else(|e| panic!("deleting ublk device {dev}: {e}"));
     }
-    stop.store(true, Ordering::SeqCst);
-    let _ = fio.join().expect("the fio thread");
+    // Its I/O failed with the devices: what the passes say is of no interest.
+    let _ = fio.finish();
     std::fs::remove_dir_all("/run/ublkd-test-rbd-powerloss").expect("wiping ublkd's /run");
     assert_eq!(cluster.lock_owners(image), dead_owners, "the dead client's lock is left");
     // The reboot outlasts the dead clients' watches.

@@ -101,6 +101,29 @@ impl Drop for SetOnDrop {
     }
 }
 
+/// [`randrw_passes`] on a thread of its own, stopped by [`Self::finish`] (or when
+/// dropped, also while a panic unwinds).
+#[derive(Debug)]
+pub struct BackgroundPasses {
+    stop: SetOnDrop,
+    thread: std::thread::JoinHandle<Result<Vec<FioJob>, String>>,
+}
+
+impl BackgroundPasses {
+    pub fn start(dev: &Path, region: u64, seed: u64) -> BackgroundPasses {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (dev, flag) = (dev.to_path_buf(), Arc::clone(&stop));
+        let thread = std::thread::spawn(move || randrw_passes(&dev, region, seed, &flag));
+        BackgroundPasses { stop: SetOnDrop(stop), thread }
+    }
+
+    /// Ends the passes after the one under way; the passes, or the first failure.
+    pub fn finish(self) -> Result<Vec<FioJob>, String> {
+        self.stop.0.store(true, Ordering::SeqCst);
+        self.thread.join().expect("the fio thread")
+    }
+}
+
 /// Every write carries a crc32c header per 4 KiB (`verify_interval`), so any 4 KiB of
 /// the region can be checked on its own later: magic, length, offset, checksum.
 const VERIFY: [&str; 4] =
