@@ -1,8 +1,9 @@
 //! `read_only`: a device's target behind a gate that completes every request that
-//! would change data with `EROFS`, so that it never reaches the backend. The kernel
-//! refuses writes to a disk made with `UBLK_ATTR_READ_ONLY` already; the worker does
-//! not rely on that (a root process may clear a disk's read-only flag with
-//! `blockdev --setrw`, and the worker trusts nothing but its own setup).
+//! would change data with `EROFS`, so that it never reaches the backend. A disk made
+//! with `UBLK_ATTR_READ_ONLY` refuses to be opened for writing, but that is all the
+//! kernel does: a write that reaches the block layer anyway (the flag cleared with
+//! `blockdev --setrw` by root) is only warned about, not failed. So the worker enforces
+//! it itself, trusting nothing but its own setup.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
