@@ -1,9 +1,9 @@
 //! `read_only`: a device's target behind a gate that completes every request that
-//! would change data with `EROFS`, so that it never reaches the backend. A disk made
-//! with `UBLK_ATTR_READ_ONLY` refuses to be opened for writing, but that is all the
-//! kernel does: a write that reaches the block layer anyway (the flag cleared with
-//! `blockdev --setrw` by root) is only warned about, not failed. So the worker enforces
-//! it itself, trusting nothing but its own setup.
+//! would change data with `EROFS`, so that it never reaches the backend. The kernel
+//! marks a disk made with `UBLK_ATTR_READ_ONLY` read-only, but a write that reaches
+//! the block layer anyway (the flag cleared with `blockdev --setrw` by root) is only
+//! warned about, not failed (as measured for issue 45). So the worker enforces it
+//! itself, trusting nothing but its own setup.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
