@@ -4,7 +4,10 @@ import os
 import tempfile
 import unittest
 
-from timings import TestClock, report
+import io
+import json
+
+from timings import FileSteps, TestClock, executables, report
 
 
 class TestClockTest(unittest.TestCase):
@@ -25,6 +28,37 @@ class TestClockTest(unittest.TestCase):
         clock = TestClock()
         self.assertIsNone(clock.line("test result: ok. 3 passed; 0 failed", 1.0))
         self.assertIsNone(clock.line("test early ... ok", 2.0))
+
+
+class FileStepsTest(unittest.TestCase):
+    def test_each_file_of_a_boot_is_a_step_from_its_marker_to_the_next(self):
+        files = FileSteps(100.0)
+        self.assertIsNone(files.line("running 3 tests\n", 101.0))
+        # The boot counts to the first file.
+        self.assertEqual(files.line("[vm-boot] file 7 chaos\n", 108.0), ("7 chaos", None))
+        self.assertEqual(
+            files.line("[vm-boot] file 7 nbd (2 of its tests)\n", 150.4),
+            ("7 nbd", "step\t50\tVM 7: chaos.rs\n"),
+        )
+        self.assertEqual(files.finish(160.0), "step\t10\tVM 7: nbd.rs (2 of its tests)\n")
+
+    def test_no_marker_no_step(self):
+        files = FileSteps(0.0)
+        self.assertIsNone(files.line("test a ... ok", 1.0))
+        self.assertIsNone(files.finish(2.0))
+
+
+class ExecutablesTest(unittest.TestCase):
+    def test_only_test_targets_with_an_executable(self):
+        lines = [
+            {"reason": "compiler-artifact", "target": {"name": "nbd", "kind": ["test"]},
+             "executable": "/t/deps/nbd-1"},
+            {"reason": "compiler-artifact", "target": {"name": "tests", "kind": ["lib"]},
+             "executable": None},
+            {"reason": "build-finished", "success": True},
+        ]
+        stream = io.StringIO("\n".join(json.dumps(m) for m in lines) + "\nnot json\n")
+        self.assertEqual(executables(stream), [("nbd", "/t/deps/nbd-1")])
 
 
 class ReportTest(unittest.TestCase):
