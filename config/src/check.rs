@@ -13,17 +13,18 @@ use ublkd_proto::msg::LayerSet;
 
 use crate::daemon::check_user_name;
 use crate::device::{
-    DeviceAttrs, backing_file_metadata, check_absolute, check_block_size_wide, check_device_id,
-    in_range, parse_sandbox_optional,
+    DeviceAttrs, backing_file_metadata, check_absolute, check_device_id, in_range,
+    parse_sandbox_optional,
 };
 use crate::locate::{self, KeyPath};
+use crate::overrides::Overrides;
 use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRecovery, RawTarget};
 use crate::{
     Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
     DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_METRICS_INTERVAL_SECS,
-    MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_QUEUE_DEPTH, MAX_QUEUES, MAX_SIZE_BYTES,
-    MAX_SOCKET_PATH_BYTES, MAX_THREADS, MAX_WORKER_READY_TIMEOUT_SECS, NbdUri, RbdImage, RbdSpec,
-    RecoveryConfig, TargetSpec, check_ceph_id, parse_size,
+    MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES,
+    MAX_WORKER_READY_TIMEOUT_SECS, NbdUri, RbdImage, RbdSpec, RecoveryConfig, TargetSpec,
+    check_ceph_id, parse_size,
 };
 
 /// Checks config `text`; `origin` names it in messages. See [`Config::parse`].
@@ -559,53 +560,5 @@ impl Checker<'_> {
             }
         }
         Ok(())
-    }
-}
-
-/// The per-device settings a `[[device]]` or `[defaults]` table may set, as written.
-#[derive(Debug, Clone, Copy)]
-struct Overrides {
-    queues: Option<i128>,
-    queue_depth: Option<i128>,
-    block_size: Option<i128>,
-    threads: Option<i128>,
-    sandbox: Option<bool>,
-    sandbox_optional: Option<LayerSet>,
-}
-
-impl Overrides {
-    /// `base` with every set value replaced, each checked against its own limit.
-    fn apply(&self, base: &DeviceSettings) -> Result<DeviceSettings, FieldError> {
-        Ok(DeviceSettings {
-            queues: match self.queues {
-                Some(v) => in_range("queues", v, 1, MAX_QUEUES)?,
-                None => base.queues,
-            },
-            queue_depth: match self.queue_depth {
-                Some(v) => in_range("queue_depth", v, 1, MAX_QUEUE_DEPTH)?,
-                None => base.queue_depth,
-            },
-            block_size: match self.block_size {
-                Some(v) => check_block_size_wide(v)?,
-                None => base.block_size,
-            },
-            threads: match self.threads {
-                Some(v) => in_range("threads", v, 1, MAX_THREADS)?,
-                None => base.threads,
-            },
-            sandbox: self.sandbox.unwrap_or(base.sandbox),
-            sandbox_optional: self.sandbox_optional.unwrap_or(base.sandbox_optional),
-        })
-    }
-
-    /// Whether `field` was left to `[defaults]`.
-    fn inherits(&self, field: &str) -> bool {
-        match field {
-            "queues" => self.queues.is_none(),
-            "queue_depth" => self.queue_depth.is_none(),
-            "block_size" => self.block_size.is_none(),
-            "threads" => self.threads.is_none(),
-            _ => false,
-        }
     }
 }

@@ -31,6 +31,7 @@ mod device;
 mod error;
 mod locate;
 mod nbd_uri;
+mod overrides;
 mod raw;
 mod rbd;
 mod recovery;
