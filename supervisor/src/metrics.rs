@@ -55,64 +55,63 @@ impl Kind {
 struct Family {
     name: &'static str,
     kind: Kind,
-    unit: Option<&'static str>,
     help: &'static str,
 }
 
-const INFO: Family = Family {
-    name: "ublkd_device_info",
-    kind: Kind::Gauge,
-    unit: None,
-    help: "A device ublkd serves, with its target and ublkd's state of it (always 1).",
-};
-const IO: Family = Family {
-    name: "ublkd_device_io",
-    kind: Kind::Counter,
-    unit: None,
-    help: "Requests the device's workers completed, by operation.",
-};
-const BYTES: Family = Family {
-    name: "ublkd_device_io_bytes",
-    kind: Kind::Counter,
-    unit: Some("bytes"),
-    help: "Bytes read or written by the device's successful requests.",
-};
-const ERRORS: Family = Family {
-    name: "ublkd_device_io_errors",
-    kind: Kind::Counter,
-    unit: None,
-    help: "Requests completed with an error.",
-};
-const INFLIGHT: Family = Family {
-    name: "ublkd_device_inflight",
-    kind: Kind::Gauge,
-    unit: None,
-    help: "Requests waiting at the device's backend, as of the workers' last loop turns.",
-};
-const RECOVERIES: Family = Family {
-    name: "ublkd_device_recoveries",
-    kind: Kind::Counter,
-    unit: None,
-    help: "Recoveries of the device onto a new worker since ublkd started.",
-};
-const LAST_STALL: Family = Family {
-    name: "ublkd_device_last_stall_seconds",
-    kind: Kind::Gauge,
-    unit: Some("seconds"),
-    help: "The last recovery's I/O stall, from the worker's death seen to LIVE.",
-};
-const RESTARTS: Family = Family {
-    name: "ublkd_device_worker_restarts",
-    kind: Kind::Counter,
-    unit: None,
-    help: "Times the device's serving worker exited or was killed as hung since ublkd started.",
-};
-const LATENCY: Family = Family {
-    name: "ublkd_device_io_latency_seconds",
-    kind: Kind::Histogram,
-    unit: Some("seconds"),
-    help: "Time from a request's FETCH to its COMMIT in the worker, by operation.",
-};
+impl Family {
+    const fn counter(name: &'static str, help: &'static str) -> Self {
+        Family { name, kind: Kind::Counter, help }
+    }
+
+    const fn gauge(name: &'static str, help: &'static str) -> Self {
+        Family { name, kind: Kind::Gauge, help }
+    }
+
+    const fn histogram(name: &'static str, help: &'static str) -> Self {
+        Family { name, kind: Kind::Histogram, help }
+    }
+
+    /// The family's unit: OpenMetrics wants a unit to end the name, so the name's
+    /// suffix says it.
+    fn unit(&self) -> Option<&'static str> {
+        ["seconds", "bytes"]
+            .into_iter()
+            .find(|unit| self.name.strip_suffix(unit).is_some_and(|stem| stem.ends_with('_')))
+    }
+}
+
+const INFO: Family = Family::gauge(
+    "ublkd_device_info",
+    "A device ublkd serves, with its target and ublkd's state of it (always 1).",
+);
+const IO: Family =
+    Family::counter("ublkd_device_io", "Requests the device's workers completed, by operation.");
+const BYTES: Family = Family::counter(
+    "ublkd_device_io_bytes",
+    "Bytes read or written by the device's successful requests.",
+);
+const ERRORS: Family =
+    Family::counter("ublkd_device_io_errors", "Requests completed with an error.");
+const INFLIGHT: Family = Family::gauge(
+    "ublkd_device_inflight",
+    "Requests waiting at the device's backend, as of the workers' last loop turns.",
+);
+const RECOVERIES: Family = Family::counter(
+    "ublkd_device_recoveries",
+    "Recoveries of the device onto a new worker since ublkd started.",
+);
+const LAST_STALL: Family = Family::gauge(
+    "ublkd_device_last_stall_seconds",
+    "The last recovery's I/O stall, from the worker's death seen to LIVE.",
+);
+const RESTARTS: Family = Family::counter(
+    "ublkd_device_worker_restarts",
+    "Times the device's serving worker exited or was killed as hung since ublkd started.",
+);
+const LATENCY: Family = Family::histogram(
+    "ublkd_device_io_latency_seconds",
+    "Time from a request's FETCH to its COMMIT in the worker, by operation.",
+);
 
 /// One number of a device, if it has one, as sample text.
 type DeviceValue = fn(&DevMetrics) -> Option<String>;
@@ -191,7 +190,7 @@ impl Out {
         };
         let _ = writeln!(self.text, "# HELP {name} {}", f.help);
         let _ = writeln!(self.text, "# TYPE {name} {}", f.kind.name());
-        if let (Format::OpenMetrics, Some(unit)) = (self.format, f.unit) {
+        if let (Format::OpenMetrics, Some(unit)) = (self.format, f.unit()) {
             let _ = writeln!(self.text, "# UNIT {name} {unit}");
         }
     }
