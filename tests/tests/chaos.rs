@@ -42,6 +42,8 @@ const VICTIM_SIZE: u64 = 64 * MIB;
 const BYSTANDER_SIZE: u64 = 64 * MIB;
 /// How long the bystander's solo baseline runs.
 const BASELINE_SECS: u64 = 5;
+/// A bound on the bystander's fio during the strikes, which stop it.
+const BYSTANDER_CAP_SECS: u64 = 600;
 
 /// Worker SIGKILLs per target, and SIGSTOPs (each costs the 1 s hung timeout more).
 const KILLS: usize = 20;
@@ -178,12 +180,13 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
 
     // Act: fio on both devices; once their I/O flows, the strikes.
     let victim_fio = spawn_passes(&victim, VICTIM_SIZE, seed, &stop);
-    // The bystander runs within the strikes: they last at least the sum of the pauses.
-    let chaos_secs = (pauses.iter().sum::<Duration>().as_secs_f64() * 0.8) as u64;
-    let bystander_fio = bystander.as_ref().map(|b| {
-        let args = timed_randrw_args(&b.dev(), BYSTANDER_SIZE, chaos_secs);
-        std::thread::spawn(move || Fio::run(args).map(|job| (job, Instant::now())))
-    });
+    // The bystander serves through every strike: it is stopped once they are over (a
+    // run timed to the pauses ended before the third strike on a loaded host, where
+    // each strike waits for its I/O). The runtime is a bound only.
+    let bystander_from = Instant::now();
+    let bystander_fio = bystander
+        .as_ref()
+        .map(|b| Fio::spawn(timed_randrw_args(&b.dev(), BYSTANDER_SIZE, BYSTANDER_CAP_SECS)));
     let watch = bystander.as_ref().map(|b| b.id);
     wait_for_io(&daemon.ctl, &[victim.id].into_iter().chain(watch).collect::<Vec<_>>());
     let setup = started.elapsed();
@@ -193,7 +196,14 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
     // A failed fio is the likelier story of a strike that failed: joined first.
     let passes = joined(victim_fio, "fio on the struck device");
     let hits = struck.unwrap_or_else(|e| panic!("{name}: {e}"));
-    let during = bystander_fio.map(|t| joined(t, "fio on the bystander"));
+    let during = bystander_fio.map(|fio| {
+        let ended = Instant::now();
+        let jobs = fio.interrupt().unwrap_or_else(|e| panic!("fio on the bystander: {e}"));
+        match <[FioJob; 1]>::try_from(jobs) {
+            Ok([job]) => (job, ended),
+            Err(jobs) => panic!("fio on the bystander: expected one job, got {jobs:?}"),
+        }
+    });
     let draining = started.elapsed() - setup - striking;
 
     // Assert: one recovery per hit, nothing else; the data verifies.
@@ -238,9 +248,10 @@ fn chaos(target: Target, blow: Blow, strikes: usize, default_seed: u64) {
         let (of_solo, while_recovering) = (during.iops / solo, recovering / between);
         println!(
             "{name}: bystander IOPS alone {solo:.0}, during the strikes {:.0} \
-             ({chaos_secs} s): {of_solo:.2} of alone; {recovering:.0} while its \
+             ({:.1} s): {of_solo:.2} of alone; {recovering:.0} while its \
              neighbour recovered, {between:.0} between the recoveries: {while_recovering:.2}",
-            during.iops
+            during.iops,
+            ended.duration_since(bystander_from).as_secs_f64()
         );
         assert!(of_solo >= MIN_BYSTANDER_OF_SOLO, "the bystander fell to {of_solo:.2} of solo");
         assert!(
