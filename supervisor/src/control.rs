@@ -25,7 +25,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use ublkd_proto::codec::MAX_MESSAGE_BYTES;
-use ublkd_proto::msg::{self, CtlRequest, CtlResponse, MsgError};
+use ublkd_proto::msg::{self, CtlRequest, CtlResponse, ErrorKind, Failure, MsgError};
 
 /// How long a client may take to send its whole request.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
@@ -64,6 +64,11 @@ struct Conn {
     /// When the current phase must be over.
     deadline: Instant,
     opened: Instant,
+    /// The client asked for errors with their kind ([`CtlRequest::WithKinds`]).
+    kinds: bool,
+    /// Why the client may not command ublkd, if so: its request is read (to learn how
+    /// it takes errors) and answered with this, never handed to the daemon.
+    refused: Option<String>,
 }
 
 /// What one step of a connection left it as.
@@ -139,7 +144,11 @@ impl ControlServer {
     pub fn respond(&mut self, token: Token, response: &CtlResponse, now: Instant) {
         let Some(at) = self.conns.iter().position(|c| c.token == token) else { return };
         let conn = &mut self.conns[at];
-        conn.answer(response, now);
+        if conn.kinds {
+            conn.answer(response, now);
+        } else {
+            conn.answer(&response.clone().without_kind(), now);
+        }
         if let Step::Done = conn.write() {
             self.conns.remove(at);
         }
@@ -175,21 +184,18 @@ impl ControlServer {
             }
             let token = Token(self.next_token);
             self.next_token += 1;
+            let refused = peer_allowed(&stream).err();
             let mut conn = Conn {
                 token,
                 stream,
                 phase: Phase::Reading(Vec::new()),
                 deadline: now + REQUEST_DEADLINE,
                 opened: now,
+                kinds: false,
+                refused,
             };
-            let step = match peer_allowed(&conn.stream) {
-                Err(message) => {
-                    conn.answer(&CtlResponse::Error { message }, now);
-                    conn.write()
-                }
-                // The client usually sent its request along with the connect.
-                Ok(()) => conn.step(now, requests),
-            };
+            // The client usually sent its request along with the connect.
+            let step = conn.step(now, requests);
             if let Step::Open = step {
                 self.conns.push(conn);
             }
@@ -204,6 +210,20 @@ impl Conn {
             Phase::Reading(buf) => match read_request(&mut self.stream, buf) {
                 Ok(None) => Step::Open,
                 Ok(Some(req)) => {
+                    let req = match req {
+                        CtlRequest::WithKinds(inner) => {
+                            self.kinds = true;
+                            *inner
+                        }
+                        req => req,
+                    };
+                    if let Some(message) = self.refused.take() {
+                        let failure = Failure::new(ErrorKind::PermissionDenied, message);
+                        let response = CtlResponse::from(failure);
+                        let response = if self.kinds { response } else { response.without_kind() };
+                        self.answer(&response, now);
+                        return self.write();
+                    }
                     self.phase = Phase::Handling;
                     requests.push((self.token, req));
                     Step::Open
