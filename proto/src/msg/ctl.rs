@@ -137,6 +137,11 @@ pub enum CtlRequest {
     /// older ublkd cannot decode this request and answers `Error` (nothing done); the
     /// client then sends the request bare.
     WithKinds(Box<CtlRequest>),
+    /// `ublkd --check-config FILE`: what a reload would do were `config` (an absolute
+    /// path, read by ublkd) its config file, doing nothing.
+    ReloadPlan {
+        config: PathBuf,
+    },
 }
 
 /// What kind of failure an error answer is, for `ublkctl`'s exit code. Decided where
@@ -374,6 +379,18 @@ pub enum CtlResponse {
     Failed {
         kind: ErrorKind,
         message: String,
+    },
+    /// What a reload to the config of [`CtlRequest::ReloadPlan`] would do, each device
+    /// described in a line.
+    ReloadPlan {
+        /// The config file ublkd reloads (`None`: it runs without one, and a reload
+        /// changes nothing).
+        reloads: Option<PathBuf>,
+        add: Vec<String>,
+        change: Vec<String>,
+        remove: Vec<String>,
+        /// What else a reload says (settings applied only at a restart).
+        notes: Vec<String>,
     },
 }
 

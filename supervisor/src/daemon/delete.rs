@@ -375,7 +375,10 @@ mod tests {
              in process 7 (dd) (free them, or delete with --force)"
         );
         let response = response(Vec::new(), kept.to_vec(), Request::All, Vec::new());
-        assert!(matches!(response, CtlResponse::Error { .. }), "{response:?}");
+        assert!(
+            matches!(response, CtlResponse::Failed { kind: ErrorKind::Busy, .. }),
+            "{response:?}"
+        );
     }
 
     #[test]

@@ -30,6 +30,7 @@ impl Daemon {
             | CtlRequest::Upgrade { .. }
             | CtlRequest::Resize { .. } => Err("this request is answered by the loop".into()),
             // The control server unwraps it; one inside another is no request.
+            CtlRequest::ReloadPlan { config } => self.reload_plan_answer(&config),
             CtlRequest::WithKinds(_) => {
                 Err(Failure::new(ErrorKind::BadArgument, "bad request: a request wrapped twice"))
             }
