@@ -59,30 +59,39 @@ fn each_failure_exits_with_its_own_code() {
     let mem = ublkd.add(&["-t", "memory", "-s", "64M"]);
     let dev = block_dev(mem);
     run_ok(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&dev));
-    let mount = Mount::new(&dev, Path::new("/mnt/conv-busy"));
+    let mount = Mount::new(&dev, Path::new("/tmp/conv-busy"));
     let said = exits(&ublkd, &["del", "-n", &mem.to_string()], 11);
     assert!(said.contains("in use"), "{said}");
     assert_eq!(ublkd.status_of(mem)["state"], "LIVE");
     mount.umount();
     ublkd.del(mem);
 
-    // 5: permission denied, for a user who is not root.
-    let out = run(
-        Command::new(bin("ublkctl"))
-            .arg("--socket")
-            .arg(&ublkd.ctl.socket)
-            .arg("status")
-            .uid(65534)
-            .gid(65534)
-            .groups(&[]),
-    );
+    // 5: permission denied, for a user who is not root (nobody, no groups).
+    let mut as_nobody = Command::new(bin("ublkctl"));
+    as_nobody.arg("--socket").arg(&ublkd.ctl.socket).arg("status");
+    // SAFETY: between fork and exec the child calls only setgroups, setgid and setuid
+    // (async-signal-safe), dropping its own root before it runs ublkctl.
+    unsafe {
+        as_nobody.pre_exec(|| {
+            let nobody = 65534;
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(nobody) != 0
+                || libc::setuid(nobody) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+    let out = run(&mut as_nobody);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(5), "ublkctl as nobody: {stderr}");
 
     let socket = ublkd.ctl.socket.clone();
     ublkd.stop();
     // 8: ublkd not reachable; 2 still for a bad argument, checked before connecting.
-    let ctl = |args: &[&str]| run(Command::new(bin("ublkctl")).arg("--socket").arg(&socket).args(args));
+    let ctl =
+        |args: &[&str]| run(Command::new(bin("ublkctl")).arg("--socket").arg(&socket).args(args));
     let out = ctl(&["status"]);
     assert_eq!(out.status.code(), Some(8), "{}", String::from_utf8_lossy(&out.stderr));
     let out = ctl(&["add", "-t", "rbd"]);
@@ -157,7 +166,8 @@ fn json_ok(ublkd: &Ublkd, args: &[&str]) -> String {
 fn every_command_prints_the_json_docs_json_md_documents() {
     let _serial = serial();
     let ublkd = Ublkd::start("conv-json");
-    let added = follows_schema("`ublkctl add`", &json_ok(&ublkd, &["add", "-t", "null", "-s", "16M"]));
+    let added =
+        follows_schema("`ublkctl add`", &json_ok(&ublkd, &["add", "-t", "null", "-s", "16M"]));
     let id = added["id"].as_u64().unwrap() as u32;
     assert_eq!(added["disk"], format!("/dev/ublkb{id}"));
     let ids = id.to_string();
@@ -203,11 +213,8 @@ fn every_command_prints_the_json_docs_json_md_documents() {
 /// `ublkd --check-config ARGS…`: its exit code and stdout and stderr together.
 fn check_config(path: &Path) -> (Option<i32>, String) {
     let out = run(Command::new(bin("ublkd")).arg("--check-config").arg(path));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.code(), text)
 }
 
@@ -218,8 +225,11 @@ fn check_config_lists_what_a_reload_of_the_running_ublkd_would_do() {
         format!("\n[[device]]\nid = {id}\ntarget = \"memory\"\nsize = \"{size}\"\n")
     };
     let kept = device(20, "16M");
-    let ublkd =
-        Ublkd::start_with("conv-check", &format!("{kept}{}{}", device(21, "16M"), device(22, "16M")), &[]);
+    let ublkd = Ublkd::start_with(
+        "conv-check",
+        &format!("{kept}{}{}", device(21, "16M"), device(22, "16M")),
+        &[],
+    );
     let config = ublkd.config_path().to_path_buf();
     let (code, said) = check_config(&config);
     assert_eq!(code, Some(0), "{said}");
@@ -227,10 +237,15 @@ fn check_config_lists_what_a_reload_of_the_running_ublkd_would_do() {
     assert!(said.contains("change no device"), "{said}");
 
     // A file that keeps 20, changes 21's size, drops 22 and adds 23.
-    let header: String =
-        std::fs::read_to_string(&config).unwrap().lines().take(3).map(|l| format!("{l}\n")).collect();
+    let header: String = std::fs::read_to_string(&config)
+        .unwrap()
+        .lines()
+        .take(3)
+        .map(|l| format!("{l}\n"))
+        .collect();
     let next = Path::new("/tmp/conv-check-next.toml");
-    std::fs::write(next, format!("{header}{kept}{}{}", device(21, "32M"), device(23, "16M"))).unwrap();
+    std::fs::write(next, format!("{header}{kept}{}{}", device(21, "32M"), device(23, "16M")))
+        .unwrap();
     let (code, said) = check_config(next);
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("reloads /tmp/ublkd-test-conv-check.toml, not this file"), "{said}");
@@ -244,7 +259,8 @@ fn check_config_lists_what_a_reload_of_the_running_ublkd_would_do() {
 
     // An error, named with its line: exit 6, as ublkd's start would.
     let bad = Path::new("/tmp/conv-check-bad.toml");
-    std::fs::write(bad, format!("{header}\n[[device]]\ntarget = \"memory\"\nsize = 1000\n")).unwrap();
+    std::fs::write(bad, format!("{header}\n[[device]]\ntarget = \"memory\"\nsize = 1000\n"))
+        .unwrap();
     let (code, said) = check_config(bad);
     assert_eq!(code, Some(6), "{said}");
     assert!(said.contains("device[0].size") && said.contains("line 7"), "{said}");
