@@ -221,10 +221,15 @@ fn wait_for_exit(socket: &Path) -> ExitCode {
 
 /// `add`'s arguments checked here, before ublkd is asked, by the very code ublkd runs
 /// (`spec_from_request`, the config file's checks). ublkd fills what the command line
-/// leaves out from its config's defaults, which ublkctl does not read: the settings
-/// here are the most lenient any config can give (every bound at its widest), so that
-/// only what no config makes right is refused; ublkd checks the rest.
+/// leaves out from its config's defaults, which ublkctl does not read: a request is
+/// refused here only if it also fails with the most lenient settings any config can
+/// give (every bound at its widest), so that only what no config makes right is
+/// refused; ublkd checks the rest. The message is that of the built-in defaults (what
+/// most ublkds run with), whose numbers (a block size of 4096) an operator expects.
 fn check_add(add: &AddRequest) -> Result<(), String> {
+    let Err(message) = spec_from_request(add, &DeviceSettings::default()) else {
+        return Ok(());
+    };
     let lenient = DeviceSettings {
         queues: MAX_QUEUES,
         queue_depth: MAX_QUEUE_DEPTH,
@@ -232,7 +237,10 @@ fn check_add(add: &AddRequest) -> Result<(), String> {
         threads: 1,
         ..DeviceSettings::default()
     };
-    spec_from_request(add, &lenient).map(drop)
+    match spec_from_request(add, &lenient) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(message),
+    }
 }
 
 /// The daemon runs elsewhere: relative paths are made absolute here.
