@@ -21,8 +21,8 @@ mod frame;
 pub mod rbd;
 mod worker;
 pub use ctl::{
-    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, RbdAdd, SandboxStatus,
-    TargetKind, UpgradeOutcome,
+    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, ErrorKind, Failure,
+    RbdAdd, SandboxStatus, TargetKind, UpgradeOutcome,
 };
 pub use data_path::DataPath;
 pub use frame::{read_frame, read_response, write_frame, write_response};

@@ -26,8 +26,14 @@ reloads the config file (`systemctl reload ublkd`): devices added to it are crea
 are deleted, a file with errors is rejected whole.";
 
 const UBLKCTL_AFTER_HELP: &str = "\
-Exit status: 0 success, 1 failure, 2 usage, 3 no ublk driver, 5 permission denied, \
-8 ublkd is not reachable.
+Exit status: 0 success, 1 failure, 2 usage or a bad argument, 3 no ublk driver, 4 not \
+supported by this kernel, 5 permission denied, 8 ublkd is not reachable, 9 no such device, \
+10 already exists (an id, name, file, export or image another device has), 11 busy (the \
+device is in use).
+
+JSON: with --json every command prints one JSON object on stdout, with a \"schema\" \
+version; an error is one JSON object on stderr, {\"schema\":1,\"error\":{\"kind\":…,\
+\"message\":…}}, with the same exit status (docs/json.md).
 
 Environment: UBLKD_SOCKET: the control socket (default /run/ublkd/ublkd.sock).";
 
@@ -46,6 +52,12 @@ pub struct UblkdCli {
     /// Only check that this kernel's ublk driver has every feature ublkd needs, then exit.
     #[arg(long)]
     pub check_kernel: bool,
+
+    /// Only check the config file (FILE, else --config's, else the default path) as a
+    /// start or a reload reads it, then exit (6 if it is bad); with a ublkd running
+    /// (its socket answers), list what a reload would add, change and delete.
+    #[arg(long, value_name = "FILE", num_args = 0..=1)]
+    pub check_config: Option<Option<PathBuf>>,
 
     /// More logging (-v: debug, -vv: trace); UBLKD_LOG or RUST_LOG override.
     #[arg(short, long, action = clap::ArgAction::Count)]
@@ -70,6 +82,11 @@ pub struct UblkctlCli {
     /// More logging (-v: debug, -vv: trace); UBLKD_LOG or RUST_LOG override.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
+
+    /// Print one JSON object (its schema versioned, see docs/json.md), errors too (on
+    /// stderr).
+    #[arg(long, global = true)]
+    pub json: bool,
 
     #[command(subcommand)]
     pub command: UblkctlCommand,
@@ -217,9 +234,6 @@ pub enum UblkctlCommand {
         /// Only this device (its id or name).
         #[arg(short = 'n', long = "id", value_name = "ID|NAME")]
         id: Option<DevRef>,
-        /// One JSON object: {"devices":[…]}.
-        #[arg(long)]
-        json: bool,
     },
     /// Every device's I/O counters, errors, in-flight requests, recoveries, worker
     /// restarts and latency histograms (per operation, time at the backend in the
@@ -295,11 +309,7 @@ pub enum UblkctlCommand {
     },
     /// List the ublk features this kernel supports, one per line (no daemon needed),
     /// and on stderr the data path its devices get: "batched (BATCH_IO)" or "per-I/O".
-    Features {
-        /// Print one JSON object: {"mask":"0x…","features":[…],"data_path":"…"}.
-        #[arg(long)]
-        json: bool,
-    },
+    Features,
 }
 
 /// A device as `-n` names it: all digits is an id, anything else a name (a name is

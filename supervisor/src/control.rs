@@ -25,7 +25,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use ublkd_proto::codec::MAX_MESSAGE_BYTES;
-use ublkd_proto::msg::{self, CtlRequest, CtlResponse, MsgError};
+use ublkd_proto::msg::{self, CtlRequest, CtlResponse, ErrorKind, Failure, MsgError};
 
 /// How long a client may take to send its whole request.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
@@ -64,6 +64,11 @@ struct Conn {
     /// When the current phase must be over.
     deadline: Instant,
     opened: Instant,
+    /// The client asked for errors with their kind ([`CtlRequest::WithKinds`]).
+    kinds: bool,
+    /// Why the client may not command ublkd, if so: its request is read (to learn how
+    /// it takes errors) and answered with this, never handed to the daemon.
+    refused: Option<String>,
 }
 
 /// What one step of a connection left it as.
@@ -175,21 +180,18 @@ impl ControlServer {
             }
             let token = Token(self.next_token);
             self.next_token += 1;
+            let refused = peer_allowed(&stream).err();
             let mut conn = Conn {
                 token,
                 stream,
                 phase: Phase::Reading(Vec::new()),
                 deadline: now + REQUEST_DEADLINE,
                 opened: now,
+                kinds: false,
+                refused,
             };
-            let step = match peer_allowed(&conn.stream) {
-                Err(message) => {
-                    conn.answer(&CtlResponse::Error { message }, now);
-                    conn.write()
-                }
-                // The client usually sent its request along with the connect.
-                Ok(()) => conn.step(now, requests),
-            };
+            // The client usually sent its request along with the connect.
+            let step = conn.step(now, requests);
             if let Step::Open = step {
                 self.conns.push(conn);
             }
@@ -204,6 +206,18 @@ impl Conn {
             Phase::Reading(buf) => match read_request(&mut self.stream, buf) {
                 Ok(None) => Step::Open,
                 Ok(Some(req)) => {
+                    let req = match req {
+                        CtlRequest::WithKinds(inner) => {
+                            self.kinds = true;
+                            *inner
+                        }
+                        req => req,
+                    };
+                    if let Some(message) = self.refused.take() {
+                        let failure = Failure::new(ErrorKind::PermissionDenied, message);
+                        self.answer(&CtlResponse::from(failure), now);
+                        return self.write();
+                    }
                     self.phase = Phase::Handling;
                     requests.push((self.token, req));
                     Step::Open
@@ -223,17 +237,32 @@ impl Conn {
         }
     }
 
-    /// Queues `response` to be written.
+    /// Queues `response` to be written, its error in the form the client takes.
     fn answer(&mut self, response: &CtlResponse, now: Instant) {
         let mut frame = Vec::new();
-        if let Err(e) = msg::write_response(&mut frame, response) {
+        if let Err(e) = msg::write_response(&mut frame, &self.for_client(response.clone())) {
             frame.clear();
             let message = format!("ublkd cannot send its answer: {e}");
             // An error message this short always encodes.
-            let _ = msg::write_response(&mut frame, &CtlResponse::Error { message });
+            let error = self.for_client(CtlResponse::Error { message });
+            let _ = msg::write_response(&mut frame, &error);
         }
         self.phase = Phase::Writing { frame, sent: 0 };
         self.deadline = now + RESPONSE_DEADLINE;
+    }
+
+    /// `response` as this client decodes it. A client that asked for kinds never gets a
+    /// bare `Error`, which it takes for an older ublkd's refusal of a request it could
+    /// not decode, and sends the request again: an error without a kind is `Other`.
+    /// Any other client never gets `Failed`, which it cannot decode.
+    fn for_client(&self, response: CtlResponse) -> CtlResponse {
+        match response {
+            CtlResponse::Error { message } if self.kinds => {
+                Failure::new(ErrorKind::Other, message).into()
+            }
+            response if self.kinds => response,
+            response => response.without_kind(),
+        }
     }
 
     /// Writes as much of the response as the socket takes now.
@@ -422,6 +451,48 @@ mod tests {
         turn(&mut server, t0 + REQUEST_DEADLINE);
         assert_eq!(server.conns.len(), 0, "kept past its deadline");
         drop(silent);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn each_client_gets_errors_in_the_form_it_asked_for() {
+        let (mut server, dir) = server("kinds");
+        let path = dir.join("sock");
+        let t0 = Instant::now();
+        let asks = |busy: bool| {
+            let inner = CtlRequest::Del { id: Some(2) };
+            let (old, new) = (inner.clone(), CtlRequest::WithKinds(Box::new(inner)));
+            let mut old_client = UnixStream::connect(&path).unwrap();
+            let mut new_client = UnixStream::connect(&path).unwrap();
+            old_client.write_all(&frame(&old)).unwrap();
+            new_client.write_all(&frame(&new)).unwrap();
+            (old_client, new_client, busy)
+        };
+        for busy in [true, false] {
+            let (mut old_client, mut new_client, busy) = asks(busy);
+            let requests = turn(&mut server, t0);
+            assert_eq!(requests.len(), 2);
+            for (token, request) in &requests {
+                // The daemon sees the request unwrapped.
+                assert_eq!(request, &CtlRequest::Del { id: Some(2) });
+                let answer = if busy {
+                    Failure::new(ErrorKind::Busy, "device 2 is in use").into()
+                } else {
+                    CtlResponse::Error { message: "delete failed".into() }
+                };
+                server.respond(*token, &answer, t0);
+            }
+            let (message, kind) = if busy {
+                ("device 2 is in use", ErrorKind::Busy)
+            } else {
+                ("delete failed", ErrorKind::Other)
+            };
+            let old = msg::read_response(&mut old_client).unwrap();
+            assert_eq!(old, CtlResponse::Error { message: message.into() });
+            // Never a bare Error, which the client would take for an older ublkd's.
+            let new = msg::read_response(&mut new_client).unwrap();
+            assert_eq!(new, CtlResponse::Failed { kind, message: message.into() });
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

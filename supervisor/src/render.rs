@@ -1,7 +1,10 @@
-//! `ublkctl`'s output: the exact formats scripts and the kernel selftests parse.
+//! `ublkctl`'s output: the exact formats scripts and the kernel selftests parse, and
+//! under `--json` one object per command, each with [`SCHEMA`] (docs/json.md is their
+//! contract: a field is added, never renamed or removed, within a schema version).
 
 use serde::Serialize;
-use ublkd_proto::msg::{DevListing, DevStatus};
+use serde_json::json;
+use ublkd_proto::msg::{DevListing, DevMetrics, DevStatus, UpgradeOutcome};
 use ublkd_proto::shm::LatencySnapshot;
 
 use crate::metrics::{Quantile, quantile};
@@ -23,8 +26,12 @@ pub fn listing(dev: &DevListing) -> String {
     )
 }
 
+/// The version of every `--json` object's schema, in its `"schema"` field.
+pub const SCHEMA: u32 = 1;
+
 #[derive(Serialize)]
 struct StatusJson<'a> {
+    schema: u32,
     devices: Vec<DeviceJson<'a>>,
 }
 
@@ -134,7 +141,100 @@ pub fn status_json(devs: &[DevStatus]) -> String {
             backing: d.backing.as_deref(),
         })
         .collect();
-    serde_json::to_string(&StatusJson { devices }).expect("plain data always serializes")
+    serde_json::to_string(&StatusJson { schema: SCHEMA, devices })
+        .expect("plain data always serializes")
+}
+
+/// `ublkctl add --json`.
+pub fn added_json(id: u32) -> String {
+    json!({"schema": SCHEMA, "id": id, "disk": format!("/dev/ublkb{id}")}).to_string()
+}
+
+/// `ublkctl del --json` and `shutdown --json`: the devices deleted.
+pub fn deleted_json(ids: &[u32]) -> String {
+    json!({"schema": SCHEMA, "deleted": ids}).to_string()
+}
+
+/// `ublkctl list --json`: the fields of [`listing`]'s two lines.
+pub fn listing_json(devs: &[DevListing]) -> String {
+    let devices: Vec<_> = devs
+        .iter()
+        .map(|d| {
+            json!({
+                "id": d.id,
+                "nr_hw_queues": d.nr_hw_queues,
+                "queue_depth": d.queue_depth,
+                "block_size": d.block_size,
+                "dev_capacity_sectors": d.dev_capacity,
+                "max_rq_size": d.max_rq_size,
+                "daemon_pid": d.daemon_pid,
+                "flags": d.flags,
+                "state": d.state,
+            })
+        })
+        .collect();
+    json!({"schema": SCHEMA, "devices": devices}).to_string()
+}
+
+/// `ublkctl recover --json` and `resize --json` (`size_bytes` for resize only).
+pub fn done_json(id: u32, size_bytes: Option<u64>, message: &str) -> String {
+    let mut v = json!({"schema": SCHEMA, "id": id, "message": message});
+    if let Some(size) = size_bytes {
+        v["size_bytes"] = size.into();
+    }
+    v.to_string()
+}
+
+/// `ublkctl upgrade --json`: every device's outcome, those that failed too.
+pub fn upgraded_json(outcomes: &[UpgradeOutcome]) -> String {
+    let devices: Vec<_> = outcomes
+        .iter()
+        .map(|o| json!({"id": o.id, "upgraded": o.upgraded, "message": o.message}))
+        .collect();
+    json!({"schema": SCHEMA, "devices": devices}).to_string()
+}
+
+/// `ublkctl metrics --json`: the counters of the OpenMetrics text, without the
+/// latency histograms (those are for Prometheus).
+pub fn metrics_json(devs: &[DevMetrics]) -> String {
+    let devices: Vec<_> = devs
+        .iter()
+        .map(|d| {
+            let c = &d.counters;
+            json!({
+                "id": d.id,
+                "state": d.state,
+                "target": d.target,
+                "reads": c.reads,
+                "writes": c.writes,
+                "flushes": c.flushes,
+                "discards": c.discards,
+                "write_zeroes": c.write_zeroes,
+                "bytes_read": c.bytes_read,
+                "bytes_written": c.bytes_written,
+                "errors": c.errors,
+                "inflight": d.inflight,
+                "recoveries": d.recoveries,
+                "last_stall_ms": d.last_stall_ms,
+                "worker_restarts": d.worker_restarts,
+            })
+        })
+        .collect();
+    json!({"schema": SCHEMA, "devices": devices}).to_string()
+}
+
+/// `ublkctl features --json`: the kernel's feature mask, names and data path.
+pub fn features_json(mask: u64) -> String {
+    let mut v: serde_json::Value = serde_json::from_str(&crate::features::render_json(mask))
+        .expect("features' JSON is an object");
+    v["schema"] = SCHEMA.into();
+    v.to_string()
+}
+
+/// An error under `--json` (on stderr): its kind (`ErrorKind::name`, or
+/// `exit::kind_name` for ublkctl's own) and message.
+pub fn error_json(kind: &str, message: &str) -> String {
+    json!({"schema": SCHEMA, "error": {"kind": kind, "message": message}}).to_string()
 }
 
 /// `ublkctl status`: one line per device for people.
@@ -245,6 +345,7 @@ mod tests {
         let d = a_device();
         let v: serde_json::Value = serde_json::from_str(&status_json(&[d])).unwrap();
         let dev = &v["devices"][0];
+        assert_eq!(v["schema"], SCHEMA);
         assert_eq!(dev["id"], 1);
         assert_eq!(dev["state"], "LIVE");
         assert_eq!(dev["target"], "loop");

@@ -461,7 +461,7 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     assert!(live.contains("nothing to recover"), "{live}");
     let out = daemon.ctl.run(&["recover", "77"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert_eq!(out.status.code(), Some(9), "no such device: {}", describe(&out));
     assert!(out.stdout.is_empty(), "{}", describe(&out));
     assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
     assert!(stderr.starts_with("ublkctl: ") && stderr.contains("77"), "{stderr:?}");

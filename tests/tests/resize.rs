@@ -185,6 +185,10 @@ fn resize_is_refused_where_the_kernel_lacks_update_size() {
     } else {
         let said = refused(&ublkd, &["resize", "-n", &id.to_string(), "-s", "32M"]);
         assert!(said.contains("has no UBLK_F_UPDATE_SIZE (Linux 6.16+)"), "{said}");
+        assert_eq!(
+            ublkd.ctl(&["resize", "-n", &id.to_string(), "-s", "32M"]).status.code(),
+            Some(4)
+        );
         assert!(said.contains("nothing was changed"), "{said}");
         assert_eq!(disk_size(id), 16 * MIB);
         assert_eq!(ublkd.status_of(id)["size_bytes"], 16 * MIB);

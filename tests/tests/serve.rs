@@ -530,15 +530,16 @@ fn assert_one_line_error(out: &std::process::Output, code: i32, needle: &str) ->
 fn bad_requests_fail_with_one_line_and_leave_nothing_behind() {
     let _serial = serial();
     let ublkd = Ublkd::start("bad-input");
-    let cases: [(&[&str], &str); 4] = [
-        (&["add", "-t", "loop", "-f", "/nonexistent"], "/nonexistent"),
-        (&["add", "-t", "memory"], "size"),
-        (&["add", "-t", "memory", "-s", "1000"], "multiple of"),
-        (&["del", "-n", "99"], "99"),
+    // Exit 2: a bad argument; 9: no such device.
+    let cases: [(&[&str], &str, i32); 4] = [
+        (&["add", "-t", "loop", "-f", "/nonexistent"], "/nonexistent", 2),
+        (&["add", "-t", "memory"], "size", 2),
+        (&["add", "-t", "memory", "-s", "1000"], "multiple of", 2),
+        (&["del", "-n", "99"], "99", 9),
     ];
-    for (args, needle) in cases {
+    for (args, needle, code) in cases {
         let out = ublkd.ctl(args);
-        let line = assert_one_line_error(&out, 1, needle);
+        let line = assert_one_line_error(&out, code, needle);
         println!("ublkctl {}: {line}", args.join(" "));
         assert_eq!(ublk_nodes(), Default::default(), "ublkctl {}", args.join(" "));
         assert_eq!(kernel_devices(), Default::default(), "ublkctl {}", args.join(" "));
@@ -559,10 +560,16 @@ fn status_without_a_running_ublkd_exits_8_saying_it_is_unreachable() {
     let socket = ublkd.ctl.socket.clone();
     ublkd.stop();
 
-    for args in [&["status"][..], &["status", "--json"]] {
-        let out =
-            run(Command::new(process::bin("ublkctl")).arg("--socket").arg(&socket).args(args));
-        let line = assert_one_line_error(&out, 8, "cannot reach ublkd");
-        assert!(line.contains(socket.to_str().unwrap()), "the socket is not named: {line}");
-    }
+    let ublkctl = |args: &[&str]| {
+        run(Command::new(process::bin("ublkctl")).arg("--socket").arg(&socket).args(args))
+    };
+    let line = assert_one_line_error(&ublkctl(&["status"]), 8, "cannot reach ublkd");
+    assert!(line.contains(socket.to_str().unwrap()), "the socket is not named: {line}");
+    // Under --json the one line is a JSON object (docs/json.md), the exit code the same.
+    let out = ublkctl(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(8), "{}", process::describe(&out));
+    let error: serde_json::Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(error["error"]["kind"], "ublkd_unreachable", "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains(socket.to_str().unwrap()), "the socket is not named: {message}");
 }

@@ -131,6 +131,113 @@ pub enum CtlRequest {
         size_bytes: u64,
         allow_shrink: bool,
     },
+    /// The request inside, from a client that reads [`CtlResponse::Failed`]: ublkd
+    /// answers its errors so, with their [`ErrorKind`], where it answers another
+    /// client's with [`CtlResponse::Error`] (which is all an older client decodes). An
+    /// older ublkd cannot decode this request and answers `Error` (nothing done); the
+    /// client then sends the request bare.
+    WithKinds(Box<CtlRequest>),
+    /// `ublkd --check-config FILE`: what a reload would do were `config` (an absolute
+    /// path, read by ublkd) its config file, doing nothing.
+    ReloadPlan {
+        config: PathBuf,
+    },
+}
+
+/// What kind of failure an error answer is, for `ublkctl`'s exit code. Decided where
+/// the error is made (the error enums), never from a message's text. On the wire it is
+/// its [`name`](Self::name), so that a kind added later reaches an older client as
+/// [`ErrorKind::Other`] rather than failing the whole answer's decoding.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// None of the others; also what a kind added by a newer ublkd decodes as.
+    #[default]
+    Other,
+    /// No device has the id (or name) the request gives.
+    NoSuchDevice,
+    /// The id, name, file, export or image the request gives is another device's.
+    AlreadyExists,
+    /// The device is in use (mounted, held, open) and the request would take it away.
+    Busy,
+    /// The running kernel lacks what the request needs.
+    NotSupported,
+    /// The request's arguments are wrong (the same checks as the config file's).
+    BadArgument,
+    /// The client may not command ublkd.
+    PermissionDenied,
+}
+
+impl ErrorKind {
+    /// The kind's name in `ublkctl`'s JSON (`docs/json.md`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Other => "other",
+            ErrorKind::NoSuchDevice => "no_such_device",
+            ErrorKind::AlreadyExists => "already_exists",
+            ErrorKind::Busy => "busy",
+            ErrorKind::NotSupported => "not_supported",
+            ErrorKind::BadArgument => "bad_argument",
+            ErrorKind::PermissionDenied => "permission_denied",
+        }
+    }
+
+    /// The kind named `name`; [`ErrorKind::Other`] for a name not known here.
+    pub fn from_name(name: &str) -> ErrorKind {
+        const ALL: [ErrorKind; 6] = [
+            ErrorKind::NoSuchDevice,
+            ErrorKind::AlreadyExists,
+            ErrorKind::Busy,
+            ErrorKind::NotSupported,
+            ErrorKind::BadArgument,
+            ErrorKind::PermissionDenied,
+        ];
+        ALL.into_iter().find(|k| k.name() == name).unwrap_or(ErrorKind::Other)
+    }
+}
+
+impl Serialize for ErrorKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for ErrorKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ErrorKind, D::Error> {
+        let name = String::deserialize(d)?;
+        Ok(ErrorKind::from_name(&name))
+    }
+}
+
+/// A refused or failed request: its kind and what to tell the operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Failure {
+        Failure { kind, message: message.into() }
+    }
+}
+
+/// A message alone is a failure of no particular kind.
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure { kind: ErrorKind::Other, message }
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Failure {
+        Failure::from(message.to_string())
+    }
+}
+
+impl From<Failure> for CtlResponse {
+    fn from(f: Failure) -> CtlResponse {
+        CtlResponse::Failed { kind: f.kind, message: f.message }
+    }
 }
 
 /// What `ublkctl upgrade` did to one device.
@@ -267,4 +374,75 @@ pub enum CtlResponse {
         size_bytes: u64,
         message: String,
     },
+    /// [`Self::Error`] with its kind: sent only to a client that asked for it
+    /// ([`CtlRequest::WithKinds`]).
+    Failed {
+        kind: ErrorKind,
+        message: String,
+    },
+    /// What a reload to the config of [`CtlRequest::ReloadPlan`] would do, each device
+    /// described in a line.
+    ReloadPlan {
+        /// The config file ublkd reloads (`None`: it runs without one, and a reload
+        /// changes nothing).
+        reloads: Option<PathBuf>,
+        add: Vec<String>,
+        change: Vec<String>,
+        remove: Vec<String>,
+        /// What else a reload says (settings applied only at a restart).
+        notes: Vec<String>,
+    },
+}
+
+impl CtlResponse {
+    /// The answer as a client that did not ask for kinds decodes it: a
+    /// [`Self::Failed`] becomes [`Self::Error`].
+    pub fn without_kind(self) -> CtlResponse {
+        match self {
+            CtlResponse::Failed { message, .. } => CtlResponse::Error { message },
+            other => other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec;
+
+    #[test]
+    fn an_error_with_its_kind_reaches_old_and_new_clients() {
+        let failed = CtlResponse::from(Failure::new(ErrorKind::Busy, "device 0 is mounted"));
+        let bytes = codec::encode(&failed).unwrap();
+        assert_eq!(codec::decode::<CtlResponse>(&bytes).unwrap(), failed);
+        // What an older client gets: the `Error` it always knew (variant 6).
+        let old = codec::encode(&failed.without_kind()).unwrap();
+        assert_eq!(old[0], 6);
+        assert_eq!(
+            codec::decode::<CtlResponse>(&old).unwrap(),
+            CtlResponse::Error { message: "device 0 is mounted".into() }
+        );
+    }
+
+    #[test]
+    fn a_kind_from_a_newer_ublkd_decodes_as_other() {
+        let bytes =
+            codec::encode(&CtlResponse::Failed { kind: ErrorKind::Busy, message: "x".into() })
+                .unwrap();
+        // The variant (9), then the kind by its name: "busy", 4 bytes.
+        assert_eq!(&bytes[..6], &[9, 4, b'b', b'u', b's', b'y']);
+        let mut bytes = bytes;
+        bytes.splice(1..6, [5, b'w', b'e', b'i', b'r', b'd']);
+        let decoded = codec::decode::<CtlResponse>(&bytes).unwrap();
+        assert_eq!(decoded, CtlResponse::Failed { kind: ErrorKind::Other, message: "x".into() });
+    }
+
+    #[test]
+    fn a_wrapped_request_is_one_an_older_ublkd_refuses_whole() {
+        let req = CtlRequest::WithKinds(Box::new(CtlRequest::Del { id: Some(4) }));
+        let bytes = codec::encode(&req).unwrap();
+        // A variant after every one an older ublkd knows, so it fails to decode there.
+        assert_eq!(bytes[0], 11);
+        assert_eq!(codec::decode::<CtlRequest>(&bytes).unwrap(), req);
+    }
 }

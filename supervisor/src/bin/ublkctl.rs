@@ -3,14 +3,26 @@
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
+use ublkd_config::{DeviceSettings, MAX_QUEUE_DEPTH, MAX_QUEUES, MIN_BLOCK_SIZE};
 use ublkd_proto::ctrl::{CtrlClient, CtrlError};
-use ublkd_proto::msg::{self, AddRequest, CtlRequest, CtlResponse, DataPath, RbdAdd, TargetKind};
+use ublkd_proto::msg::{
+    self, AddRequest, CtlRequest, CtlResponse, DataPath, ErrorKind, RbdAdd, TargetKind,
+};
 use ublkd_supervisor::cli::{DevRef, Target, UblkctlCli, UblkctlCommand as Command};
+use ublkd_supervisor::daemon::spec_from_request;
 use ublkd_supervisor::metrics::{self, Format};
 use ublkd_supervisor::{exit, features, logging, render};
+
+/// `--json`: output and errors as JSON objects (set once, before any output).
+static JSON: AtomicBool = AtomicBool::new(false);
+
+fn json() -> bool {
+    JSON.load(Ordering::Relaxed)
+}
 
 fn main() -> ExitCode {
     // Like any CLI, end quietly when the reader of our output goes away (`| head`).
@@ -18,8 +30,9 @@ fn main() -> ExitCode {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = UblkctlCli::parse();
     logging::init("ublkctl", cli.verbose);
+    JSON.store(cli.json, Ordering::Relaxed);
     let request = match cli.command {
-        Command::Features { json } => return cmd_features(json),
+        Command::Features => return cmd_features(json()),
         Command::Add {
             target,
             file,
@@ -45,13 +58,13 @@ fn main() -> ExitCode {
                 match [file, ceph_conf, keyring].map(|f| f.map(|f| absolute(&f)).transpose()) {
                     [Ok(file), Ok(conf), Ok(keyring)] => [file, conf, keyring],
                     [Err(e), ..] | [_, Err(e), _] | [.., Err(e)] => {
-                        return fail(exit::FAILURE, &e);
+                        return fail(exit::BAD_ARGUMENT, &e);
                     }
                 };
             let any_rbd =
                 image.is_some() || ceph_conf.is_some() || ceph_id.is_some() || keyring.is_some();
             let rbd = any_rbd.then_some(RbdAdd { image, ceph_conf, ceph_id, keyring });
-            CtlRequest::Add(AddRequest {
+            let add = AddRequest {
                 id,
                 target: match target {
                     Target::Null => TargetKind::Null,
@@ -73,7 +86,11 @@ fn main() -> ExitCode {
                 name,
                 read_only,
                 partitions,
-            })
+            };
+            if let Err(e) = check_add(&add) {
+                return fail(exit::BAD_ARGUMENT, &e);
+            }
+            CtlRequest::Add(add)
         }
         // Unforced, the request old daemons know (which delete regardless).
         Command::Del { id, all: _, force } => {
@@ -105,10 +122,15 @@ fn main() -> ExitCode {
             let request = if force { CtlRequest::ShutdownForce } else { CtlRequest::Shutdown };
             return match call(&cli.socket, &request) {
                 Ok(CtlResponse::Deleted { ids }) => {
-                    for id in ids {
-                        eprintln!("deleted device {id}");
+                    let code = wait_for_exit(&cli.socket);
+                    if json() {
+                        println!("{}", render::deleted_json(&ids));
+                    } else {
+                        for id in ids {
+                            eprintln!("deleted device {id}");
+                        }
                     }
-                    wait_for_exit(&cli.socket)
+                    code
                 }
                 Ok(other) => unexpected(other),
                 Err(code) => code,
@@ -121,21 +143,25 @@ fn main() -> ExitCode {
             };
             return match call(&cli.socket, &CtlRequest::Metrics { id }) {
                 Ok(CtlResponse::Metrics(devs)) => {
-                    print!("{}", metrics::render(&devs, Format::OpenMetrics));
+                    if json() {
+                        println!("{}", render::metrics_json(&devs));
+                    } else {
+                        print!("{}", metrics::render(&devs, Format::OpenMetrics));
+                    }
                     ExitCode::SUCCESS
                 }
                 Ok(other) => unexpected(other),
                 Err(code) => code,
             };
         }
-        Command::Status { id, json } => {
+        Command::Status { id } => {
             let id = match resolve_opt(&cli.socket, id) {
                 Ok(id) => id,
                 Err(code) => return code,
             };
             return match call(&cli.socket, &CtlRequest::Status { id }) {
                 Ok(CtlResponse::Status(devs)) => {
-                    if json {
+                    if json() {
                         println!("{}", render::status_json(&devs));
                     } else {
                         print!("{}", render::status_text(&devs));
@@ -147,16 +173,26 @@ fn main() -> ExitCode {
             };
         }
     };
+    let json = json();
     match call(&cli.socket, &request) {
+        Ok(CtlResponse::Added { id }) if json => println!("{}", render::added_json(id)),
         // The disk, which is what the operator uses next (`mkfs`, `mount`); scripts take
         // the id from its end.
         Ok(CtlResponse::Added { id }) => println!("/dev/ublkb{id}"),
+        Ok(CtlResponse::Deleted { ids }) if json => println!("{}", render::deleted_json(&ids)),
         Ok(CtlResponse::Deleted { ids }) => {
             for id in ids {
                 eprintln!("deleted device {id}");
             }
         }
+        Ok(CtlResponse::List(devs)) if json => println!("{}", render::listing_json(&devs)),
         Ok(CtlResponse::List(devs)) => devs.iter().for_each(|d| print!("{}", render::listing(d))),
+        Ok(CtlResponse::Recovered { id, message }) if json => {
+            println!("{}", render::done_json(id, None, &message))
+        }
+        Ok(CtlResponse::Resized { id, size_bytes, message }) if json => {
+            println!("{}", render::done_json(id, Some(size_bytes), &message))
+        }
         Ok(CtlResponse::Recovered { message, .. } | CtlResponse::Resized { message, .. }) => {
             println!("{message}")
         }
@@ -183,6 +219,30 @@ fn wait_for_exit(socket: &Path) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// `add`'s arguments checked here, before ublkd is asked, by the very code ublkd runs
+/// (`spec_from_request`, the config file's checks). ublkd fills what the command line
+/// leaves out from its config's defaults, which ublkctl does not read: a request is
+/// refused here only if it also fails with the most lenient settings any config can
+/// give (every bound at its widest), so that only what no config makes right is
+/// refused; ublkd checks the rest. The message is that of the built-in defaults (what
+/// most ublkds run with), whose numbers (a block size of 4096) an operator expects.
+fn check_add(add: &AddRequest) -> Result<(), String> {
+    let Err(message) = spec_from_request(add, &DeviceSettings::default()) else {
+        return Ok(());
+    };
+    let lenient = DeviceSettings {
+        queues: MAX_QUEUES,
+        queue_depth: MAX_QUEUE_DEPTH,
+        block_size: MIN_BLOCK_SIZE,
+        threads: 1,
+        ..DeviceSettings::default()
+    };
+    match spec_from_request(add, &lenient) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(message),
+    }
+}
+
 /// The daemon runs elsewhere: relative paths are made absolute here.
 fn absolute(path: &Path) -> Result<PathBuf, String> {
     std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
@@ -207,7 +267,7 @@ fn resolve(socket: &Path, dev: DevRef) -> Result<u32, ExitCode> {
             } else {
                 format!("ublkd's names are {}", names.join(", "))
             };
-            Err(fail(exit::FAILURE, &format!("no device is named {name:?}: {known}")))
+            Err(fail(exit::NO_DEVICE, &format!("no device is named {name:?}: {known}")))
         }
         other => Err(unexpected(other)),
     }
@@ -218,24 +278,41 @@ fn resolve_opt(socket: &Path, dev: Option<DevRef>) -> Result<Option<u32>, ExitCo
 }
 
 /// Sends one request and returns the response, or the exit code of a failure (after
-/// printing it).
+/// printing it). The request goes wrapped in [`CtlRequest::WithKinds`], so that an
+/// error comes with its kind (the exit code); an older ublkd, which cannot decode that
+/// and answers a bare `Error` having done nothing, is asked again with the request
+/// bare (its errors exit 1).
 fn call(socket: &Path, req: &CtlRequest) -> Result<CtlResponse, ExitCode> {
+    match exchange(socket, &CtlRequest::WithKinds(Box::new(req.clone())))? {
+        CtlResponse::Error { .. } => match exchange(socket, req)? {
+            CtlResponse::Error { message } => Err(fail(exit::FAILURE, &message)),
+            resp => Ok(resp),
+        },
+        resp => Ok(resp),
+    }
+}
+
+/// One connection: `req` sent, the answer read. A `Failed` answer is the exit code of
+/// its kind; a bare `Error` is returned to [`call`].
+fn exchange(socket: &Path, req: &CtlRequest) -> Result<CtlResponse, ExitCode> {
     let mut stream = UnixStream::connect(socket).map_err(|e| {
-        let hint = match e.kind() {
-            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
-                " (is ublkd running? start it with `ublkd` or `systemctl start ublkd`)"
-            }
-            std::io::ErrorKind::PermissionDenied => " (ublkctl needs root)",
-            _ => "",
+        let (code, hint) = match e.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => (
+                exit::NO_DAEMON,
+                " (is ublkd running? start it with `ublkd` or `systemctl start ublkd`)",
+            ),
+            // ublkd runs: the socket's mode keeps us out.
+            std::io::ErrorKind::PermissionDenied => (exit::PERMISSION, " (ublkctl needs root)"),
+            _ => (exit::NO_DAEMON, ""),
         };
-        fail(exit::NO_DAEMON, &format!("cannot reach ublkd at {}: {e}{hint}", socket.display()))
+        fail(code, &format!("cannot reach ublkd at {}: {e}{hint}", socket.display()))
     })?;
     // Adding a device waits for its worker to PREP every tag; allow for a slow machine.
     let _ = stream.set_read_timeout(Some(Duration::from_secs(120)));
     msg::write_frame(&mut stream, req)
         .map_err(|e| fail(exit::FAILURE, &format!("sending the request: {e}")))?;
     match msg::read_response(&mut stream) {
-        Ok(CtlResponse::Error { message }) => Err(fail(exit::FAILURE, &message)),
+        Ok(CtlResponse::Failed { kind, message }) => Err(fail_kind(kind, &message)),
         Ok(resp) => Ok(resp),
         Err(e) => Err(fail(exit::FAILURE, &format!("reading ublkd's answer: {e}"))),
     }
@@ -255,8 +332,13 @@ fn cmd_upgrade(socket: &Path, id: Option<u32>) -> ExitCode {
         },
     };
     let mut failed = 0;
+    let mut all = Vec::new();
     for id in ids {
         match call(socket, &CtlRequest::Upgrade { id: Some(id) }) {
+            Ok(CtlResponse::Upgraded(outcomes)) if json() => {
+                failed += outcomes.iter().filter(|o| !o.upgraded).count();
+                all.extend(outcomes);
+            }
             Ok(CtlResponse::Upgraded(outcomes)) => {
                 for o in outcomes {
                     if o.upgraded {
@@ -272,6 +354,9 @@ fn cmd_upgrade(socket: &Path, id: Option<u32>) -> ExitCode {
             Err(code) => return code,
         }
     }
+    if json() {
+        println!("{}", render::upgraded_json(&all));
+    }
     if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(exit::FAILURE as u8) }
 }
 
@@ -279,9 +364,24 @@ fn unexpected(resp: CtlResponse) -> ExitCode {
     fail(exit::FAILURE, &format!("ublkd answered with something unexpected: {resp:?}"))
 }
 
+/// Prints the error (under `--json`, one JSON object on stderr) and returns `code`.
 fn fail(code: i32, message: &str) -> ExitCode {
-    eprintln!("ublkctl: {message}");
+    report(exit::kind_name(code), message);
     ExitCode::from(code as u8)
+}
+
+/// [`fail`] for an error answer of ublkd's, with its kind's code.
+fn fail_kind(kind: ErrorKind, message: &str) -> ExitCode {
+    report(kind.name(), message);
+    ExitCode::from(exit::for_kind(kind) as u8)
+}
+
+fn report(kind: &str, message: &str) {
+    if json() {
+        eprintln!("{}", render::error_json(kind, message));
+    } else {
+        eprintln!("ublkctl: {message}");
+    }
 }
 
 fn cmd_features(json: bool) -> ExitCode {
@@ -302,7 +402,7 @@ fn cmd_features(json: bool) -> ExitCode {
         }
     };
     if json {
-        println!("{}", features::render_json(mask));
+        println!("{}", render::features_json(mask));
     } else {
         print!("{}", features::render_text(mask));
         // Beside the list, not in it: stdout stays one feature name per line.

@@ -119,7 +119,7 @@ impl Daemon {
     pub(super) fn begin_add(&mut self, token: Token, add: &AddRequest) -> Option<CtlResponse> {
         let spec = match self.check_add(add) {
             Ok(spec) => spec,
-            Err(e) => return Some(CtlResponse::Error { message: e }),
+            Err(failure) => return Some(failure.into()),
         };
         let mut attempts = 1;
         match self.first_add_stage(&spec, &mut attempts) {
@@ -345,7 +345,7 @@ impl Daemon {
                 self.pending_recovers.push(PendingRecover { token, id, deadline });
                 None
             }
-            Err(message) => Some(CtlResponse::Error { message }),
+            Err(failure) => Some(failure.into()),
         }
     }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use ublkd_proto::ctrl::CtrlClient;
-use ublkd_proto::msg::CtlResponse;
+use ublkd_proto::msg::{CtlResponse, ErrorKind, Failure};
 
 use super::Daemon;
 use super::underway::{Standing, Underway, Wake, for_so_far};
@@ -283,7 +283,9 @@ fn response(
     deleted.extend(given_up);
     deleted.sort_unstable();
     if !kept.is_empty() {
-        return CtlResponse::Error { message: refused(&kept, &deleted, &failed, request) };
+        let message = refused(&kept, &deleted, &failed, request);
+        // Kept because a disk is in use (or could not be checked: then not known free).
+        return Failure::new(ErrorKind::Busy, message).into();
     }
     if failed.is_empty() {
         return CtlResponse::Deleted { ids: deleted };
@@ -373,7 +375,10 @@ mod tests {
              in process 7 (dd) (free them, or delete with --force)"
         );
         let response = response(Vec::new(), kept.to_vec(), Request::All, Vec::new());
-        assert!(matches!(response, CtlResponse::Error { .. }), "{response:?}");
+        assert!(
+            matches!(response, CtlResponse::Failed { kind: ErrorKind::Busy, .. }),
+            "{response:?}"
+        );
     }
 
     #[test]

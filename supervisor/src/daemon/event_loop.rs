@@ -276,7 +276,7 @@ impl Daemon {
                             self.begin_upgrade(token, ids);
                             continue;
                         }
-                        Err(message) => CtlResponse::Error { message },
+                        Err(failure) => failure.into(),
                     },
                     req => self.handle(req),
                 };

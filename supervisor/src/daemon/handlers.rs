@@ -6,7 +6,8 @@ use ublkd_config::{
     DeviceAttrs, DeviceSettings, DeviceSpec, NbdUri, RbdImage, RbdSpec, TargetSpec, check_ceph_id,
 };
 use ublkd_proto::msg::{
-    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, LayerSet, TargetKind,
+    AddRequest, CtlRequest, CtlResponse, DevListing, DevMetrics, DevStatus, ErrorKind, Failure,
+    LayerSet, TargetKind,
 };
 use ublkd_proto::shm::{CounterSnapshot, DevLatency};
 use ublkd_proto::uapi::DevState;
@@ -28,6 +29,11 @@ impl Daemon {
             | CtlRequest::Recover { .. }
             | CtlRequest::Upgrade { .. }
             | CtlRequest::Resize { .. } => Err("this request is answered by the loop".into()),
+            // The control server unwraps it; one inside another is no request.
+            CtlRequest::ReloadPlan { config } => self.reload_plan_answer(&config),
+            CtlRequest::WithKinds(_) => {
+                Err(Failure::new(ErrorKind::BadArgument, "bad request: a request wrapped twice"))
+            }
             CtlRequest::List { id } => self.selected(id).map(|ids| {
                 CtlResponse::List(ids.iter().filter_map(|id| self.listing(*id)).collect())
             }),
@@ -57,10 +63,10 @@ impl Daemon {
                 CtlResponse::Metrics(ids.iter().filter_map(|id| self.metrics(*id)).collect())
             }),
         };
-        result.unwrap_or_else(|message| CtlResponse::Error { message })
+        result.unwrap_or_else(CtlResponse::from)
     }
 
-    pub(super) fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, String> {
+    pub(super) fn selected(&self, id: Option<u32>) -> Result<Vec<u32>, Failure> {
         match id {
             None => Ok(self.devices.ids().collect()),
             Some(id) if self.devices.contains(id) => Ok(vec![id]),
@@ -68,29 +74,32 @@ impl Daemon {
         }
     }
 
-    fn unknown(&self, id: u32) -> String {
+    fn unknown(&self, id: u32) -> Failure {
         let ids: Vec<String> = self.devices.ids().map(|id| id.to_string()).collect();
-        if ids.is_empty() {
+        let message = if ids.is_empty() {
             format!("no device {id}: ublkd serves no devices")
         } else {
             format!("no device {id}: ublkd serves {}", ids.join(", "))
-        }
+        };
+        Failure::new(ErrorKind::NoSuchDevice, message)
     }
 
     /// The spec `add` asks for, if no device (or nbd add under way) has its id, its
     /// loop file or its nbd export.
-    pub(super) fn check_add(&self, add: &AddRequest) -> Result<DeviceSpec, String> {
-        let spec = spec_from_request(add, &self.config.defaults)?;
+    pub(super) fn check_add(&self, add: &AddRequest) -> Result<DeviceSpec, Failure> {
+        let spec = spec_from_request(add, &self.config.defaults)
+            .map_err(|e| Failure::new(ErrorKind::BadArgument, e))?;
+        let exists = |message: String| Err(Failure::new(ErrorKind::AlreadyExists, message));
         let pending = self.pending_adds.iter().map(|p| &p.spec);
         let specs: Vec<&DeviceSpec> =
             self.devices.values().map(Device::spec).chain(pending).collect();
         if let Some(id) = spec.id
             && specs.iter().any(|s| s.id == Some(id))
         {
-            return Err(format!("device {id} already exists"));
+            return exists(format!("device {id} already exists"));
         }
         if let Some(taken) = self.name_taken(&spec) {
-            return Err(format!("--name: {taken}"));
+            return exists(format!("--name: {taken}"));
         }
         match &spec.target {
             TargetSpec::Loop { file, .. } => {
@@ -98,7 +107,7 @@ impl Daemon {
                     .iter()
                     .any(|s| matches!(&s.target, TargetSpec::Loop { file: f, .. } if f == file));
                 if in_use {
-                    return Err(format!("{} already backs another device", file.display()));
+                    return exists(format!("{} already backs another device", file.display()));
                 }
             }
             TargetSpec::Nbd { uri, .. } => {
@@ -106,7 +115,7 @@ impl Daemon {
                     .iter()
                     .any(|s| matches!(&s.target, TargetSpec::Nbd { uri: u, .. } if u == uri));
                 if in_use {
-                    return Err(format!("{uri} is already the export of another device"));
+                    return exists(format!("{uri} is already the export of another device"));
                 }
             }
             // A snapshot is read-only: any number of devices may serve it.
@@ -116,7 +125,7 @@ impl Daemon {
                         && r.image == rbd.image)
                 });
                 if in_use {
-                    return Err(format!("{} is already the image of another device", rbd.image));
+                    return exists(format!("{} is already the image of another device", rbd.image));
                 }
             }
             TargetSpec::Rbd(_) | TargetSpec::Null | TargetSpec::Memory => {}
@@ -182,7 +191,7 @@ impl Daemon {
                 let before = self.pending_adds.len();
                 self.give_up_pending_adds(Some(id), &format!("deleted by `ublkctl del {id}`"));
                 if self.pending_adds.len() == before {
-                    return Some(CtlResponse::Error { message: self.unknown(id) });
+                    return Some(self.unknown(id).into());
                 }
                 return Some(CtlResponse::Deleted { ids: vec![id] });
             }
@@ -199,10 +208,12 @@ impl Daemon {
     /// answer, or `None` if the recovery goes on in the loop (its standby still
     /// starting, the kernel not yet releasing the old worker's file, an nbd server not
     /// yet there): the loop then answers once it ends ([`Self::recover_outcome`]).
-    pub(super) fn handle_recover(&mut self, id: u32) -> Result<Option<String>, String> {
+    pub(super) fn handle_recover(&mut self, id: u32) -> Result<Option<String>, Failure> {
+        if !self.devices.contains(id) {
+            return Err(self.unknown(id));
+        }
         let state = self.ctx.ctrl.get_dev_info(id).map(|i| DevState::from_raw(i.state));
-        let dev =
-            self.devices.get_mut(id).ok_or_else(|| format!("no device {id} served by ublkd"))?;
+        let dev = self.devices.get_mut(id).expect("checked above");
         dev.restart_budget_mut().reset();
         let live = state.as_ref().is_ok_and(|s| *s == DevState::Live);
         if live && dev.state().has_worker() && !dev.state().failing_io() {
@@ -218,7 +229,7 @@ impl Daemon {
             Ok(Recovery::Waiting) => Ok(None),
             Err(e) => {
                 dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
-                Err(format!("recover device {id}: {e}"))
+                Err(format!("recover device {id}: {e}").into())
             }
         }
     }

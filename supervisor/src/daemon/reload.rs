@@ -8,7 +8,10 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use std::path::Path;
+
 use ublkd_config::{Config, DeviceSpec};
+use ublkd_proto::msg::{CtlResponse, ErrorKind, Failure};
 
 use super::Daemon;
 use super::adds::{AddFor, PendingAdd};
@@ -17,6 +20,32 @@ use super::event_loop::CREATING_AT_ONCE;
 use super::handlers::describe_spec;
 use super::underway::{Standing, Underway, Wake};
 use crate::device::{Refusal, Safety};
+
+/// A device as `--check-config` lists it: its target, id and name.
+fn describe(spec: &DeviceSpec) -> String {
+    match &spec.attrs.name {
+        Some(name) => format!("{} named {name:?}", describe_spec(spec)),
+        None => describe_spec(spec),
+    }
+}
+
+/// What a reload to a config would do (see [`Daemon::plan_reload`]).
+#[derive(Debug, Default)]
+pub(super) struct ReloadPlan {
+    /// Configured devices the config describes as they are.
+    pub kept: Vec<(DeviceSpec, u32)>,
+    /// Configured devices with a fixed id the config describes otherwise: they serve
+    /// on as they are ([`changed_but_served`]).
+    pub changed: Vec<(DeviceSpec, u32)>,
+    /// Configured devices gone from the config: deleted (unless in use).
+    pub dropped: Vec<(DeviceSpec, u32)>,
+    /// Devices new in the config: created.
+    pub added: Vec<DeviceSpec>,
+    /// `[daemon]` differs: applied only at the next restart.
+    pub daemon_changed: bool,
+}
+
+pub(super) const DAEMON_CHANGED: &str = "changed, applied at the next restart: [daemon] settings";
 
 /// A reload under way: its deletes run on a thread and its adds as `ublkctl add`s do,
 /// while the loop serves every client and device (and feeds the watchdog). systemd
@@ -81,6 +110,25 @@ impl Daemon {
         }
     }
 
+    /// `ublkd --check-config`: what reloading `path` would do ([`Self::plan_reload`]).
+    pub(super) fn reload_plan_answer(&self, path: &Path) -> Result<CtlResponse, Failure> {
+        let new = Config::load(path)
+            .map_err(|e| Failure::new(ErrorKind::BadArgument, crate::error_chain(&e)))?;
+        let plan = self.plan_reload(&new);
+        let device = |(spec, id): &(DeviceSpec, u32)| format!("device {id}: {}", describe(spec));
+        let mut notes = Vec::new();
+        if plan.daemon_changed {
+            notes.push(DAEMON_CHANGED.to_string());
+        }
+        Ok(CtlResponse::ReloadPlan {
+            reloads: self.config_path.clone(),
+            add: plan.added.iter().map(describe).collect(),
+            change: plan.changed.iter().map(device).collect(),
+            remove: plan.dropped.iter().map(device).collect(),
+            notes,
+        })
+    }
+
     /// Whether a reload is under way (a SIGHUP meanwhile waits for it to end).
     pub(super) fn reloading(&self) -> bool {
         self.pending_reload.is_some()
@@ -92,31 +140,25 @@ impl Daemon {
         self.notifier.ready(&status);
     }
 
-    fn begin_reload(&mut self, new: Config) {
-        let mut reload = PendingReload::default();
+    /// What a reload to `new` would do, deciding nothing: what [`Self::begin_reload`]
+    /// does, and what `ublkd --check-config` lists.
+    pub(super) fn plan_reload(&self, new: &Config) -> ReloadPlan {
+        let mut plan = ReloadPlan::default();
         // A configured device deleted since (`ublkctl del`) is configured no more: if
-        // the config still lists it, it is made again below, like a new one.
-        self.configured.retain(|(_, id)| self.devices.contains(*id));
-        let old_specs: Vec<DeviceSpec> = self.configured.iter().map(|(s, _)| s.clone()).collect();
-        // Removed (or changed) devices, deleted together once all are known.
-        let mut dropped = Vec::new();
-        for (spec, id) in std::mem::take(&mut self.configured) {
+        // the config still lists it, it is made again, like a new one.
+        let configured = self.configured.iter().filter(|(_, id)| self.devices.contains(*id));
+        let mut old_specs = Vec::new();
+        for (spec, id) in configured.cloned() {
+            old_specs.push(spec.clone());
             if new.devices.contains(&spec) {
-                self.configured.push((spec, id));
-                continue;
-            }
-            let changed = spec.id.is_some() && new.devices.iter().any(|d| d.id == spec.id);
-            if changed {
-                reload.notes.push(changed_but_served(id));
-                self.configured.push((spec, id));
-                continue;
-            }
-            if let Some(dev) = self.devices.remove(id) {
-                dropped.push(dev);
-                reload.dropping.push((spec, id));
+                plan.kept.push((spec, id));
+            } else if spec.id.is_some() && new.devices.iter().any(|d| d.id == spec.id) {
+                plan.changed.push((spec, id));
+            } else {
+                plan.dropped.push((spec, id));
             }
         }
-        reload.queued = new
+        plan.added = new
             .devices
             .iter()
             .filter(|spec| {
@@ -124,8 +166,29 @@ impl Daemon {
             })
             .cloned()
             .collect();
-        if new.daemon != self.config.daemon {
-            reload.notes.push("changed, applied at the next restart: [daemon] settings".into());
+        plan.daemon_changed = new.daemon != self.config.daemon;
+        plan
+    }
+
+    fn begin_reload(&mut self, new: Config) {
+        let mut reload = PendingReload::default();
+        let plan = self.plan_reload(&new);
+        self.configured = plan.kept;
+        for (spec, id) in plan.changed {
+            reload.notes.push(changed_but_served(id));
+            self.configured.push((spec, id));
+        }
+        // Removed devices, deleted together once all are known.
+        let mut dropped = Vec::new();
+        for (spec, id) in plan.dropped {
+            if let Some(dev) = self.devices.remove(id) {
+                dropped.push(dev);
+                reload.dropping.push((spec, id));
+            }
+        }
+        reload.queued = plan.added.into();
+        if plan.daemon_changed {
+            reload.notes.push(DAEMON_CHANGED.into());
         }
         let daemon = self.config.daemon.clone();
         self.ctx.fast_release = new.recovery.fast_release;

@@ -18,7 +18,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use ublkd_config::format_size;
-use ublkd_proto::msg::{CtlResponse, UpgradeOutcome};
+use ublkd_proto::msg::{CtlResponse, Failure, UpgradeOutcome};
 
 use super::Daemon;
 use super::underway::{Standing, Underway, Wake};
@@ -120,7 +120,7 @@ impl Daemon {
     ) -> Option<CtlResponse> {
         let error = |message: String| Some(CtlResponse::Error { message });
         let Some(dev) = self.devices.get(id) else {
-            return error(self.selected(Some(id)).err().unwrap_or_default());
+            return self.selected(Some(id)).err().map(CtlResponse::from);
         };
         let state = dev.state();
         if state.kind() != StateKind::Live || !state.has_worker() || state.failing_io() {
@@ -143,7 +143,7 @@ impl Daemon {
                 let message = format!("device {id} is {} already", format_size(size_bytes));
                 return Some(CtlResponse::Resized { id, size_bytes, message });
             }
-            Err(e) => return error(e.to_string()),
+            Err(e) => return Some(Failure::new(e.kind(), e.to_string()).into()),
         };
         let dev = self.devices.get_mut(id).expect("looked up above");
         if let Err(e) = dev.begin_resize(&self.ctx, plan) {

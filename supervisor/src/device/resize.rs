@@ -17,6 +17,7 @@ use std::path::PathBuf;
 
 use ublkd_config::{FieldError, TargetSpec, format_size};
 use ublkd_proto::ctrl::CtrlError;
+use ublkd_proto::msg::ErrorKind;
 use ublkd_proto::uapi;
 
 use super::{Context, Device};
@@ -73,6 +74,17 @@ pub enum ResizeError {
     Record { id: u32, source: StateError },
     #[error("{0}")]
     Kernel(#[from] CtrlError),
+}
+
+impl ResizeError {
+    /// The kind `ublkctl resize` exits with for this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ResizeError::KernelLacksUpdateSize { .. } => ErrorKind::NotSupported,
+            ResizeError::Shrink { .. } | ResizeError::Size { .. } => ErrorKind::BadArgument,
+            _ => ErrorKind::Other,
+        }
+    }
 }
 
 /// A resize of one device, from the size the kernel gives its disk now.

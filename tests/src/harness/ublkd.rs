@@ -290,6 +290,11 @@ impl Ublkd {
         self.wait_until(&format!("{n} more requests on device {id}"), || ios() >= from + n);
     }
 
+    /// ublkd's config file (`--config`), which [`Self::reload_with`] rewrites.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
     /// `ublkctl --socket <ours> ARGS…`, whatever its outcome.
     pub fn ctl(&self, args: &[&str]) -> Output {
         self.ctl.run(args)
