@@ -77,11 +77,44 @@ pub struct Config {
     pub devices: Vec<DeviceSpec>,
 }
 
+/// The largest config file ublkd reads (a config of 1,000 devices is about 100 KiB).
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// `path`'s text, if it is a regular file of at most `limit` bytes. Opened with
+/// O_NONBLOCK, since a FIFO's open would wait for a writer; the type is checked on the
+/// opened file, so a link swapped in between cannot change what is read.
+fn read_regular_file(path: &Path, limit: u64) -> std::io::Result<String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if meta.len() > limit {
+        return Err(std::io::Error::other(format!(
+            "{} bytes, more than a config file may have ({limit})",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    file.take(limit).read_to_string(&mut text)?;
+    Ok(text)
+}
+
 impl Config {
     /// Reads and checks the config file at `path`; messages name it as given.
+    ///
+    /// The file is opened without blocking and must be a regular file of at most
+    /// [`MAX_CONFIG_BYTES`]: ublkd loads it on its event loop (a reload, `ublkd
+    /// --check-config` asking the running ublkd), where a FIFO or a device planted at
+    /// the path would otherwise hold up every device's recovery.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let read = |source| ConfigError::Read { path: path.to_owned(), source };
+        let text = read_regular_file(path, MAX_CONFIG_BYTES).map_err(read)?;
         Self::parse(&text, &path.display().to_string())
     }
 
@@ -157,6 +190,21 @@ pub fn nbd_uris(text: &str) -> Result<Vec<Result<NbdUri, NbdUriError>>, String> 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_config_path_that_is_no_regular_file_is_refused_without_waiting() {
+        let dir = std::env::temp_dir().join(format!("ublkd-config-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("ublkd.toml");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success());
+        for path in [fifo.as_path(), Path::new("/dev/null"), dir.as_path()] {
+            let error = Config::load(path).unwrap_err();
+            let cause = std::error::Error::source(&error).map(|e| e.to_string());
+            assert_eq!(cause.as_deref(), Some("not a regular file"), "{}: {error}", path.display());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
     use std::fs::File;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
