@@ -128,7 +128,9 @@ fn access(cap: Option<&VolumeCapability>) -> Result<(Access, bool), NodeError> {
     let cap = cap.ok_or(NodeError::Missing("volume_capability"))?;
     let access = match &cap.access_type {
         None => {
-            return Err(NodeError::BadCapability("the volume capability has no access type".into()));
+            return Err(NodeError::BadCapability(
+                "the volume capability has no access type".into(),
+            ));
         }
         Some(AccessType::Block(_)) => Access::Block,
         Some(AccessType::Mount(m)) => {
