@@ -24,8 +24,10 @@ fi
 # run time). Nothing of them runs on the host: Debian starts no Ceph daemon at install.
 # rbd-nbd: librbd through the kernel's NBD client, the baseline beside ublkd's rbd target.
 # iproute2: tc, which delays a dead worker's TCP segments in the rbd fencing test.
+# protobuf-compiler: protoc, which csi/build.rs runs on the CSI protobuf (csi/proto/).
 need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client
-  nbdkit qemu-utils nbd-client prometheus ceph-mon ceph-osd ceph-common rbd-nbd iproute2)
+  nbdkit qemu-utils nbd-client prometheus ceph-mon ceph-osd ceph-common rbd-nbd iproute2
+  protobuf-compiler)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -9,6 +9,8 @@
 //! - [`machine`]: machine-wide state: the lock that serializes a test binary's tests,
 //!   the kernel's ublk devices and nodes, processes in `/proc`.
 //! - [`storage`]: backing files, data patterns and checksums, mounts, a write throttle.
+//! - [`csi`]: the CSI node plugin (`ublkd-csi`) beside a test's ublkd, killed and
+//!   started again.
 //! - [`ceph`]: a single-node Ceph cluster in the guest for the rbd tests, its images,
 //!   checksums, lock owners and blocklist, daemon restarts, and delayed TCP on loopback.
 //! - [`chaos`]: the chaos tests' recovery settings, verifying fio passes and worker
@@ -20,6 +22,7 @@
 
 pub mod ceph;
 pub mod chaos;
+pub mod csi;
 pub mod fio;
 pub mod machine;
 pub mod process;
