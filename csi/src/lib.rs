@@ -10,6 +10,7 @@
 //! - [`mount`]: mounts, filesystems and usage on the node.
 //! - [`client`]: connecting to the driver's socket (tests, health checks).
 
+pub mod capability;
 pub mod client;
 pub mod ctl;
 pub mod identity;

@@ -19,17 +19,17 @@ use std::time::{Duration, Instant};
 use tonic::{Code, Request, Response, Status};
 use ublkd_proto::msg::DevStatus;
 
+use crate::capability::{Access, CapabilityError, access};
 use crate::csi::node_server::Node;
 use crate::csi::node_service_capability::{Rpc, rpc};
-use crate::csi::volume_capability::{AccessType, access_mode::Mode};
 use crate::csi::{
     NodeExpandVolumeRequest, NodeExpandVolumeResponse, NodeGetCapabilitiesRequest,
     NodeGetCapabilitiesResponse, NodeGetInfoRequest, NodeGetInfoResponse,
     NodeGetVolumeStatsRequest, NodeGetVolumeStatsResponse, NodePublishVolumeRequest,
     NodePublishVolumeResponse, NodeServiceCapability, NodeStageVolumeRequest,
     NodeStageVolumeResponse, NodeUnpublishVolumeRequest, NodeUnpublishVolumeResponse,
-    NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, VolumeCapability, VolumeCondition,
-    VolumeUsage, node_service_capability, volume_usage,
+    NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, VolumeCondition, VolumeUsage,
+    node_service_capability, volume_usage,
 };
 use crate::ctl::{Ctl, CtlError};
 use crate::mount::{self, MountError};
@@ -49,10 +49,8 @@ pub enum NodeError {
     Missing(&'static str),
     #[error(transparent)]
     Volume(#[from] VolumeError),
-    #[error("{0}")]
-    BadCapability(String),
-    #[error("the volume capability is not one this driver serves: {0}")]
-    Unsupported(String),
+    #[error(transparent)]
+    Capability(#[from] CapabilityError),
     #[error("volume {0:?} is not on this node (ublkd has no device named \"{prefix}{0}\")", prefix = volume::NAME_PREFIX)]
     UnknownVolume(String),
     #[error("{} does not exist", path.display())]
@@ -83,12 +81,14 @@ pub enum NodeError {
 }
 
 impl NodeError {
-    fn code(&self) -> Code {
+    pub(crate) fn code(&self) -> Code {
         match self {
-            NodeError::Missing(_) | NodeError::Volume(_) | NodeError::BadCapability(_) => {
+            NodeError::Missing(_)
+            | NodeError::Volume(_)
+            | NodeError::Capability(CapabilityError::Missing | CapabilityError::Bad(_)) => {
                 Code::InvalidArgument
             }
-            NodeError::Unsupported(_)
+            NodeError::Capability(CapabilityError::Unsupported(_))
             | NodeError::NoStagingPath
             | NodeError::NotStaged { .. }
             | NodeError::InUse { .. } => Code::FailedPrecondition,
@@ -114,59 +114,6 @@ impl From<NodeError> for Status {
 
 fn list(paths: &[PathBuf]) -> String {
     paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-}
-
-/// How a volume is used, from its capability.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Access {
-    Block,
-    Mount { fs: String, flags: Vec<String> },
-}
-
-/// The capability's access type and whether every user only reads.
-fn access(cap: Option<&VolumeCapability>) -> Result<(Access, bool), NodeError> {
-    let cap = cap.ok_or(NodeError::Missing("volume_capability"))?;
-    let access = match &cap.access_type {
-        None => {
-            return Err(NodeError::BadCapability(
-                "the volume capability has no access type".into(),
-            ));
-        }
-        Some(AccessType::Block(_)) => Access::Block,
-        Some(AccessType::Mount(m)) => {
-            let fs = if m.fs_type.is_empty() { "ext4".to_string() } else { m.fs_type.clone() };
-            if !mount::FILESYSTEMS.contains(&fs.as_str()) {
-                return Err(NodeError::Unsupported(format!(
-                    "filesystem {fs:?} (this driver makes {})",
-                    mount::FILESYSTEMS.join(" and ")
-                )));
-            }
-            Access::Mount { fs, flags: m.mount_flags.clone() }
-        }
-    };
-    let mode = cap
-        .access_mode
-        .as_ref()
-        .ok_or(NodeError::BadCapability("the volume capability has no access mode".into()))?;
-    let read_only = match Mode::try_from(mode.mode) {
-        Ok(Mode::SingleNodeWriter | Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter) => {
-            false
-        }
-        Ok(Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly) => true,
-        Ok(m @ (Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter)) => {
-            return Err(NodeError::Unsupported(format!(
-                "access mode {}: a ublk device is one node's disk",
-                m.as_str_name()
-            )));
-        }
-        Ok(Mode::Unknown) | Err(_) => {
-            return Err(NodeError::BadCapability(format!(
-                "access mode {} is not a known one",
-                mode.mode
-            )));
-        }
-    };
-    Ok((access, read_only))
 }
 
 fn need<'a>(value: &'a str, what: &'static str) -> Result<&'a str, NodeError> {
@@ -323,9 +270,9 @@ impl NodeService {
         }
         match mount::fs_type(&node)? {
             None if read_only => {
-                return Err(NodeError::Unsupported(format!(
+                return Err(NodeError::Capability(CapabilityError::Unsupported(format!(
                     "volume {id:?} is blank and asked for read-only: no filesystem to mount"
-                )));
+                ))));
             }
             None => {
                 tracing::info!("volume {id:?}: blank, making {fs} on {}", node.display());
@@ -333,9 +280,9 @@ impl NodeService {
             }
             Some(found) if found == fs => {}
             Some(found) => {
-                return Err(NodeError::Unsupported(format!(
+                return Err(NodeError::Capability(CapabilityError::Unsupported(format!(
                     "volume {id:?} holds {found}, not the {fs} asked for"
-                )));
+                ))));
             }
         }
         mount::mount_fs(&node, &staging, &fs, &flags, read_only)?;
@@ -646,44 +593,6 @@ impl Node for NodeService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::csi::volume_capability::{AccessMode, BlockVolume, MountVolume};
-
-    fn cap(access_type: Option<AccessType>, mode: Mode) -> VolumeCapability {
-        VolumeCapability { access_type, access_mode: Some(AccessMode { mode: mode.into() }) }
-    }
-
-    fn mount_cap(fs: &str, mode: Mode) -> VolumeCapability {
-        let m = MountVolume { fs_type: fs.into(), ..Default::default() };
-        cap(Some(AccessType::Mount(m)), mode)
-    }
-
-    #[test]
-    fn capabilities_map_to_access_and_read_only() {
-        let (a, ro) = access(Some(&mount_cap("", Mode::SingleNodeWriter))).unwrap();
-        assert_eq!(a, Access::Mount { fs: "ext4".into(), flags: vec![] });
-        assert!(!ro);
-        let (a, ro) =
-            access(Some(&cap(Some(AccessType::Block(BlockVolume {})), Mode::MultiNodeReaderOnly)))
-                .unwrap();
-        assert_eq!(a, Access::Block);
-        assert!(ro);
-    }
-
-    #[test]
-    fn wrong_capabilities_get_the_specs_codes() {
-        let code = |c: Option<&VolumeCapability>| access(c).unwrap_err().code();
-        assert_eq!(code(None), Code::InvalidArgument);
-        assert_eq!(code(Some(&cap(None, Mode::SingleNodeWriter))), Code::InvalidArgument);
-        assert_eq!(
-            code(Some(&mount_cap("btrfs", Mode::SingleNodeWriter))),
-            Code::FailedPrecondition
-        );
-        assert_eq!(
-            code(Some(&mount_cap("ext4", Mode::MultiNodeMultiWriter))),
-            Code::FailedPrecondition
-        );
-        assert_eq!(code(Some(&mount_cap("ext4", Mode::Unknown))), Code::InvalidArgument);
-    }
 
     #[test]
     fn the_condition_is_abnormal_unless_live_and_quiet() {
