@@ -319,6 +319,7 @@ impl Checker<'_> {
                 ("ceph_conf", raw.ceph_conf.is_some()),
                 ("ceph_id", raw.ceph_id.is_some()),
                 ("keyring", raw.keyring.is_some()),
+                ("allow_unfenced", raw.allow_unfenced.is_some()),
             ] {
                 if present {
                     return Err(self.invalid(
@@ -484,6 +485,7 @@ impl Checker<'_> {
             ceph_conf: raw.ceph_conf.clone(),
             ceph_id: raw.ceph_id.clone(),
             keyring: raw.keyring.clone(),
+            allow_unfenced: raw.allow_unfenced.unwrap_or(false),
         }))
     }
 

@@ -55,8 +55,8 @@ pub use nbd_uri::{
     NbdUri, NbdUriError,
 };
 pub use rbd::{
-    DEFAULT_CEPH_CONF, DEFAULT_CEPH_ID, MAX_RBD_NAME_BYTES, RbdImage, RbdImageError, RbdSpec,
-    check_ceph_id,
+    ADMIN_CEPH_ID, DEFAULT_CEPH_CONF, DEFAULT_CEPH_ID, MAX_RBD_NAME_BYTES, RbdImage, RbdImageError,
+    RbdSpec, check_ceph_id,
 };
 pub use recovery::{
     MAX_HUNG_TIMEOUT_SECS, MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_WORKER_READY_TIMEOUT_SECS,

@@ -107,6 +107,7 @@ defaults_and_device! {
         pub ceph_conf: Option<PathBuf>,
         pub ceph_id: Option<String>,
         pub keyring: Option<PathBuf>,
+        pub allow_unfenced: Option<bool>,
         pub name: Option<String>,
         pub read_only: Option<bool>,
         pub partitions: Option<bool>,

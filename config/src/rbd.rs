@@ -11,8 +11,16 @@ use serde::{Deserialize, Serialize};
 /// The Ceph config file used when a device names none, as Ceph's own tools do.
 pub const DEFAULT_CEPH_CONF: &str = "/etc/ceph/ceph.conf";
 
-/// The cephx id used when a device names none (`client.admin`), as Ceph's tools do.
-pub const DEFAULT_CEPH_ID: &str = "admin";
+/// The cephx id used when a device names none: `client.ublkd`, a dedicated client
+/// with only `profile rbd` caps (the operator's guide gives the `ceph auth
+/// get-or-create` line), never Ceph's own default `client.admin`, whose key opens and
+/// writes every image and breaks every lock in the cluster: a compromised worker holds
+/// its client's key.
+pub const DEFAULT_CEPH_ID: &str = "ublkd";
+
+/// Ceph's all-powerful client id: a device that connects as it is flagged in the
+/// journal each time one of its workers starts (see [`RbdSpec::uses_admin`]).
+pub const ADMIN_CEPH_ID: &str = "admin";
 
 /// The longest pool, namespace, image, snapshot or client id ublkd accepts. Ceph
 /// allows longer pool names, but names this long are mistakes.
@@ -139,7 +147,7 @@ pub fn check_ceph_id(id: &str) -> Result<(), String> {
         ));
     }
     if id.is_empty() {
-        return Err("empty; expected a cephx id such as \"admin\"".into());
+        return Err("empty; expected a cephx id such as \"ublkd\"".into());
     }
     check_name(id).map_err(|problem| match problem {
         NameProblem::TooLong => format!("{id:?} is longer than {MAX_RBD_NAME_BYTES} bytes"),
@@ -161,6 +169,12 @@ pub struct RbdSpec {
     /// The keyring holding the id's key; `None`: what the config file says, else
     /// Ceph's default places (`/etc/ceph/ceph.client.ID.keyring`, ...).
     pub keyring: Option<PathBuf>,
+    /// Serve the image writable even without the exclusive-lock feature (`allow_unfenced
+    /// = true`): without it a dead worker cannot be fenced, so a write it still had in
+    /// flight may land after its successor's. Off: such a device is refused, naming the
+    /// `rbd feature enable` command. Default for records written before it existed.
+    #[serde(default)]
+    pub allow_unfenced: bool,
 }
 
 impl RbdSpec {
@@ -170,6 +184,12 @@ impl RbdSpec {
 
     pub fn ceph_id(&self) -> &str {
         self.ceph_id.as_deref().unwrap_or(DEFAULT_CEPH_ID)
+    }
+
+    /// Whether the device connects as `client.admin`, whose key can do anything in the
+    /// cluster: least privilege is a dedicated client with `profile rbd` caps.
+    pub fn uses_admin(&self) -> bool {
+        self.ceph_id() == ADMIN_CEPH_ID
     }
 }
 
@@ -209,6 +229,20 @@ mod tests {
         }
         let long = format!("rbd/{}", "x".repeat(MAX_RBD_NAME_BYTES + 1));
         assert!(RbdImage::parse(&long).unwrap_err().to_string().contains("longer than"));
+    }
+
+    #[test]
+    fn the_default_client_is_a_dedicated_one_and_admin_is_flagged() {
+        let mut spec = RbdSpec {
+            image: RbdImage::parse("rbd/d").unwrap(),
+            ceph_conf: None,
+            ceph_id: None,
+            keyring: None,
+            allow_unfenced: false,
+        };
+        assert_eq!((spec.ceph_id(), spec.uses_admin()), ("ublkd", false));
+        spec.ceph_id = Some("admin".into());
+        assert!(spec.uses_admin());
     }
 
     #[test]

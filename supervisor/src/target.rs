@@ -64,7 +64,7 @@ pub fn probe_rbd(worker_binary: &Path, spec: &DeviceSpec) -> Result<RbdProbe, Ta
     if spec.settings.sandbox {
         crate::rbd::conf::check_monitors_by_address(&setup.options).map_err(conf_err)?;
     }
-    crate::rbd::probe_image(worker_binary, &setup, spec.settings.block_size)
+    crate::rbd::probe_image(worker_binary, &setup, spec.settings.block_size, spec.attrs.read_only)
         .map_err(|source| TargetError::RbdProbe { image, source })
 }
 

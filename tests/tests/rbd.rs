@@ -5,8 +5,11 @@
 //! the image reads back as the device does; ext4 on an image survives an upgrade; bad
 //! inputs are named in one line and make no device; a dead worker's client is fenced
 //! (blocklisted) before its successor writes, so that a write the dead one left in
-//! flight can never land over newer data; and after a power loss a configured device
-//! comes back by itself, the dead client's lock broken.
+//! flight can never land over newer data; after a power loss a configured device
+//! comes back by itself, the dead client's lock broken; an image that cannot be fenced
+//! (no exclusive-lock) is served writable only where the config allows it; a device
+//! grows with its image, by `ublkctl resize` and by `rbd resize` elsewhere; and a
+//! device connects as its own client, `client.ublkd`, unless told otherwise.
 //!
 //! [`the_test_cluster_serves_an_image`] and
 //! [`a_delayed_write_of_a_killed_client_lands_unless_it_is_fenced`] check the harness
@@ -21,9 +24,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use ublkd_proto::ctrl::CtrlClient;
+use ublkd_proto::uapi::UBLK_F_UPDATE_SIZE;
 use ublkd_tests::harness::ceph::{CLIENT_ID, Cluster, LoDelay, osd_ports, tcp_connections};
 use ublkd_tests::harness::chaos::{self, BackgroundPasses};
-use ublkd_tests::harness::machine::{block_dev, kernel_devices, pid_exists, serial, worker_pids};
+use ublkd_tests::harness::machine::{
+    block_dev, kernel_devices, kernel_features, pid_exists, serial, worker_pids,
+};
 use ublkd_tests::harness::process::{describe, hooked_worker, run, run_ok, signal};
 use ublkd_tests::harness::storage::{Mount, pattern, sha256, write_file, write_files};
 use ublkd_tests::harness::ublkd::Ublkd;
@@ -33,7 +39,12 @@ const BLOCK: usize = 4096;
 
 /// `ublkctl add` of an rbd device for `image` (`POOL/IMAGE`); its id, its node there.
 fn add_rbd(ublkd: &Ublkd, cluster: &Cluster, image: &str) -> u32 {
-    let args = cluster.add_args(image, &[]);
+    add_rbd_with(ublkd, cluster, image, &[])
+}
+
+/// [`add_rbd`] with `extra` arguments.
+fn add_rbd_with(ublkd: &Ublkd, cluster: &Cluster, image: &str, extra: &[&str]) -> u32 {
+    let args = cluster.add_args(image, extra);
     ublkd.add(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
@@ -712,6 +723,194 @@ fn bad_rbd_inputs_are_named() {
     for file in [wrong, unreachable] {
         let _ = std::fs::remove_file(file);
     }
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
+/// An image without the exclusive-lock feature cannot fence a dead worker: `ublkctl
+/// add` of a writable device on it fails in one line naming the `rbd feature enable`
+/// command and `allow_unfenced`, and makes no device; a read-only device on it is
+/// served (it writes nothing, so needs no lock), and so is a configured device with
+/// `allow_unfenced = true`, writable, its writes reaching the image.
+#[test]
+fn an_image_without_exclusive_lock_is_served_writable_only_where_allowed() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let (refused, allowed, id) = ("unfenced", "unfenced-allowed", 7);
+    cluster.create_image_without_lock(refused, 16 * MIB);
+    cluster.create_image_without_lock(allowed, 16 * MIB);
+    let configured = format!(
+        "\n[[device]]\nid = {id}\ntarget = \"rbd\"\nimage = \"{}\"\nceph_conf = \"{}\"\n\
+         ceph_id = \"{CLIENT_ID}\"\nkeyring = \"{}\"\nallow_unfenced = true\n",
+        Cluster::spec(allowed),
+        cluster.conf_path().display(),
+        cluster.keyring_path().display()
+    );
+    let ublkd = Ublkd::start_with("rbd-unfenced", &configured, &[("UBLKD_LOG", "info")]);
+    ublkd.wait_until("the configured unfenced device LIVE", || {
+        ublkd.ctl.device(id).is_ok_and(|d| d["state"] == "LIVE")
+    });
+
+    let spec = Cluster::spec(refused);
+    let command = format!("rbd feature enable {spec} exclusive-lock");
+    let args = cluster.add_args(&spec, &[]);
+    let said = assert_refused(
+        &ublkd,
+        &args,
+        &["no exclusive-lock feature", &command, "allow_unfenced = true"],
+        Duration::from_secs(60),
+    );
+    eprintln!("writable, no exclusive-lock: {said}");
+
+    // Read-only: served (it writes nothing, so needs no lock).
+    cluster.write(refused, 0, &tagged(3));
+    let ro = add_rbd_with(&ublkd, cluster, &spec, &["--read-only"]);
+    assert_eq!(read_block(&block_dev(ro), 0), tagged(3), "the read-only device's data");
+    ublkd.del(ro);
+    // Nor does a read-only device take the lock of an image that has the feature.
+    let locked = "read-only-locked";
+    cluster.create_image(locked, 16 * MIB);
+    let ro = add_rbd_with(&ublkd, cluster, &Cluster::spec(locked), &["--read-only"]);
+    assert!(cluster.lock_owners(locked).is_empty(), "a read-only device took the lock");
+    ublkd.del(ro);
+    cluster.forget_image(locked);
+
+    // Allowed: writable, and a write reaches the image.
+    let node = block_dev(id);
+    write_block(&node, 1, &tagged(4));
+    assert_eq!(cluster.read(allowed, None, BLOCK as u64, BLOCK), tagged(4));
+    assert!(
+        ublkd.log().contains("as allow_unfenced allows"),
+        "the worker did not warn that it serves unfenced:\n{}",
+        ublkd.log()
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(refused);
+    cluster.forget_image(allowed);
+}
+
+/// Least privilege: a device that names no cephx id connects as ublkd's own client,
+/// `client.ublkd`, with only the caps the operator's guide documents (`profile rbd`),
+/// and serves; one that connects as `client.admin` serves too, and is flagged in the
+/// journal.
+#[test]
+fn a_device_connects_as_its_own_client_and_admin_is_flagged() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "own-client";
+    cluster.create_image(image, 16 * MIB);
+    let ublkd = Ublkd::start_with("rbd-own-client", "", &[("UBLKD_LOG", "info")]);
+    let spec = Cluster::spec(image);
+    // No --ceph-id and no --keyring: the id is the default, and its key is found
+    // through the Ceph config file's `keyring = .../$name.keyring`.
+    let conf = cluster.conf_path().display().to_string();
+    let id = ublkd.add(&["-t", "rbd", "--image", &spec, "--ceph-conf", &conf]);
+    write_block(&block_dev(id), 2, &tagged(5));
+    assert_eq!(cluster.read(image, None, 2 * BLOCK as u64, BLOCK), tagged(5));
+    assert_eq!(cluster.lock_owners(image).len(), 1, "the default client took the lock");
+    let flag = "is reached as client.admin";
+    assert!(!ublkd.log().contains(flag), "flagged without admin:\n{}", ublkd.log());
+    ublkd.del(id);
+
+    let admin_keyring = cluster.dir().join("client.admin.keyring").display().to_string();
+    let args = ["--ceph-id", "admin", "--keyring", admin_keyring.as_str()];
+    let id =
+        ublkd.add(&[&["-t", "rbd", "--image", &spec, "--ceph-conf", &conf][..], &args].concat());
+    write_block(&block_dev(id), 3, &tagged(6));
+    assert_eq!(cluster.read(image, None, 3 * BLOCK as u64, BLOCK), tagged(6));
+    let log = ublkd.log();
+    assert!(
+        log.lines().any(|l| l.contains(flag) && l.contains("event=\"rbd_admin_client\"")),
+        "a device connecting as admin is not flagged:\n{log}"
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
+/// The size of `/dev/ublkbN` as the block layer has it now (`/sys/block/ublkbN/size`).
+fn disk_size(id: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/sys/block/ublkb{id}/size")).unwrap();
+    text.trim().parse::<u64>().unwrap() << 9
+}
+
+/// Unmounts `mount`, drops the caches and mounts `dev` again: the files read back from
+/// the device itself.
+fn remount(mount: Mount, dev: &Path) -> Mount {
+    let dir = mount.dir.clone();
+    mount.umount();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    Mount::new(dev, &dir)
+}
+
+/// An rbd device grows with its image either way. `ublkctl resize` grows the image
+/// (through the device's workers: ublkd runs no Ceph code) under a mounted ext4, grown
+/// online with `resize2fs`; a file written past the old end reads back after a worker
+/// kill. Then `rbd resize` with the Ceph CLI elsewhere reaches the device by itself:
+/// its disk takes the image's size (the worker's update watch tells ublkd), its record
+/// too, and ext4 grows on it again.
+#[test]
+fn an_rbd_device_grows_with_its_image_either_way() {
+    let _serial = serial();
+    assert_ne!(kernel_features() & UBLK_F_UPDATE_SIZE, 0, "this test needs Linux 6.16+");
+    let cluster = Cluster::shared();
+    let image = "grows";
+    cluster.create_image(image, 16 * MIB);
+    let ublkd = Ublkd::start_with("rbd-resize", "", &[("UBLKD_LOG", "info")]);
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let dev = block_dev(id);
+    run_ok(Command::new("mkfs.ext4").args(["-F", "-q"]).arg(&dev));
+    let mut mount = Mount::new(&dev, Path::new("/tmp/rbd-resize-mnt"));
+    let mnt = mount.dir.clone();
+    write_file(&mnt.join("before"), &pattern(1, 3 * MIB as usize + 5));
+
+    let said = ublkd.ctl_ok(&["resize", "-n", &id.to_string(), "-s", "40M"]);
+    assert!(said.contains("resized from 16M to 40M"), "{said}\n{}", ublkd.log());
+    assert_eq!(disk_size(id), 40 * MIB);
+    assert_eq!(cluster.image_size(image), 40 * MIB, "the image did not grow with the device");
+    run_ok(Command::new("resize2fs").arg(&dev));
+    // More than the old disk held: some of it lies past the old end.
+    write_file(&mnt.join("after"), &pattern(2, 20 * MIB as usize));
+    run_ok(&mut Command::new("sync"));
+    let mut files: Vec<(&str, String)> =
+        ["before", "after"].into_iter().map(|f| (f, sha256(&mnt.join(f)))).collect();
+    ublkd.kill_worker(id);
+    mount = remount(mount, &dev);
+    assert_eq!(disk_size(id), 40 * MIB, "after a worker kill");
+    for (name, sum) in &files {
+        assert_eq!(&sha256(&mnt.join(name)), sum, "{name} after a worker kill");
+    }
+
+    // Elsewhere: the Ceph CLI, while the device's worker holds the image's lock.
+    let asked = Instant::now();
+    cluster.rbd_resize(image, 64 * MIB);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while disk_size(id) != 64 * MIB {
+        assert!(
+            Instant::now() < deadline,
+            "the disk is {} bytes 120 s after `rbd resize` to 64M\n{}",
+            disk_size(id),
+            ublkd.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("`rbd resize` reached the disk in {:.1} s", asked.elapsed().as_secs_f64());
+    assert_eq!(ublkd.status_of(id)["size_bytes"], 64 * MIB, "the record keeps the old size");
+    run_ok(Command::new("resize2fs").arg(&dev));
+    write_file(&mnt.join("later"), &pattern(3, 20 * MIB as usize));
+    run_ok(&mut Command::new("sync"));
+    files.push(("later", sha256(&mnt.join("later"))));
+    ublkd.kill_worker(id);
+    mount = remount(mount, &dev);
+    assert_eq!(disk_size(id), 64 * MIB, "after a worker kill");
+    for (name, sum) in &files {
+        assert_eq!(&sha256(&mnt.join(name)), sum, "{name} after the second worker kill");
+    }
+    mount.umount();
+    let log = ublkd.log();
+    assert_eq!(log.matches("event=\"resized\"").count(), 2, "{log}");
+    ublkd.del(id);
     ublkd.stop();
     cluster.forget_image(image);
 }

@@ -52,8 +52,11 @@ class Agent:
             raise RuntimeError(f"mon command {cmd}: {ret} {err}")
         return out.decode(errors="replace")
 
-    def create_image(self, name, size):
-        rbd.RBD().create(self.ioctx, name, size)
+    def create_image(self, name, size, layering_only=False):
+        """With Ceph's default features, or (`layering_only`) without exclusive-lock
+        and the features that need it, as an image made for krbd on an old kernel."""
+        features = rbd.RBD_FEATURE_LAYERING if layering_only else None
+        rbd.RBD().create(self.ioctx, name, size, features=features)
 
     def remove_image(self, name):
         """Removes the image and its snapshots."""

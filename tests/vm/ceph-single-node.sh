@@ -4,7 +4,8 @@
 # on a Debian 12 host with ceph-mon, ceph-osd and ceph-common installed).
 # Usage: ceph-single-node.sh start|stop
 #   start: wipes $CEPH_DIR, creates and starts mon.a + osd.0, pool "rbd" (rbd-initialised)
-#          and client.rbdtest (keyring $CEPH_DIR/client.rbdtest.keyring); returns once a
+#          client.rbdtest (keyring $CEPH_DIR/client.rbdtest.keyring) and ublkd's default
+#          client.ublkd (keyring $CEPH_DIR/client.ublkd.keyring); returns once a
 #          write to the pool has succeeded. Prints each step's time since the start.
 #   stop:  SIGTERM (then SIGKILL) both daemons.
 # Env:   CEPH_DIR      (default /tmp/ceph)   everything lives here
@@ -221,6 +222,11 @@ ts("pool rbd created")
 key = cmd(prefix="auth get-or-create", entity="client.rbdtest", format="plain",
           caps=["mon", "profile rbd", "osd", "profile rbd pool=rbd", "mgr", "profile rbd pool=rbd"])
 open(f"{D}/client.rbdtest.keyring", "wb").write(key)
+# ublkd's default client (`ceph_id` unset), with exactly the caps the operator's guide
+# documents for it: a device added without --ceph-id connects as it.
+key = cmd(prefix="auth get-or-create", entity="client.ublkd", format="plain",
+          caps=["mon", "profile rbd", "osd", "profile rbd pool=rbd"])
+open(f"{D}/client.ublkd.keyring", "wb").write(key)
 if osd.wait() != 0:
     sys.exit(f"ceph-osd -i 0 exited with {osd.returncode}: see {D}/log/osd.0.log")
 while json.loads(cmd(prefix="osd dump", format="json"))["osds"][0]["up"] != 1:

@@ -133,6 +133,8 @@ fn main() -> ExitCode {
     // is kept and reported once the setup says this is an rbd device.
     let profile = if args.iter().any(|a| a == "--rbd") {
         let _ = target::rbd::ffi::preload();
+        // Where the image's size changes are reported from librbd's threads.
+        target::rbd::set_control_fd(fd);
         sandbox::Profile::Rbd
     } else {
         sandbox::Profile::Standard

@@ -36,6 +36,11 @@ pub struct RbdSetup {
     /// How long connecting to the cluster may take before the worker gives up, in
     /// seconds (also librados's `client_mount_timeout`).
     pub connect_timeout_secs: u32,
+    /// The device's config allows serving an image without the exclusive-lock feature
+    /// writable (`allow_unfenced`; see [`check_fenced`]). Last: the codec is
+    /// positional.
+    #[serde(default)]
+    pub allow_unfenced: bool,
 }
 
 impl std::fmt::Debug for RbdSetup {
@@ -56,6 +61,7 @@ impl std::fmt::Debug for RbdSetup {
             .field("client_id", &self.client_id)
             .field("options", &options)
             .field("connect_timeout_secs", &self.connect_timeout_secs)
+            .field("allow_unfenced", &self.allow_unfenced)
             .finish()
     }
 }
@@ -92,6 +98,41 @@ pub struct RbdProbe {
     pub exclusive_lock: bool,
 }
 
+/// A writable device on an image without the exclusive-lock feature, which its
+/// config did not allow: nothing could fence a dead worker, so a write it still had
+/// in flight (in its socket buffers, or held by the network) could land after its
+/// successor's newer data.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "image {spec} has no exclusive-lock feature, so nothing could fence a dead worker's \
+     writes still in flight from landing after its successor's; enable it with `rbd \
+     feature enable {spec} exclusive-lock`, make the device read-only, or set \
+     allow_unfenced = true in the device's config to serve it writable without that \
+     guarantee"
+)]
+pub struct Unfenced {
+    pub spec: String,
+}
+
+/// Whether a device may serve `image` (its facts as the probe or the worker learnt
+/// them): a writable device needs the exclusive-lock feature, which fencing relies on,
+/// unless its config allows it unfenced. A snapshot (`image.read_only`) or a read-only
+/// device (`device_read_only`) writes nothing and needs no lock. The supervisor asks
+/// this of the probe's answer (so that `add` fails with the reason) and the worker
+/// again of what it opened: each trusts its own facts.
+pub fn check_fenced(
+    spec: &str,
+    image: &RbdProbe,
+    device_read_only: bool,
+    allow_unfenced: bool,
+) -> Result<(), Unfenced> {
+    if image.exclusive_lock || image.read_only || device_read_only || allow_unfenced {
+        Ok(())
+    } else {
+        Err(Unfenced { spec: spec.to_owned() })
+    }
+}
+
 /// What the probe prints: the image's facts, or one line saying why not (the image
 /// does not exist, the key was refused, the cluster did not answer in time).
 pub type RbdProbeAnswer = Result<RbdProbe, String>;
@@ -112,7 +153,26 @@ mod tests {
                 ("key".into(), "AQBsecretsecretsecret==".into()),
             ],
             connect_timeout_secs: 30,
+            allow_unfenced: false,
         }
+    }
+
+    #[test]
+    fn only_a_writable_device_on_an_image_without_exclusive_lock_is_unfenced() {
+        let image = |exclusive_lock, read_only| RbdProbe {
+            size_bytes: 1 << 30,
+            object_size: 4 << 20,
+            read_only,
+            exclusive_lock,
+        };
+        let err = check_fenced("rbd/d", &image(false, false), false, false).unwrap_err();
+        let said = err.to_string();
+        assert!(said.contains("`rbd feature enable rbd/d exclusive-lock`"), "{said}");
+        assert!(said.contains("allow_unfenced = true"), "{said}");
+        assert!(check_fenced("rbd/d", &image(true, false), false, false).is_ok());
+        assert!(check_fenced("rbd/d@s", &image(false, true), false, false).is_ok());
+        assert!(check_fenced("rbd/d", &image(false, false), true, false).is_ok());
+        assert!(check_fenced("rbd/d", &image(false, false), false, true).is_ok());
     }
 
     #[test]

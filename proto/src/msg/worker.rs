@@ -306,6 +306,12 @@ pub enum FromWorker {
     /// The answer to [`ToWorker::Attach`]: the device and incarnation it serves, and
     /// its rings' fd numbers as in Standby.
     Attached { dev_id: u32, generation: u64, rings: Vec<i32>, client: Option<String> },
+    /// (rbd only, at any time after Ready, from one of librbd's threads) The image's
+    /// size changed to `size_bytes` (an `rbd resize` anywhere, librbd's update watch
+    /// says): the supervisor checks it (growth only, a whole number of blocks, at most
+    /// the largest device) and, if it takes it, resizes the device as `ublkctl resize`
+    /// does. Last: the codec is positional.
+    ImageResized { size_bytes: u64 },
 }
 
 /// Sends one message (one packet) with `fds` attached, waiting for room if the peer's

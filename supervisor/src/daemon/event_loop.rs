@@ -266,7 +266,7 @@ impl Daemon {
                         None => continue,
                     },
                     CtlRequest::Resize { id, size_bytes, allow_shrink } => {
-                        match self.begin_resize(token, id, size_bytes, allow_shrink) {
+                        match self.begin_resize(Some(token), id, size_bytes, allow_shrink) {
                             Some(response) => response,
                             None => continue,
                         }
@@ -444,6 +444,7 @@ impl Daemon {
         });
         self.hung_devices = stalled;
         self.watched_devices = watched;
+        self.follow_image_sizes();
     }
 
     /// Counts the devices by state for systemd's STATUS line when a device changed: at

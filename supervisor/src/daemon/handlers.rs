@@ -422,6 +422,8 @@ pub fn spec_from_request(
                 ceph_conf: rbd.ceph_conf,
                 ceph_id: rbd.ceph_id,
                 keyring: rbd.keyring,
+                // Only in a config file: `ublkctl add` has no flag for it (yet).
+                allow_unfenced: false,
             })
         }
     };

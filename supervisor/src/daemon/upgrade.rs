@@ -37,7 +37,8 @@ const UPGRADE_SETTLE: Duration = Duration::from_secs(5);
 /// which moves the device onto a worker set up with its new size the same way.
 #[derive(Debug)]
 pub(super) struct PendingUpgrade {
-    token: Token,
+    /// Whom to answer; `None` for a resize ublkd began itself (an rbd image that grew).
+    token: Option<Token>,
     queue: VecDeque<u32>,
     current: Option<(u32, Step)>,
     outcomes: Vec<UpgradeOutcome>,
@@ -96,7 +97,7 @@ impl Daemon {
     pub(super) fn begin_upgrade(&mut self, token: Token, ids: Vec<u32>) {
         let queue = ids.into_iter().collect();
         self.pending_upgrades.push(PendingUpgrade {
-            token,
+            token: Some(token),
             queue,
             current: None,
             outcomes: Vec::new(),
@@ -113,7 +114,7 @@ impl Daemon {
     /// [`Device::begin_resize`]: crate::device::Device::begin_resize
     pub(super) fn begin_resize(
         &mut self,
-        token: Token,
+        token: Option<Token>,
         id: u32,
         size_bytes: u64,
         allow_shrink: bool,
@@ -236,7 +237,41 @@ impl Daemon {
                 Some(plan) => self.resize_answer(plan, &pending.outcomes),
                 _ => CtlResponse::Upgraded(pending.outcomes),
             };
-            self.control.respond(pending.token, &response, Instant::now());
+            match pending.token {
+                Some(token) => self.control.respond(token, &response, Instant::now()),
+                // A resize ublkd began itself: `resize_answer` logged a failure.
+                None => {
+                    if let CtlResponse::Resized { message, .. } = &response {
+                        tracing::info!("{message}, as its rbd image did");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The tick's look at the LIVE rbd devices' workers: each device whose image grew
+    /// (`rbd resize` elsewhere, [`crate::device::Device::image_resized`]) is resized to
+    /// it as `ublkctl resize` would do it, answering no one.
+    pub(super) fn follow_image_sizes(&mut self) {
+        let grown: Vec<(u32, u64)> = self
+            .devices
+            .values()
+            .filter_map(|dev| dev.image_resized().map(|size| (dev.id(), size)))
+            .collect();
+        for (id, size) in grown {
+            tracing::info!(
+                dev_id = id,
+                event = "rbd_image_resized",
+                "its rbd image grew to {}: resizing the device to it",
+                format_size(size)
+            );
+            if let Some(CtlResponse::Error { message }) = self.begin_resize(None, id, size, false) {
+                tracing::warn!(
+                    dev_id = id,
+                    event = "resize_failed",
+                    "not resized to its image's new size: {message}"
+                );
+            }
         }
     }
 

@@ -10,14 +10,29 @@
 //! that nothing past the new end reaches a worker afterwards. Each step is safe to
 //! repeat: a resize cut short (a worker killed, ublkd stopped) is finished by running
 //! it again, and every worker started after the record's rewrite serves the new size.
+//!
+//! An rbd device's image is resized by its workers, never by ublkd (which runs no Ceph
+//! code): a worker set up with a size larger than the image grows the image to it
+//! before it stands by (librbd has the lock's owner, the serving worker, carry that
+//! out). A smaller size shrinks the device only: the image keeps what lies past its
+//! end, as a loop device's file does.
+//!
+//! An image resized elsewhere (`rbd resize`) reaches the device by itself: its serving
+//! worker watches the image and reports its new size (`FromWorker::ImageResized`),
+//! which ublkd reads on its ticks ([`Device::image_resized`]) and checks
+//! ([`check_image_size`]: a growth to a whole number of blocks, at most the largest
+//! device; a worker's word is never trusted further) before resizing the device by
+//! the same steps as `ublkctl resize`. A shrunk image is not followed: shrinking a
+//! device under its filesystem loses data, so only `ublkctl resize --allow-shrink`
+//! does it, and meanwhile requests past the image's end fail.
 
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::path::PathBuf;
 
-use ublkd_config::{FieldError, TargetSpec, format_size};
+use ublkd_config::{FieldError, MAX_SIZE_BYTES, TargetSpec, format_size};
 use ublkd_proto::ctrl::CtrlError;
-use ublkd_proto::msg::ErrorKind;
+use ublkd_proto::msg::{self, ErrorKind, FromWorker};
 use ublkd_proto::uapi;
 
 use super::{Context, Device};
@@ -46,10 +61,10 @@ pub enum ResizeError {
     )]
     Nbd { id: u32 },
     #[error(
-        "device {id} is an rbd device: its size is its image's, and ublkd does not resize \
-         images yet; nothing was changed"
+        "device {id} serves {image} read-only (a snapshot or a read-only device), and \
+         its worker does not resize the image; nothing was changed"
     )]
-    Rbd { id: u32 },
+    RbdReadOnly { id: u32, image: String },
     #[error(
         "device {id} is {} ({current} bytes), and {} is smaller: shrinking cuts off the \
          data past the new end; shrink what is on it first, then pass --allow-shrink",
@@ -114,10 +129,16 @@ impl Device {
         if ctx.kernel_features & uapi::UBLK_F_UPDATE_SIZE == 0 {
             return Err(ResizeError::KernelLacksUpdateSize { release: ctx.kernel_release });
         }
-        match self.spec.target {
+        match &self.spec.target {
             TargetSpec::Nbd { .. } => return Err(ResizeError::Nbd { id }),
-            TargetSpec::Rbd(_) => return Err(ResizeError::Rbd { id }),
-            TargetSpec::Null | TargetSpec::Memory | TargetSpec::Loop { .. } => {}
+            TargetSpec::Rbd(rbd) if rbd.image.snapshot.is_some() || self.spec.attrs.read_only => {
+                let image = rbd.image.to_string();
+                return Err(ResizeError::RbdReadOnly { id, image });
+            }
+            TargetSpec::Rbd(_)
+            | TargetSpec::Null
+            | TargetSpec::Memory
+            | TargetSpec::Loop { .. } => {}
         }
         if ctx.ctrl.get_dev_info(id)?.flags & uapi::UBLK_F_UPDATE_SIZE == 0 {
             return Err(ResizeError::CreatedWithout { id });
@@ -146,6 +167,11 @@ impl Device {
                 wanted.target = TargetSpec::Null;
             }
         }
+        if let TargetSpec::Rbd(_) = &self.spec.target {
+            // The checks but the target's: an rbd spec's size is the image's, which the
+            // next worker grows to this one (`begin_resize`).
+            wanted.target = TargetSpec::Null;
+        }
         wanted.validate().map_err(|source| ResizeError::Size { id, source })?;
         if to < from && !allow_shrink {
             return Err(ResizeError::Shrink { id, current: from, wanted: to });
@@ -157,7 +183,8 @@ impl Device {
     }
 
     /// The first half of `plan`: a smaller size told to the kernel, a larger one given
-    /// room in the target's data, and the record rewritten, so that every worker
+    /// room in the target's data (an rbd image: by the next worker), and the record
+    /// rewritten, so that every worker
     /// started from now on serves the new size. The caller then hands the device to a
     /// new worker and calls [`Self::finish_resize`].
     pub fn begin_resize(&mut self, ctx: &Context, plan: ResizePlan) -> Result<(), ResizeError> {
@@ -242,9 +269,98 @@ impl Device {
     }
 }
 
+/// The most messages read from one worker per tick: a worker that floods its socket
+/// does not hold the loop.
+const MAX_REPORTS_PER_TICK: usize = 8;
+
+/// What ublkd makes of an rbd worker's report that its image is now `reported` bytes,
+/// for a device of `current` bytes with `block_size`-byte blocks: the size to resize
+/// the device to, `Ok(None)` if it is that size, or why the report is not followed.
+pub fn check_image_size(
+    reported: u64,
+    current: u64,
+    block_size: u32,
+) -> Result<Option<u64>, String> {
+    if reported == current {
+        return Ok(None);
+    }
+    if reported < current {
+        return Err(format!(
+            "the image shrank to {reported} bytes under the device ({current} bytes); ublkd \
+             follows an image's growth only (requests past the image's end now fail): grow \
+             the image back, or shrink what is on the device and run `ublkctl resize \
+             --allow-shrink`"
+        ));
+    }
+    if !reported.is_multiple_of(u64::from(block_size)) {
+        return Err(format!(
+            "the image grew to {reported} bytes, not a whole number of {block_size}-byte \
+             blocks; the device keeps its size"
+        ));
+    }
+    if reported > MAX_SIZE_BYTES {
+        return Err(format!(
+            "the image grew to {reported} bytes, more than the largest device \
+             ({MAX_SIZE_BYTES} bytes); the device keeps its size"
+        ));
+    }
+    Ok(Some(reported))
+}
+
+impl Device {
+    /// A LIVE rbd device's serving worker's reports of its image's new size, read
+    /// without waiting (at most [`MAX_REPORTS_PER_TICK`]): the newest size to resize
+    /// the device to, if the newest report is one ublkd follows ([`check_image_size`]).
+    /// Anything else the worker says here is not part of the protocol, and logged.
+    pub fn image_resized(&self) -> Option<u64> {
+        let TargetSpec::Rbd(_) = &self.spec.target else { return None };
+        if self.state().kind() != crate::device_state::StateKind::Live {
+            return None;
+        }
+        let worker = self.worker()?;
+        let mut newest = None;
+        for _ in 0..MAX_REPORTS_PER_TICK {
+            if !worker.has_answered() {
+                break;
+            }
+            match msg::try_recv_packet::<FromWorker>(worker.control()) {
+                Ok((FromWorker::ImageResized { size_bytes }, _)) => newest = Some(size_bytes),
+                Ok((other, _)) => tracing::warn!(
+                    dev_id = self.id,
+                    worker_pid = worker.pid(),
+                    "the serving worker said something out of turn, ignored: {}",
+                    msg::untrusted_text(&format!("{other:?}"))
+                ),
+                // Nothing more, or its end (its death is handled as any other).
+                Err(_) => break,
+            }
+        }
+        let reported = newest?;
+        match check_image_size(reported, self.spec.size_bytes, self.spec.settings.block_size) {
+            Ok(size) => size,
+            Err(why) => {
+                tracing::warn!(dev_id = self.id, event = "rbd_image_resized", "{why}");
+                None
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reported_image_size_is_followed_only_when_it_grows_to_whole_blocks() {
+        assert_eq!(check_image_size(2 << 30, 1 << 30, 4096), Ok(Some(2 << 30)));
+        assert_eq!(check_image_size(1 << 30, 1 << 30, 4096), Ok(None));
+        let shrank = check_image_size(1 << 29, 1 << 30, 4096).unwrap_err();
+        assert!(shrank.contains("growth only") && shrank.contains("--allow-shrink"), "{shrank}");
+        let odd = check_image_size((1 << 30) + 512, 1 << 30, 4096).unwrap_err();
+        assert!(odd.contains("not a whole number of 4096-byte blocks"), "{odd}");
+        let huge = check_image_size(u64::MAX - 4095, 1 << 30, 4096).unwrap_err();
+        assert!(huge.contains("more than the largest device"), "{huge}");
+    }
 
     #[test]
     fn a_shrink_refused_names_the_current_size_and_the_flag() {
@@ -252,6 +368,14 @@ mod tests {
         let msg = e.to_string();
         assert!(msg.starts_with("device 3 is 64M (67108864 bytes), and 32M is smaller"), "{msg}");
         assert!(msg.contains("--allow-shrink"), "{msg}");
+    }
+
+    #[test]
+    fn a_read_only_rbd_device_is_not_resized_and_says_why() {
+        let e = ResizeError::RbdReadOnly { id: 2, image: "rbd/disk@snap".into() };
+        let msg = e.to_string();
+        assert!(msg.contains("rbd/disk@snap read-only"), "{msg}");
+        assert!(msg.ends_with("nothing was changed"), "{msg}");
     }
 
     #[test]

@@ -338,6 +338,7 @@ mod tests {
             ceph_conf: Some(dir.join("ceph.conf")),
             ceph_id: Some("ublk".into()),
             keyring,
+            allow_unfenced: false,
         }
     }
 

@@ -85,9 +85,21 @@ impl RbdTarget {
     }
 }
 
-/// The setup message's part for `spec`'s image.
+/// The setup message's part for `spec`'s image (for a worker, or the probe of an
+/// add). A device that connects as `client.admin` is flagged in the journal each time:
+/// its workers hold a key that can write every image and break every lock.
 pub fn setup_for(spec: &RbdSpec) -> Result<RbdSetup, CephConfError> {
     let conf::ClientOptions(options) = conf::client_options(spec)?;
+    if spec.uses_admin() {
+        tracing::warn!(
+            image = %spec.image,
+            event = "rbd_admin_client",
+            "image {} is reached as client.admin, whose key can write every image and \
+             break every lock in the cluster; give the device a client of its own \
+             (ceph_id, with `profile rbd` caps: see the operator's guide)",
+            spec.image
+        );
+    }
     Ok(RbdSetup {
         pool: spec.image.pool.clone(),
         namespace: spec.image.namespace.clone(),
@@ -96,6 +108,7 @@ pub fn setup_for(spec: &RbdSpec) -> Result<RbdSetup, CephConfError> {
         client_id: spec.ceph_id().to_owned(),
         options,
         connect_timeout_secs: CONNECT_TIMEOUT_SECS,
+        allow_unfenced: spec.allow_unfenced,
     })
 }
 
@@ -110,6 +123,7 @@ mod tests {
             ceph_conf: None,
             ceph_id: None,
             keyring: None,
+            allow_unfenced: false,
         };
         RbdTarget { spec, clients: Vec::new() }
     }

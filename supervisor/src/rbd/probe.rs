@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ublkd_proto::msg::rbd::{RbdProbe, RbdProbeAnswer, RbdSetup};
+use ublkd_proto::msg::rbd::{RbdProbe, RbdProbeAnswer, RbdSetup, Unfenced, check_fenced};
 
 /// The most bytes of answer read from the probe.
 const MAX_ANSWER_BYTES: u64 = 64 << 10;
@@ -33,14 +33,19 @@ pub enum ProbeError {
     Unaligned { size: u64, block_size: u32 },
     #[error("the image is empty (0 bytes); resize it with `rbd resize`")]
     Empty,
+    #[error(transparent)]
+    Unfenced(#[from] Unfenced),
 }
 
 /// Probes `setup`'s image with `worker_binary`; the image's facts, checked (they come
-/// from another process): its size is a positive multiple of `block_size`.
+/// from another process): its size is a positive multiple of `block_size`, and a
+/// writable device (not `device_read_only`) can be fenced ([`check_fenced`]), so that
+/// `add` fails with the reason before any device or worker is made.
 pub fn probe_image(
     worker_binary: &Path,
     setup: &RbdSetup,
     block_size: u32,
+    device_read_only: bool,
 ) -> Result<RbdProbe, ProbeError> {
     let mut child = Command::new(worker_binary)
         .arg("--probe-rbd")
@@ -77,7 +82,9 @@ pub fn probe_image(
     })?;
     let probe =
         answer.map_err(|why| ProbeError::Refused(ublkd_proto::msg::untrusted_text(&why)))?;
-    check(probe, block_size)
+    let probe = check(probe, block_size)?;
+    check_fenced(&setup.image_spec(), &probe, device_read_only, setup.allow_unfenced)?;
+    Ok(probe)
 }
 
 fn shorten(text: &str) -> String {
@@ -129,6 +136,7 @@ mod tests {
             client_id: "admin".into(),
             options: vec![("key".into(), "secret".into())],
             connect_timeout_secs: timeout,
+            allow_unfenced: false,
         }
     }
 
@@ -138,12 +146,25 @@ mod tests {
             "ok",
             r#"echo '{"Ok":{"size_bytes":1073741824,"object_size":4194304,"read_only":false,"exclusive_lock":true}}'"#,
         );
-        assert_eq!(probe_image(&ok, &setup(5), 4096).unwrap().size_bytes, 1 << 30);
+        assert_eq!(probe_image(&ok, &setup(5), 4096, false).unwrap().size_bytes, 1 << 30);
         let refused = fake("refused", r#"echo '{"Err":"image rbd/disk does not exist"}'"#);
-        let err = probe_image(&refused, &setup(5), 4096).unwrap_err().to_string();
+        let err = probe_image(&refused, &setup(5), 4096, false).unwrap_err().to_string();
         assert_eq!(err, "image rbd/disk does not exist");
         let garbage = fake("garbage", "echo hello; exit 3");
-        let err = probe_image(&garbage, &setup(5), 4096).unwrap_err().to_string();
+        let err = probe_image(&garbage, &setup(5), 4096, false).unwrap_err().to_string();
         assert!(err.contains("gave no answer") && err.contains("hello"), "{err}");
+    }
+
+    #[test]
+    fn a_writable_device_on_an_image_without_exclusive_lock_is_refused_unless_allowed() {
+        let unlocked = fake(
+            "unlocked",
+            r#"echo '{"Ok":{"size_bytes":1073741824,"object_size":4194304,"read_only":false,"exclusive_lock":false}}'"#,
+        );
+        let err = probe_image(&unlocked, &setup(5), 4096, false).unwrap_err().to_string();
+        assert!(err.contains("`rbd feature enable rbd/disk exclusive-lock`"), "{err}");
+        assert!(probe_image(&unlocked, &setup(5), 4096, true).is_ok(), "a read-only device");
+        let allowed = RbdSetup { allow_unfenced: true, ..setup(5) };
+        assert!(probe_image(&unlocked, &allowed, 4096, false).is_ok(), "allow_unfenced");
     }
 }

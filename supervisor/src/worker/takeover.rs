@@ -63,6 +63,10 @@ impl Worker {
             match worker.receive(left)? {
                 // A worker taken over mid-activation says Ready first.
                 (FromWorker::Ready(_), _) => continue,
+                // An rbd image's size change reported to the previous ublkd and not
+                // read: the device keeps its recorded size (a later change, or
+                // `ublkctl resize`, sets it right).
+                (FromWorker::ImageResized { .. }, _) => continue,
                 (FromWorker::Attached { dev_id, generation, rings, client }, _) => {
                     break (dev_id, generation, rings, client);
                 }

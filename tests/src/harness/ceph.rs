@@ -183,6 +183,31 @@ impl Cluster {
         self.ask(json!({"op": "create_image", "name": name, "size": size}));
     }
 
+    /// A new image of `size` bytes in [`POOL`] with the layering feature only: no
+    /// exclusive-lock, so nothing fences its writers.
+    pub fn create_image_without_lock(&self, name: &str, size: u64) {
+        self.ask(json!({"op": "create_image", "name": name, "size": size, "layering_only": true}));
+    }
+
+    /// The image's size in bytes, as the cluster has it now.
+    pub fn image_size(&self, name: &str) -> u64 {
+        self.ask(json!({"op": "size", "image": name})).as_u64().unwrap_or_default()
+    }
+
+    /// `rbd resize` of `name` to `size` bytes with the Ceph CLI, as [`CLIENT_ID`] (slow
+    /// under emulation, seconds: the CLI is what an operator runs). librbd has the
+    /// image's lock owner (a serving worker) carry it out.
+    pub fn rbd_resize(&self, name: &str, size: u64) {
+        assert_eq!(size % (1 << 20), 0, "rbd resize --size takes whole MiB here");
+        let out = run(Command::new("rbd")
+            .arg("--conf")
+            .arg(self.conf_path())
+            .args(["--id", CLIENT_ID, "--keyring"])
+            .arg(self.keyring_path())
+            .args(["resize", &Self::spec(name), "--size", &format!("{}M", size >> 20)]));
+        assert!(out.status.success(), "rbd resize {name}: {}", describe(&out));
+    }
+
     /// Removes the image and its snapshots.
     pub fn remove_image(&self, name: &str) {
         self.ask(json!({"op": "remove_image", "name": name}));

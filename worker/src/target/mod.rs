@@ -189,7 +189,7 @@ pub fn build(setup: &WorkerSetup, mut fds: Vec<OwnedFd>) -> Result<Box<dyn Targe
         }
         TargetSetup::Rbd => {
             let rbd = setup.rbd.as_ref().ok_or(TargetError::NoRbdSetup)?;
-            Box::new(RbdTarget::new(rbd, size, setup.nr_threads)?)
+            Box::new(RbdTarget::new(rbd, size, setup.nr_threads, setup.read_only)?)
         }
     };
     // `fail-io` fails every request anyway.

@@ -5,12 +5,22 @@
 //!   the setup carries (it reads no Ceph file), opens the image ([`image`]), and
 //!   reports its client's address (`FromWorker::Standby`'s `client`), by which a later
 //!   worker of the device may fence it.
-//! - **Activation.** Unless the image is a snapshot or lacks the exclusive-lock
-//!   feature, the worker breaks the lock of each owner that is one of the device's
+//! - **Fencing or nothing.** A writable device on an image without the
+//!   exclusive-lock feature is refused at standby ([`check_fenced`]), unless its
+//!   config allows it (`allow_unfenced`): nothing could fence a dead worker's writes.
+//!   ublkd refuses it at the probe already; the worker checks again what it opened.
+//! - **Activation.** Unless the image is a snapshot, the device read-only or the
+//!   image without the exclusive-lock feature (allowed, above), the worker breaks the lock of each owner that is one of the device's
 //!   earlier workers or that no longer watches the image (dead: a crash or a power
 //!   loss), which blocklists it: a write it still has in flight can never land. It
 //!   refuses any other owner ([`fence`]), and takes the lock in exclusive mode, which
 //!   librbd then gives to no one who asks.
+//! - **Size changes.** Once serving, the worker watches the image (librbd's
+//!   `rbd_update_watch`): when its size changes (an `rbd resize` anywhere, which
+//!   librbd has this worker, the lock's owner, carry out), it tells ublkd
+//!   (`FromWorker::ImageResized`), which checks the size and resizes the device as
+//!   `ublkctl resize` does, with a worker set up with the new size. A worker set up
+//!   with a size larger than the image (the device was resized) grows the image first.
 //! - **Requests.** Each request is one librbd call (`rbd_aio_read`, `_write`,
 //!   `_flush`, `_discard`, `_write_zeroes`) straight on the tag's buffer, then
 //!   [`Step::Pending`]. librbd finishes it on a thread of its own, which hands it back
@@ -32,13 +42,15 @@ mod host_tests;
 pub mod image;
 
 use std::ffi::c_void;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use ublkd_proto::errno::Errno;
 use ublkd_proto::exit::WorkerExit;
-use ublkd_proto::msg::rbd::RbdSetup;
+use ublkd_proto::msg::FromWorker;
+use ublkd_proto::msg::rbd::{RbdSetup, Unfenced, check_fenced};
 use ublkd_proto::uapi::{
     UBLK_IO_F_NOUNMAP, UBLK_IO_OP_DISCARD, UBLK_IO_OP_FLUSH, UBLK_IO_OP_READ, UBLK_IO_OP_WRITE,
     UBLK_IO_OP_WRITE_ZEROES,
@@ -58,14 +70,21 @@ const KEY_WAKE: u32 = 1;
 pub enum RbdError {
     #[error(transparent)]
     Open(#[from] OpenError),
-    #[error("image {spec} is {got} bytes, smaller than the device's {want}")]
+    #[error(
+        "image {spec} is {got} bytes, smaller than the device's {want}, and a snapshot or \
+         a read-only device cannot grow it"
+    )]
     TooSmall { spec: String, got: u64, want: u64 },
+    #[error("cannot grow image {spec} from {from} to {to} bytes, the device's size: {errno}")]
+    Grow { spec: String, from: u64, to: u64, errno: Errno },
     #[error("cannot read this worker's Ceph client address: {0}")]
     Address(Errno),
     #[error("cannot make queue thread {thread}'s completion eventfd: {source}")]
     Eventfd { thread: usize, source: std::io::Error },
     #[error(transparent)]
     LockedByOther(#[from] LockedByOther),
+    #[error(transparent)]
+    Unfenced(#[from] Unfenced),
     #[error("cannot list the owners of image {spec}'s lock: {errno}")]
     LockOwners { spec: String, errno: Errno },
     #[error(
@@ -82,12 +101,93 @@ pub enum RbdError {
     Acquire { spec: String, errno: Errno },
 }
 
+/// The control socket (`--control-fd`), open for the process's life: where
+/// [`on_update`] reports a size change from librbd's thread. -1: not an rbd worker.
+static CONTROL_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// Records the worker's control socket (`main`, for a worker started with `--rbd`).
+pub fn set_control_fd(fd: RawFd) {
+    CONTROL_FD.store(fd, Ordering::Relaxed);
+}
+
+/// What librbd's update callback needs: the image, and the size last reported (or
+/// served), so that only a change is reported. Leaked once per worker: librbd may call
+/// back until the image is closed, which happens only as the process ends.
+struct SizeWatch {
+    lib: &'static Lib,
+    image: ffi::Image,
+    spec: String,
+    size: AtomicU64,
+}
+
+// SAFETY: librbd's image handle may be used from any thread (see `RbdImage`); the rest
+// is plain data and an atomic.
+unsafe impl Send for SizeWatch {}
+// SAFETY: as above.
+unsafe impl Sync for SizeWatch {}
+
+impl SizeWatch {
+    /// The image's size now; if it changed, tells ublkd.
+    fn check(&self) {
+        let mut size = 0u64;
+        // SAFETY: the image stays open while librbd calls back (see `SizeWatch`).
+        let rc = unsafe { (self.lib.rbd_get_size)(self.image, &mut size) };
+        if rc < 0 {
+            tracing::warn!(
+                image = self.spec.as_str(),
+                "cannot read the image's size after a change of its header: {}",
+                std::io::Error::from_raw_os_error(-rc)
+            );
+            return;
+        }
+        let was = self.size.swap(size, Ordering::Relaxed);
+        if was == size {
+            return;
+        }
+        tracing::info!(
+            image = self.spec.as_str(),
+            event = "rbd_image_resized",
+            "the image was resized from {was} to {size} bytes; telling ublkd"
+        );
+        let fd = CONTROL_FD.load(Ordering::Relaxed);
+        if fd < 0 {
+            return;
+        }
+        // SAFETY: the control socket is open for the process's life (`main` owns it in
+        // a frame that never returns while the worker serves).
+        let control = unsafe { BorrowedFd::borrow_raw(fd) };
+        // Never waits: ublkd reads these on its ticks, and one lost leaves the device
+        // at its old size, which the next change (or `ublkctl resize`) sets right.
+        if let Err(e) = ublkd_proto::msg::try_send_packet(
+            control,
+            &FromWorker::ImageResized { size_bytes: size },
+            &[],
+        ) {
+            tracing::warn!(image = self.spec.as_str(), "cannot tell ublkd of the new size: {e}");
+        }
+    }
+}
+
+/// librbd's update callback: on one of librbd's threads, after the image's header
+/// changed.
+///
+/// # Safety
+///
+/// `arg` is the leaked [`SizeWatch`] that [`RbdTarget::watch_size`] registered.
+unsafe extern "C" fn on_update(arg: *mut c_void) {
+    // SAFETY: the caller's promise: a `SizeWatch` that is never freed.
+    let watch = unsafe { &*arg.cast::<SizeWatch>() };
+    watch.check();
+}
+
 /// An open image and, per queue thread, where librbd's completions go.
 #[derive(Debug)]
 pub struct RbdTarget {
     image: RbdImage,
     /// This worker's Ceph client address (see `FromWorker::Standby`'s `client`).
     client: String,
+    /// The image is a snapshot, or the device read-only (its writes never reach
+    /// the target, see `ReadOnlyTarget`): no lock is taken.
     read_only: bool,
     exclusive_lock: bool,
     /// One per queue thread, by its plan's index.
@@ -106,14 +206,43 @@ struct InFlight {
 
 impl RbdTarget {
     /// Connects, opens the image (see [`RbdImage::open`]) and makes a completion list
-    /// for each of `nr_threads` queue threads; the image must hold `size` bytes.
-    pub fn new(setup: &RbdSetup, size: u64, nr_threads: u16) -> Result<Self, RbdError> {
+    /// for each of `nr_threads` queue threads; the image must hold `size` bytes, and a
+    /// writable device (not `device_read_only`) needs the exclusive-lock feature unless
+    /// the setup allows it unfenced.
+    pub fn new(
+        setup: &RbdSetup,
+        size: u64,
+        nr_threads: u16,
+        device_read_only: bool,
+    ) -> Result<Self, RbdError> {
         let started = Instant::now();
         let image = RbdImage::open(setup)?;
         let facts = image.describe()?;
+        check_fenced(image.spec(), &facts, device_read_only, setup.allow_unfenced)?;
         if facts.size_bytes < size {
             let spec = image.spec().to_string();
-            return Err(RbdError::TooSmall { spec, got: facts.size_bytes, want: size });
+            if facts.read_only || device_read_only {
+                return Err(RbdError::TooSmall { spec, got: facts.size_bytes, want: size });
+            }
+            // The device was resized (`ublkctl resize`, whose record ublkd rewrote
+            // before starting this worker): the image grows to it before it is served.
+            // A smaller device never shrinks the image: what lies past its end stays,
+            // as a loop device's file keeps it.
+            let started = Instant::now();
+            image.resize(size).map_err(|errno| RbdError::Grow {
+                spec: spec.clone(),
+                from: facts.size_bytes,
+                to: size,
+                errno,
+            })?;
+            tracing::info!(
+                image = spec.as_str(),
+                event = "rbd_image_grown",
+                "grew the image from {} to {} bytes, the device's size ({} ms)",
+                facts.size_bytes,
+                size,
+                started.elapsed().as_millis()
+            );
         }
         let client = image.client_address().map_err(RbdError::Address)?;
         let threads = (0..usize::from(nr_threads.max(1)))
@@ -135,7 +264,7 @@ impl RbdTarget {
         Ok(RbdTarget {
             image,
             client,
-            read_only: facts.read_only,
+            read_only: facts.read_only || device_read_only,
             exclusive_lock: facts.exclusive_lock,
             threads,
         })
@@ -149,10 +278,12 @@ impl RbdTarget {
             return Ok(());
         }
         if !self.exclusive_lock {
+            // Only where the config allowed it (`new` refused it otherwise).
             tracing::warn!(
                 image = spec,
-                "the image has no exclusive-lock feature: nothing fences an earlier \
-                 worker's writes still in flight (`rbd feature enable {spec} exclusive-lock`)"
+                "serving without the exclusive-lock feature, as allow_unfenced allows: \
+                 nothing fences an earlier worker's writes still in flight (`rbd feature \
+                 enable {spec} exclusive-lock`)"
             );
             return Ok(());
         }
@@ -190,6 +321,40 @@ impl RbdTarget {
         self.image
             .acquire_exclusive()
             .map_err(|errno| RbdError::Acquire { spec: spec.to_string(), errno })
+    }
+
+    /// Has librbd report the image's size changes to ublkd from now on ([`SizeWatch`]),
+    /// from the size the image has now (a change before this is the device's own,
+    /// which the worker was set up with). A snapshot's size never changes. Without the
+    /// watch the device still serves, at the size it has.
+    fn watch_size(&self) {
+        if self.image.is_snapshot() {
+            return;
+        }
+        let spec = self.image.spec().to_string();
+        let size = match self.image.size() {
+            Ok(size) => size,
+            Err(errno) => {
+                tracing::warn!(image = spec.as_str(), "cannot read the image's size: {errno}");
+                return;
+            }
+        };
+        let watch = Box::leak(Box::new(SizeWatch {
+            lib: self.image.lib(),
+            image: self.image.handle(),
+            spec: spec.clone(),
+            size: AtomicU64::new(size),
+        }));
+        let arg: *mut SizeWatch = watch;
+        // SAFETY: `watch` is leaked, so valid for the process's life; `on_update` only
+        // reads it and the open image, from any thread.
+        if let Err(errno) = unsafe { self.image.update_watch(on_update, arg.cast()) } {
+            tracing::warn!(
+                image = spec.as_str(),
+                "cannot watch the image for size changes ({errno}): an `rbd resize` reaches \
+                 the device only through `ublkctl resize`"
+            );
+        }
     }
 
     /// Starts `req` in librbd, to be finished by [`on_complete`]; `Err` with the
@@ -366,7 +531,9 @@ impl Target for RbdTarget {
         if !fds.is_empty() {
             return Err(TargetError::Fds { target: "rbd", want: 0, got: fds.len() });
         }
-        Ok(self.take_lock(fence)?)
+        self.take_lock(fence)?;
+        self.watch_size();
+        Ok(())
     }
 
     fn client_identity(&self) -> Option<String> {

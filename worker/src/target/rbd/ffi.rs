@@ -24,6 +24,10 @@ pub type Completion = *mut c_void;
 /// `rbd_callback_t`: called once per completion, on one of librbd's threads.
 pub type Callback = unsafe extern "C" fn(c: Completion, arg: *mut c_void);
 
+/// `rbd_update_callback_t`: called on one of librbd's threads after the image's
+/// header changed (its size, among others), as `rbd_update_watch` registered it.
+pub type UpdateCallback = unsafe extern "C" fn(arg: *mut c_void);
+
 /// `rbd_lock_mode_t` (a C enum: an `int`).
 pub type LockMode = c_int;
 /// `RBD_LOCK_MODE_EXCLUSIVE`.
@@ -133,6 +137,10 @@ functions! {
         rbd_close: unsafe extern "C" fn(Image) -> c_int,
         rbd_stat: unsafe extern "C" fn(Image, *mut ImageInfo, usize) -> c_int,
         rbd_get_features: unsafe extern "C" fn(Image, *mut u64) -> c_int,
+        rbd_get_size: unsafe extern "C" fn(Image, *mut u64) -> c_int,
+        rbd_resize: unsafe extern "C" fn(Image, u64) -> c_int,
+        rbd_update_watch:
+            unsafe extern "C" fn(Image, *mut u64, UpdateCallback, *mut c_void) -> c_int,
         rbd_lock_acquire: unsafe extern "C" fn(Image, LockMode) -> c_int,
         rbd_lock_release: unsafe extern "C" fn(Image) -> c_int,
         rbd_lock_get_owners:

@@ -138,7 +138,7 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 #[test]
 fn requests_round_trip_through_librbd() {
     let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let target = RbdTarget::new(&setup(), 4 << 20, 1).unwrap();
+    let target = RbdTarget::new(&setup(), 4 << 20, 1, false).unwrap();
     target.activate(Vec::new(), &[]).unwrap();
     let mut l = Loop::new(&target);
     const AT: u64 = 1 << 20;
@@ -198,7 +198,7 @@ fn requests_round_trip_through_librbd() {
 #[ignore = "run by a_foreign_lock_is_refused_and_an_earlier_worker_is_fenced"]
 fn earlier_worker_writes_until_fenced() {
     assert!(std::env::var_os(CHILD_ENV).is_some(), "started by the fencing test only");
-    let target = RbdTarget::new(&setup(), 4 << 20, 1).unwrap();
+    let target = RbdTarget::new(&setup(), 4 << 20, 1, false).unwrap();
     target.activate(Vec::new(), &[]).unwrap();
     let mut l = Loop::new(&target);
     println!("CLIENT {}", target.client_identity().unwrap());
@@ -234,7 +234,7 @@ fn a_foreign_lock_is_refused_and_an_earlier_worker_is_fenced() {
         .find_map(|line| line.strip_prefix("CLIENT ").map(str::to_string))
         .expect("the earlier worker said its client");
 
-    let target = RbdTarget::new(&setup(), 4 << 20, 1).unwrap();
+    let target = RbdTarget::new(&setup(), 4 << 20, 1, false).unwrap();
     let mine = target.client_identity().unwrap();
     assert_ne!(mine, earlier);
     // Not named in the fence list: another client's lock, left alone.

@@ -272,6 +272,11 @@ impl RbdImage {
         self.handle
     }
 
+    /// Whether a snapshot is open (read-only).
+    pub fn is_snapshot(&self) -> bool {
+        self.read_only
+    }
+
     /// `POOL[/NAMESPACE]/IMAGE[@SNAP]`.
     pub fn spec(&self) -> &str {
         &self.spec
@@ -323,6 +328,43 @@ impl RbdImage {
         // SAFETY: an open image; `features` is written on success.
         let rc = unsafe { (self.lib.rbd_get_features)(self.handle, &mut features) };
         if rc < 0 { Err(errno(rc)) } else { Ok(features) }
+    }
+
+    /// The image's size in bytes now (librbd refreshes it after a resize elsewhere).
+    pub fn size(&self) -> Result<u64, Errno> {
+        let mut size = 0u64;
+        // SAFETY: an open image; `size` is written on success.
+        let rc = unsafe { (self.lib.rbd_get_size)(self.handle, &mut size) };
+        if rc < 0 { Err(errno(rc)) } else { Ok(size) }
+    }
+
+    /// Resizes the image to `size` bytes. While another client holds the exclusive
+    /// lock, librbd asks that owner to do it (a maintenance operation is carried out by
+    /// the lock's owner).
+    pub fn resize(&self, size: u64) -> Result<(), Errno> {
+        // SAFETY: an open image.
+        let rc = unsafe { (self.lib.rbd_resize)(self.handle, size) };
+        if rc < 0 { Err(errno(rc)) } else { Ok(()) }
+    }
+
+    /// Has librbd call `callback(arg)` on one of its threads whenever the image's
+    /// header changes (a resize by any client among others), until the image is closed,
+    /// which ends the watch.
+    ///
+    /// # Safety
+    ///
+    /// `arg` must stay valid, and `callback` safe to call with it from any thread, for
+    /// as long as the image is open.
+    pub unsafe fn update_watch(
+        &self,
+        callback: ffi::UpdateCallback,
+        arg: *mut std::ffi::c_void,
+    ) -> Result<(), Errno> {
+        let mut handle = 0u64;
+        // SAFETY: an open image; `handle` is written on success; the caller's promise
+        // covers `callback` and `arg`.
+        let rc = unsafe { (self.lib.rbd_update_watch)(self.handle, &mut handle, callback, arg) };
+        if rc < 0 { Err(errno(rc)) } else { Ok(()) }
     }
 
     /// Who holds the image's exclusive lock (none: empty), and in which mode.
@@ -462,6 +504,7 @@ mod tests {
                 ("key".into(), "AQBsecret==".into()),
             ],
             connect_timeout_secs: 3,
+            allow_unfenced: false,
         }
     }
 
