@@ -134,7 +134,7 @@ pub enum UblkctlCommand {
         /// (default /etc/ceph/ceph.conf). ublkd reads it, the worker never does.
         #[arg(long, value_name = "FILE")]
         ceph_conf: Option<PathBuf>,
-        /// The cephx id to connect as, without "client." (rbd; default admin).
+        /// The cephx id to connect as, without "client." (rbd; default ublkd, a client with `profile rbd` caps).
         #[arg(long, value_name = "ID")]
         ceph_id: Option<String>,
         /// The keyring holding the id's key (rbd; default: the config file's keyring,
