@@ -70,7 +70,8 @@ struct Exported {
 impl Exported {
     /// Read from `supervisor/src/metrics.rs` as text, up to its `#[cfg(test)]` module:
     ///
-    /// - each `const X: Family = Family { name: "…", kind: Kind::…, … };` is a family;
+    /// - each `const X: Family = Family::KIND("NAME", "…");` is a family (KIND:
+    ///   `counter`, `gauge` or `histogram`);
     ///   its samples are named as `render` names them: a counter `NAME_total`, a gauge
     ///   `NAME`, a histogram `NAME_bucket`, `NAME_sum` and `NAME_count`;
     /// - a label is an identifier right before `=\"` (the code writes them as
@@ -81,16 +82,20 @@ impl Exported {
     fn from_source(source: &str) -> Exported {
         let code = source.split("#[cfg(test)]").next().expect("split yields a first part");
         let mut families = BTreeMap::new();
-        for block in code.split(": Family = Family {").skip(1) {
-            let block = block.split("};").next().expect("split yields a first part");
-            let name = field(block, "name: \"", '"')
+        for block in code.split(": Family =").skip(1) {
+            let block = block.split(';').next().expect("split yields a first part");
+            let kind = field(block, "Family::", '(')
+                .unwrap_or_else(|| panic!("{METRICS_SOURCE}: a Family without a kind: {block}"));
+            let name = block
+                .split_once('(')
+                .and_then(|(_, args)| args.trim_start().strip_prefix('"'))
+                .and_then(|args| args.split_once('"'))
+                .map(|(name, _)| name)
                 .unwrap_or_else(|| panic!("{METRICS_SOURCE}: a Family without a name: {block}"));
-            let kind = field(block, "kind: Kind::", ',')
-                .unwrap_or_else(|| panic!("{METRICS_SOURCE}: family {name} without a kind"));
             let suffixes: &[&str] = match kind {
-                "Counter" => &["_total"],
-                "Gauge" => &[""],
-                "Histogram" => &["_bucket", "_sum", "_count"],
+                "counter" => &["_total"],
+                "gauge" => &[""],
+                "histogram" => &["_bucket", "_sum", "_count"],
                 other => {
                     panic!("{METRICS_SOURCE}: family {name} has a kind this test lacks: {other}")
                 }
@@ -100,7 +105,7 @@ impl Exported {
         }
         assert!(
             families.contains_key("ublkd_device_info") && families.len() >= 5,
-            "{METRICS_SOURCE}: found only {:?}: did its `const X: Family = Family {{` shape change?",
+            "{METRICS_SOURCE}: found only {:?}: did its `const X: Family = Family::KIND(` shape change?",
             families.keys()
         );
         let metrics: BTreeSet<String> = families.values().flatten().cloned().collect();
