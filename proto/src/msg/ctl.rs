@@ -181,17 +181,19 @@ impl ErrorKind {
         }
     }
 
+    /// Every kind but [`ErrorKind::Other`].
+    pub const ALL: [ErrorKind; 6] = [
+        ErrorKind::NoSuchDevice,
+        ErrorKind::AlreadyExists,
+        ErrorKind::Busy,
+        ErrorKind::NotSupported,
+        ErrorKind::BadArgument,
+        ErrorKind::PermissionDenied,
+    ];
+
     /// The kind named `name`; [`ErrorKind::Other`] for a name not known here.
     pub fn from_name(name: &str) -> ErrorKind {
-        const ALL: [ErrorKind; 6] = [
-            ErrorKind::NoSuchDevice,
-            ErrorKind::AlreadyExists,
-            ErrorKind::Busy,
-            ErrorKind::NotSupported,
-            ErrorKind::BadArgument,
-            ErrorKind::PermissionDenied,
-        ];
-        ALL.into_iter().find(|k| k.name() == name).unwrap_or(ErrorKind::Other)
+        Self::ALL.into_iter().find(|k| k.name() == name).unwrap_or(ErrorKind::Other)
     }
 }
 
