@@ -9,6 +9,8 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use ublkd_proto::mountinfo;
+
 /// The filesystems the driver makes and grows.
 pub const FILESYSTEMS: [&str; 2] = ["ext4", "xfs"];
 
@@ -98,35 +100,14 @@ fn parse_mountinfo(table: &str) -> Vec<MountEntry> {
             let fields: Vec<&str> = line.split(' ').collect();
             let (major, minor) = fields.get(2)?.split_once(':')?;
             let dev = libc::makedev(major.parse().ok()?, minor.parse().ok()?);
-            let root = unescape(fields.get(3)?);
-            let mount_point = PathBuf::from(unescape(fields.get(4)?));
+            let root = mountinfo::unescape(fields.get(3)?);
+            let mount_point = PathBuf::from(mountinfo::unescape(fields.get(4)?));
             let read_only = fields.get(5)?.split(',').any(|o| o == "ro");
             let sep = fields.iter().position(|f| *f == "-")?;
             let fs_type = fields.get(sep + 1)?.to_string();
             Some(MountEntry { dev, root, mount_point, read_only, fs_type })
         })
         .collect()
-}
-
-/// mountinfo writes space, tab, newline and backslash in a path as `\ooo`.
-fn unescape(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes.get(i + 1..i + 4).filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
-        match (bytes[i], octal) {
-            (b'\\', Some(d)) => {
-                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
-                i += 4;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The filesystem on `node` as blkid finds it by probing the disk, `None` if it finds
@@ -261,11 +242,5 @@ mod tests {
         assert!(entries[1].read_only);
         assert_eq!(entries[1].fs_type, "ext4");
         assert_eq!(entries[1].root, "/");
-    }
-
-    #[test]
-    fn octal_escapes_are_undone_and_lone_backslashes_kept() {
-        assert_eq!(unescape("a\\011b\\134c"), "a\tb\\c");
-        assert_eq!(unescape("a\\9"), "a\\9");
     }
 }

@@ -17,6 +17,7 @@ pub mod codec;
 pub mod ctrl;
 pub mod errno;
 pub mod exit;
+pub mod mountinfo;
 pub mod msg;
 pub mod nbd;
 pub mod shm;

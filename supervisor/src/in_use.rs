@@ -20,6 +20,8 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use ublkd_proto::mountinfo;
+
 /// A device number as `major:minor`.
 pub type DevNum = (u32, u32);
 
@@ -231,30 +233,8 @@ pub fn mount_point(mountinfo: &str, nums: &[DevNum]) -> Option<PathBuf> {
         let mut fields = line.split(' ');
         let num = parse_dev_num(fields.nth(2)?)?;
         let at = fields.nth(1)?;
-        nums.contains(&num).then(|| PathBuf::from(unescape(at)))
+        nums.contains(&num).then(|| PathBuf::from(mountinfo::unescape(at)))
     })
-}
-
-/// mountinfo's octal escapes (`\040`, `\011`, `\012`, `\134`) undone.
-fn unescape(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes.get(i + 1..i + 4).filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
-        match (bytes[i], octal) {
-            (b'\\', Some(d)) => {
-                let v = d.iter().fold(0u32, |v, b| v * 8 + u32::from(b - b'0'));
-                out.push(v as u8);
-                i += 4;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The outcome of claiming a device's disk for a delete.
