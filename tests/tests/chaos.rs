@@ -409,7 +409,15 @@ fn restart_limit_holds_io_until_ublkctl_recover_and_recover_reports_plainly() {
     wait_for_io(&daemon.ctl, &[id]);
 
     // Kill every new worker as soon as it shows, until ublkd gives up.
-    let (dev, killed) = kill_until_restart_limit(&daemon, id);
+    let (_, killed) = kill_until_restart_limit(&daemon, id);
+    // ublkd gives up as soon as it reaps the last worker; the kernel quiesces the
+    // device when it releases that worker's /dev/ublkc, which io_uring's teardown can
+    // do a little later (CI saw LIVE with the note already set).
+    let dev = wait_for("the kernel to quiesce the device", Duration::from_secs(20), || {
+        let dev = daemon.ctl.device(id)?;
+        Ok((dev["state"] == "QUIESCED").then_some(dev))
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}", daemon.ctl.device(id)));
 
     // The device waits QUIESCED with fio's I/O held, and says what to do.
     let note = dev["note"].as_str().unwrap();
