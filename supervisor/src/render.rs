@@ -9,9 +9,11 @@ use ublkd_proto::shm::LatencySnapshot;
 
 use crate::metrics::{Quantile, quantile};
 
-/// `ublkctl list`: per device, the two lines the kernel selftests parse.
-pub fn listing(dev: &DevListing) -> String {
-    format!(
+/// `ublkctl list`: per device, the two lines the kernel selftests parse, then a third
+/// with what ublkd knows of it (`identity`, its status; absent if the device went
+/// between the two requests): target, size, read-only, name and backing.
+pub fn listing(dev: &DevListing, identity: Option<&DevStatus>) -> String {
+    let mut out = format!(
         "dev id {}: nr_hw_queues {} queue_depth {} block size {} dev_capacity {}\n\
          \tmax rq size {} daemon pid {} flags {:#x} state {}\n",
         dev.id,
@@ -23,7 +25,23 @@ pub fn listing(dev: &DevListing) -> String {
         dev.daemon_pid,
         dev.flags,
         dev.state
-    )
+    );
+    if let Some(s) = identity {
+        out.push_str(&format!(
+            "\ttarget {} size {} read-only {} name {} backing {}\n",
+            s.target,
+            s.size_bytes,
+            if s.read_only { "yes" } else { "no" },
+            s.name.as_deref().unwrap_or("-"),
+            s.backing.as_deref().unwrap_or("-"),
+        ));
+    }
+    out
+}
+
+/// The status of device `id` among `statuses`, for [`listing`] and [`listing_json`].
+pub fn identity_of(statuses: &[DevStatus], id: u32) -> Option<&DevStatus> {
+    statuses.iter().find(|s| s.id == id)
 }
 
 /// The version of every `--json` object's schema, in its `"schema"` field.
@@ -155,12 +173,19 @@ pub fn deleted_json(ids: &[u32]) -> String {
     json!({"schema": SCHEMA, "deleted": ids}).to_string()
 }
 
-/// `ublkctl list --json`: the fields of [`listing`]'s two lines.
-pub fn listing_json(devs: &[DevListing]) -> String {
+/// `ublkctl list --json`: the fields of [`listing`]'s lines (the third's null if the
+/// device went between the two requests).
+pub fn listing_json(devs: &[DevListing], statuses: &[DevStatus]) -> String {
     let devices: Vec<_> = devs
         .iter()
         .map(|d| {
+            let s = identity_of(statuses, d.id);
             json!({
+                "target": s.map(|s| s.target.as_str()),
+                "size_bytes": s.map(|s| s.size_bytes),
+                "read_only": s.map(|s| s.read_only),
+                "name": s.and_then(|s| s.name.as_deref()),
+                "backing": s.and_then(|s| s.backing.as_deref()),
                 "id": d.id,
                 "nr_hw_queues": d.nr_hw_queues,
                 "queue_depth": d.queue_depth,
@@ -298,11 +323,47 @@ mod tests {
             flags: 0x8058,
             state: "LIVE".into(),
         };
+        let selftests = "dev id 3: nr_hw_queues 2 queue_depth 128 block size 512 \
+                         dev_capacity 2097152\n\
+                         \tmax rq size 524288 daemon pid 77 flags 0x8058 state LIVE\n";
+        assert_eq!(listing(&d, None), selftests);
+        // ublkd's own line comes after them, for the device whose status it is.
+        let status = DevStatus { id: 3, ..a_device() };
         assert_eq!(
-            listing(&d),
-            "dev id 3: nr_hw_queues 2 queue_depth 128 block size 512 dev_capacity 2097152\n\
-             \tmax rq size 524288 daemon pid 77 flags 0x8058 state LIVE\n"
+            listing(&d, identity_of(&[a_device(), status.clone()], 3)),
+            format!(
+                "{selftests}\ttarget loop size 4096 read-only yes name db backing /srv/db.img\n"
+            )
         );
+        let statuses = [DevStatus { name: None, backing: None, read_only: false, ..status }];
+        let plain = listing(&d, identity_of(&statuses, 3));
+        assert!(plain.ends_with("\ttarget loop size 4096 read-only no name - backing -\n"));
+        let v: serde_json::Value =
+            serde_json::from_str(&listing_json(&[d], &[a_device()])).unwrap();
+        // Device 1's status is not device 3's: null, not another device's.
+        assert_eq!(v["devices"][0]["id"], 3);
+        assert!(v["devices"][0]["backing"].is_null() && v["devices"][0]["target"].is_null());
+    }
+
+    #[test]
+    fn list_json_names_what_backs_the_device() {
+        let d = DevListing {
+            id: 1,
+            nr_hw_queues: 1,
+            queue_depth: 8,
+            block_size: 512,
+            dev_capacity: 8,
+            max_rq_size: 4096,
+            daemon_pid: 9,
+            flags: 0,
+            state: "LIVE".into(),
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&listing_json(&[d], &[a_device()])).unwrap();
+        let dev = &v["devices"][0];
+        assert_eq!(dev["backing"], "/srv/db.img");
+        assert_eq!((&dev["name"], &dev["read_only"]), (&"db".into(), &true.into()));
+        assert_eq!((&dev["target"], &dev["size_bytes"]), (&"loop".into(), &4096.into()));
     }
 
     fn a_device() -> DevStatus {

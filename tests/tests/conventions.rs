@@ -175,6 +175,10 @@ fn every_command_prints_the_json_docs_json_md_documents() {
 
     let list = follows_schema("`ublkctl list`", &json_ok(&ublkd, &["list"]));
     assert_eq!(list["devices"][0]["id"], id);
+    assert_eq!(
+        (&list["devices"][0]["target"], &list["devices"][0]["read_only"]),
+        (&"null".into(), &false.into())
+    );
     let status = follows_schema("`ublkctl status`", &json_ok(&ublkd, &["status", "-n", &ids]));
     assert_eq!(status["devices"][0]["state"], "LIVE");
     let metrics = follows_schema("`ublkctl metrics`", &json_ok(&ublkd, &["metrics"]));

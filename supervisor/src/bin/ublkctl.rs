@@ -185,8 +185,22 @@ fn main() -> ExitCode {
                 eprintln!("deleted device {id}");
             }
         }
-        Ok(CtlResponse::List(devs)) if json => println!("{}", render::listing_json(&devs)),
-        Ok(CtlResponse::List(devs)) => devs.iter().for_each(|d| print!("{}", render::listing(d))),
+        Ok(CtlResponse::List(devs)) => {
+            // What backs each device, its name and size are ublkd's, not the kernel's:
+            // every device's status, joined by id (one that went between the two
+            // requests has none).
+            let statuses = match call(&cli.socket, &CtlRequest::Status { id: None }) {
+                Ok(CtlResponse::Status(s)) => s,
+                _ => Vec::new(),
+            };
+            if json {
+                println!("{}", render::listing_json(&devs, &statuses));
+            } else {
+                for d in &devs {
+                    print!("{}", render::listing(d, render::identity_of(&statuses, d.id)));
+                }
+            }
+        }
         Ok(CtlResponse::Recovered { id, message }) if json => {
             println!("{}", render::done_json(id, None, &message))
         }
