@@ -762,10 +762,28 @@ fn an_image_without_exclusive_lock_is_served_writable_only_where_allowed() {
     );
     eprintln!("writable, no exclusive-lock: {said}");
 
-    // Read-only: served (it writes nothing, so needs no lock).
+    // Read-only: served (it writes nothing, so needs no lock). The kernel's disk is
+    // read-only, a write is refused, and the image keeps its data.
     cluster.write(refused, 0, &tagged(3));
     let ro = add_rbd_with(&ublkd, cluster, &spec, &["--read-only"]);
-    assert_eq!(read_block(&block_dev(ro), 0), tagged(3), "the read-only device's data");
+    let node = block_dev(ro);
+    assert_eq!(read_block(&node, 0), tagged(3), "the read-only device's data");
+    let getro = run_ok(Command::new("blockdev").arg("--getro").arg(&node));
+    assert_eq!(getro.trim(), "1", "{} is not read-only to the kernel", node.display());
+    let refused_write = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&node)
+        .and_then(|mut f| f.write_all(&Block([0xee; BLOCK]).0).and_then(|()| f.sync_all()));
+    let errno = refused_write.as_ref().err().and_then(|e| e.raw_os_error());
+    assert!(
+        [libc::EROFS, libc::EPERM, libc::EACCES].map(Some).contains(&errno),
+        "a write to the read-only rbd device: {refused_write:?}"
+    );
+    let status = ublkd.status_of(ro);
+    assert_eq!((&status["read_only"], &status["writes"]), (&json!(true), &json!(0)), "{status}");
+    assert_eq!(status["backing"], spec.as_str(), "{status}");
+    assert_eq!(cluster.read(refused, None, 0, BLOCK), tagged(3), "the image changed");
     ublkd.del(ro);
     // Nor does a read-only device take the lock of an image that has the feature.
     let locked = "read-only-locked";
