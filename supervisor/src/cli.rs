@@ -223,7 +223,8 @@ pub enum UblkctlCommand {
         #[arg(long)]
         force: bool,
     },
-    /// List devices in the kernel selftests' two-line format.
+    /// List devices: the kernel selftests' two lines, then target, size, read-only, name
+    /// and backing.
     List {
         /// Only this device (its id or name).
         #[arg(short = 'n', long = "id", value_name = "ID|NAME")]
