@@ -485,7 +485,10 @@ fn readme_tour() {
                 assert!(out.contains("recovered"), "no recovery in the journal: {out}")
             }
             l if l.starts_with("ublkctl metrics") => {
-                assert!(out.contains("ublkd_device_io") && out.contains("# EOF"), "{out}")
+                assert!(
+                    out.contains("ublkd_device_requests_total") && out.contains("# EOF"),
+                    "{out}"
+                )
             }
             l if l.starts_with("systemctl reload") => assert_live(&[0, TOUR_CONFIGURED]),
             _ => {}
