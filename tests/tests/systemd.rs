@@ -580,6 +580,10 @@ fn install_package() {
         "/usr/share/bash-completion/completions/ublkctl",
         "/usr/share/zsh/vendor-completions/_ublkctl",
         "/usr/share/fish/vendor_completions.d/ublkctl.fish",
+        "/usr/share/ublkd/monitoring/ublkd.rules.yml",
+        "/usr/share/ublkd/monitoring/ublkd.rules.test.yml",
+        "/usr/share/ublkd/monitoring/ublkd-dashboard.json",
+        "/usr/share/doc/ublkd/copyright",
         CONFIG,
     ] {
         assert!(Path::new(path).exists(), "the package did not install {path}");
