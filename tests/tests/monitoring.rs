@@ -82,7 +82,7 @@ impl Exported {
     /// - a label is an identifier right before `=\"` (the code writes them as
     ///   `device=\"{}\"`), `le` included;
     /// - every other string literal there that starts with `ublkd_` (a sample name
-    ///   written out, such as `"ublkd_device_io_total"`) must be one of the above, so a
+    ///   written out, such as `"ublkd_device_requests_total"`) must be one of the above, so a
     ///   sample written outside the families fails here rather than go unchecked.
     fn from_source(source: &str) -> Exported {
         let code = source.split("#[cfg(test)]").next().expect("split yields a first part");
