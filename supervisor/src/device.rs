@@ -33,7 +33,7 @@ pub use worker_death::WorkerDeath;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use ublkd_config::DeviceSpec;
 use ublkd_proto::ctrl::{AUTO_DEV_ID, CtrlClient, CtrlError};
@@ -168,6 +168,9 @@ pub struct Device {
     recoveries: u64,
     last_recovery_ms: Option<u64>,
     last_recovery_reason: Option<String>,
+    /// When the last recovery put the device back LIVE (wall-clock, for the metrics'
+    /// last-recovery timestamp): set where a recovery ends, releasing to LIVE.
+    last_recovered_at: Option<SystemTime>,
     /// Times the active worker exited or was killed (each one a worker restart).
     worker_restarts: u64,
     restart_budget: RestartBudget,
@@ -238,6 +241,7 @@ impl Device {
             recoveries: 0,
             last_recovery_ms: None,
             last_recovery_reason: None,
+            last_recovered_at: None,
             worker_restarts: 0,
             restart_budget: RestartBudget::default(),
             standby_schedule: StandbySchedule::default(),
@@ -382,6 +386,11 @@ impl Device {
         self.last_recovery_reason.as_deref()
     }
 
+    /// When the last counted recovery put the device back LIVE.
+    pub fn last_recovered_at(&self) -> Option<SystemTime> {
+        self.last_recovered_at
+    }
+
     /// How many times the serving worker exited or was killed as hung.
     pub fn worker_restarts(&self) -> u64 {
         self.worker_restarts
@@ -398,6 +407,11 @@ impl Device {
             return Err(e);
         }
         let old = std::mem::replace(&mut self.state, to);
+        // Releasing to LIVE is a recovery's end and nothing else (fail-io ends in
+        // FailingIo): the one place that sees it without the recovery code knowing.
+        if old.kind() == StateKind::Releasing && self.state.kind() == StateKind::Live {
+            self.last_recovered_at = Some(SystemTime::now());
+        }
         kill_all(old.into_workers());
         Ok(())
     }

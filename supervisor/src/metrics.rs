@@ -8,6 +8,13 @@
 //! takes for another metric and so loses the counter's type; it has `# UNIT` lines and
 //! ends with `# EOF`, which that parser skips as comments.
 //!
+//! The names follow Prometheus's conventions, so that rules need no regex on prose:
+//! every per-device series has `device="ublkbN"` (node_exporter's `node_disk_*`
+//! label, to join on) and `id="N"`; the state is a state-set (`ublkd_device_state`,
+//! snake_case values, 1 for the device's); names carry their unit and what they
+//! count. The names are an interface: packaging/monitoring's rules and dashboard use
+//! them, and tests/tests/monitoring.rs checks they exist here.
+//!
 //! Everything counted comes from the shared region, where the worker may have written
 //! anything: the values are only printed. Histogram buckets are made cumulative with
 //! saturating additions ([`LatencySnapshot::cumulative`]), so they never decrease
@@ -22,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use ublkd_proto::msg::DevMetrics;
 
+use crate::device_state::StateKind;
 use crate::replace_file::{self, Planted, ReplaceError};
 use ublkd_proto::shm::{LATENCY_BUCKETS, LatencyOp, LatencySnapshot, latency_bucket_bound_us};
 
@@ -71,6 +79,14 @@ impl Family {
         Family { name, kind: Kind::Histogram, help }
     }
 
+    /// The name of the family's samples (a histogram's are its name and a suffix).
+    fn sample_name(&self) -> String {
+        match self.kind {
+            Kind::Counter => format!("{}_total", self.name),
+            _ => self.name.to_string(),
+        }
+    }
+
     /// The family's unit: OpenMetrics wants a unit to end the name, so the name's
     /// suffix says it.
     fn unit(&self) -> Option<&'static str> {
@@ -80,93 +96,156 @@ impl Family {
     }
 }
 
+const BUILD_INFO: Family =
+    Family::gauge("ublkd_build_info", "The ublkd that wrote these numbers, by version (always 1).");
+const DEVICES: Family = Family::gauge(
+    "ublkd_devices",
+    "Devices ublkd serves, by ublkd's state of them (every state, 0 when none).",
+);
 const INFO: Family = Family::gauge(
     "ublkd_device_info",
-    "A device ublkd serves, with its target and ublkd's state of it (always 1).",
+    "A device ublkd serves, with what does not change while it is served (always 1).",
 );
-const IO: Family =
-    Family::counter("ublkd_device_io", "Requests the device's workers completed, by operation.");
+const STATE: Family = Family::gauge(
+    "ublkd_device_state",
+    "ublkd's state of the device: 1 for the state it is in, 0 for every other.",
+);
+const REQUESTS: Family = Family::counter(
+    "ublkd_device_requests",
+    "Requests the device's workers completed, by operation, failed ones included.",
+);
+const ERRORS: Family = Family::counter(
+    "ublkd_device_request_errors",
+    "Requests completed with an error, of every operation (op is all: the workers count \
+     them together).",
+);
 const BYTES: Family = Family::counter(
-    "ublkd_device_io_bytes",
+    "ublkd_device_bytes",
     "Bytes read or written by the device's successful requests.",
 );
-const ERRORS: Family =
-    Family::counter("ublkd_device_io_errors", "Requests completed with an error.");
 const INFLIGHT: Family = Family::gauge(
-    "ublkd_device_inflight",
+    "ublkd_device_inflight_requests",
     "Requests waiting at the device's backend, as of the workers' last loop turns.",
 );
 const RECOVERIES: Family = Family::counter(
     "ublkd_device_recoveries",
     "Recoveries of the device onto a new worker since ublkd started.",
 );
-const LAST_STALL: Family = Family::gauge(
-    "ublkd_device_last_stall_seconds",
-    "The last recovery's I/O stall, from the worker's death seen to LIVE.",
+const LAST_RECOVERY: Family = Family::gauge(
+    "ublkd_device_last_recovery_timestamp_seconds",
+    "When the last recovery put the device back LIVE, in seconds since the Unix epoch.",
+);
+const LAST_RECOVERY_DURATION: Family = Family::gauge(
+    "ublkd_device_last_recovery_duration_seconds",
+    "How long the last recovery held the device's I/O, from the worker's death seen to LIVE.",
 );
 const RESTARTS: Family = Family::counter(
     "ublkd_device_worker_restarts",
     "Times the device's serving worker exited or was killed as hung since ublkd started.",
 );
 const LATENCY: Family = Family::histogram(
-    "ublkd_device_io_latency_seconds",
+    "ublkd_device_request_duration_seconds",
     "Time from a request's FETCH to its COMMIT in the worker, by operation.",
 );
+
+/// The shared region's latency buckets (bucket `i` holds requests of at most 2^i µs)
+/// whose bounds the exposition keeps, every eighth-fold from 16 µs to 4.19 s: what an
+/// operator reads from a histogram, 8 series per operation instead of 25. The others
+/// are merged into the next kept one (the counts are cumulative, so merging is
+/// leaving a bound out); `ublkctl status`'s quantiles still use every bucket.
+const EXPOSED_BUCKETS: [usize; 7] = [4, 7, 10, 13, 16, 19, 22];
+
+/// ublkd's device states as the `state` label says them (snake_case, stable): the
+/// prose of [`StateKind`]'s `Display` is for people and may change.
+fn state_label(kind: StateKind) -> &'static str {
+    match kind {
+        StateKind::Starting => "starting",
+        StateKind::Adopted => "adopted",
+        StateKind::Live => "live",
+        StateKind::Hung => "hung",
+        StateKind::Recovering => "recovering",
+        StateKind::Releasing => "releasing",
+        StateKind::WaitingForOperator => "waiting_for_operator",
+        StateKind::FailingIo => "failing_io",
+    }
+}
+
+/// The state [`DevMetrics::state`] names (ublkd sends `StateKind`'s `Display`), or
+/// `None` for a text no state has (a ublkd of another version).
+fn state_of(text: &str) -> Option<StateKind> {
+    StateKind::ALL.into_iter().find(|k| k.to_string() == text)
+}
 
 /// One number of a device, if it has one, as sample text.
 type DeviceValue = fn(&DevMetrics) -> Option<String>;
 
 /// `devs` as `format` text.
 pub fn render(devs: &[DevMetrics], format: Format) -> String {
-    let mut out = Out { text: String::with_capacity(devs.len() * 12 * 1024), format };
+    let mut out = Out { text: String::with_capacity(devs.len() * 8 * 1024), format };
+    out.family(&BUILD_INFO);
+    out.sample(BUILD_INFO.name, &format!("version=\"{}\"", escape(env!("CARGO_PKG_VERSION"))), "1");
+    out.family(&DEVICES);
+    let states: Vec<Option<StateKind>> = devs.iter().map(|d| state_of(&d.state)).collect();
+    for kind in StateKind::ALL {
+        let n = states.iter().filter(|s| **s == Some(kind)).count();
+        out.sample(DEVICES.name, &format!("state=\"{}\"", state_label(kind)), &n.to_string());
+    }
     out.family(&INFO);
     for d in devs {
-        let labels = format!(
-            "device=\"{}\",target=\"{}\",state=\"{}\"",
-            d.id,
-            escape(&d.target),
-            escape(&d.state)
-        );
+        let name = d.name.as_deref().map(escape).unwrap_or_default();
+        let labels =
+            format!("{},target=\"{}\",name=\"{name}\"", dev_labels(d.id), escape(&d.target));
         out.sample(INFO.name, &labels, "1");
     }
-    out.family(&IO);
+    out.family(&STATE);
+    for (d, state) in devs.iter().zip(&states) {
+        for kind in StateKind::ALL {
+            let labels = format!("{},state=\"{}\"", dev_labels(d.id), state_label(kind));
+            out.sample(STATE.name, &labels, if *state == Some(kind) { "1" } else { "0" });
+        }
+    }
+    out.family(&REQUESTS);
     for d in devs {
         let c = &d.counters;
         let per_op = [c.reads, c.writes, c.flushes, c.discards, c.write_zeroes];
         for (op, n) in LatencyOp::ALL.into_iter().zip(per_op) {
-            out.sample("ublkd_device_io_total", &op_labels(d.id, op), &n.to_string());
+            out.sample(&REQUESTS.sample_name(), &op_labels(d.id, op.name()), &n.to_string());
         }
+    }
+    out.family(&ERRORS);
+    for d in devs {
+        out.sample(&ERRORS.sample_name(), &op_labels(d.id, "all"), &d.counters.errors.to_string());
     }
     out.family(&BYTES);
     for d in devs {
         let c = &d.counters;
         for (op, n) in [(LatencyOp::Read, c.bytes_read), (LatencyOp::Write, c.bytes_written)] {
-            out.sample("ublkd_device_io_bytes_total", &op_labels(d.id, op), &n.to_string());
+            out.sample(&BYTES.sample_name(), &op_labels(d.id, op.name()), &n.to_string());
         }
     }
     let per_device: [(&Family, DeviceValue); 5] = [
-        (&ERRORS, |d| Some(d.counters.errors.to_string())),
         (&INFLIGHT, |d| Some(d.inflight.to_string())),
         (&RECOVERIES, |d| Some(d.recoveries.to_string())),
-        (&LAST_STALL, |d| d.last_stall_ms.map(|ms| format!("{}.{:03}", ms / 1000, ms % 1000))),
+        (&LAST_RECOVERY, |d| {
+            d.last_recovery_unix_ms.map(|ms| format!("{}.{:03}", ms / 1000, ms % 1000))
+        }),
+        (&LAST_RECOVERY_DURATION, |d| {
+            d.last_stall_ms.map(|ms| format!("{}.{:03}", ms / 1000, ms % 1000))
+        }),
         (&RESTARTS, |d| Some(d.worker_restarts.to_string())),
     ];
     for (family, value) in per_device {
         out.family(family);
-        let sample = match family.kind {
-            Kind::Counter => format!("{}_total", family.name),
-            _ => family.name.to_string(),
-        };
         for d in devs {
             if let Some(v) = value(d) {
-                out.sample(&sample, &format!("device=\"{}\"", d.id), &v);
+                out.sample(&family.sample_name(), &dev_labels(d.id), &v);
             }
         }
     }
     out.family(&LATENCY);
     for d in devs {
         for op in LatencyOp::ALL {
-            out.histogram(&op_labels(d.id, op), d.latency.op(op));
+            out.histogram(&op_labels(d.id, op.name()), d.latency.op(op));
         }
     }
     if format == Format::OpenMetrics {
@@ -202,18 +281,27 @@ impl Out {
     fn histogram(&mut self, labels: &str, h: &LatencySnapshot) {
         let name = LATENCY.name;
         let cumulative = h.cumulative();
-        for (i, count) in cumulative.iter().enumerate() {
-            let le = latency_bucket_bound_us(i).map_or_else(|| "+Inf".to_string(), seconds_of_us);
+        let kept = EXPOSED_BUCKETS
+            .into_iter()
+            .filter_map(|i| Some((seconds_of_us(latency_bucket_bound_us(i)?), cumulative[i])));
+        let all = cumulative[LATENCY_BUCKETS - 1];
+        for (le, count) in kept.chain([("+Inf".to_string(), all)]) {
             let _ = writeln!(self.text, "{name}_bucket{{{labels},le=\"{le}\"}} {count}");
         }
         let sum = format!("{}.{:09}", h.sum_ns / 1_000_000_000, h.sum_ns % 1_000_000_000);
         self.sample(&format!("{name}_sum"), labels, &sum);
-        self.sample(&format!("{name}_count"), labels, &cumulative[LATENCY_BUCKETS - 1].to_string());
+        self.sample(&format!("{name}_count"), labels, &all.to_string());
     }
 }
 
-fn op_labels(id: u32, op: LatencyOp) -> String {
-    format!("device=\"{id}\",op=\"{}\"", op.name())
+/// A device's own labels: `device` as the kernel names its disk (what node_exporter's
+/// `node_disk_*` series carry, so the two join), `id` as ublkctl takes it.
+fn dev_labels(id: u32) -> String {
+    format!("device=\"ublkb{id}\",id=\"{id}\"")
+}
+
+fn op_labels(id: u32, op: &str) -> String {
+    format!("{},op=\"{op}\"", dev_labels(id))
 }
 
 /// Microseconds as exact decimal seconds (`16` → `0.000016`): no float rounding, and
@@ -560,13 +648,14 @@ mod tests {
         latency.ops[LatencyOp::Write as usize].buckets[LATENCY_FINITE_BUCKETS] = 2;
         DevMetrics {
             id,
-            state: "LIVE".into(),
+            state: StateKind::Live.to_string(),
             target: "memory".into(),
             counters: CounterSnapshot {
                 reads: 15,
                 writes: 2,
                 bytes_read: 61440,
                 bytes_written: 8192,
+                errors: 4,
                 ..Default::default()
             },
             inflight: 3,
@@ -574,6 +663,8 @@ mod tests {
             last_stall_ms: Some(38),
             worker_restarts: 1,
             latency,
+            last_recovery_unix_ms: Some(1_765_000_000_250),
+            name: Some("db".into()),
         }
     }
 
@@ -597,40 +688,47 @@ mod tests {
     fn openmetrics_text_parses_strictly_and_carries_every_number() {
         let mut quiet = device(9);
         quiet.last_stall_ms = None;
+        quiet.last_recovery_unix_ms = None;
+        quiet.name = None;
+        quiet.state = StateKind::WaitingForOperator.to_string();
         quiet.latency = DevLatency::default();
         let text = render(&[device(3), quiet], Format::OpenMetrics);
         let families = parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
 
-        let dev3 = [("device", "3")];
+        let dev3 = [("device", "ublkb3"), ("id", "3")];
+        let op3 = |op| [("device", "ublkb3"), ("id", "3"), ("op", op)];
         assert_eq!(
-            value(
-                &families,
-                "ublkd_device_io",
-                "ublkd_device_io_total",
-                &[("device", "3"), ("op", "read")]
-            ),
+            value(&families, "ublkd_device_requests", "ublkd_device_requests_total", &op3("read")),
             15.0
         );
         assert_eq!(
             value(
                 &families,
-                "ublkd_device_io_bytes",
-                "ublkd_device_io_bytes_total",
-                &[("device", "3"), ("op", "write")]
+                "ublkd_device_request_errors",
+                "ublkd_device_request_errors_total",
+                &op3("all")
             ),
+            4.0
+        );
+        assert_eq!(
+            value(&families, "ublkd_device_bytes", "ublkd_device_bytes_total", &op3("write")),
             8192.0
         );
-        assert_eq!(families["ublkd_device_io_bytes"].unit.as_deref(), Some("bytes"));
-        assert_eq!(value(&families, "ublkd_device_inflight", "ublkd_device_inflight", &dev3), 3.0);
+        assert_eq!(families["ublkd_device_bytes"].unit.as_deref(), Some("bytes"));
         assert_eq!(
             value(
                 &families,
-                "ublkd_device_last_stall_seconds",
-                "ublkd_device_last_stall_seconds",
+                "ublkd_device_inflight_requests",
+                "ublkd_device_inflight_requests",
                 &dev3
             ),
-            0.038
+            3.0
         );
+        let last = "ublkd_device_last_recovery_timestamp_seconds";
+        assert_eq!(value(&families, last, last, &dev3), 1_765_000_000.25);
+        assert_eq!(families[last].unit.as_deref(), Some("seconds"));
+        let took = "ublkd_device_last_recovery_duration_seconds";
+        assert_eq!(value(&families, took, took, &dev3), 0.038);
         assert_eq!(
             value(
                 &families,
@@ -645,57 +743,106 @@ mod tests {
                 &families,
                 "ublkd_device_info",
                 "ublkd_device_info",
-                &[("device", "9"), ("target", "memory"), ("state", "LIVE")]
+                &[("device", "ublkb3"), ("id", "3"), ("target", "memory"), ("name", "db")]
             ),
             1.0
         );
-        // No stall yet: no sample, rather than a made-up 0.
-        let stalls = &families["ublkd_device_last_stall_seconds"].samples;
-        assert!(stalls.iter().all(|s| s.labels["device"] == "3"), "{stalls:?}");
+        // The state is a state-set: one series per state, the device's at 1.
+        let state = |id: &str, s: &str| {
+            value(
+                &families,
+                "ublkd_device_state",
+                "ublkd_device_state",
+                &[("device", &format!("ublkb{id}")), ("id", id), ("state", s)],
+            )
+        };
+        assert_eq!(state("3", "live"), 1.0);
+        assert_eq!(state("3", "waiting_for_operator"), 0.0);
+        assert_eq!(state("9", "waiting_for_operator"), 1.0);
+        assert_eq!(state("9", "live"), 0.0);
+        assert_eq!(families["ublkd_device_state"].samples.len(), 2 * StateKind::ALL.len());
+        let devices = |s: &str| value(&families, "ublkd_devices", "ublkd_devices", &[("state", s)]);
+        assert_eq!((devices("live"), devices("waiting_for_operator")), (1.0, 1.0));
+        assert_eq!(devices("failing_io"), 0.0);
+        let version = env!("CARGO_PKG_VERSION");
+        assert_eq!(
+            value(&families, "ublkd_build_info", "ublkd_build_info", &[("version", version)]),
+            1.0
+        );
+        // No recovery yet: no sample, rather than a made-up 0.
+        for family in [last, took] {
+            let samples = &families[family].samples;
+            assert!(samples.iter().all(|s| s.labels["id"] == "3"), "{samples:?}");
+        }
 
-        let lat = "ublkd_device_io_latency_seconds";
+        let lat = "ublkd_device_request_duration_seconds";
         let bucket = |le: &str| {
             value(
                 &families,
                 lat,
                 &format!("{lat}_bucket"),
-                &[("device", "3"), ("op", "read"), ("le", le)],
+                &[("device", "ublkb3"), ("id", "3"), ("op", "read"), ("le", le)],
             )
         };
-        assert_eq!(bucket("0.000004"), 0.0);
-        assert_eq!(bucket("0.000008"), 10.0);
-        assert_eq!(bucket("0.000032"), 15.0);
-        assert_eq!(bucket("8.388608"), 15.0);
+        // 10 requests of at most 8 µs and 5 of at most 32 µs: the 8 µs bucket is
+        // merged into 16 µs, the 32 µs one into 128 µs.
+        assert_eq!(bucket("0.000016"), 10.0);
+        assert_eq!(bucket("0.000128"), 15.0);
+        assert_eq!(bucket("4.194304"), 15.0);
         assert_eq!(bucket("+Inf"), 15.0);
+        let les: Vec<&str> = families[lat]
+            .samples
+            .iter()
+            .filter(|s| s.name.ends_with("_bucket") && s.labels["id"] == "3")
+            .filter(|s| s.labels["op"] == "read")
+            .map(|s| s.labels["le"].as_str())
+            .collect();
         assert_eq!(
-            value(&families, lat, &format!("{lat}_sum"), &[("device", "3"), ("op", "read")]),
-            1.500000123
+            les,
+            [
+                "0.000016", "0.000128", "0.001024", "0.008192", "0.065536", "0.524288", "4.194304",
+                "+Inf"
+            ]
         );
-        assert_eq!(
-            value(&families, lat, &format!("{lat}_count"), &[("device", "3"), ("op", "write")]),
-            2.0
-        );
+        assert_eq!(value(&families, lat, &format!("{lat}_sum"), &op3("read")), 1.500000123);
+        assert_eq!(value(&families, lat, &format!("{lat}_count"), &op3("write")), 2.0);
         // Every op of every device has its histogram, empty or not.
         let counts = families[lat].samples.iter().filter(|s| s.name.ends_with("_count")).count();
         assert_eq!(counts, 2 * LatencyOp::ALL.len());
     }
 
     #[test]
-    fn scribbled_counts_render_as_a_valid_monotone_histogram() {
+    fn every_state_has_its_own_snake_case_label() {
+        let labels: BTreeSet<&str> = StateKind::ALL.into_iter().map(state_label).collect();
+        assert_eq!(labels.len(), StateKind::ALL.len());
+        for label in &labels {
+            assert!(label.chars().all(|c| c.is_ascii_lowercase() || c == '_'), "{label}");
+        }
+        for kind in StateKind::ALL {
+            assert_eq!(state_of(&kind.to_string()), Some(kind));
+        }
+    }
+
+    #[test]
+    fn scribbled_counts_and_an_unknown_state_render_valid_text() {
         let mut d = device(1);
         for op in &mut d.latency.ops {
             op.buckets = [u64::MAX; LATENCY_BUCKETS];
             op.sum_ns = u64::MAX;
         }
         d.state = "UNKNOWN (a \"quoted\"\\ta\nb)".into();
+        d.name = Some("a \"quoted\"\\name\n".into());
         let text = render(&[d.clone()], Format::OpenMetrics);
         let families = parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         let info = &families["ublkd_device_info"].samples[0];
-        assert_eq!(info.labels["state"], d.state);
+        assert_eq!(info.labels["name"], d.name.unwrap());
+        // A state ublkd does not know (another version's) is none of the set's.
+        assert!(families["ublkd_device_state"].samples.iter().all(|s| s.value == 0.0));
+        assert!(families["ublkd_devices"].samples.iter().all(|s| s.value == 0.0));
         let max = u64::MAX.to_string();
-        assert!(text.contains(&format!("le=\"0.000001\"}} {max}\n")), "{text}");
+        assert!(text.contains(&format!("le=\"0.000016\"}} {max}\n")), "{text}");
         assert!(text.contains(&format!(
-            "ublkd_device_io_latency_seconds_count{{device=\"1\",op=\"read\"}} {max}\n"
+            "ublkd_device_request_duration_seconds_count{{device=\"ublkb1\",id=\"1\",op=\"read\"}} {max}\n"
         )));
     }
 
@@ -703,15 +850,19 @@ mod tests {
     fn the_parser_refuses_what_openmetrics_forbids() {
         let good = render(&[device(3)], Format::OpenMetrics);
         assert!(parse_openmetrics(&good).is_ok());
+        let read = "device=\"ublkb3\",id=\"3\",op=\"read\"";
         let broken = [
             good.replace("# EOF\n", ""),
-            good.replace("le=\"0.000016\"} 10", "le=\"0.000016\"} 9"),
-            good.replace("le=\"+Inf\"} 15", "le=\"+Inf\"} 16"),
             good.replace(
-                "ublkd_device_io_total{device=\"3\",op=\"read\"}",
-                "ublkd_device_io{device=\"3\",op=\"read\"}",
+                &format!("{read},le=\"0.000128\"}} 15"),
+                &format!("{read},le=\"0.000128\"}} 9"),
             ),
-            good.replace("# TYPE ublkd_device_inflight gauge\n", ""),
+            good.replace(&format!("{read},le=\"+Inf\"}} 15"), &format!("{read},le=\"+Inf\"}} 16")),
+            good.replace(
+                &format!("ublkd_device_requests_total{{{read}}}"),
+                &format!("ublkd_device_requests{{{read}}}"),
+            ),
+            good.replace("# TYPE ublkd_device_inflight_requests gauge\n", ""),
             good.replace("# EOF\n", "\n# EOF\n"),
             format!("{good}x 1\n"),
         ];
@@ -730,8 +881,8 @@ mod tests {
             text.lines().filter(|l| !l.starts_with('#')).map(str::to_string).collect()
         };
         assert_eq!(samples(&om), samples(&prom));
-        assert!(prom.contains("# TYPE ublkd_device_io_total counter\n"), "{prom}");
-        assert!(prom.contains("# TYPE ublkd_device_io_latency_seconds histogram\n"));
+        assert!(prom.contains("# TYPE ublkd_device_requests_total counter\n"), "{prom}");
+        assert!(prom.contains("# TYPE ublkd_device_request_duration_seconds histogram\n"));
         assert!(!prom.contains("# EOF") && !prom.contains("# UNIT"), "{prom}");
         // Every line is metadata or a sample of the family named last.
         let mut family = "";
@@ -746,10 +897,12 @@ mod tests {
     }
 
     #[test]
-    fn no_devices_is_metadata_and_eof() {
+    fn no_devices_is_build_info_zero_counts_and_eof() {
         let text = render(&[], Format::OpenMetrics);
-        assert!(parse_openmetrics(&text).is_ok(), "{text}");
-        assert!(text.lines().all(|l| l.starts_with('#')));
+        let families = parse_openmetrics(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(samples.len(), 1 + StateKind::ALL.len(), "{text}");
+        assert!(families["ublkd_devices"].samples.iter().all(|s| s.value == 0.0));
     }
 
     #[test]
@@ -805,7 +958,12 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         let text = std::fs::read_to_string(&path).unwrap();
-        assert!(text.contains("ublkd_device_io_total{device=\"5\",op=\"read\"} 15\n"), "{text}");
+        assert!(
+            text.contains(
+                "ublkd_device_requests_total{device=\"ublkb5\",id=\"5\",op=\"read\"} 15\n"
+            ),
+            "{text}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -63,8 +63,9 @@ fn a_worker_that_scribbles_over_its_region_and_dies_leaves_ublkd_up_and_data_int
     // counters): they still render, as a valid histogram.
     let metrics = ublkd.ctl_ok(&["metrics"]);
     assert!(metrics.ends_with("# EOF\n"), "{metrics}");
-    let count =
-        format!("ublkd_device_io_latency_seconds_count{{device=\"{victim}\",op=\"read\"}} ");
+    let count = format!(
+        "ublkd_device_request_duration_seconds_count{{device=\"ublkb{victim}\",id=\"{victim}\",op=\"read\"}} "
+    );
     assert!(metrics.contains(&count), "{metrics}");
     // The new incarnation's region was rewritten by ublkd: it validates again. (The
     // status polls above may have caught the scribbled region before the worker's

@@ -1,7 +1,9 @@
 //! Metrics end to end (in the VM): fio on a loop device, then `ublkctl metrics` read
 //! by an independent parser (python3-prometheus-client's OpenMetrics parser, installed
 //! by tests/vm/install-host-deps.sh), its latency histograms holding fio's I/O, p50/p99
-//! in status, and `daemon.metrics_file` written and replaced whole.
+//! in status, the state-set and the recovery counter and timestamp after a worker's
+//! death, the `device` label the kernel's disk name (what node_exporter's
+//! `node_disk_*` series carry), and `daemon.metrics_file` written and replaced whole.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
@@ -104,23 +106,47 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
     let text = ublkd.ctl_ok(&["metrics"]);
     assert!(text.ends_with("# EOF\n"), "{text}");
     let samples = parse(&text, "openmetrics").unwrap_or_else(|e| panic!("{e}"));
-    let device = id.to_string();
+    // `device` is the disk's name as the kernel gives it, which node_exporter's
+    // node_disk_* series carry: the two join on it.
+    let device = dev.file_name().unwrap().to_str().unwrap().to_string();
+    assert_eq!(device, format!("ublkb{id}"));
+    let id_label = id.to_string();
+    let dev_labels = [("device", device.as_str()), ("id", id_label.as_str())];
     for (op, fio_count) in [("read", fio_reads), ("write", fio_writes)] {
-        let labels = [("device", device.as_str()), ("op", op)];
-        let count = value(&samples, "ublkd_device_io_latency_seconds_count", &labels);
-        let total = value(&samples, "ublkd_device_io_total", &labels);
+        let labels = [dev_labels[0], dev_labels[1], ("op", op)];
+        let count = value(&samples, "ublkd_device_request_duration_seconds_count", &labels);
+        let total = value(&samples, "ublkd_device_requests_total", &labels);
         assert!(count >= fio_count as f64, "{op}: histogram {count} < fio's {fio_count}");
         assert_eq!(count, total, "{op}: histogram and counter disagree");
-        let inf = [("device", device.as_str()), ("op", op), ("le", "+Inf")];
-        assert_eq!(value(&samples, "ublkd_device_io_latency_seconds_bucket", &inf), count);
-        let sum = value(&samples, "ublkd_device_io_latency_seconds_sum", &labels);
+        let inf = [dev_labels[0], dev_labels[1], ("op", op), ("le", "+Inf")];
+        assert_eq!(value(&samples, "ublkd_device_request_duration_seconds_bucket", &inf), count);
+        let sum = value(&samples, "ublkd_device_request_duration_seconds_sum", &labels);
         assert!(sum > 0.0, "{op}: latency sum {sum}");
     }
+    let errors = [dev_labels[0], dev_labels[1], ("op", "all")];
+    assert_eq!(value(&samples, "ublkd_device_request_errors_total", &errors), 0.0, "{text}");
     let families: Vec<&str> = samples.iter().filter_map(|s| s["family"].as_str()).collect();
-    for family in ["ublkd_device_io_errors", "ublkd_device_inflight", "ublkd_device_recoveries"] {
+    for family in ["ublkd_device_inflight_requests", "ublkd_device_recoveries"] {
         assert!(families.contains(&family), "no {family} in:\n{text}");
     }
     assert!(families.contains(&"ublkd_device_worker_restarts"), "{text}");
+    // The state as a state-set: live at 1, every other state at 0; the count by state.
+    let state = |samples: &[serde_json::Value], s: &str| {
+        value(samples, "ublkd_device_state", &[dev_labels[0], dev_labels[1], ("state", s)])
+    };
+    assert_eq!(state(&samples, "live"), 1.0, "{text}");
+    for other in ["starting", "recovering", "releasing", "waiting_for_operator", "failing_io"] {
+        assert_eq!(state(&samples, other), 0.0, "{other}: {text}");
+    }
+    assert_eq!(value(&samples, "ublkd_devices", &[("state", "live")]), 1.0, "{text}");
+    let info = [dev_labels[0], dev_labels[1], ("target", "loop"), ("name", "")];
+    let info_found = samples.iter().any(|s| {
+        s["name"] == "ublkd_device_info"
+            && info.iter().all(|(k, v)| s["labels"].get(*k).map_or(v.is_empty(), |l| l == v))
+    });
+    assert!(info_found, "no ublkd_device_info{info:?} in:\n{text}");
+    assert!(!text.contains("ublkd_device_last_recovery_timestamp_seconds{"), "{text}");
+    assert!(text.contains("ublkd_build_info{version=\""), "{text}");
 
     // Status: p50 and p99 from the same histogram.
     let status = ublkd.status_of(id);
@@ -130,6 +156,22 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
     let line = ublkd.ctl_ok(&["status"]);
     assert!(line.contains(" p50 <=") && line.contains(" p99 "), "{line}");
 
+    // A worker's death: one recovery counted, and stamped with the time it ended.
+    let unix_now = || {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64()
+    };
+    let before = unix_now();
+    ublkd.kill_worker(id);
+    let after = unix_now();
+    let text = ublkd.ctl_ok(&["metrics"]);
+    let samples = parse(&text, "openmetrics").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(value(&samples, "ublkd_device_recoveries_total", &dev_labels), 1.0, "{text}");
+    let at = value(&samples, "ublkd_device_last_recovery_timestamp_seconds", &dev_labels);
+    assert!(before <= at && at <= after, "recovered at {at}, not within [{before}, {after}]");
+    let took = value(&samples, "ublkd_device_last_recovery_duration_seconds", &dev_labels);
+    assert!(took > 0.0 && took <= after - before, "recovery took {took} s");
+    assert_eq!(state(&samples, "live"), 1.0, "{text}");
+
     // The metrics file: written, in the Prometheus text format node_exporter reads,
     // with fio's I/O, and replaced by a rename (another inode than the last look's:
     // tmpfs reuses a freed inode number, so two may alternate) that leaves no part-file
@@ -137,8 +179,10 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
     // Every look finds a whole file: as many lines as a whole one, the last one the
     // last histogram's count. (The parser runs once, at the end: under emulation a
     // python start takes seconds.)
-    let last_line =
-        format!("ublkd_device_io_latency_seconds_count{{device=\"{id}\",op=\"write_zeroes\"}} ");
+    let last_line = format!(
+        "ublkd_device_request_duration_seconds_count{{device=\"{device}\",id=\"{id}\",\
+         op=\"write_zeroes\"}} "
+    );
     let whole_lines = text.lines().filter(|l| !l.starts_with('#')).count();
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut inode = None;
@@ -160,12 +204,13 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
         std::thread::sleep(Duration::from_millis(200));
     }
     let last = parse(&std::fs::read_to_string(&file).unwrap(), "prometheus").unwrap();
-    let typed: Vec<_> = last.iter().filter(|s| s["name"] == "ublkd_device_io_total").collect();
+    let typed: Vec<_> =
+        last.iter().filter(|s| s["name"] == "ublkd_device_requests_total").collect();
     assert!(typed.iter().all(|s| s["type"] == "counter"), "counters lost their type: {typed:?}");
-    let labels = [("device", device.as_str()), ("op", "write")];
-    assert!(value(&last, "ublkd_device_io_total", &labels) >= fio_writes as f64);
-    let read = [("device", device.as_str()), ("op", "read")];
-    let count = value(&last, "ublkd_device_io_latency_seconds_count", &read);
+    let labels = [dev_labels[0], dev_labels[1], ("op", "write")];
+    assert!(value(&last, "ublkd_device_requests_total", &labels) >= fio_writes as f64);
+    let read = [dev_labels[0], dev_labels[1], ("op", "read")];
+    let count = value(&last, "ublkd_device_request_duration_seconds_count", &read);
     assert!(count >= fio_reads as f64, "the file's read histogram: {count} < fio's {fio_reads}");
     let names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     let ours = |n: &std::ffi::OsString| {
@@ -217,7 +262,10 @@ fn links_and_fifos_planted_in_the_metrics_directory_are_never_written_through() 
     assert!(meta.file_type().is_file(), "the metrics file is not ublkd's own");
     assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o644));
     let text = std::fs::read_to_string(&file).unwrap();
-    assert!(text.contains("ublkd_device_io_total{device=\"0\",op=\"read\"}"), "{text}");
+    assert!(
+        text.contains("ublkd_device_requests_total{device=\"ublkb0\",id=\"0\",op=\"read\"}"),
+        "{text}"
+    );
     let log = ublkd.log();
     let said = log.matches("was a symlink owned by uid 65534").count();
     assert_eq!(said, 1, "the plant was not said once:\n{log}");

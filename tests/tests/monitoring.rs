@@ -18,7 +18,10 @@
 //!   fails whatever it starts with. Every metric family ublkd exports has a panel.
 //! - **The rules' shape.** One group `ublkd`; every alert has an `expr`, a `for`, a
 //!   `severity` label and a `summary` and a `description`; `ublkd.rules.test.yml` has,
-//!   for every alert, a case that fires it and one that expects no alert.
+//!   for every alert, a case that fires it and one that expects no alert. A `state`
+//!   matcher names states as metrics.rs's `state_label` does (snake_case), never prose.
+//!   The rules' test file's last case joins ublkd's series with node_exporter's
+//!   `node_disk_*` on `device`.
 //!
 //! Each failure names the file, the panel or alert, and the unknown name.
 
@@ -65,6 +68,8 @@ struct Exported {
     /// Each family's name and its sample names.
     families: BTreeMap<String, Vec<String>>,
     labels: BTreeSet<String>,
+    /// The `state` label's values, from `state_label`'s match arms.
+    states: Vec<String>,
 }
 
 impl Exported {
@@ -77,7 +82,7 @@ impl Exported {
     /// - a label is an identifier right before `=\"` (the code writes them as
     ///   `device=\"{}\"`), `le` included;
     /// - every other string literal there that starts with `ublkd_` (a sample name
-    ///   written out, such as `"ublkd_device_io_total"`) must be one of the above, so a
+    ///   written out, such as `"ublkd_device_requests_total"`) must be one of the above, so a
     ///   sample written outside the families fails here rather than go unchecked.
     fn from_source(source: &str) -> Exported {
         let code = source.split("#[cfg(test)]").next().expect("split yields a first part");
@@ -136,7 +141,21 @@ impl Exported {
                 "{METRICS_SOURCE}: {literal:?} is neither a Family's name nor one of its samples"
             );
         }
-        Exported { metrics, families, labels }
+        let states: Vec<String> = code
+            .split("fn state_label(")
+            .nth(1)
+            .and_then(|f| f.split("\n}\n").next())
+            .map(|body| {
+                body.split("=> \"").skip(1).filter_map(|s| s.split('"').next()).map(String::from)
+            })
+            .into_iter()
+            .flatten()
+            .collect();
+        assert!(
+            states.iter().any(|s| s == "live") && states.len() >= 5,
+            "{METRICS_SOURCE}: no state labels found in `fn state_label`: {states:?}"
+        );
+        Exported { metrics, families, labels, states }
     }
 
     fn load() -> Exported {
@@ -186,6 +205,8 @@ fn field<'a>(block: &'a str, prefix: &str, end: char) -> Option<&'a str> {
 struct Refs {
     metrics: BTreeSet<String>,
     labels: BTreeSet<String>,
+    /// The `state` label's values, from `state_label`'s match arms.
+    states: Vec<String>,
 }
 
 /// Words that are PromQL's own, never a metric: keywords, binary set operators,
@@ -556,8 +577,39 @@ fn check_rules(exported: &Exported, rules: &str) -> Vec<String> {
             }
         }
         problems.extend(exported.check_expr(&format!("{RULES}: alert {}", a.name), &a.expr));
+        problems.extend(state_matchers(&a.expr).into_iter().filter_map(|value| {
+            let unknown: Vec<&str> =
+                value.split('|').filter(|s| !exported.states.iter().any(|k| k == s)).collect();
+            (!unknown.is_empty()).then(|| {
+                format!(
+                    "{RULES}: alert {} matches state {value:?}: {unknown:?} is no state \
+                     label of {METRICS_SOURCE} (snake_case, as `state_label` gives them)",
+                    a.name
+                )
+            })
+        }));
     }
     problems
+}
+
+/// The values `expr` matches the `state` label against (`state="…"`, `=~`, `!=`,
+/// `!~`): a rule must name states as metrics.rs labels them, never by prose.
+fn state_matchers(expr: &str) -> Vec<String> {
+    let mut values = Vec::new();
+    for (at, _) in expr.match_indices("state") {
+        let before = expr[..at].chars().next_back();
+        if before.is_some_and(is_ident) {
+            continue;
+        }
+        let rest = expr[at + "state".len()..].trim_start();
+        let Some(rest) = ["=~", "!~", "!=", "="].iter().find_map(|op| rest.strip_prefix(op)) else {
+            continue;
+        };
+        if let Some(value) = rest.trim_start().strip_prefix('"').and_then(|r| r.split('"').next()) {
+            values.push(value.to_string());
+        }
+    }
+    values
 }
 
 /// The alerts `promtool test rules` input expects to fire somewhere, and those it
@@ -766,8 +818,8 @@ fn the_checker_refuses_unknown_names() {
 
     for (expr, unknown) in [
         ("sum by (device) (rate(ublk_device_io_total[5m]))", "unknown metric ublk_device_io_total"),
-        ("ublkd_device_inflight{devcie=\"3\"}", "unknown label devcie"),
-        ("sum by (dev) (ublkd_device_inflight)", "unknown label dev"),
+        ("ublkd_device_inflight_requests{devcie=\"ublkb3\"}", "unknown label devcie"),
+        ("sum by (dev) (ublkd_device_inflight_requests)", "unknown label dev"),
         ("vector(1)", "names no metric"),
     ] {
         let problems = exported.check_expr("here", expr);
@@ -784,6 +836,19 @@ fn the_checker_refuses_unknown_names() {
         "{problems:?}"
     );
     assert!(problems.iter().any(|p| p.contains("alert Bare has no for")), "{problems:?}");
+
+    // A state by prose, as the rules once matched it, is refused; snake_case passes.
+    let prose = "groups:\n  - name: ublkd\n    rules:\n      - alert: Prose\n        expr: |\n          \
+                 ublkd_device_state{state=~\"live|waiting for an operator\"} == 1\n        \
+                 for: 1m\n        labels:\n          severity: warning\n        annotations:\n          \
+                 summary: s\n          description: d\n";
+    let problems = check_rules(&exported, prose);
+    assert!(
+        problems.iter().any(|p| p.contains("alert Prose") && p.contains("waiting for an operator")),
+        "{problems:?}"
+    );
+    let snake = prose.replace("waiting for an operator", "waiting_for_operator");
+    assert!(check_rules(&exported, &snake).is_empty(), "{:?}", check_rules(&exported, &snake));
 }
 
 #[test]
@@ -814,18 +879,22 @@ fn the_exported_names_come_from_the_code() {
     let exported = Exported::load();
     // A few the docs' table names, to show the reading of the source works.
     for name in [
+        "ublkd_build_info",
+        "ublkd_devices",
         "ublkd_device_info",
-        "ublkd_device_io_total",
-        "ublkd_device_io_errors_total",
-        "ublkd_device_inflight",
-        "ublkd_device_io_latency_seconds_bucket",
-        "ublkd_device_io_latency_seconds_count",
+        "ublkd_device_state",
+        "ublkd_device_requests_total",
+        "ublkd_device_request_errors_total",
+        "ublkd_device_inflight_requests",
+        "ublkd_device_last_recovery_timestamp_seconds",
+        "ublkd_device_request_duration_seconds_bucket",
+        "ublkd_device_request_duration_seconds_count",
     ] {
         assert!(exported.metrics.contains(name), "{name} not in {:?}", exported.metrics);
     }
-    assert!(!exported.metrics.contains("ublkd_device_io_latency_seconds"));
-    assert!(!exported.metrics.contains("ublkd_device_io"));
-    for label in ["device", "op", "state", "target", "le"] {
+    assert!(!exported.metrics.contains("ublkd_device_request_duration_seconds"));
+    assert!(!exported.metrics.contains("ublkd_device_requests"));
+    for label in ["device", "id", "op", "state", "target", "name", "version", "le"] {
         assert!(exported.labels.contains(label), "{label} not in {:?}", exported.labels);
     }
 }

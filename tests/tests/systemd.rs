@@ -493,7 +493,10 @@ fn readme_tour() {
                 assert!(out.contains("recovered"), "no recovery in the journal: {out}")
             }
             l if l.starts_with("ublkctl metrics") => {
-                assert!(out.contains("ublkd_device_io") && out.contains("# EOF"), "{out}")
+                assert!(
+                    out.contains("ublkd_device_requests_total") && out.contains("# EOF"),
+                    "{out}"
+                )
             }
             l if l.starts_with("systemctl reload") => assert_live(&[0, TOUR_CONFIGURED]),
             _ => {}
@@ -590,6 +593,10 @@ fn install_package() {
         "/usr/share/bash-completion/completions/ublkctl",
         "/usr/share/zsh/vendor-completions/_ublkctl",
         "/usr/share/fish/vendor_completions.d/ublkctl.fish",
+        "/usr/share/ublkd/monitoring/ublkd.rules.yml",
+        "/usr/share/ublkd/monitoring/ublkd.rules.test.yml",
+        "/usr/share/ublkd/monitoring/ublkd-dashboard.json",
+        "/usr/share/doc/ublkd/copyright",
         CONFIG,
     ] {
         assert!(Path::new(path).exists(), "the package did not install {path}");

@@ -347,6 +347,13 @@ pub struct DevMetrics {
     /// Times the device's serving worker exited or was killed (as hung).
     pub worker_restarts: u64,
     pub latency: DevLatency,
+    /// When the last recovery put the device back LIVE, in milliseconds since the
+    /// Unix epoch; `None` before the first.
+    #[serde(default)]
+    pub last_recovery_unix_ms: Option<u64>,
+    /// The device's name (`--name`, `name =`), if it has one.
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -370,6 +370,11 @@ impl Daemon {
             last_stall_ms: dev.last_recovery_ms(),
             worker_restarts: dev.worker_restarts(),
             latency,
+            last_recovery_unix_ms: dev.last_recovered_at().and_then(|at| {
+                let since = at.duration_since(std::time::UNIX_EPOCH).ok()?;
+                u64::try_from(since.as_millis()).ok()
+            }),
+            name: dev.spec().attrs.name.clone(),
         })
     }
 }
