@@ -199,6 +199,9 @@ fn ublkd_package_under_systemd() {
     run_ok(Command::new("ublkctl").args(["del", "-n", &id.to_string()]));
     drop(server);
 
+    step("2e. a named device: the package's udev rule links it by name, and -n takes the name");
+    named_device();
+
     step("3. reload: add a device, then reject a broken config");
     std::fs::write(CONFIG, config(&[(7, "64M"), (8, "32M")])).unwrap();
     systemctl(&["reload", "ublkd"]);
@@ -563,6 +566,39 @@ fn nbd_round_trip(id: u32) {
     let mut dev = std::fs::File::open(&node).unwrap();
     std::io::Read::read_exact(&mut dev, &mut back).unwrap();
     assert!(back == data, "nbd device {id} under the unit read back other data");
+}
+
+/// `ublkctl add --name web`: udev (the package's 60-ublkd.rules) makes
+/// /dev/disk/by-id/ublk-web, the disk's stable name; every command that takes `-n`
+/// takes `web` for the device; `del -n web` deletes it, and udev removes the link.
+fn named_device() {
+    let added =
+        run_ok(Command::new("ublkctl").args(["add", "-t", "memory", "-s", "16M", "--name", "web"]));
+    let disk = PathBuf::from(added.trim());
+    assert!(added.starts_with("/dev/ublkb"), "`add` did not print the disk: {added:?}");
+    let link = Path::new("/dev/disk/by-id/ublk-web");
+    wait_for("udev's link to the named device", Duration::from_secs(30), || {
+        std::fs::canonicalize(link).is_ok_and(|target| target == disk)
+    });
+    let id = disk.to_str().unwrap().trim_start_matches("/dev/ublkb").to_string();
+    let status = run_ok(Command::new("ublkctl").args(["status", "-n", "web", "--json"]));
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["devices"][0]["id"].to_string(), id, "{status}");
+    assert_eq!(status["devices"][0]["name"], "web", "{status}");
+    let list = run_ok(Command::new("ublkctl").args(["list", "-n", "web"]));
+    assert!(list.starts_with(&format!("dev id {id}:")) && list.contains(" name web "), "{list}");
+    let metrics = run_ok(Command::new("ublkctl").args(["metrics", "-n", "web"]));
+    // The device's label value: its id, whatever the label's name.
+    assert!(metrics.contains(&format!("=\"{id}\"")), "{metrics}");
+    run_ok(Command::new("ublkctl").args(["recover", "-n", "web"]));
+    run_ok(Command::new("ublkctl").args(["upgrade", "-n", "web"]));
+    run_ok(Command::new("ublkctl").args(["resize", "-n", "web", "--size", "32M"]));
+    let size = run_ok(Command::new("blockdev").arg("--getsize64").arg(&disk));
+    assert_eq!(size.trim(), (32u64 << 20).to_string(), "resize -n web");
+    run_ok(Command::new("ublkctl").args(["del", "-n", "web"]));
+    wait_for("udev to remove the link with the device", Duration::from_secs(30), || {
+        std::fs::symlink_metadata(link).is_err()
+    });
 }
 
 /// `dpkg -i` the newest package in target/debian and checks what it installed.

@@ -25,9 +25,12 @@ fi
 # rbd-nbd: librbd through the kernel's NBD client, the baseline beside ublkd's rbd target.
 # iproute2: tc, which delays a dead worker's TCP segments in the rbd fencing test.
 # protobuf-compiler: protoc, which csi/build.rs runs on the CSI protobuf (csi/proto/).
+# udev: systemd-udevd in the VM booted with systemd as PID 1 (tests/tests/systemd.rs),
+# which makes the package's /dev/disk/by-id/ublk-NAME links as a real host's does. The
+# other VM boots start no udevd.
 need=(qemu-system-x86 busybox-static kmod cpio xz-utils fio gcc shellcheck python3-prometheus-client
   nbdkit qemu-utils nbd-client prometheus ceph-mon ceph-osd ceph-common rbd-nbd iproute2
-  protobuf-compiler)
+  protobuf-compiler udev)
 missing=()
 for p in "${need[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
