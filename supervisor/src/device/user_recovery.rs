@@ -18,6 +18,9 @@ use ublkd_proto::msg::{Activation, TargetSetup};
 /// How often the loop looks whether a killed worker has ended, if its pidfd has not
 /// woken it first.
 const DYING_POLL: Duration = Duration::from_millis(50);
+/// How long END_USER_RECOVERY runs before status says that it waits for the worker's
+/// tags (see [`Device::continue_ending`]).
+const ENDING_NOTE_AFTER: Duration = Duration::from_secs(5);
 /// How often the loop looks whether a recovery's standby stands by (its socket also
 /// wakes the loop, but the recovery goes on only once due).
 const STANDBY_POLL: Duration = Duration::from_millis(10);
@@ -227,8 +230,11 @@ impl Device {
         let Some((worker, activation, ended)) = call.poll(now) else {
             if let DeviceState::Releasing(r) = &mut self.state {
                 r.next_try = call.next_look(now);
-                // Said only once the call takes longer than a turn or two.
-                if now.saturating_duration_since(call.began()) > Duration::from_millis(100) {
+                // Said only once the call takes longer than any honest worker's: a
+                // note makes the recovery held up (an `ublkctl recover` is answered at
+                // once with it), and on a loaded emulated machine an honest worker's
+                // tags took up to half a second.
+                if now.saturating_duration_since(call.began()) > ENDING_NOTE_AFTER {
                     r.slow = Some(call.note());
                 }
                 r.ending = Some(call);
