@@ -15,6 +15,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
@@ -257,6 +258,24 @@ impl CtrlClient {
         self.run(CtrlCmd::StartDev, DevTarget::Id(id), data, Payload::None).map(drop)
     }
 
+    /// [`Self::start_dev`] or [`Self::end_user_recovery`] (`cmd`), given up once `stop`
+    /// is set and the calling thread is then interrupted by a signal that has a handler
+    /// (installed without `SA_RESTART`): the kernel runs both on an io_uring worker
+    /// thread (they may sleep, so the first, non-blocking issue answers EAGAIN), which
+    /// no signal of ours reaches, so the interrupted wait asks the ring to cancel the
+    /// command; io_uring then interrupts its worker's wait and the command ends with
+    /// EINTR. Without `stop` set, an interrupted wait goes on waiting.
+    pub fn run_interruptible(
+        &self,
+        cmd: CtrlCmd,
+        id: u32,
+        server_pid: i32,
+        stop: &AtomicBool,
+    ) -> Result<(), CtrlError> {
+        let data = pid_arg(cmd, id, server_pid)?;
+        self.run_until(cmd, DevTarget::Id(id), data, Payload::None, Some(stop)).map(drop)
+    }
+
     pub fn stop_dev(&self, id: u32) -> Result<(), CtrlError> {
         self.run(CtrlCmd::StopDev, DevTarget::Id(id), 0, Payload::None).map(drop)
     }
@@ -322,6 +341,19 @@ impl CtrlClient {
         data: u64,
         payload: Payload<'_>,
     ) -> Result<i32, CtrlError> {
+        self.run_until(cmd, dev, data, payload, None)
+    }
+
+    /// [`Self::run`], the command cancelled if `stop` is set when a signal interrupts
+    /// the wait (see [`Self::run_interruptible`]).
+    fn run_until(
+        &self,
+        cmd: CtrlCmd,
+        dev: DevTarget,
+        data: u64,
+        payload: Payload<'_>,
+        stop: Option<&AtomicBool>,
+    ) -> Result<i32, CtrlError> {
         // The kernel uses the buffer while the command runs; it lives on the heap, owned
         // here, so that it can outlive this call if waiting for the completion fails.
         let buffer: Box<[u8]> = match &payload {
@@ -367,10 +399,23 @@ impl CtrlClient {
                 what: "the control ring's submission queue is unexpectedly full".into(),
             });
         }
+        let mut cancelled = false;
         let res = loop {
             match ring.uring.submit_and_wait(1) {
                 Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {
+                    if !cancelled && stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+                        // Its completion (the cancel's own result) is dropped below as
+                        // a leftover; the command's comes once its wait is interrupted.
+                        let cancel = opcode::AsyncCancel::new(user_data)
+                            .build()
+                            .user_data(ring.next_user_data);
+                        ring.next_user_data = ring.next_user_data.wrapping_add(1);
+                        // SAFETY: a cancel SQE references no memory, only `user_data`.
+                        cancelled = unsafe { ring.uring.submission().push(&cancel.into()) }.is_ok();
+                    }
+                    continue;
+                }
                 Err(e) => {
                     // The command may still be in flight: never free its buffer.
                     Box::leak(buffer);

@@ -81,6 +81,8 @@ pub enum DeviceError {
     NeverStarted { id: u32 },
     #[error("device {id}: no worker stands by to be handed the device")]
     NoStandby { id: u32 },
+    #[error("device {id}: {source}")]
+    KernelCall { id: u32, source: crate::kernel_call::KernelCallError },
     #[error(transparent)]
     Target(#[from] TargetError),
     #[error(transparent)]
@@ -104,6 +106,13 @@ impl DeviceError {
             },
             _ => false,
         }
+    }
+
+    /// Whether a recovery that failed with this error starts over with a new worker,
+    /// within the restart budget: its new worker was lost, or it failed the kernel's
+    /// wait for its tags (a worker of its own, not the device, is at fault).
+    pub fn retried_by_recovery(&self) -> bool {
+        self.worker_lost() || matches!(self, DeviceError::KernelCall { .. })
     }
 }
 

@@ -71,6 +71,9 @@ pub struct Release {
     /// The new worker being handed the device, once the kernel released the old one's:
     /// the loop watches its control socket for its answer.
     pub activating: Option<Activating>,
+    /// END_USER_RECOVERY, once the new worker has answered: it waits until the worker
+    /// has fetched every tag, on a thread of its own, with the worker.
+    pub ending: Option<Box<crate::kernel_call::KernelCall>>,
 }
 
 impl Release {
@@ -91,6 +94,7 @@ impl Release {
             released: None,
             dying: None,
             activating: None,
+            ending: None,
         }
     }
 }
@@ -246,8 +250,15 @@ impl DeviceState {
             | DeviceState::Hung { worker, .. }
             | DeviceState::FailingIo { worker, .. } => vec![worker],
             DeviceState::Releasing(r) => {
-                let Release { dying, activating, .. } = *r;
-                dying.into_iter().chain(activating.map(Activating::into_worker)).collect()
+                let Release { dying, activating, ending, .. } = *r;
+                // END_USER_RECOVERY is interrupted, and waited for, before its worker
+                // is handed back (to be killed).
+                let ending = ending.and_then(|call| call.into_worker());
+                dying
+                    .into_iter()
+                    .chain(activating.map(Activating::into_worker))
+                    .chain(ending)
+                    .collect()
             }
             DeviceState::Starting
             | DeviceState::Adopted

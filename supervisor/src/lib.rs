@@ -33,6 +33,7 @@ pub mod generator;
 pub mod hang;
 pub mod in_use;
 pub mod inspect;
+pub mod kernel_call;
 pub mod logging;
 pub mod metrics;
 pub mod nbd;

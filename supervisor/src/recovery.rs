@@ -144,7 +144,7 @@ pub fn outcome_event(
 ) -> Event {
     let id = dev.id();
     match outcome {
-        Err(e) if e.worker_lost() => {
+        Err(e) if e.retried_by_recovery() => {
             let reason = format!("{after}; then its new worker was lost: {e}");
             if !rc.automatic_recovery()
                 || !dev.restart_budget_mut().take(rc.restart_max, rc.restart_window)

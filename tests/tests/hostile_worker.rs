@@ -1,6 +1,7 @@
 //! A worker that turns against the supervisor (in the VM): it scribbles over the shared
-//! region it shares with ublkd, or one of its queue threads stops mid-turn while the
-//! others serve on. ublkd must stay up, find the fault, recover the device with its
+//! region it shares with ublkd, one of its queue threads stops mid-turn while the
+//! others serve on, or it answers Ready without fetching its tags (so that START_DEV
+//! or END_USER_RECOVERY would wait on it for ever). ublkd must stay up, find the fault, recover the device with its
 //! data intact, and leave every other device alone.
 //!
 //! The faults come from the worker built with the test-only `test-hooks` feature
@@ -14,7 +15,7 @@ use ublkd_tests::harness::fio::{FioJob, assert_fio_clean, fio, fio_verify_args};
 use ublkd_tests::harness::machine::{block_dev, kernel_devices, serial};
 use ublkd_tests::harness::process::{self, hooked_worker, run_ok};
 use ublkd_tests::harness::storage::{WriteThrottle, sha256, sparse_file};
-use ublkd_tests::harness::ublkd::Ublkd;
+use ublkd_tests::harness::ublkd::{Ublkd, ask};
 
 const MIB: u64 = 1 << 20;
 
@@ -342,5 +343,177 @@ fn a_worker_that_never_answers_its_activation_holds_up_nothing_else() {
     assert_eq!(status["state"], "LIVE", "{status}");
     assert_eq!(sha256(&dev), before, "the device's data changed");
     assert!(ublkd.alive(), "ublkd died:\n{}", ublkd.log());
+    ublkd.stop();
+}
+
+/// While a kernel call waits on a hostile worker: `ublkctl list`'s request asked in a
+/// loop on ublkd's socket (each answer's time kept: the request itself, as starting the
+/// ublkctl binary alone takes 1-2 s under emulation) and a bystander device written and
+/// synced in a loop (each round's time kept), until stopped.
+struct Meanwhile {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    lists: JoinHandle<Vec<std::time::Duration>>,
+    ios: JoinHandle<Vec<std::time::Duration>>,
+}
+
+impl Meanwhile {
+    fn start(ublkd: &Ublkd, bystander: u32) -> Meanwhile {
+        use std::sync::atomic::Ordering;
+        use std::time::{Duration, Instant};
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (socket, done) = (ublkd.ctl.socket.clone(), std::sync::Arc::clone(&stop));
+        let lists = std::thread::spawn(move || {
+            use ublkd_proto::msg::{CtlRequest, CtlResponse};
+            let mut times = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                let asked = Instant::now();
+                let answer = ask(&socket, &CtlRequest::List { id: None });
+                assert!(matches!(answer, Ok(CtlResponse::List(_))), "list: {answer:?}");
+                times.push(asked.elapsed());
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            times
+        });
+        let done = std::sync::Arc::clone(&stop);
+        let ios = std::thread::spawn(move || {
+            let dev = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(block_dev(bystander))
+                .expect("open the bystander");
+            let mut times = Vec::new();
+            let mut round: u64 = 0;
+            while !done.load(Ordering::SeqCst) {
+                let began = Instant::now();
+                let block = [(round % 251) as u8; 4096];
+                let at = (round % 1024) * 4096;
+                dev.write_all_at(&block, at).expect("write the bystander");
+                dev.sync_data().expect("sync the bystander");
+                let mut back = [0u8; 4096];
+                dev.read_exact_at(&mut back, at).expect("read the bystander");
+                assert_eq!(back, block, "the bystander read back other data");
+                times.push(began.elapsed());
+                round += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            times
+        });
+        Meanwhile { stop, lists, ios }
+    }
+
+    /// Stops both loops and checks them: every list answered in under 1 s,
+    /// and the bystander's I/O went on (`at_least` rounds, none over 2 s).
+    fn finish(self, ublkd: &Ublkd, at_least: usize) {
+        use std::time::Duration;
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let lists = self.lists.join().expect("the list loop failed");
+        let ios = self.ios.join().expect("the bystander's I/O failed");
+        let slowest = lists.iter().max().copied().unwrap_or_default();
+        assert!(lists.len() >= at_least, "ublkd answered {} lists", lists.len());
+        assert!(
+            slowest < Duration::from_secs(1),
+            "a list took {slowest:?} (of {} asked):\n{}",
+            lists.len(),
+            ublkd.log()
+        );
+        let slowest_io = ios.iter().max().copied().unwrap_or_default();
+        assert!(ios.len() >= at_least, "the bystander did {} rounds of I/O", ios.len());
+        assert!(slowest_io < Duration::from_secs(2), "a bystander round took {slowest_io:?}");
+    }
+}
+
+/// A worker that answers its activation Ready without fetching a tag
+/// (`ready-no-fetch`: the first worker of an added device). START_DEV waits in the
+/// kernel until every tag is fetched; ublkd runs it off its loop, so `ublkctl list`
+/// answers in under 1 s throughout and another device's I/O goes on; at the deadline
+/// (`worker_ready_timeout_secs`) the worker is killed, START_DEV interrupted, and the
+/// add refused naming the worker and what it failed to do, its device deleted.
+#[test]
+fn a_worker_that_never_fetches_its_tags_cannot_hold_up_ublkd_while_its_device_is_added() {
+    use std::time::{Duration, Instant};
+    const READY_TIMEOUT: Duration = Duration::from_secs(10);
+    let _s = serial();
+    let limit = format!("worker_ready_timeout_secs = {}", READY_TIMEOUT.as_secs());
+    let mut ublkd = hostile("ready-no-fetch", "ready-no-fetch", 5, &limit);
+    let bystander = ublkd.add(&["-n", "4", "-t", "memory", "-s", "16M"]);
+    let meanwhile = Meanwhile::start(&ublkd, bystander);
+    let asked = Instant::now();
+    let ctl = ublkd.ctl.clone();
+    let add = std::thread::spawn(move || {
+        ctl.run_within(&["add", "-n", "5", "-t", "memory", "-s", "16M"], Duration::from_secs(90))
+    });
+    // While START_DEV waits, status says so.
+    ublkd.wait_until("START_DEV waiting on the worker", || {
+        ublkd.ctl.device(5).is_ok_and(|d| {
+            d["note"].as_str().is_some_and(|n| n.contains("START_DEV waits for its first worker"))
+        })
+    });
+    // ublkctl itself answers meanwhile (its own start is not timed: see `Meanwhile`).
+    assert!(ublkd.ctl_ok(&["list"]).contains("dev id 4"), "the bystander is not listed");
+    let out = add.join().expect("the add's thread").expect("ublkctl add");
+    let took = asked.elapsed();
+    meanwhile.finish(&ublkd, 20);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the add succeeded: {out:?}");
+    assert!(
+        stderr.contains("answered its activation but did not fetch its tags within 10 s"),
+        "{stderr}\n{}",
+        ublkd.log()
+    );
+    assert!(stderr.contains("START_DEV"), "{stderr}");
+    assert!(took >= READY_TIMEOUT, "refused after {took:?}");
+    let log = ublkd.log();
+    assert!(log.contains("attack ready-no-fetch: generation 1 answers Ready"), "{log}");
+    assert!(!kernel_devices().contains(&5), "the refused device is left in the kernel");
+    assert!(ublkd.ctl.device(5).is_err(), "the refused device is still listed");
+    assert_eq!(ublkd.status_of(bystander)["state"], "LIVE");
+    assert!(ublkd.alive(), "ublkd died:\n{log}");
+    ublkd.stop();
+}
+
+/// The same worker as a recovery's (`ready-no-fetch-recovery`: the second worker of
+/// one device). END_USER_RECOVERY waits for its tags off the loop, status saying so;
+/// at the deadline the worker is killed and the recovery starts over with a new worker,
+/// which serves the device with its data intact. Clients and another device are served
+/// throughout.
+#[test]
+fn a_recovery_whose_worker_never_fetches_its_tags_starts_over_and_recovers() {
+    use std::time::Duration;
+    const READY_TIMEOUT: Duration = Duration::from_secs(10);
+    let _s = serial();
+    let limit = format!("worker_ready_timeout_secs = {}", READY_TIMEOUT.as_secs());
+    let mut ublkd = hostile("ready-no-fetch-recovery", "ready-no-fetch-recovery", 7, &limit);
+    let bystander = ublkd.add(&["-n", "6", "-t", "memory", "-s", "16M"]);
+    let victim = ublkd.add(&["-n", "7", "-t", "memory", "-s", "16M"]);
+    let dev = block_dev(victim);
+    let before = fill_random(&dev);
+    let meanwhile = Meanwhile::start(&ublkd, bystander);
+    let killed = ublkd.worker_pid(victim);
+    assert!(process::signal(killed, libc::SIGKILL));
+    ublkd.wait_until("END_USER_RECOVERY waiting on the worker", || {
+        ublkd.status_of(victim)["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("END_USER_RECOVERY waits for worker"))
+    });
+    assert!(ublkd.ctl_ok(&["list"]).contains("dev id 6"), "the bystander is not listed");
+    ublkd.wait_until("the recovery with a new worker", || {
+        let status = ublkd.status_of(victim);
+        status["state"] == "LIVE" && status["recoveries"].as_u64() == Some(1)
+    });
+    meanwhile.finish(&ublkd, 20);
+    let log = ublkd.log();
+    assert!(log.contains("attack ready-no-fetch-recovery: generation 2 answers Ready"), "{log}");
+    assert!(
+        log.contains(
+            "answered its activation but did not fetch its tags within 10 s \
+             (END_USER_RECOVERY waited for them)"
+        ),
+        "{log}"
+    );
+    let status = ublkd.status_of(victim);
+    assert_ne!(status["worker_pid"].as_u64(), Some(u64::from(killed)), "{status}");
+    assert_eq!(sha256(&dev), before, "the device's data changed");
+    assert_eq!(ublkd.status_of(bystander)["recoveries"], 0, "the bystander was touched");
+    assert!(ublkd.alive(), "ublkd died:\n{log}");
     ublkd.stop();
 }

@@ -73,6 +73,28 @@ pub const FILL_CONTROL: &str = "fill-control";
 /// meanwhile, end the activation at its deadline, and recover the device when asked.
 pub const SILENT_ACTIVATION: &str = "silent-activation";
 
+/// Not a sandbox attack but a worker that makes its supervisor's kernel calls wait on
+/// it: the targeted device's first incarnation (the one an add hands the device to)
+/// answers its activation Ready without fetching (PREPing) a single tag, then idles.
+/// START_DEV waits in the kernel until every tag is fetched: ublkd must serve
+/// everything else meanwhile, and refuse the add at its deadline naming the worker.
+pub const READY_NO_FETCH: &str = "ready-no-fetch";
+/// The same for the targeted device's second incarnation, the one a recovery hands the
+/// device to: END_USER_RECOVERY waits on it, and the recovery must start over with a
+/// new worker at its deadline.
+pub const READY_NO_FETCH_RECOVERY: &str = "ready-no-fetch-recovery";
+
+/// Whether the worker of device `dev_id`'s incarnation `generation` answers its
+/// activation without fetching its tags ([`READY_NO_FETCH`], [`READY_NO_FETCH_RECOVERY`]).
+pub fn skips_fetch(dev_id: u32, generation: u64) -> bool {
+    let wanted = match requested() {
+        Some(READY_NO_FETCH) => 1,
+        Some(READY_NO_FETCH_RECOVERY) => 2,
+        _ => return false,
+    };
+    generation == wanted && targets(dev_id)
+}
+
 /// Makes [`FILL_CONTROL`] on the control thread, which then parks for good.
 pub fn fill_control(control: std::os::fd::RawFd, held: &[std::os::fd::RawFd]) {
     let into_own = held.first().map_or(0, |&ublkds_end| stuff(ublkds_end));
@@ -370,7 +392,9 @@ pub fn run(name: &str, supervisor: i32) {
         | SCRIBBLE_REGION
         | STALL_THREAD
         | FILL_CONTROL
-        | SILENT_ACTIVATION => {}
+        | SILENT_ACTIVATION
+        | READY_NO_FETCH
+        | READY_NO_FETCH_RECOVERY => {}
         STDERR_FLOOD => {
             // The supervisor's own text format, a device event it never logged, and a
             // carriage return that would hide the line's start on a terminal.

@@ -62,6 +62,19 @@ mod imp {
         }
     }
 
+    /// Whether the worker answers its activation of device `dev_id` (`generation`)
+    /// without fetching its tags ([`attack::READY_NO_FETCH`]): it says so first.
+    pub fn skips_fetch(dev_id: u32, generation: u64) -> bool {
+        let skips = attack::skips_fetch(dev_id, generation);
+        if skips {
+            let name = attack::requested().unwrap_or_default();
+            attack::say(format!(
+                "attack {name}: generation {generation} answers Ready without fetching its tags"
+            ));
+        }
+        skips
+    }
+
     /// On the control thread once the device `generation` is served (`per_io`: on the
     /// per-I/O path): the first incarnation makes the requested process-level attack.
     /// `control`: the worker's end of its control socket; `held`: the fds it holds for
@@ -235,6 +248,11 @@ mod imp {
 
     #[inline(always)]
     pub fn on_activate(_dev_id: u32, _generation: u64) {}
+
+    #[inline(always)]
+    pub fn skips_fetch(_dev_id: u32, _generation: u64) -> bool {
+        false
+    }
 
     #[inline(always)]
     pub fn on_serving(_generation: u64, _per_io: bool, _control: RawFd, _held: &[RawFd]) {}

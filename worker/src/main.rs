@@ -296,6 +296,16 @@ fn run(
         Err(e) => return fail(control.as_fd(), e.into()),
     };
     let mapped = activating.elapsed();
+    if hooks::skips_fetch(setup.dev_id, generation) {
+        // Ready, with not one tag fetched: the kernel's START_DEV or END_USER_RECOVERY
+        // waits on this worker until ublkd gives it up.
+        let held = held.iter().map(AsRawFd::as_raw_fd).collect();
+        let ready = FromWorker::Ready(msg::Activation { map_us: 0, prep_us: 0, held });
+        let _ = msg::send_packet(control.as_fd(), &ready, &[]);
+        loop {
+            std::thread::park();
+        }
+    }
     let (own, running) = match threads.activate(&dev, ublkc.as_raw_fd()) {
         Ok(t) => t,
         Err(e) => return fail(control.as_fd(), e.into()),

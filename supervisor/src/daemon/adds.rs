@@ -45,6 +45,13 @@ impl Underway for PendingAdd {
                 self.spec.id.into_iter().collect(),
                 format!("being added: ublkd is negotiating its NBD export ({so_far})"),
             ),
+            AddStage::Starting(creation) if creation.starting_dev() => (
+                vec![creation.id()],
+                format!(
+                    "being added: START_DEV waits for its first worker to fetch its tags \
+                     ({so_far})"
+                ),
+            ),
             AddStage::Starting(creation) if creation.activating() => (
                 vec![creation.id()],
                 format!("being added: its first worker is being handed the device ({so_far})"),

@@ -1,12 +1,15 @@
 //! Making a device: ADD_DEV and SET_PARAMS at once, its first worker started without
 //! waiting for it ([`Device::begin_create`]), then, once the worker answers on a later
-//! loop turn, the hand-over and START_DEV ([`Creation::progress`]).
+//! loop turn, the hand-over and START_DEV ([`Creation::progress`]), which runs on a
+//! thread of its own ([`KernelCall`]): it waits for the worker to fetch its tags.
 
 #![allow(unused_imports)]
 use super::*;
+use crate::kernel_call::{KernelCall, KernelCallError};
 use crate::nbd::link::NbdLink;
 use crate::nbd::target::NbdTarget;
 use crate::target::Reached;
+use ublkd_proto::ctrl::CtrlCmd;
 use ublkd_proto::msg::Activation;
 
 /// A device on its way to LIVE: made in the kernel (ADD_DEV, SET_PARAMS), its record
@@ -23,6 +26,9 @@ pub struct Creation {
     deadline: Instant,
     /// Its worker, once standing by, being handed the device.
     activating: Option<Box<Activating>>,
+    /// START_DEV, once the worker has answered its activation: on a thread of its own
+    /// ([`KernelCall`]), as it waits until the worker has fetched every tag.
+    starting: Option<Box<KernelCall>>,
 }
 
 impl Creation {
@@ -39,7 +45,8 @@ impl Creation {
     /// The worker's pid, until the device is LIVE.
     pub fn worker_pid(&self) -> Option<u32> {
         let activating = self.activating.as_deref().map(Activating::worker);
-        self.dev.starting().or(activating).map(Worker::pid)
+        let starting = self.starting.as_deref().and_then(KernelCall::worker);
+        self.dev.starting().or(activating).or(starting).map(Worker::pid)
     }
 
     /// The worker's control socket: readable once it stands by (or answers its
@@ -56,8 +63,17 @@ impl Creation {
         self.activating.is_some()
     }
 
-    /// When the creation fails if its worker has not answered by then.
+    /// Whether START_DEV runs, waiting for the worker to fetch its tags.
+    pub fn starting_dev(&self) -> bool {
+        self.starting.is_some()
+    }
+
+    /// When the creation fails if its worker has not answered by then; while START_DEV
+    /// runs, when the loop looks again whether it has ended.
     pub fn deadline(&self) -> Instant {
+        if let Some(call) = &self.starting {
+            return call.next_look(Instant::now());
+        }
         self.activating.as_deref().map_or(self.deadline, Activating::deadline)
     }
 
@@ -67,14 +83,32 @@ impl Creation {
     /// cleans up after itself.
     pub fn progress(mut self, ctx: &Context, now: Instant) -> Progress {
         let id = self.dev.id;
-        let live = if let Some(activating) = self.activating.take() {
+        let live = if let Some(mut call) = self.starting.take() {
+            match call.poll(now) {
+                None => {
+                    self.starting = Some(call);
+                    return Progress::Pending(self);
+                }
+                Some((worker, activation, started)) => {
+                    self.dev.go_live(ctx, worker, &activation, started)
+                }
+            }
+        } else if let Some(activating) = self.activating.take() {
             if !activating.due(now) {
                 self.activating = Some(activating);
                 return Progress::Pending(self);
             }
-            self.dev
-                .end_activation(ctx, *activating)
-                .and_then(|(worker, activation)| self.dev.go_live(ctx, worker, &activation))
+            let started = self.dev.end_activation(ctx, *activating).and_then(|(worker, a)| {
+                KernelCall::begin(CtrlCmd::StartDev, id, worker, a, ctx.worker_ready_timeout)
+                    .map_err(|source| DeviceError::KernelCall { id, source })
+            });
+            match started {
+                Ok(call) => {
+                    self.starting = Some(Box::new(call));
+                    return Progress::Pending(self);
+                }
+                Err(e) => Err(e),
+            }
         } else {
             let answered = self.dev.starting().is_some_and(Worker::has_answered);
             if !answered && now < self.deadline && self.dev.starting().is_some() {
@@ -118,7 +152,10 @@ impl Creation {
         let mut dev = self.dev;
         let id = dev.id;
         let activating = self.activating.map(|a| a.into_worker());
-        for mut worker in dev.take_workers().into_iter().chain(activating) {
+        // START_DEV holds a reference to the device, which DEL_DEV would wait for: it
+        // is interrupted, and waited for, first.
+        let starting = self.starting.and_then(|call| call.into_worker());
+        for mut worker in dev.take_workers().into_iter().chain(activating).chain(starting) {
             worker.kill();
             let pid = worker.pid();
             let how = worker.reap(Duration::ZERO);
@@ -207,7 +244,7 @@ impl Device {
         match Self::prepare(ctx, id, &spec, nbd) {
             Ok(dev) => {
                 let deadline = Instant::now() + ctx.worker_ready_timeout;
-                Ok(Creation { dev, deadline, activating: None })
+                Ok(Creation { dev, deadline, activating: None, starting: None })
             }
             Err(e) => {
                 if let Err(del) = ctx.ctrl.del_dev(id) {
@@ -242,19 +279,26 @@ impl Device {
         Ok(dev)
     }
 
-    /// Starts a new device whose first worker has just been activated.
+    /// Serves a new device whose START_DEV (run off the loop: [`KernelCall`]) has
+    /// ended with `started`, by its first worker.
     pub(super) fn go_live(
         &mut self,
         ctx: &Context,
         mut worker: Worker,
         activation: &Activation,
+        started: Result<(), KernelCallError>,
     ) -> Result<(), DeviceError> {
         let id = self.id;
-        if let Err(e) = ctx.ctrl.start_dev(id, std::process::id() as i32) {
+        if let Err(source) = started {
             // Not left running beside the device it was given, which is deleted next.
             worker.kill();
-            worker.reap(Duration::ZERO);
-            return Err(e.into());
+            let how = worker.reap(Duration::ZERO);
+            tracing::error!(
+                dev_id = id,
+                worker_pid = worker.pid(),
+                "START_DEV failed ({how}): {source}"
+            );
+            return Err(DeviceError::KernelCall { id, source });
         }
         let pid = worker.pid();
         // Refused, the worker is killed (see `transition`).

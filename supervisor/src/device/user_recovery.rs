@@ -1,20 +1,26 @@
 //! A device's user recovery, the kernel's way of replacing its worker: a standby
 //! standing by (one still starting is waited for by the loop, not here), the old
 //! worker's `/dev/ublkcN` released (START_USER_RECOVERY answers EBUSY until then), the
-//! standby activated, END_USER_RECOVERY. The I/O is held meanwhile, not failed.
+//! standby activated, END_USER_RECOVERY (on a thread of its own, [`KernelCall`]: it waits
+//! for the new worker to fetch its tags). The I/O is held meanwhile, not failed.
 
 use std::time::{Duration, Instant};
 
 use super::{Context, Device, DeviceError, RELEASE_QUICK, RELEASE_SLOW, Recovery, Spare};
 
 use crate::device_state::{DeviceState, Release, StateKind};
+use crate::kernel_call::{KernelCall, KernelCallError};
 use crate::nbd::target::Readiness;
 use crate::worker::{Activating, Worker};
-use ublkd_proto::msg::TargetSetup;
+use ublkd_proto::ctrl::CtrlCmd;
+use ublkd_proto::msg::{Activation, TargetSetup};
 
 /// How often the loop looks whether a killed worker has ended, if its pidfd has not
 /// woken it first.
 const DYING_POLL: Duration = Duration::from_millis(50);
+/// How long END_USER_RECOVERY runs before status says that it waits for the worker's
+/// tags (see [`Device::continue_ending`]).
+const ENDING_NOTE_AFTER: Duration = Duration::from_secs(5);
 /// How often the loop looks whether a recovery's standby stands by (its socket also
 /// wakes the loop, but the recovery goes on only once due).
 const STANDBY_POLL: Duration = Duration::from_millis(10);
@@ -101,6 +107,9 @@ impl Device {
     pub fn continue_recovery(&mut self, ctx: &Context) -> Result<Recovery, DeviceError> {
         let id = self.id;
         if let DeviceState::Releasing(r) = &mut self.state {
+            if let Some(call) = r.ending.take() {
+                return self.continue_ending(call);
+            }
             if let Some(activating) = r.activating.take() {
                 return self.continue_activation(ctx, activating);
             }
@@ -191,7 +200,51 @@ impl Device {
             }
             return Ok(Recovery::Waiting);
         }
-        let finished = self.finish_recovery(ctx, activating);
+        let id = self.id;
+        let begun = self.end_activation(ctx, activating).and_then(|(worker, activation)| {
+            let limit = ctx.worker_ready_timeout;
+            KernelCall::begin(CtrlCmd::EndUserRecovery, id, worker, activation, limit)
+                .map_err(|source| DeviceError::KernelCall { id, source })
+        });
+        match begun {
+            Ok(call) => {
+                if let DeviceState::Releasing(r) = &mut self.state {
+                    r.next_try = call.next_look(Instant::now());
+                    r.ending = Some(Box::new(call));
+                }
+                // Most often it has ended already.
+                self.continue_recovery(ctx)
+            }
+            Err(e) => {
+                self.enter(DeviceState::Recovering);
+                Err(e)
+            }
+        }
+    }
+
+    /// Goes on with a recovery whose END_USER_RECOVERY runs: once it has ended (or its
+    /// deadline passed, its worker killed), the device is served, or the recovery failed.
+    /// Status says what it waits for meanwhile.
+    fn continue_ending(&mut self, mut call: Box<KernelCall>) -> Result<Recovery, DeviceError> {
+        let now = Instant::now();
+        let Some((worker, activation, ended)) = call.poll(now) else {
+            if let DeviceState::Releasing(r) = &mut self.state {
+                r.next_try = call.next_look(now);
+                // Said only once the call takes longer than any honest worker's: a
+                // note makes the recovery held up (an `ublkctl recover` is answered at
+                // once with it), and on a loaded emulated machine an honest worker's
+                // tags took up to half a second.
+                if now.saturating_duration_since(call.began()) > ENDING_NOTE_AFTER {
+                    r.slow = Some(call.note());
+                }
+                r.ending = Some(call);
+            }
+            return Ok(Recovery::Waiting);
+        };
+        if let DeviceState::Releasing(r) = &mut self.state {
+            r.slow = None;
+        }
+        let finished = self.finish_recovery(worker, &activation, call.began(), ended);
         if finished.is_err() {
             self.enter(DeviceState::Recovering);
         }
@@ -303,11 +356,14 @@ impl Device {
         }
     }
 
-    /// The rest of a recovery once its new worker has answered its activation.
+    /// The rest of a recovery once its END_USER_RECOVERY, begun at `ending`, has ended
+    /// with `ended`.
     fn finish_recovery(
         &mut self,
-        ctx: &Context,
-        activating: Activating,
+        mut worker: Worker,
+        activation: &Activation,
+        ending: Instant,
+        ended: Result<(), KernelCallError>,
     ) -> Result<Duration, DeviceError> {
         let id = self.id;
         let (reason, fail_io, seen, started, standby_waited, released) = match &self.state {
@@ -326,9 +382,18 @@ impl Device {
             }
         };
         let reason = reason.as_str();
-        let (worker, activation) = self.end_activation(ctx, activating)?;
-        let activated = started.elapsed();
-        ctx.ctrl.end_user_recovery(id, std::process::id() as i32)?;
+        let activated = ending.saturating_duration_since(started);
+        if let Err(source) = ended {
+            worker.kill();
+            let how = worker.reap(Duration::ZERO);
+            let pid = worker.pid();
+            tracing::error!(
+                dev_id = id,
+                worker_pid = pid,
+                "END_USER_RECOVERY failed ({how}): {source}"
+            );
+            return Err(DeviceError::KernelCall { id, source });
+        }
         let stall = seen.elapsed();
         let detect = started - seen;
         let pid = worker.pid();
