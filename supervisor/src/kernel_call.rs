@@ -14,6 +14,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
 use ublkd_proto::ctrl::{CtrlClient, CtrlCmd, CtrlError};
 use ublkd_proto::msg::Activation;
 
@@ -32,7 +33,7 @@ const RESIGNAL: Duration = Duration::from_millis(10);
 const INTERRUPT_WAIT: Duration = Duration::from_secs(2);
 
 /// The signal that interrupts a call's thread. ublkd uses it for nothing else.
-const SIGNAL: libc::c_int = libc::SIGUSR2;
+const SIGNAL: Signal = Signal::SIGUSR2;
 
 /// Errors of a kernel call run off the loop.
 #[derive(Debug, thiserror::Error)]
@@ -192,9 +193,9 @@ impl KernelCall {
         let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(thread);
         let until = Instant::now() + INTERRUPT_WAIT;
         loop {
-            // SAFETY: the thread has not been joined or detached (its JoinHandle is
-            // held), so its pthread_t is valid even if it has already returned.
-            unsafe { libc::pthread_kill(pthread, SIGNAL) };
+            // The thread has not been joined or detached (its JoinHandle is held), so
+            // its pthread_t is valid even if it has already returned.
+            let _ = nix::sys::pthread::pthread_kill(pthread, SIGNAL);
             match self.done.recv_timeout(RESIGNAL) {
                 Ok(result) => return Some(result),
                 Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < until => {}
@@ -253,30 +254,17 @@ extern "C" fn on_signal(_: libc::c_int) {}
 fn install_handler() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // SAFETY: sigaction reads `action`, a local; the handler is async-signal-safe
-        // (it does nothing).
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            libc::sigemptyset(&mut action.sa_mask);
-            action.sa_flags = 0;
-            if libc::sigaction(SIGNAL, &action, std::ptr::null_mut()) != 0 {
-                tracing::error!(
-                    "cannot install the handler that interrupts kernel calls: {}",
-                    std::io::Error::last_os_error()
-                );
-            }
+        let action =
+            SigAction::new(SigHandler::Handler(on_signal), SaFlags::empty(), SigSet::empty());
+        // SAFETY: the handler is async-signal-safe (it does nothing), and no other
+        // handler of SIGNAL exists to be replaced.
+        if let Err(e) = unsafe { sigaction(SIGNAL, &action) } {
+            tracing::error!("cannot install the handler that interrupts kernel calls: {e}");
         }
     });
 }
 
 /// Lets [`SIGNAL`] reach the calling thread, whatever mask it inherited.
 fn unblock_signal() {
-    // SAFETY: the set is a local, initialised by sigemptyset before use.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, SIGNAL);
-        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-    }
+    let _ = SigSet::from(SIGNAL).thread_unblock();
 }
