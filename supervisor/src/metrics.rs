@@ -226,12 +226,8 @@ pub fn render(devs: &[DevMetrics], format: Format) -> String {
     let per_device: [(&Family, DeviceValue); 5] = [
         (&INFLIGHT, |d| Some(d.inflight.to_string())),
         (&RECOVERIES, |d| Some(d.recoveries.to_string())),
-        (&LAST_RECOVERY, |d| {
-            d.last_recovery_unix_ms.map(|ms| format!("{}.{:03}", ms / 1000, ms % 1000))
-        }),
-        (&LAST_RECOVERY_DURATION, |d| {
-            d.last_stall_ms.map(|ms| format!("{}.{:03}", ms / 1000, ms % 1000))
-        }),
+        (&LAST_RECOVERY, |d| d.last_recovery_unix_ms.map(seconds_of_ms)),
+        (&LAST_RECOVERY_DURATION, |d| d.last_stall_ms.map(seconds_of_ms)),
         (&RESTARTS, |d| Some(d.worker_restarts.to_string())),
     ];
     for (family, value) in per_device {
@@ -263,9 +259,9 @@ impl Out {
     fn family(&mut self, f: &Family) {
         // The Prometheus text format names a counter by its sample, OpenMetrics without
         // the suffix.
-        let name = match (self.format, f.kind) {
-            (Format::Prometheus, Kind::Counter) => format!("{}_total", f.name),
-            _ => f.name.to_string(),
+        let name = match self.format {
+            Format::Prometheus => f.sample_name(),
+            Format::OpenMetrics => f.name.to_string(),
         };
         let _ = writeln!(self.text, "# HELP {name} {}", f.help);
         let _ = writeln!(self.text, "# TYPE {name} {}", f.kind.name());
@@ -302,6 +298,11 @@ fn dev_labels(id: u32) -> String {
 
 fn op_labels(id: u32, op: &str) -> String {
     format!("{},op=\"{op}\"", dev_labels(id))
+}
+
+/// Milliseconds as exact decimal seconds (`1500` → `1.500`), as [`seconds_of_us`].
+fn seconds_of_ms(ms: u64) -> String {
+    format!("{}.{:03}", ms / 1000, ms % 1000)
 }
 
 /// Microseconds as exact decimal seconds (`16` → `0.000016`): no float rounding, and
