@@ -10,7 +10,8 @@
 //! takes on later turns ([`PendingUpgrade`]): clients, other devices' recoveries and
 //! systemd's watchdog are served meanwhile. The answer comes once each device is LIVE
 //! on its new worker, or at the latest [`UPGRADE_SETTLE`] after its hand-over with
-//! where it stands; a recovery held up outside ublkd (a server away, a slow release) is
+//! where it stands (a resize, which needs the device LIVE on its new worker, waits as
+//! long as a worker may take to start); a recovery held up outside ublkd (a server away, a slow release) is
 //! answered at once, for the loop to finish by itself.
 
 use std::collections::VecDeque;
@@ -221,7 +222,15 @@ impl Daemon {
                         None => break,
                     },
                 };
-                match self.upgrade_step(id, step, stopping) {
+                // A resize is answered only once its device is LIVE on a worker that
+                // serves the new size, so it waits for the recovery as long as a worker
+                // may take to start (an rbd worker fences its predecessor first: 5 to
+                // 10 s on a busy machine), not an upgrade's few seconds.
+                let settle = match pending.resize {
+                    Some(_) => UPGRADE_SETTLE.max(self.ctx.worker_ready_timeout),
+                    None => UPGRADE_SETTLE,
+                };
+                match self.upgrade_step(id, step, stopping, settle) {
                     Ok(step) => {
                         pending.current = Some((id, step));
                         break;
@@ -305,12 +314,14 @@ impl Daemon {
     }
 
     /// Takes device `id`'s upgrade on from `step` if it can: the next step to wait on,
-    /// or the outcome.
+    /// or the outcome. `settle`: how long the answer waits for the recovery after the
+    /// hand-over.
     fn upgrade_step(
         &mut self,
         id: u32,
         step: Step,
         stopping: bool,
+        settle: Duration,
     ) -> Result<Step, UpgradeOutcome> {
         let binary = self.ctx.worker_binary.display().to_string();
         let failed = |message| UpgradeOutcome { id, upgraded: false, message };
@@ -339,7 +350,7 @@ impl Daemon {
                 dev.forget_death();
                 match dev.recover(&self.ctx, "ublkctl upgrade") {
                     Ok(Recovery::Done(_)) => Err(self.upgrade_outcome(id)),
-                    Ok(Recovery::Waiting) => Ok(Step::Settling { until: now + UPGRADE_SETTLE }),
+                    Ok(Recovery::Waiting) => Ok(Step::Settling { until: now + settle }),
                     Err(e) => {
                         dev.wait_for_operator(format!(
                             "upgrade failed: {e} (after: ublkctl upgrade)"
