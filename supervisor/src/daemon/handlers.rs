@@ -13,7 +13,7 @@ use ublkd_proto::shm::{CounterSnapshot, DevLatency};
 use ublkd_proto::uapi::DevState;
 
 use super::Daemon;
-use crate::device::{Device, Recovery, Safety};
+use crate::device::{Device, DeviceError, Recovery, Safety};
 use crate::device_state::StateKind;
 
 impl Daemon {
@@ -229,7 +229,7 @@ impl Daemon {
             Ok(Recovery::Waiting) => Ok(None),
             Err(e) => {
                 dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
-                Err(format!("recover device {id}: {e}").into())
+                Err(Failure::new(device_error_kind(&e), format!("recover device {id}: {e}")))
             }
         }
     }
@@ -381,6 +381,23 @@ impl Daemon {
 
 /// What the device's worker counted in its region: validated before anything in it is
 /// believed, zero if it fails; values only, never used as sizes or indexes.
+/// What kind of failure a device operation's error is, for ublkctl's exit code: the
+/// device's worker failed to start or to take the device (it exited, said why, did not
+/// answer, or no standby was there to hand it over), or the device is in a state that
+/// does not allow the operation now; anything else is of no particular kind.
+pub(super) fn device_error_kind(e: &DeviceError) -> ErrorKind {
+    match e {
+        DeviceError::Worker { .. } | DeviceError::NoStandby { .. } => ErrorKind::WorkerFailed,
+        DeviceError::Transition(_) => ErrorKind::TryAgain,
+        _ => ErrorKind::Other,
+    }
+}
+
+/// `e` as the answer to a request, with its kind ([`device_error_kind`]).
+pub(super) fn device_failure(e: &DeviceError) -> Failure {
+    Failure::new(device_error_kind(e), e.to_string())
+}
+
 fn region_numbers(dev: &Device) -> (CounterSnapshot, DevLatency) {
     match dev.shm().validate() {
         Ok(()) => (dev.shm().counters().snapshot(), dev.shm().latency_snapshot()),
