@@ -379,8 +379,6 @@ impl Daemon {
     }
 }
 
-/// What the device's worker counted in its region: validated before anything in it is
-/// believed, zero if it fails; values only, never used as sizes or indexes.
 /// What kind of failure a device operation's error is, for ublkctl's exit code: the
 /// device's worker failed to start or to take the device (it exited, said why, did not
 /// answer, or no standby was there to hand it over), or the device is in a state that
@@ -398,6 +396,8 @@ pub(super) fn device_failure(e: &DeviceError) -> Failure {
     Failure::new(device_error_kind(e), e.to_string())
 }
 
+/// What the device's worker counted in its region: validated before anything in it is
+/// believed, zero if it fails; values only, never used as sizes or indexes.
 fn region_numbers(dev: &Device) -> (CounterSnapshot, DevLatency) {
     match dev.shm().validate() {
         Ok(()) => (dev.shm().counters().snapshot(), dev.shm().latency_snapshot()),
@@ -722,5 +722,27 @@ mod tests {
         assert_eq!(spec.settings.queues, 2);
         assert_eq!(spec.settings.queue_depth, defaults().queue_depth);
         assert_eq!(spec.size_bytes, 64 << 20);
+    }
+
+    #[test]
+    fn a_failed_worker_and_a_state_that_forbids_it_have_their_own_kinds() {
+        use crate::device_state::TransitionError;
+        use crate::worker::WorkerError;
+        let worker = |source| DeviceError::Worker { id: 3, source };
+        let exited = WorkerError::Died { pid: 9, status: "exit 1".into(), by_signal: false };
+        assert_eq!(device_error_kind(&worker(exited)), ErrorKind::WorkerFailed);
+        let silent = WorkerError::Timeout { pid: 9, secs: 30 };
+        let failure = device_failure(&worker(silent));
+        assert_eq!(failure.kind, ErrorKind::WorkerFailed);
+        assert_eq!(failure.message, "device 3: worker 9 did not answer within 30 s");
+        assert_eq!(device_error_kind(&DeviceError::NoStandby { id: 3 }), ErrorKind::WorkerFailed);
+        let illegal = TransitionError::IllegalTransition {
+            id: 3,
+            from: StateKind::Releasing,
+            to: StateKind::Recovering,
+        };
+        assert_eq!(device_error_kind(&DeviceError::from(illegal)), ErrorKind::TryAgain);
+        let not_ours = DeviceError::NotOurs { id: 3, why: "x".into() };
+        assert_eq!(device_error_kind(&not_ours), ErrorKind::Other);
     }
 }
