@@ -305,7 +305,12 @@ impl FailingServer {
         let args = ["-U", socket, "-f", "--exit-with-parent", "-P", &pid_file, "eval"];
         let child = Command::new("nbdkit")
             .args(args)
-            .args(["get_size=echo 16777216", "pread=exit 1", "pwrite=exit 1"])
+            // Exit 1 with the errno's name first on stderr: nbdkit answers that error.
+            .args([
+                "get_size=echo 16777216",
+                "pread=echo 'EIO this export fails every read' >&2; exit 1",
+                "pwrite=echo 'EIO this export fails every write' >&2; exit 1",
+            ])
             .stdin(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run nbdkit (tests/vm/install-host-deps.sh): {e}"));
