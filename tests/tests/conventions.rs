@@ -1,10 +1,10 @@
 //! The conventions scripts rely on (issue 48): `ublkctl`'s exit codes, each produced by
 //! its real condition (an unknown device, a name taken, a mounted ext4 that `del`
 //! refuses, an unprivileged user, a bad argument, no ublkd, a resize while an upgrade is
-//! under way or of a device whose worker died, a worker that fails to start), `--json`
-//! of every command
-//! parsed against docs/json.md, and `ublkd --check-config` listing what a reload of a
-//! running ublkd would add, change and remove.
+//! under way or of a device whose worker died, an add while ublkd shuts down, a worker
+//! that fails to start), `--json` of every command parsed against docs/json.md, and
+//! `ublkd --check-config` listing what a reload of a running ublkd would add, change
+//! and remove.
 //!
 //! "Not supported by this kernel" (exit 4) needs a 6.12 guest: resize.rs's
 //! `resize_is_refused_where_the_kernel_lacks_update_size` checks it there.
@@ -174,6 +174,34 @@ fn try_again_and_a_failed_worker_exit_with_their_own_codes() {
     assert_eq!(ublkd.status_of(id)["state"], "LIVE");
     ublkd.del(id);
     ublkd.stop();
+}
+
+/// 12 for a request while ublkd shuts down: its one device's worker is stopped
+/// (SIGSTOP), so the shutdown's delete waits out the worker's grace before it kills it,
+/// and meanwhile an add is refused as "not now".
+#[test]
+fn a_request_while_ublkd_shuts_down_exits_try_again() {
+    let _serial = serial();
+    let ublkd = Ublkd::start("conv-shutdown");
+    let id = ublkd.add(&["-t", "null", "-s", "16M"]);
+    let worker = ublkd.worker_pid(id);
+    assert!(signal(worker, libc::SIGSTOP));
+    let mut shutdown = Command::new(bin("ublkctl"))
+        .arg("--socket")
+        .arg(&ublkd.ctl.socket)
+        .arg("shutdown")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ublkctl shutdown");
+    // The shutdown has begun once its device is no longer listed (it is being deleted).
+    ublkd.wait_until("the shutdown under way", || ublkd.status().is_empty());
+    let said = exits(&ublkd, &["add", "-t", "null", "-s", "16M"], 12);
+    assert!(said.contains("ublkd is shutting down"), "{said}");
+    let done = shutdown.wait().expect("ublkctl shutdown ends");
+    assert!(done.success(), "the shutdown: {done}");
+    assert!(!ublkd.ctl.socket.exists());
+    drop(ublkd);
 }
 
 /// The keys docs/json.md lists for `row` (`ublkctl add`, …, `an error (stderr)`).
