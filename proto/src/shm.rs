@@ -131,8 +131,18 @@ pub struct DevCounters {
     pub write_zeroes: AtomicU64,
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
-    /// I/Os completed with an error.
+    /// I/Os completed with an error, of every operation.
     pub errors: AtomicU64,
+    // Of `errors`, each operation's. After `errors`, in the header's room past the
+    // older layout's counters, so the region's version stays 3: a worker of that layout
+    // (adopted by a restarted ublkd, or still serving until `ublkctl upgrade`) leaves
+    // these zero and counts only `errors`, which the supervisor still reads
+    // ([`CounterSnapshot::unattributed_errors`]).
+    pub read_errors: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub flush_errors: AtomicU64,
+    pub discard_errors: AtomicU64,
+    pub write_zeroes_errors: AtomicU64,
 }
 
 /// A plain copy of [`DevCounters`].
@@ -146,6 +156,11 @@ pub struct CounterSnapshot {
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub errors: u64,
+    pub read_errors: u64,
+    pub write_errors: u64,
+    pub flush_errors: u64,
+    pub discard_errors: u64,
+    pub write_zeroes_errors: u64,
 }
 
 impl CounterSnapshot {
@@ -156,6 +171,26 @@ impl CounterSnapshot {
             .saturating_add(self.flushes)
             .saturating_add(self.discards)
             .saturating_add(self.write_zeroes)
+    }
+
+    /// Each operation's errors, in [`LatencyOp::ALL`]'s order (read, write, flush,
+    /// discard, write zeroes).
+    pub fn op_errors(&self) -> [u64; 5] {
+        [
+            self.read_errors,
+            self.write_errors,
+            self.flush_errors,
+            self.discard_errors,
+            self.write_zeroes_errors,
+        ]
+    }
+
+    /// Errors counted without their operation: those of a worker of the older layout
+    /// (which counted only `errors`), and of an operation outside the five. Saturating:
+    /// the worker may have written anything.
+    pub fn unattributed_errors(&self) -> u64 {
+        let attributed = self.op_errors().into_iter().fold(0u64, u64::saturating_add);
+        self.errors.saturating_sub(attributed)
     }
 }
 
@@ -171,6 +206,11 @@ impl DevCounters {
             bytes_read: r(&self.bytes_read),
             bytes_written: r(&self.bytes_written),
             errors: r(&self.errors),
+            read_errors: r(&self.read_errors),
+            write_errors: r(&self.write_errors),
+            flush_errors: r(&self.flush_errors),
+            discard_errors: r(&self.discard_errors),
+            write_zeroes_errors: r(&self.write_zeroes_errors),
         }
     }
 
@@ -190,6 +230,11 @@ impl DevCounters {
         add(&self.bytes_read, delta.bytes_read);
         add(&self.bytes_written, delta.bytes_written);
         add(&self.errors, delta.errors);
+        add(&self.read_errors, delta.read_errors);
+        add(&self.write_errors, delta.write_errors);
+        add(&self.flush_errors, delta.flush_errors);
+        add(&self.discard_errors, delta.discard_errors);
+        add(&self.write_zeroes_errors, delta.write_zeroes_errors);
     }
 }
 
@@ -293,6 +338,10 @@ impl TagSlot {
 }
 
 const _: () = assert!(size_of::<ShmHeader>() <= HEADER_BYTES);
+// Version 3's fields keep their offsets: the per-operation errors only follow them.
+const _: () = assert!(std::mem::offset_of!(ShmHeader, counters) == 40);
+const _: () = assert!(std::mem::offset_of!(DevCounters, errors) == 56);
+const _: () = assert!(std::mem::offset_of!(DevCounters, read_errors) == 64);
 const _: () = assert!(size_of::<OpLatency>() == 256);
 const _: () = assert!(size_of::<ThreadLatency>() == 1280);
 const _: () = assert!(size_of::<ThreadSlot>() == 64);
@@ -682,8 +731,13 @@ mod tests {
     #[test]
     fn counters_add_a_threads_delta() {
         let c = DevCounters::default();
-        let delta =
-            CounterSnapshot { reads: 3, bytes_read: 12288, errors: 1, ..Default::default() };
+        let delta = CounterSnapshot {
+            reads: 3,
+            bytes_read: 12288,
+            errors: 1,
+            read_errors: 1,
+            ..Default::default()
+        };
         c.add(&delta);
         c.add(&CounterSnapshot { writes: 2, bytes_written: 8192, ..Default::default() });
         c.add(&delta);
@@ -693,8 +747,26 @@ mod tests {
             bytes_read: 24576,
             bytes_written: 8192,
             errors: 2,
+            read_errors: 2,
             ..Default::default()
         };
         assert_eq!(c.snapshot(), want);
+        assert_eq!(c.snapshot().unattributed_errors(), 0);
+    }
+
+    #[test]
+    fn errors_of_a_worker_of_the_older_layout_stay_counted_without_their_op() {
+        let (a, _fd) = ShmRegion::create(geom()).unwrap();
+        // What a version-3 worker does: only the total.
+        a.counters().errors.fetch_add(3, Ordering::Relaxed);
+        // Then a worker of this layout, after an upgrade: the total and the op.
+        a.prepare_activation(1);
+        a.counters().add(&CounterSnapshot { errors: 2, write_errors: 2, ..Default::default() });
+        let c = a.counters().snapshot();
+        assert_eq!(c.op_errors(), [0, 2, 0, 0, 0]);
+        assert_eq!(c.unattributed_errors(), 3);
+        // Scribbled: more by op than in all never underflows.
+        a.counters().read_errors.store(u64::MAX, Ordering::Relaxed);
+        assert_eq!(a.counters().snapshot().unattributed_errors(), 0);
     }
 }

@@ -29,7 +29,8 @@ const UBLKCTL_AFTER_HELP: &str = "\
 Exit status: 0 success, 1 failure, 2 usage or a bad argument, 3 no ublk driver, 4 not \
 supported by this kernel, 5 permission denied, 8 ublkd is not reachable, 9 no such device, \
 10 already exists (an id, name, file, export or image another device has), 11 busy (the \
-device is in use).
+device is in use), 12 try again later (the device is not LIVE, is being recovered, upgraded \
+or resized, or ublkd is shutting down), 13 the device's worker failed to start.
 
 JSON: with --json every command prints one JSON object on stdout, with a \"schema\" \
 version; an error is one JSON object on stderr, {\"schema\":1,\"error\":{\"kind\":…,\

@@ -26,6 +26,13 @@ pub const NO_DEVICE: i32 = 9;
 pub const EXISTS: i32 = 10;
 /// The device is in use (mounted, held, open), and the request would take it away.
 pub const BUSY: i32 = 11;
+/// Not now (after sysexits' EX_TEMPFAIL, "try again later"): the device is not in a
+/// state that allows the request (not LIVE, being recovered, upgraded or resized), or
+/// ublkd is shutting down.
+pub const TRY_AGAIN: i32 = 12;
+/// The device's worker failed to start or to take the device (its backend could not
+/// be opened, its sandbox refused it, it did not answer in time).
+pub const WORKER_FAILED: i32 = 13;
 
 /// `ublkctl`'s exit code for an error answer of ublkd's.
 pub const fn for_kind(kind: ErrorKind) -> i32 {
@@ -37,6 +44,8 @@ pub const fn for_kind(kind: ErrorKind) -> i32 {
         ErrorKind::NotSupported => MISSING_FEATURE,
         ErrorKind::BadArgument => BAD_ARGUMENT,
         ErrorKind::PermissionDenied => PERMISSION,
+        ErrorKind::TryAgain => TRY_AGAIN,
+        ErrorKind::WorkerFailed => WORKER_FAILED,
     }
 }
 
@@ -53,6 +62,8 @@ pub const fn kind_name(code: i32) -> &'static str {
         NO_DEVICE => "no_such_device",
         EXISTS => "already_exists",
         BUSY => "busy",
+        TRY_AGAIN => "try_again",
+        WORKER_FAILED => "worker_failed",
         _ => "other",
     }
 }

@@ -116,8 +116,8 @@ const REQUESTS: Family = Family::counter(
 );
 const ERRORS: Family = Family::counter(
     "ublkd_device_request_errors",
-    "Requests completed with an error, of every operation (op is all: the workers count \
-     them together).",
+    "Requests completed with an error, by operation (other: counted by a worker of an \
+     older ublkd, which did not say the operation); sum() is every error.",
 );
 const BYTES: Family = Family::counter(
     "ublkd_device_bytes",
@@ -214,7 +214,11 @@ pub fn render(devs: &[DevMetrics], format: Format) -> String {
     }
     out.family(&ERRORS);
     for d in devs {
-        out.sample(&ERRORS.sample_name(), &op_labels(d.id, "all"), &d.counters.errors.to_string());
+        let c = &d.counters;
+        let per_op = LatencyOp::ALL.into_iter().map(LatencyOp::name).zip(c.op_errors());
+        for (op, n) in per_op.chain([("other", c.unattributed_errors())]) {
+            out.sample(&ERRORS.sample_name(), &op_labels(d.id, op), &n.to_string());
+        }
     }
     out.family(&BYTES);
     for d in devs {
@@ -657,6 +661,8 @@ mod tests {
                 bytes_read: 61440,
                 bytes_written: 8192,
                 errors: 4,
+                read_errors: 1,
+                write_errors: 2,
                 ..Default::default()
             },
             inflight: 3,
@@ -702,14 +708,19 @@ mod tests {
             value(&families, "ublkd_device_requests", "ublkd_device_requests_total", &op3("read")),
             15.0
         );
-        assert_eq!(
+        // Errors by op; "other" holds what no op was counted for, so the sum is all.
+        let errors = |op| {
             value(
                 &families,
                 "ublkd_device_request_errors",
                 "ublkd_device_request_errors_total",
-                &op3("all")
-            ),
-            4.0
+                &op3(op),
+            )
+        };
+        assert_eq!([errors("read"), errors("write"), errors("flush")], [1.0, 2.0, 0.0]);
+        assert_eq!([errors("discard"), errors("write_zeroes"), errors("other")], [0.0, 0.0, 1.0]);
+        assert!(
+            families["ublkd_device_request_errors"].samples.iter().all(|s| s.labels["op"] != "all")
         );
         assert_eq!(
             value(&families, "ublkd_device_bytes", "ublkd_device_bytes_total", &op3("write")),

@@ -1,8 +1,10 @@
 //! The conventions scripts rely on (issue 48): `ublkctl`'s exit codes, each produced by
 //! its real condition (an unknown device, a name taken, a mounted ext4 that `del`
-//! refuses, an unprivileged user, a bad argument, no ublkd), `--json` of every command
-//! parsed against docs/json.md, and `ublkd --check-config` listing what a reload of a
-//! running ublkd would add, change and remove.
+//! refuses, an unprivileged user, a bad argument, no ublkd, a resize while an upgrade is
+//! under way or of a device whose worker died, an add while ublkd shuts down, a worker
+//! that fails to start), `--json` of every command parsed against docs/json.md, and
+//! `ublkd --check-config` listing what a reload of a running ublkd would add, change
+//! and remove.
 //!
 //! "Not supported by this kernel" (exit 4) needs a 6.12 guest: resize.rs's
 //! `resize_is_refused_where_the_kernel_lacks_update_size` checks it there.
@@ -17,7 +19,7 @@ use serde_json::Value;
 use ublkd_proto::uapi::UBLK_F_UPDATE_SIZE;
 
 use ublkd_tests::harness::machine::{block_dev, kernel_features, serial};
-use ublkd_tests::harness::process::{bin, run, run_ok};
+use ublkd_tests::harness::process::{bin, run, run_ok, signal};
 use ublkd_tests::harness::storage::Mount;
 use ublkd_tests::harness::ublkd::Ublkd;
 
@@ -96,6 +98,110 @@ fn each_failure_exits_with_its_own_code() {
     assert_eq!(out.status.code(), Some(8), "{}", String::from_utf8_lossy(&out.stderr));
     let out = ctl(&["add", "-t", "rbd"]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// 12 (try again later) and 13 (the worker failed to start), each by its real condition.
+/// The workers run through a wrapper that, while a marker file exists, starts the real
+/// worker only after a sleep (so an upgrade stays under way) or exits 1 at once (a
+/// worker that cannot start); automatic recovery is off, so a killed worker leaves its
+/// device not LIVE until `ublkctl recover`.
+#[test]
+fn try_again_and_a_failed_worker_exit_with_their_own_codes() {
+    let _serial = serial();
+    let slow = Path::new("/tmp/conv-again-slow");
+    let fails = Path::new("/tmp/conv-again-fails");
+    let _ = std::fs::remove_file(slow);
+    let _ = std::fs::remove_file(fails);
+    let wrapper = Path::new("/tmp/conv-again-worker");
+    // fd 3 (the worker's control socket) is closed for the sleep only.
+    let script = format!(
+        "#!/bin/sh\n[ -e {fails} ] && {{ echo 'conv: this worker cannot start' >&2; exit 1; }}\n\
+         [ -e {slow} ] && sleep 8 3<&-\nexec {worker} \"$@\"\n",
+        fails = fails.display(),
+        slow = slow.display(),
+        worker = bin("ublkd-worker").display()
+    );
+    std::fs::write(wrapper, script).unwrap();
+    std::fs::set_permissions(wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let extra =
+        format!("worker_binary = \"{}\"\n\n[recovery]\nrestart_max = 0\n", wrapper.display());
+    let ublkd = Ublkd::start_with("conv-again", &extra, &[]);
+    let id = ublkd.add(&["-t", "memory", "-s", "16M"]);
+    let ids = id.to_string();
+
+    // 12: a resize while an upgrade of the device is under way (its new worker sleeps).
+    std::fs::write(slow, b"").unwrap();
+    let mut upgrade = Command::new(bin("ublkctl"))
+        .arg("--socket")
+        .arg(&ublkd.ctl.socket)
+        .args(["upgrade", "-n", &ids])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ublkctl upgrade");
+    ublkd.wait_until("the upgrade under way", || {
+        ublkd.status_of(id)["note"].as_str().is_some_and(|n| n.contains("being upgraded"))
+    });
+    let said = exits(&ublkd, &["resize", "-n", &ids, "-s", "32M"], 12);
+    assert!(said.contains("is being upgraded or resized"), "{said}");
+    let out = ublkd.ctl(&["--json", "resize", "-n", &ids, "-s", "32M"]);
+    assert_eq!(out.status.code(), Some(12));
+    let error: Value = serde_json::from_slice(&out.stderr).expect("one JSON object");
+    assert_eq!(error["error"]["kind"], "try_again", "{error}");
+    std::fs::remove_file(slow).unwrap();
+    let upgraded = upgrade.wait().expect("ublkctl upgrade ends");
+    assert!(upgraded.success(), "the upgrade: {upgraded}");
+
+    // 13: an add whose worker exits before it is ready, with its kind under --json.
+    std::fs::write(fails, b"").unwrap();
+    let said = exits(&ublkd, &["add", "-t", "null", "-s", "16M"], 13);
+    assert!(said.contains("worker"), "{said}");
+    let out = ublkd.ctl(&["--json", "add", "-t", "null", "-s", "16M"]);
+    assert_eq!(out.status.code(), Some(13));
+    let error: Value = serde_json::from_slice(&out.stderr).expect("one JSON object");
+    assert_eq!(error["error"]["kind"], "worker_failed", "{error}");
+    // Nothing of the failed adds is left.
+    assert_eq!(ublkd.status().len(), 1, "{:?}", ublkd.status());
+
+    // 12: a resize of a device whose worker died, with automatic recovery off.
+    let worker = ublkd.worker_pid(id);
+    assert!(signal(worker, libc::SIGKILL));
+    ublkd.wait_until("the device not LIVE", || ublkd.status_of(id)["state"] != "LIVE");
+    let said = exits(&ublkd, &["resize", "-n", &ids, "-s", "32M"], 12);
+    assert!(said.contains("is not LIVE"), "{said}");
+    std::fs::remove_file(fails).unwrap();
+    ublkd.ctl_ok(&["recover", &ids]);
+    assert_eq!(ublkd.status_of(id)["state"], "LIVE");
+    ublkd.del(id);
+    ublkd.stop();
+}
+
+/// 12 for a request while ublkd shuts down: its one device's worker is stopped
+/// (SIGSTOP), so the shutdown's delete waits out the worker's grace before it kills it,
+/// and meanwhile an add is refused as "not now".
+#[test]
+fn a_request_while_ublkd_shuts_down_exits_try_again() {
+    let _serial = serial();
+    let ublkd = Ublkd::start("conv-shutdown");
+    let id = ublkd.add(&["-t", "null", "-s", "16M"]);
+    let worker = ublkd.worker_pid(id);
+    assert!(signal(worker, libc::SIGSTOP));
+    let mut shutdown = Command::new(bin("ublkctl"))
+        .arg("--socket")
+        .arg(&ublkd.ctl.socket)
+        .arg("shutdown")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run ublkctl shutdown");
+    // The shutdown has begun once its device is no longer listed (it is being deleted).
+    ublkd.wait_until("the shutdown under way", || ublkd.status().is_empty());
+    let said = exits(&ublkd, &["add", "-t", "null", "-s", "16M"], 12);
+    assert!(said.contains("ublkd is shutting down"), "{said}");
+    let done = shutdown.wait().expect("ublkctl shutdown ends");
+    assert!(done.success(), "the shutdown: {done}");
+    assert!(!ublkd.ctl.socket.exists());
+    drop(ublkd);
 }
 
 /// The keys docs/json.md lists for `row` (`ublkctl add`, …, `an error (stderr)`).

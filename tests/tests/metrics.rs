@@ -3,10 +3,12 @@
 //! by tests/vm/install-host-deps.sh), its latency histograms holding fio's I/O, p50/p99
 //! in status, the state-set and the recovery counter and timestamp after a worker's
 //! death, the `device` label the kernel's disk name (what node_exporter's
-//! `node_disk_*` series carry), and `daemon.metrics_file` written and replaced whole.
+//! `node_disk_*` series carry), `daemon.metrics_file` written and replaced whole, and
+//! errors counted by the operation that failed (an NBD server that fails every request).
 
+use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -123,8 +125,10 @@ fn metrics_parse_as_openmetrics_and_their_histograms_count_fios_io() {
         let sum = value(&samples, "ublkd_device_request_duration_seconds_sum", &labels);
         assert!(sum > 0.0, "{op}: latency sum {sum}");
     }
-    let errors = [dev_labels[0], dev_labels[1], ("op", "all")];
-    assert_eq!(value(&samples, "ublkd_device_request_errors_total", &errors), 0.0, "{text}");
+    for op in ["read", "write", "flush", "discard", "write_zeroes", "other"] {
+        let errors = [dev_labels[0], dev_labels[1], ("op", op)];
+        assert_eq!(value(&samples, "ublkd_device_request_errors_total", &errors), 0.0, "{text}");
+    }
     let families: Vec<&str> = samples.iter().filter_map(|s| s["family"].as_str()).collect();
     for family in ["ublkd_device_inflight_requests", "ublkd_device_recoveries"] {
         assert!(families.contains(&family), "no {family} in:\n{text}");
@@ -287,4 +291,119 @@ fn nix_mkfifo(path: &Path) {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: `c` is NUL-terminated and lives across the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo {}", path.display());
+}
+
+/// An NBD server (nbdkit's eval plugin) on `socket` with a 16 MiB export that fails
+/// every read and every write with EIO, killed on drop.
+struct FailingServer(std::process::Child);
+
+impl FailingServer {
+    fn start(socket: &str) -> FailingServer {
+        let _ = std::fs::remove_file(socket);
+        let pid_file = format!("{socket}.pid");
+        let _ = std::fs::remove_file(&pid_file);
+        let args = ["-U", socket, "-f", "--exit-with-parent", "-P", &pid_file, "eval"];
+        let child = Command::new("nbdkit")
+            .args(args)
+            // Exit 1 with the errno's name first on stderr: nbdkit answers that error.
+            .args([
+                "get_size=echo 16777216",
+                "pread=echo 'EIO this export fails every read' >&2; exit 1",
+                "pwrite=echo 'EIO this export fails every write' >&2; exit 1",
+            ])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run nbdkit (tests/vm/install-host-deps.sh): {e}"));
+        let server = FailingServer(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !std::fs::read(&pid_file).is_ok_and(|pid| pid.ends_with(b"\n")) {
+            assert!(Instant::now() < deadline, "nbdkit did not listen within 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+}
+
+impl Drop for FailingServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One 4 KiB O_DIRECT read or write at `offset` of `dev` (so that exactly one request
+/// reaches the device, past the page cache): its error, which the test wants.
+fn direct_io_fails(dev: &Path, write: bool, offset: u64) -> std::io::Error {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .unwrap_or_else(|e| panic!("{}: {e}", dev.display()));
+    // O_DIRECT wants a buffer aligned to the logical block: a page-aligned slice of a
+    // larger Vec.
+    let mut buf = vec![0xa5u8; 8192];
+    let start = buf.as_ptr().align_offset(4096);
+    let block = &mut buf[start..start + 4096];
+    let done = if write { file.write_at(block, offset) } else { file.read_at(block, offset) };
+    match done {
+        Ok(n) => {
+            panic!("a {} of {n} bytes at {offset} succeeded", if write { "write" } else { "read" })
+        }
+        Err(e) => e,
+    }
+}
+
+/// Each device's errors by `op`, from `ublkctl metrics`.
+fn errors_by_op(ublkd: &Ublkd, id: u32) -> std::collections::BTreeMap<String, f64> {
+    let text = ublkd.ctl_ok(&["metrics"]);
+    let samples = parse(&text, "openmetrics").unwrap_or_else(|e| panic!("{e}"));
+    let device = format!("ublkb{id}");
+    samples
+        .iter()
+        .filter(|s| s["name"] == "ublkd_device_request_errors_total")
+        .filter(|s| s["labels"]["device"] == device.as_str())
+        .map(|s| (s["labels"]["op"].as_str().unwrap().to_string(), s["value"].as_f64().unwrap()))
+        .collect()
+}
+
+/// A read and a write that the backend fails land on their own `op`: an NBD server
+/// that answers every read and write with an error, one O_DIRECT write and one read.
+#[test]
+fn errors_are_counted_by_the_operation_that_failed() {
+    let _serial = serial();
+    let socket = "/tmp/ublkd-test-metrics-failing.sock";
+    let _server = FailingServer::start(socket);
+    let ublkd = Ublkd::start("metrics-errors");
+    let uri = format!("nbd+unix:///?socket={socket}");
+    let id = ublkd.add(&["-t", "nbd", "--uri", &uri]);
+    let dev = block_dev(id);
+    ublkd_tests::harness::machine::wait_for_path(&dev);
+    // The kernel's partition scan reads (and fails) as the disk appears: let it end,
+    // then count from there.
+    std::thread::sleep(Duration::from_secs(2));
+    let before = errors_by_op(&ublkd, id);
+    let ops = ["discard", "flush", "other", "read", "write", "write_zeroes"];
+    assert_eq!(before.keys().map(String::as_str).collect::<Vec<_>>(), ops, "{before:?}");
+    assert_eq!(before["write"], 0.0, "{before:?}");
+
+    let e = direct_io_fails(&dev, true, 0);
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "the write: {e}");
+    let after_write = errors_by_op(&ublkd, id);
+    assert_eq!(after_write["write"], before["write"] + 1.0, "{after_write:?}");
+
+    let e = direct_io_fails(&dev, false, 1 << 20);
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "the read: {e}");
+    let after = errors_by_op(&ublkd, id);
+    assert!(after["read"] > after_write["read"], "{after_write:?} then {after:?}");
+    assert_eq!(after["write"], after_write["write"], "{after:?}");
+    for op in ["flush", "discard", "write_zeroes", "other"] {
+        assert_eq!(after[op], 0.0, "{op}: {after:?}");
+    }
+    // The ops add up to the total that status gives.
+    let total: f64 = after.values().sum();
+    let status = ublkd.status_of(id);
+    assert_eq!(status["errors"].as_f64(), Some(total), "{status} vs {after:?}");
+    ublkd.del(id);
+    ublkd.stop();
 }

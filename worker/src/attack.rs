@@ -186,6 +186,8 @@ fn scribble(shm: &ublkd_proto::shm::ShmRegion) {
     let g = shm.geometry();
     let mut wide = vec![&h.magic, &h.generation, &c.reads, &c.writes, &c.flushes];
     wide.extend([&c.discards, &c.write_zeroes, &c.bytes_read, &c.bytes_written, &c.errors]);
+    wide.extend([&c.read_errors, &c.write_errors, &c.flush_errors]);
+    wide.extend([&c.discard_errors, &c.write_zeroes_errors]);
     let mut narrow = vec![&h.version, &h.header_bytes, &h.dev_id, &h.nr_queues];
     narrow.extend([&h.queue_depth, &h.nr_threads]);
     for slot in (0..usize::from(g.nr_threads)).filter_map(|t| shm.thread(t)) {

@@ -165,6 +165,14 @@ pub enum ErrorKind {
     BadArgument,
     /// The client may not command ublkd.
     PermissionDenied,
+    /// Not now: the device is not in a state that allows the request (not LIVE, being
+    /// recovered, upgraded or resized), or ublkd is shutting down. The same request
+    /// may succeed later, unchanged.
+    TryAgain,
+    /// The device's worker failed to start or to take the device (it exited, said why
+    /// it could not set up, or did not answer in time): the backend it was to open, or
+    /// the worker's sandbox, is at fault, not the request's form.
+    WorkerFailed,
 }
 
 impl ErrorKind {
@@ -178,17 +186,21 @@ impl ErrorKind {
             ErrorKind::NotSupported => "not_supported",
             ErrorKind::BadArgument => "bad_argument",
             ErrorKind::PermissionDenied => "permission_denied",
+            ErrorKind::TryAgain => "try_again",
+            ErrorKind::WorkerFailed => "worker_failed",
         }
     }
 
     /// Every kind but [`ErrorKind::Other`].
-    pub const ALL: [ErrorKind; 6] = [
+    pub const ALL: [ErrorKind; 8] = [
         ErrorKind::NoSuchDevice,
         ErrorKind::AlreadyExists,
         ErrorKind::Busy,
         ErrorKind::NotSupported,
         ErrorKind::BadArgument,
         ErrorKind::PermissionDenied,
+        ErrorKind::TryAgain,
+        ErrorKind::WorkerFailed,
     ];
 
     /// The kind named `name`; [`ErrorKind::Other`] for a name not known here.
@@ -220,6 +232,13 @@ pub struct Failure {
 impl Failure {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Failure {
         Failure { kind, message: message.into() }
+    }
+}
+
+/// The message alone, as plain output says it.
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
     }
 }
 
@@ -444,6 +463,18 @@ mod tests {
         bytes.splice(1..6, [5, b'w', b'e', b'i', b'r', b'd']);
         let decoded = codec::decode::<CtlResponse>(&bytes).unwrap();
         assert_eq!(decoded, CtlResponse::Failed { kind: ErrorKind::Other, message: "x".into() });
+    }
+
+    #[test]
+    fn every_kind_goes_by_its_own_name_and_back() {
+        for kind in ErrorKind::ALL {
+            assert_eq!(ErrorKind::from_name(kind.name()), kind);
+            let bytes = codec::encode(&CtlResponse::Failed { kind, message: "x".into() }).unwrap();
+            let decoded = codec::decode::<CtlResponse>(&bytes).unwrap();
+            assert_eq!(decoded, CtlResponse::Failed { kind, message: "x".into() });
+        }
+        assert_eq!(ErrorKind::from_name("try_again"), ErrorKind::TryAgain);
+        assert_eq!(ErrorKind::from_name("worker_failed"), ErrorKind::WorkerFailed);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 use super::underway::{Standing, Underway, Wake, for_so_far};
 use super::*;
 use std::os::fd::AsRawFd;
+use ublkd_proto::msg::Failure;
 
 /// An `ublkctl add` under way, answered once its device is LIVE (or has failed), so
 /// that no add holds up the loop (other devices' recoveries, clients, other adds, the
@@ -136,7 +137,7 @@ impl Daemon {
                 self.pending_adds.push(PendingAdd { for_whom, spec, stage, attempts, began });
                 None
             }
-            Err(message) => Some(CtlResponse::Error { message }),
+            Err(failure) => Some(failure.into()),
         }
     }
 
@@ -164,20 +165,20 @@ impl Daemon {
         &self,
         spec: &DeviceSpec,
         attempts: &mut u8,
-    ) -> Result<AddStage, String> {
+    ) -> Result<AddStage, Failure> {
         if !reach_takes_time(spec) {
             loop {
                 match Device::begin_create(&self.ctx, spec, Reached::Nbd(None)) {
                     Ok(creation) => return Ok(AddStage::Starting(Box::new(creation))),
                     Err(e) if Self::add_again(spec, &e, attempts) => {}
-                    Err(e) => return Err(e.to_string()),
+                    Err(e) => return Err(handlers::device_failure(&e)),
                 }
             }
         }
         // Zero copy the kernel cannot give is refused before the server is bothered
         // (creation decides it again, for devices made from the config).
         decide_zero_copy(spec, self.ctx.kernel_features, self.ctx.kernel_release)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Failure::from(e.to_string()))?;
         let (tx, connected) = mpsc::channel();
         let for_thread = spec.clone();
         let binary = self.ctx.worker_binary.clone();
@@ -186,7 +187,9 @@ impl Daemon {
         std::thread::Builder::new()
             .name("add-reach".into())
             .spawn(move || drop(tx.send(reach(&binary, &for_thread, data_path, handshake))))
-            .map_err(|e| format!("cannot start a thread to reach the target: {e}"))?;
+            .map_err(|e| {
+                Failure::from(format!("cannot start a thread to reach the target: {e}"))
+            })?;
         Ok(AddStage::Connecting(connected))
     }
 
@@ -207,7 +210,7 @@ impl Daemon {
                     }
                     Err(mpsc::TryRecvError::Disconnected) => {
                         let why = "the thread reaching the target ended without an answer";
-                        self.add_done(pending.for_whom, Err(why.into()));
+                        self.add_done(pending.for_whom, Err(Failure::from(why)));
                         continue;
                     }
                 };
@@ -225,7 +228,7 @@ impl Daemon {
                         continue;
                     }
                     Err(e) => {
-                        self.add_done(pending.for_whom, Err(e.to_string()));
+                        self.add_done(pending.for_whom, Err(handlers::device_failure(&e)));
                         continue;
                     }
                 }
@@ -254,7 +257,7 @@ impl Daemon {
                         Err(message) => Err(message),
                     }
                 }
-                Progress::Done(Err(e)) => Err(e.to_string()),
+                Progress::Done(Err(e)) => Err(handlers::device_failure(&e)),
             };
             self.add_done(pending.for_whom, outcome);
         }
@@ -262,16 +265,18 @@ impl Daemon {
     }
 
     /// Tells whom an add was for how it ended: the device's id, or why it failed.
-    fn add_done(&mut self, for_whom: AddFor, outcome: Result<u32, String>) {
+    fn add_done(&mut self, for_whom: AddFor, outcome: Result<u32, Failure>) {
         match for_whom {
             AddFor::Client(token) => {
                 let response = match outcome {
                     Ok(id) => CtlResponse::Added { id },
-                    Err(message) => CtlResponse::Error { message },
+                    Err(failure) => failure.into(),
                 };
                 self.control.respond(token, &response, Instant::now());
             }
-            AddFor::Reload(spec) => self.reload_add_done(*spec, outcome),
+            AddFor::Reload(spec) => {
+                self.reload_add_done(*spec, outcome.map_err(|failure| failure.message))
+            }
         }
     }
 
@@ -297,7 +302,8 @@ impl Daemon {
                 made.push(creation.id());
                 creation.abandon(&self.ctx);
             }
-            self.add_done(pending.for_whom, Err(format!("{why} before the device was made")));
+            let failure = Failure::from(format!("{why} before the device was made"));
+            self.add_done(pending.for_whom, Err(failure));
         }
         self.pending_adds = kept;
         made

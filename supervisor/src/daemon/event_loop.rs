@@ -238,8 +238,9 @@ impl Daemon {
                     | CtlRequest::Resize { .. }
                         if self.shutting_down =>
                     {
-                        let message = "ublkd is shutting down".to_string();
-                        CtlResponse::Error { message }
+                        // Not now: a script may ask the next ublkd.
+                        let kind = ublkd_proto::msg::ErrorKind::TryAgain;
+                        ublkd_proto::msg::Failure::new(kind, "ublkd is shutting down").into()
                     }
                     CtlRequest::Del { id } => match self.begin_del(token, id, false, false) {
                         Some(response) => response,

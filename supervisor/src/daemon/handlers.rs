@@ -13,7 +13,7 @@ use ublkd_proto::shm::{CounterSnapshot, DevLatency};
 use ublkd_proto::uapi::DevState;
 
 use super::Daemon;
-use crate::device::{Device, Recovery, Safety};
+use crate::device::{Device, DeviceError, Recovery, Safety};
 use crate::device_state::StateKind;
 
 impl Daemon {
@@ -229,7 +229,7 @@ impl Daemon {
             Ok(Recovery::Waiting) => Ok(None),
             Err(e) => {
                 dev.wait_for_operator(format!("recovery failed: {e} (after: ublkctl recover)"));
-                Err(format!("recover device {id}: {e}").into())
+                Err(Failure::new(device_error_kind(&e), format!("recover device {id}: {e}")))
             }
         }
     }
@@ -377,6 +377,23 @@ impl Daemon {
             name: dev.spec().attrs.name.clone(),
         })
     }
+}
+
+/// What kind of failure a device operation's error is, for ublkctl's exit code: the
+/// device's worker failed to start or to take the device (it exited, said why, did not
+/// answer, or no standby was there to hand it over), or the device is in a state that
+/// does not allow the operation now; anything else is of no particular kind.
+pub(super) fn device_error_kind(e: &DeviceError) -> ErrorKind {
+    match e {
+        DeviceError::Worker { .. } | DeviceError::NoStandby { .. } => ErrorKind::WorkerFailed,
+        DeviceError::Transition(_) => ErrorKind::TryAgain,
+        _ => ErrorKind::Other,
+    }
+}
+
+/// `e` as the answer to a request, with its kind ([`device_error_kind`]).
+pub(super) fn device_failure(e: &DeviceError) -> Failure {
+    Failure::new(device_error_kind(e), e.to_string())
 }
 
 /// What the device's worker counted in its region: validated before anything in it is
@@ -705,5 +722,27 @@ mod tests {
         assert_eq!(spec.settings.queues, 2);
         assert_eq!(spec.settings.queue_depth, defaults().queue_depth);
         assert_eq!(spec.size_bytes, 64 << 20);
+    }
+
+    #[test]
+    fn a_failed_worker_and_a_state_that_forbids_it_have_their_own_kinds() {
+        use crate::device_state::TransitionError;
+        use crate::worker::WorkerError;
+        let worker = |source| DeviceError::Worker { id: 3, source };
+        let exited = WorkerError::Died { pid: 9, status: "exit 1".into(), by_signal: false };
+        assert_eq!(device_error_kind(&worker(exited)), ErrorKind::WorkerFailed);
+        let silent = WorkerError::Timeout { pid: 9, secs: 30 };
+        let failure = device_failure(&worker(silent));
+        assert_eq!(failure.kind, ErrorKind::WorkerFailed);
+        assert_eq!(failure.message, "device 3: worker 9 did not answer within 30 s");
+        assert_eq!(device_error_kind(&DeviceError::NoStandby { id: 3 }), ErrorKind::WorkerFailed);
+        let illegal = TransitionError::IllegalTransition {
+            id: 3,
+            from: StateKind::Releasing,
+            to: StateKind::Recovering,
+        };
+        assert_eq!(device_error_kind(&DeviceError::from(illegal)), ErrorKind::TryAgain);
+        let not_ours = DeviceError::NotOurs { id: 3, why: "x".into() };
+        assert_eq!(device_error_kind(&not_ours), ErrorKind::Other);
     }
 }

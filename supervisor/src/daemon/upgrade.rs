@@ -19,7 +19,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use ublkd_config::format_size;
-use ublkd_proto::msg::{CtlResponse, Failure, UpgradeOutcome};
+use ublkd_proto::msg::{CtlResponse, ErrorKind, Failure, UpgradeOutcome};
 
 use super::Daemon;
 use super::underway::{Standing, Underway, Wake};
@@ -121,12 +121,14 @@ impl Daemon {
         allow_shrink: bool,
     ) -> Option<CtlResponse> {
         let error = |message: String| Some(CtlResponse::Error { message });
+        // Not now: the same resize may be asked again once the device is LIVE.
+        let not_now = |message: String| Some(Failure::new(ErrorKind::TryAgain, message).into());
         let Some(dev) = self.devices.get(id) else {
             return self.selected(Some(id)).err().map(CtlResponse::from);
         };
         let state = dev.state();
         if state.kind() != StateKind::Live || !state.has_worker() || state.failing_io() {
-            return error(format!(
+            return not_now(format!(
                 "device {id} is not LIVE ({}): resize it once it is served again",
                 state.kind()
             ));
@@ -135,7 +137,7 @@ impl Daemon {
             p.queue.contains(&id) || p.current.as_ref().is_some_and(|(c, _)| *c == id)
         };
         if self.pending_upgrades.iter().any(busy) {
-            return error(format!(
+            return not_now(format!(
                 "device {id} is being upgraded or resized: resize it once that is done"
             ));
         }
@@ -187,14 +189,13 @@ impl Daemon {
             },
             Err(why) => {
                 tracing::error!(dev_id = id, event = "resize_failed", "resize: {why}");
-                CtlResponse::Error {
-                    message: format!(
-                        "device {id}: not resized: its new size ({}) is recorded, but it was \
-                         not handed to a worker serving that size ({why}); run the same \
-                         `ublkctl resize` again once the device is LIVE",
-                        format_size(plan.to)
-                    ),
-                }
+                let message = format!(
+                    "device {id}: not resized: its new size ({}) is recorded, but it was not \
+                     handed to a worker serving that size ({why}); run the same `ublkctl \
+                     resize` again once the device is LIVE",
+                    format_size(plan.to)
+                );
+                Failure::new(ErrorKind::TryAgain, message).into()
             }
         }
     }
@@ -274,7 +275,9 @@ impl Daemon {
                 "its rbd image grew to {}: resizing the device to it",
                 format_size(size)
             );
-            if let Some(CtlResponse::Error { message }) = self.begin_resize(None, id, size, false) {
+            if let Some(CtlResponse::Error { message } | CtlResponse::Failed { message, .. }) =
+                self.begin_resize(None, id, size, false)
+            {
                 tracing::warn!(
                     dev_id = id,
                     event = "resize_failed",

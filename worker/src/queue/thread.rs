@@ -542,6 +542,15 @@ impl QueueThread {
         }
         if res < 0 {
             c.errors += 1;
+            match op {
+                uapi::UBLK_IO_OP_READ => c.read_errors += 1,
+                uapi::UBLK_IO_OP_WRITE => c.write_errors += 1,
+                uapi::UBLK_IO_OP_FLUSH => c.flush_errors += 1,
+                uapi::UBLK_IO_OP_DISCARD => c.discard_errors += 1,
+                uapi::UBLK_IO_OP_WRITE_ZEROES => c.write_zeroes_errors += 1,
+                // Counted in `errors` alone: the supervisor reports it as op="other".
+                _ => {}
+            }
         } else if op == uapi::UBLK_IO_OP_READ {
             c.bytes_read += res as u64;
         } else if op == uapi::UBLK_IO_OP_WRITE {
