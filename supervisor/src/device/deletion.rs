@@ -10,9 +10,11 @@
 //! STOP_DEV waits in the kernel until every request the worker holds is answered. An
 //! rbd worker holds its requests for as long as the Ceph cluster is away (librbd's
 //! default), so an rbd device's STOP_DEV that has not returned within
-//! [`HELD_IO_GRACE`] has its worker killed: the kernel then fails what it held with
-//! EIO and STOP_DEV ends (see [`Device::stop_unheld`]). A delete, and a SIGTERM that
-//! waits for it, never waits on the cluster.
+//! [`HELD_IO_GRACE`] has its worker told to fail them with EIO, and STOP_DEV ends (see
+//! [`Device::stop_unheld`]). Killing the worker would not do: the kernel holds a dead
+//! worker's requests for its successor (tried on 7.x: STOP_DEV still waited 20 s
+//! after the kill). A delete, and a SIGTERM that waits for it, never waits on the
+//! cluster.
 
 #![allow(unused_imports)]
 use super::*;
@@ -59,7 +61,7 @@ const TRANSIENT_WAIT: Duration = Duration::from_secs(2);
 const TRANSIENT_POLL: Duration = Duration::from_millis(100);
 
 /// How long an rbd device's STOP_DEV may wait for the requests its worker holds
-/// before the worker is killed (see the module's doc). A cluster that is up answers
+/// before the worker is told to fail them (see the module's doc). A cluster that is up answers
 /// them in milliseconds; one that has not in this long is away, and a delete (which
 /// already has the device's disk free, or was forced) must not wait for it.
 pub(super) const HELD_IO_GRACE: Duration = STOP_GRACE;
@@ -312,23 +314,23 @@ impl Device {
         }
     }
 
-    /// Runs `stop` (the device's STOP_DEV) and, for an rbd device, kills its serving
-    /// worker if `stop` has not returned within [`HELD_IO_GRACE`]: the requests the
-    /// worker holds wait on a Ceph cluster that is away, and only the worker's end
-    /// (the kernel then fails them with EIO, its device being stopped) lets STOP_DEV
-    /// finish. A stop that returns in time (every delete while the cluster answers)
-    /// kills nothing. Other targets' workers answer their requests by themselves (an nbd
-    /// worker within its request timeout), and are not killed here.
+    /// Runs `stop` (the device's STOP_DEV) and, for an rbd device, has its serving
+    /// worker give up the requests it holds if `stop` has not returned within
+    /// [`HELD_IO_GRACE`] (`ToWorker::GiveUpHeld`: they wait on a Ceph cluster that is
+    /// away, and STOP_DEV waits for them): the worker fails them with EIO, and STOP_DEV
+    /// goes on. A stop that returns in time (every delete while the cluster answers)
+    /// changes nothing. Other targets' workers answer their requests by themselves (an
+    /// nbd worker within its request timeout), and are not asked.
     fn stop_unheld<T>(&self, stop: impl FnOnce() -> T) -> T {
         let (Some(_), Some(worker)) = (&self.rbd, self.worker()) else { return stop() };
         let (id, pid) = (self.id, worker.pid());
-        let pidfd = match worker.pidfd().try_clone_to_owned() {
+        let control = match worker.control().try_clone_to_owned() {
             Ok(fd) => fd,
             Err(e) => {
                 tracing::warn!(
                     dev_id = id,
                     "cannot watch STOP_DEV for requests held on the cluster \
-                     (cannot copy worker {pid}'s pidfd: {e})"
+                     (cannot copy worker {pid}'s control socket: {e})"
                 );
                 return stop();
             }
@@ -349,12 +351,17 @@ impl Device {
                         worker_pid = pid,
                         event = "delete_held_io",
                         "STOP_DEV has waited {} s for the requests worker {pid} holds (the \
-                         Ceph cluster does not answer them): killing the worker, so that \
-                         the kernel fails them with EIO and the delete goes on",
+                         Ceph cluster does not answer them): the worker fails them with EIO, \
+                         so that the delete goes on",
                         HELD_IO_GRACE.as_secs()
                     );
-                    if let Err(e) = crate::sys::pidfd_send_signal(pidfd.as_fd(), libc::SIGKILL) {
-                        tracing::warn!(dev_id = id, "cannot kill worker {pid}: {e}");
+                    // Never waits: a worker that does not read its socket is killed below
+                    // by the delete, once STOP_DEV returns or the worker's grace is out.
+                    let give_up = ublkd_proto::msg::ToWorker::GiveUpHeld;
+                    if let Err(e) =
+                        ublkd_proto::msg::try_send_packet(control.as_fd(), &give_up, &[])
+                    {
+                        tracing::warn!(dev_id = id, "cannot tell worker {pid} to give up: {e}");
                     }
                 });
             if let Err(e) = watchdog {
