@@ -278,7 +278,7 @@ impl Device {
         let id = self.id;
         let started = Instant::now();
         stages.set(id, "stopping it (STOP_DEV)");
-        let stopped = self.stop_unheld(|| match stop {
+        let (stopped, gave_up) = self.stop_unheld(|| match stop {
             Stop::Force | Stop::Holding(None) => Ok(ctrl.stop_dev(id)),
             Stop::Holding(Some(claim)) => {
                 let stopped = ctrl.stop_dev(id);
@@ -308,7 +308,7 @@ impl Device {
             Ok(stopped) => stopped,
             Err(why) => return Deletion::Kept(Box::new(self), why),
         };
-        match self.finish_delete(ctrl, state, stopped, started, stages) {
+        match self.finish_delete(ctrl, state, stopped, started, stages, gave_up) {
             Ok(()) => Deletion::Deleted,
             Err(e) => Deletion::Failed(e),
         }
@@ -320,9 +320,10 @@ impl Device {
     /// away, and STOP_DEV waits for them): the worker fails them with EIO, and STOP_DEV
     /// goes on. A stop that returns in time (every delete while the cluster answers)
     /// changes nothing. Other targets' workers answer their requests by themselves (an
-    /// nbd worker within its request timeout), and are not asked.
-    fn stop_unheld<T>(&self, stop: impl FnOnce() -> T) -> T {
-        let (Some(_), Some(worker)) = (&self.rbd, self.worker()) else { return stop() };
+    /// nbd worker within its request timeout), and are not asked. Returns `stop`'s
+    /// outcome, and whether the worker was told to give up.
+    fn stop_unheld<T>(&self, stop: impl FnOnce() -> T) -> (T, bool) {
+        let (Some(_), Some(worker)) = (&self.rbd, self.worker()) else { return (stop(), false) };
         let (id, pid) = (self.id, worker.pid());
         let control = match worker.control().try_clone_to_owned() {
             Ok(fd) => fd,
@@ -332,7 +333,7 @@ impl Device {
                     "cannot watch STOP_DEV for requests held on the cluster \
                      (cannot copy worker {pid}'s control socket: {e})"
                 );
-                return stop();
+                return (stop(), false);
             }
         };
         let (stopped, watch) = std::sync::mpsc::channel::<()>();
@@ -344,7 +345,7 @@ impl Device {
                     if watch.recv_timeout(HELD_IO_GRACE)
                         != Err(std::sync::mpsc::RecvTimeoutError::Timeout)
                     {
-                        return;
+                        return false;
                     }
                     tracing::warn!(
                         dev_id = id,
@@ -355,16 +356,16 @@ impl Device {
                          so that the delete goes on",
                         HELD_IO_GRACE.as_secs()
                     );
-                    // Never waits: a worker that does not read its socket is killed below
-                    // by the delete, once STOP_DEV returns or the worker's grace is out.
+                    // Never waits (the socket is the worker's, whatever it does with it).
                     let give_up = ublkd_proto::msg::ToWorker::GiveUpHeld;
                     if let Err(e) =
                         ublkd_proto::msg::try_send_packet(control.as_fd(), &give_up, &[])
                     {
                         tracing::warn!(dev_id = id, "cannot tell worker {pid} to give up: {e}");
                     }
+                    true
                 });
-            if let Err(e) = watchdog {
+            if let Err(e) = &watchdog {
                 tracing::warn!(
                     dev_id = id,
                     "STOP_DEV unwatched: a request held on the cluster would hold the delete \
@@ -373,12 +374,16 @@ impl Device {
             }
             let out = stop();
             drop(stopped);
-            out
+            let gave_up = watchdog.is_ok_and(|w| w.join().unwrap_or(false));
+            (out, gave_up)
         })
     }
 
     /// The rest of a delete once the device is stopped (or failed to stop): its workers'
-    /// exit, DEL_DEV, its record.
+    /// exit, DEL_DEV, its record. Workers whose held requests were given up
+    /// (`gave_up`: the Ceph cluster is away) are killed rather than asked to exit: a
+    /// clean exit gives back the image's lock and closes the image, which waits on the
+    /// cluster, so asking would only cost the stop grace.
     fn finish_delete(
         &mut self,
         ctrl: &CtrlClient,
@@ -386,6 +391,7 @@ impl Device {
         stopped: Result<(), CtrlError>,
         started: Instant,
         stages: &Stages,
+        gave_up: bool,
     ) -> Result<(), DeviceError> {
         let id = self.id;
         let stop_done = Instant::now();
@@ -394,7 +400,7 @@ impl Device {
         let workers = self.take_workers();
         // Asked at once, the workers exit side by side.
         for worker in &workers {
-            worker.ask_to_exit();
+            if gave_up { worker.kill() } else { worker.ask_to_exit() }
         }
         let mut served_cleanly = false;
         for worker in workers {
