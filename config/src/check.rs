@@ -22,9 +22,9 @@ use crate::raw::{IntOrString, RawDaemon, RawDefaults, RawDevice, RawFile, RawRec
 use crate::{
     Config, ConfigError, DEFAULT_SOCKET, DEFAULT_STATE_DIR, DaemonConfig, DeviceSettings,
     DeviceSpec, FieldError, MAX_DEVICE_ID, MAX_HUNG_TIMEOUT_SECS, MAX_METRICS_INTERVAL_SECS,
-    MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_SIZE_BYTES, MAX_SOCKET_PATH_BYTES,
-    MAX_WORKER_READY_TIMEOUT_SECS, NbdUri, RbdImage, RbdSpec, RecoveryConfig, TargetSpec,
-    check_ceph_id, parse_size,
+    MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_RBD_CLUSTER_RETRY_SECS, MAX_SIZE_BYTES,
+    MAX_SOCKET_PATH_BYTES, MAX_WORKER_READY_TIMEOUT_SECS, NbdUri, RbdImage, RbdSpec,
+    RecoveryConfig, TargetSpec, check_ceph_id, parse_size,
 };
 
 /// Checks config `text`; `origin` names it in messages. See [`Config::parse`].
@@ -221,6 +221,11 @@ impl Checker<'_> {
             let secs = in_range("rbd_cluster_wait_secs", secs.0, 0, u32::MAX)
                 .map_err(|e| self.field(&table, e))?;
             recovery.rbd_cluster_wait = (secs > 0).then(|| Duration::from_secs(secs.into()));
+        }
+        if let Some(secs) = raw.rbd_cluster_retry_secs {
+            let secs = in_range("rbd_cluster_retry_secs", secs.0, 1, MAX_RBD_CLUSTER_RETRY_SECS)
+                .map_err(|e| self.field(&table, e))?;
+            recovery.rbd_cluster_retry = Duration::from_secs(secs.into());
         }
         if let Some(secs) = raw.nbd_request_timeout_secs {
             let secs = in_range("nbd_request_timeout_secs", secs.0, 0, u32::MAX)

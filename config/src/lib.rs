@@ -59,8 +59,8 @@ pub use rbd::{
     RbdSpec, check_ceph_id,
 };
 pub use recovery::{
-    MAX_HUNG_TIMEOUT_SECS, MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_WORKER_READY_TIMEOUT_SECS,
-    OnRestartLimit, RecoveryConfig,
+    MAX_HUNG_TIMEOUT_SECS, MAX_NBD_HANDSHAKE_TIMEOUT_SECS, MAX_RBD_CLUSTER_RETRY_SECS,
+    MAX_WORKER_READY_TIMEOUT_SECS, OnRestartLimit, RecoveryConfig,
 };
 pub use size::{SizeError, format_size, parse_size};
 
@@ -758,6 +758,7 @@ mod tests {
             nbd_server_wait_secs = 30
             nbd_request_timeout_secs = 0
             rbd_cluster_wait_secs = 45
+            rbd_cluster_retry_secs = 5
             nbd_handshake_timeout_secs = 300
             worker_ready_timeout_secs = 600
 
@@ -811,6 +812,7 @@ mod tests {
                 nbd_server_wait: Some(Duration::from_secs(30)),
                 nbd_request_timeout: None,
                 rbd_cluster_wait: Some(Duration::from_secs(45)),
+                rbd_cluster_retry: Duration::from_secs(5),
                 nbd_handshake_timeout: Duration::from_secs(300),
                 worker_ready_timeout: Duration::from_secs(600),
             }
@@ -1167,6 +1169,7 @@ mod tests {
                 "fast_release",
                 "nbd_server_wait_secs",
                 "rbd_cluster_wait_secs",
+                "rbd_cluster_retry_secs",
                 "nbd_request_timeout_secs",
                 "nbd_handshake_timeout_secs",
                 "worker_ready_timeout_secs",

@@ -44,6 +44,7 @@ pub(crate) struct RawRecovery {
     pub fast_release: Option<bool>,
     pub nbd_server_wait_secs: Option<Int>,
     pub rbd_cluster_wait_secs: Option<Int>,
+    pub rbd_cluster_retry_secs: Option<Int>,
     pub nbd_request_timeout_secs: Option<Int>,
     pub nbd_handshake_timeout_secs: Option<Int>,
     pub worker_ready_timeout_secs: Option<Int>,

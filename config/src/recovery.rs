@@ -9,6 +9,8 @@ pub const MAX_HUNG_TIMEOUT_SECS: u32 = 300;
 pub const MAX_NBD_HANDSHAKE_TIMEOUT_SECS: u32 = 300;
 /// Largest `recovery.worker_ready_timeout_secs`.
 pub const MAX_WORKER_READY_TIMEOUT_SECS: u32 = 600;
+/// Largest `recovery.rbd_cluster_retry_secs`.
+pub const MAX_RBD_CLUSTER_RETRY_SECS: u32 = 300;
 
 /// `[recovery]`: when a worker counts as hung, and how often a device may recover.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +49,11 @@ pub struct RecoveryConfig {
     /// monitors away) before it fails with EIO (`recovery.rbd_cluster_wait_secs`, passed
     /// to librados as `rados_osd_op_timeout`; `None`, from 0, the default: for ever).
     pub rbd_cluster_wait: Option<Duration>,
+    /// The longest wait between two tries of an rbd device's recovery whose new
+    /// workers cannot serve while its Ceph cluster is away
+    /// (`recovery.rbd_cluster_retry_secs`, 1..=300 seconds, default 30): the wait
+    /// doubles from 1 s up to it, outside the restart budget.
+    pub rbd_cluster_retry: Duration,
     /// How long an NBD server has to accept each connection and finish its handshake
     /// (`recovery.nbd_handshake_timeout_secs`, 1..=300 seconds, default 10): a
     /// connection not made by then is a failed add or a recovery's failed try.
@@ -69,6 +76,7 @@ impl Default for RecoveryConfig {
             nbd_server_wait: None,
             nbd_request_timeout: Some(Duration::from_secs(30)),
             rbd_cluster_wait: None,
+            rbd_cluster_retry: Duration::from_secs(30),
             nbd_handshake_timeout: Duration::from_secs(10),
             worker_ready_timeout: Duration::from_secs(30),
         }

@@ -50,7 +50,7 @@ use crate::state::{DeviceRecord, ExportRecord, OWNER_TAG, StateDir, StateError};
 use crate::target::{MAX_IO_BUF_BYTES, device_flags, params};
 use crate::target::{TargetError, decide_zero_copy, open_target};
 use crate::worker::{Activating, Worker, WorkerError, WorkerIdentity};
-pub use policy_state::{HangPolicy, RestartBudget, StandbySchedule};
+pub use policy_state::{ClusterWait, HangPolicy, RestartBudget, StandbySchedule};
 pub use resize::{ResizeError, ResizePlan};
 
 /// How long a worker left serving by a previous ublkd may take to answer its take-over.
@@ -183,6 +183,9 @@ pub struct Device {
     /// Times the active worker exited or was killed (each one a worker restart).
     worker_restarts: u64,
     restart_budget: RestartBudget,
+    /// An rbd device's recovery waiting for its Ceph cluster (see
+    /// [`Self::wait_for_cluster`]): outside the restart budget.
+    cluster_wait: ClusterWait,
     standby_schedule: StandbySchedule,
     hang: HangWatch,
     hang_policy: HangPolicy,
@@ -253,6 +256,7 @@ impl Device {
             last_recovered_at: None,
             worker_restarts: 0,
             restart_budget: RestartBudget::default(),
+            cluster_wait: ClusterWait::default(),
             standby_schedule: StandbySchedule::default(),
             death_seen: None,
             hang: HangWatch::new(id),

@@ -14,6 +14,9 @@ pub enum Event {
     WaitsForWorker { id: u32 },
     /// A recovery waits for the kernel to let go of the dead worker's `/dev/ublkcN`.
     WaitsForRelease { id: u32 },
+    /// An rbd device's recovery waits for its Ceph cluster, trying again after a
+    /// backoff.
+    WaitsForCluster { id: u32 },
     /// A recovery failed: the device waits for an operator.
     RecoveryFailed { id: u32 },
     /// The device's restart budget is spent: it waits for `ublkctl recover` (or fails
@@ -37,6 +40,7 @@ impl fmt::Display for Event {
             Event::WaitsForRelease { id } => {
                 write!(f, "device {id} waits for the kernel to release it")
             }
+            Event::WaitsForCluster { id } => write!(f, "device {id} waits for its Ceph cluster"),
             Event::RecoveryFailed { id } => write!(f, "device {id}: recovery failed"),
             Event::RestartLimit { id } => write!(f, "device {id} reached its restart limit"),
             Event::Reload(outcome) => f.write_str(outcome),

@@ -1,6 +1,9 @@
 //! Recovery policy: whether a device whose worker died is recovered or left for an
 //! operator (the restart budget and `on_restart_limit`), what a hang verdict leads to,
-//! and when a device's next standby worker starts.
+//! when a device's next standby worker starts, and how an rbd device's recovery waits
+//! for its Ceph cluster: its new workers that cannot serve are tried again after a
+//! backoff, outside the restart budget, for as long as the cluster is away (or until
+//! `recovery.rbd_cluster_wait_secs`, then the device fails its I/O).
 //!
 //! The mechanism is elsewhere: the kernel commands and workers of a recovery in
 //! [`crate::device`], the heartbeat comparison in [`crate::hang`]. What the policy
@@ -144,6 +147,7 @@ pub fn outcome_event(
 ) -> Event {
     let id = dev.id();
     match outcome {
+        Err(e) if dev.waits_for_cluster_after(&e) => wait_for_cluster(dev, ctx, rc, &e, after),
         Err(e) if e.retried_by_recovery() => {
             let reason = format!("{after}; then its new worker was lost: {e}");
             if !rc.automatic_recovery()
@@ -161,12 +165,68 @@ pub fn outcome_event(
             let outcome = dev.recover(ctx, &reason);
             outcome_event(dev, ctx, rc, outcome, after)
         }
-        Ok(Recovery::Done(stall)) => Event::Recovered { id, stall },
+        Ok(Recovery::Done(stall)) => {
+            if let Some(waited) = dev.cluster_wait_mut().end(Instant::now()) {
+                tracing::info!(
+                    dev_id = id,
+                    event = "rbd_cluster_back",
+                    "the Ceph cluster serves the device again after {:.0} s of waiting for it",
+                    waited.as_secs_f64()
+                );
+            }
+            Event::Recovered { id, stall }
+        }
         Ok(Recovery::Waiting) if dev.awaiting_standby() => Event::WaitsForWorker { id },
         Ok(Recovery::Waiting) => Event::WaitsForRelease { id },
         Err(e) => {
             tracing::error!(dev_id = id, event = "recovery_failed", "recovery failed: {e}");
             dev.wait_for_operator(format!("recovery failed: {e} (after: {after})"));
+            Event::RecoveryFailed { id }
+        }
+    }
+}
+
+/// An rbd recovery whose new worker could not serve (`e`): waits for the cluster and
+/// tries again after a backoff, taking nothing from the restart budget; past
+/// `recovery.rbd_cluster_wait_secs` of waiting, serves the device with a worker that
+/// fails every I/O, until `ublkctl recover`. Returns the event for the status line.
+fn wait_for_cluster(
+    dev: &mut Device,
+    ctx: &Context,
+    rc: &RecoveryConfig,
+    e: &DeviceError,
+    after: &str,
+) -> Event {
+    let id = dev.id();
+    let waited = dev.cluster_wait_mut().since().map(|(at, _)| at.elapsed());
+    if let (Some(limit), Some(waited)) = (rc.rbd_cluster_wait, waited)
+        && waited >= limit
+    {
+        dev.cluster_wait_mut().end(Instant::now());
+        let cause = format!(
+            "its Ceph cluster has been away for {} s ({e}); every I/O fails with EIO \
+             (recovery.rbd_cluster_wait_secs): once the cluster is back, run \
+             `ublkctl recover {id}`",
+            waited.as_secs()
+        );
+        tracing::error!(dev_id = id, event = "rbd_cluster_gave_up", "{cause}");
+        return match dev.recover_failing_io(ctx, after, cause.clone()) {
+            Ok(recovery) => match recovery {
+                Recovery::Done(stall) => Event::Recovered { id, stall },
+                Recovery::Waiting => Event::WaitsForWorker { id },
+            },
+            Err(e) => {
+                dev.wait_for_operator(format!("{cause}; failing its I/O did not work ({e})"));
+                Event::RecoveryFailed { id }
+            }
+        };
+    }
+    match dev.wait_for_cluster(after, e, rc.rbd_cluster_retry) {
+        Ok(_) => Event::WaitsForCluster { id },
+        Err(t) => {
+            let note = format!("recovery failed: {e} (after: {after}); then: {t}");
+            tracing::error!(dev_id = id, event = "recovery_failed", "{note}");
+            dev.wait_for_operator(note);
             Event::RecoveryFailed { id }
         }
     }

@@ -8,8 +8,10 @@
 //! flight can never land over newer data; after a power loss a configured device
 //! comes back by itself, the dead client's lock broken; an image that cannot be fenced
 //! (no exclusive-lock) is served writable only where the config allows it; a device
-//! grows with its image, by `ublkctl resize` and by `rbd resize` elsewhere; and a
-//! device connects as its own client, `client.ublkd`, unless told otherwise.
+//! grows with its image, by `ublkctl resize` and by `rbd resize` elsewhere; a
+//! device connects as its own client, `client.ublkd`, unless told otherwise; with the
+//! OSD stopped, `ublkctl del` and SIGTERM answer within their deadlines; and a recovery
+//! during an outage waits for the cluster, outside the restart budget.
 //!
 //! [`the_test_cluster_serves_an_image`] and
 //! [`a_delayed_write_of_a_killed_client_lands_unless_it_is_fenced`] check the harness
@@ -1142,4 +1144,233 @@ fn a_configured_device_comes_back_after_a_power_loss() {
     ublkd.del(id);
     cluster.remove_image(image);
     ublkd.stop();
+}
+
+/// osd.0 SIGSTOPped until dropped (then SIGCONTed), so that a failing test leaves the
+/// shared cluster running.
+struct StoppedOsd(u32);
+
+impl StoppedOsd {
+    fn stop(cluster: &Cluster) -> StoppedOsd {
+        let file = cluster.dir().join("run/osd.0.pid");
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file:?}: {e}"));
+        let pid: u32 = text.trim().parse().unwrap_or_else(|e| panic!("{file:?}: {text:?}: {e}"));
+        assert!(signal(pid, libc::SIGSTOP), "osd.0 (pid {pid}) is not running");
+        StoppedOsd(pid)
+    }
+}
+
+impl Drop for StoppedOsd {
+    fn drop(&mut self) {
+        signal(self.0, libc::SIGCONT);
+    }
+}
+
+/// The requests the kernel has in flight on device `id` (`/sys/block/ublkbN/inflight`:
+/// reads and writes).
+fn in_flight(id: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/sys/block/ublkb{id}/inflight")).unwrap();
+    text.split_whitespace().map(|n| n.parse::<u64>().unwrap()).sum()
+}
+
+/// Asks ublkd's socket for `ublkctl list`'s answer in a loop (the request alone: the
+/// ublkctl binary's start takes 1-2 s under emulation) until `stop`; each answer's time.
+fn time_lists(socket: &Path, stop: &std::sync::atomic::AtomicBool) -> Vec<Duration> {
+    use ublkd_proto::msg::{CtlRequest, CtlResponse};
+    let mut times = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let asked = Instant::now();
+        let answer = ublkd_tests::harness::ublkd::ask(socket, &CtlRequest::List { id: None });
+        assert!(matches!(answer, Ok(CtlResponse::List(_))), "list: {answer:?}");
+        times.push(asked.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    times
+}
+
+/// How long `ublkctl del` may take with the OSD stopped: below the 25 s after which
+/// ublkd answers that the delete is not done yet (and ublkctl's own 30 s).
+const DEL_DEADLINE: Duration = Duration::from_secs(20);
+/// How long ublkd may take to exit on SIGTERM with the OSD stopped.
+const SIGTERM_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The OSD stopped (SIGSTOP) with a write held on each of two devices: a safe
+/// `ublkctl del` of one is refused at once (its disk is open by the writer), a forced
+/// one answers "deleted" well within its deadline (ublkd kills the worker whose
+/// requests wait on the cluster, and the kernel fails them with EIO), `ublkctl list`
+/// answers in under 1 s throughout; then SIGTERM stops ublkd within its deadline with
+/// the other device's write still held. The OSD back (SIGCONT), the next ublkd takes
+/// the other device over, its held write lands, and neither its earlier data nor a
+/// third image's is lost.
+#[test]
+fn a_delete_and_sigterm_never_wait_on_a_stopped_osd() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let (held, kept, other) = ("held", "kept", "bystander");
+    for image in [held, kept, other] {
+        cluster.create_image(image, 16 * MIB);
+    }
+    cluster.write(other, 0, &tagged(9));
+    let mut ublkd = Ublkd::start_with("rbd-held", "", &[("UBLKD_LOG", "info")]);
+    let gone = add_rbd(&ublkd, cluster, &Cluster::spec(held));
+    let stays = add_rbd(&ublkd, cluster, &Cluster::spec(kept));
+    write_block(&block_dev(stays), 3, &tagged(7));
+
+    let osd = StoppedOsd::stop(cluster);
+    let mut writes = [
+        start_block_write(&block_dev(gone), 5, &tagged(1)),
+        start_block_write(&block_dev(stays), 6, &tagged(2)),
+    ];
+    ublkd.wait_until("both writes held", || in_flight(gone) > 0 && in_flight(stays) > 0);
+
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (refused, forced, lists) = std::thread::scope(|scope| {
+        let lists = scope.spawn(|| time_lists(&ublkd.ctl.socket, &stop));
+        let asked = Instant::now();
+        let refused = (ublkd.ctl(&["del", "-n", &gone.to_string()]), asked.elapsed());
+        let asked = Instant::now();
+        let forced = (ublkd.ctl(&["del", "--force", "-n", &gone.to_string()]), asked.elapsed());
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (refused, forced, lists.join().unwrap())
+    });
+    let log = ublkd.log();
+    let (out, took) = &refused;
+    assert!(
+        !out.status.success(),
+        "a safe delete of a device in use went through: {}",
+        describe(out)
+    );
+    assert!(describe(out).contains("in use"), "{}", describe(out));
+    assert!(*took < DEL_DEADLINE, "the refusal took {took:?}");
+    let (out, took) = &forced;
+    assert!(out.status.success(), "ublkctl del --force: {}\n{log}", describe(out));
+    assert!(*took < DEL_DEADLINE, "the forced delete took {took:?}:\n{log}");
+    assert!(log.contains("delete_held_io"), "no held I/O was given up:\n{log}");
+    assert!(log.contains("rbd_held_given_up"), "the worker did not give up:\n{log}");
+    let slowest = lists.iter().max().copied().unwrap_or_default();
+    assert!(slowest < Duration::from_secs(1), "a list took {slowest:?}:\n{log}");
+    assert!(!kernel_devices().contains(&gone), "device {gone} is still in the kernel");
+    let status = writes[0].wait().unwrap();
+    assert!(!status.success(), "the write held on the deleted device succeeded");
+
+    let asked = Instant::now();
+    let mut stopped_in = Duration::ZERO;
+    ublkd.signal_and_restart(libc::SIGTERM, || {
+        stopped_in = asked.elapsed();
+        drop(osd);
+    });
+    assert!(stopped_in < SIGTERM_DEADLINE, "ublkd took {stopped_in:?} to stop on SIGTERM");
+    ublkd.wait_until("the kept device LIVE again", || ublkd.status_of(stays)["state"] == "LIVE");
+    let status = writes[1].wait().unwrap();
+    assert!(status.success(), "the held write on the kept device failed: {status}");
+    let node = block_dev(stays);
+    let tags = [(7, "the write before"), (2, "the held write"), (0, "zeros")];
+    assert_eq!(which(&read_block(&node, 3), &tags), "the write before");
+    assert_eq!(which(&read_block(&node, 6), &tags), "the held write");
+    // The cluster is healthy: it answers a write and a read, of an image ublkd never had.
+    cluster.write(other, BLOCK as u64, &tagged(8));
+    assert_eq!(cluster.read(other, None, 0, 2 * BLOCK), [tagged(9), tagged(8)].concat());
+    eprintln!(
+        "rbd OSD stopped: safe del refused in {:.1} s, forced del in {:.1} s, slowest of {} \
+         lists {} ms, SIGTERM in {:.1} s",
+        refused.1.as_secs_f64(),
+        forced.1.as_secs_f64(),
+        lists.len(),
+        slowest.as_millis(),
+        stopped_in.as_secs_f64()
+    );
+    ublkd.del(stays);
+    ublkd.stop();
+    cluster.forget_image(held);
+    for image in [kept, other] {
+        cluster.remove_image(image);
+    }
+}
+
+/// The restart budget while [`a_recovery_waits_for_the_cluster_outside_the_budget`]
+/// runs: 2 recoveries in 10 s, fewer than the new workers the test kills in any 10 s of
+/// the outage, which lasts longer than the window ([`WAIT_AWAY_FOR`]).
+const WAIT_BUDGET: &str = "[recovery]\nrestart_max = 2\nrestart_window_secs = 10\n\
+                           worker_ready_timeout_secs = 10\nrbd_cluster_retry_secs = 2\n";
+/// How long the cluster stays away in that test: longer than the budget's window.
+const WAIT_AWAY_FOR: Duration = Duration::from_secs(16);
+
+/// The whole cluster away under fio verify while the serving worker is killed, then
+/// every new worker the recovery starts (more of them in the budget's window than the
+/// budget allows, over longer than the window): the recovery waits for the cluster,
+/// trying again after a backoff (status, text and JSON, says it waits for the Ceph
+/// cluster) and never reaches the restart limit; once the cluster is back the device
+/// is LIVE by itself, fio verifies clean, and the budget is intact (one more kill is
+/// recovered).
+#[test]
+fn a_recovery_waits_for_the_cluster_outside_the_budget() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "waited";
+    let region = 16 * MIB;
+    cluster.create_image(image, 64 * MIB);
+    let ublkd = Ublkd::start_with("rbd-wait", WAIT_BUDGET, &[("UBLKD_LOG", "info")]);
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let node = block_dev(id);
+    chaos::prefill(&node, region);
+    ublkd.wait_until("the spare standing by", || ublkd.status_of(id)["standby_pid"].is_u64());
+    let serving = ublkd.worker_pid(id);
+    let fio = BackgroundPasses::start(&node, region, 0x3a1);
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    let mut killed = vec![serving];
+    let (mut note, mut text) = (None, None);
+    let away = Instant::now();
+    cluster.away(|| {
+        assert!(signal(serving, libc::SIGKILL), "worker {serving} is gone");
+        while away.elapsed() < WAIT_AWAY_FOR {
+            for pid in worker_pids() {
+                if !killed.contains(&pid) {
+                    signal(pid, libc::SIGKILL);
+                    killed.push(pid);
+                }
+            }
+            let dev = ublkd.status_of(id);
+            if let Some(said) = dev["note"].as_str()
+                && said.contains("waiting for the Ceph cluster")
+                && note.is_none()
+            {
+                note = Some(said.to_owned());
+                text = Some(describe(&ublkd.ctl(&["status"])));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    let log = ublkd.log();
+    let note = note.unwrap_or_else(|| panic!("status never said it waits for the cluster:\n{log}"));
+    assert!(note.contains(&format!("(image {})", Cluster::spec(image))), "{note}");
+    let text = text.unwrap();
+    assert!(text.contains("waiting for the Ceph cluster"), "`ublkctl status` said: {text}");
+    // More new workers lost within the window than the budget allows, had they counted.
+    assert!(killed.len() > 3, "only workers {killed:?} were killed:\n{log}");
+    ublkd.wait_until("the device LIVE once the cluster is back", || {
+        ublkd.status_of(id)["state"] == "LIVE"
+    });
+    let log = ublkd.log();
+    assert!(!log.contains("restart_limit"), "the outage spent the restart budget:\n{log}");
+    assert!(log.contains("rbd_cluster_back"), "the journal never said the cluster was back");
+    chaos::wait_for_io(&ublkd.ctl, &[id]);
+    let passes = fio.finish().unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    chaos::verify_region(&node, region)
+        .unwrap_or_else(|e| panic!("{e}\n--- ublkd log\n{}", ublkd.log()));
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["errors"].as_u64(), Some(0), "{dev}");
+    let recoveries = dev["recoveries"].as_u64().unwrap_or(0);
+    // The budget is intact: a kill now is recovered, not left for an operator.
+    ublkd.kill_worker(id);
+    eprintln!(
+        "rbd cluster away {:.0} s: {} workers killed, status said \"{note}\"; LIVE again, {} \
+         fio passes clean, {} recoveries, and one more after",
+        WAIT_AWAY_FOR.as_secs_f64(),
+        killed.len(),
+        passes.len(),
+        recoveries
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
 }

@@ -194,6 +194,11 @@ impl ThreadSet {
                             dev.target.release();
                             break WorkerExit::Clean;
                         }
+                        Ok((ToWorker::GiveUpHeld, _)) => {
+                            // Its device is being deleted; the queue threads commit
+                            // what the target gives up as they wake.
+                            dev.target.give_up_held();
+                        }
                         Ok((ToWorker::Attach, _)) => {
                             let (rings, client) = (rings.clone(), client.clone());
                             let attached =

@@ -146,6 +146,11 @@ pub enum ToWorker {
     /// From a supervisor that took the serving worker over (a restarted ublkd): say
     /// which device and incarnation you serve. Answered with [`FromWorker::Attached`].
     Attach,
+    /// The device is being deleted and its stop waits on requests the backend holds (an
+    /// rbd worker's, while the Ceph cluster is away): fail every request held now with
+    /// EIO, and every new one at once. Not answered; a target that holds nothing of its
+    /// own ignores it.
+    GiveUpHeld,
 }
 
 /// The most fds a worker holds for its supervisor's successor (see

@@ -6,6 +6,15 @@
 //! TRY_STOP_DEV refuses it atomically where the device has `UBLK_F_SAFE_STOP_DEV`;
 //! elsewhere ublkd holds an exclusive open of the disk across STOP_DEV
 //! ([`crate::in_use`]). A device refused is given back untouched, to be served on.
+//!
+//! STOP_DEV waits in the kernel until every request the worker holds is answered. An
+//! rbd worker holds its requests for as long as the Ceph cluster is away (librbd's
+//! default), so an rbd device's STOP_DEV that has not returned within
+//! [`HELD_IO_GRACE`] has its worker told to fail them with EIO, and STOP_DEV ends (see
+//! [`Device::stop_unheld`]). Killing the worker would not do: the kernel holds a dead
+//! worker's requests for its successor (tried on 7.x: STOP_DEV still waited 20 s
+//! after the kill). A delete, and a SIGTERM that waits for it, never waits on the
+//! cluster.
 
 #![allow(unused_imports)]
 use super::*;
@@ -50,6 +59,12 @@ enum Stop {
 const TRANSIENT_WAIT: Duration = Duration::from_secs(2);
 /// How often it asks meanwhile.
 const TRANSIENT_POLL: Duration = Duration::from_millis(100);
+
+/// How long an rbd device's STOP_DEV may wait for the requests its worker holds
+/// before the worker is told to fail them (see the module's doc). A cluster that is up answers
+/// them in milliseconds; one that has not in this long is away, and a delete (which
+/// already has the device's disk free, or was forced) must not wait for it.
+pub(super) const HELD_IO_GRACE: Duration = STOP_GRACE;
 
 /// Why a device was not deleted and is given back, to be served as before.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -263,12 +278,12 @@ impl Device {
         let id = self.id;
         let started = Instant::now();
         stages.set(id, "stopping it (STOP_DEV)");
-        let stopped = match stop {
-            Stop::Force | Stop::Holding(None) => ctrl.stop_dev(id),
+        let (stopped, gave_up) = self.stop_unheld(|| match stop {
+            Stop::Force | Stop::Holding(None) => Ok(ctrl.stop_dev(id)),
             Stop::Holding(Some(claim)) => {
                 let stopped = ctrl.stop_dev(id);
                 drop(claim);
-                stopped
+                Ok(stopped)
             }
             Stop::Try => {
                 let give_up = Instant::now() + TRANSIENT_WAIT;
@@ -280,24 +295,95 @@ impl Device {
                                 std::thread::sleep(TRANSIENT_POLL);
                                 continue;
                             }
-                            let why = Refusal::InUse(InUse { id, holder });
-                            return Deletion::Kept(Box::new(self), why);
+                            return Err(Refusal::InUse(InUse { id, holder }));
                         }
                         // No disk (never started, or stopped already): nothing holds it.
-                        Err(e) if e.errno() == Some(libc::ENODEV) => break Ok(()),
-                        other => break other,
+                        Err(e) if e.errno() == Some(libc::ENODEV) => break Ok(Ok(())),
+                        other => break Ok(other),
                     }
                 }
             }
+        });
+        let stopped = match stopped {
+            Ok(stopped) => stopped,
+            Err(why) => return Deletion::Kept(Box::new(self), why),
         };
-        match self.finish_delete(ctrl, state, stopped, started, stages) {
+        match self.finish_delete(ctrl, state, stopped, started, stages, gave_up) {
             Ok(()) => Deletion::Deleted,
             Err(e) => Deletion::Failed(e),
         }
     }
 
+    /// Runs `stop` (the device's STOP_DEV) and, for an rbd device, has its serving
+    /// worker give up the requests it holds if `stop` has not returned within
+    /// [`HELD_IO_GRACE`] (`ToWorker::GiveUpHeld`: they wait on a Ceph cluster that is
+    /// away, and STOP_DEV waits for them): the worker fails them with EIO, and STOP_DEV
+    /// goes on. A stop that returns in time (every delete while the cluster answers)
+    /// changes nothing. Other targets' workers answer their requests by themselves (an
+    /// nbd worker within its request timeout), and are not asked. Returns `stop`'s
+    /// outcome, and whether the worker was told to give up.
+    fn stop_unheld<T>(&self, stop: impl FnOnce() -> T) -> (T, bool) {
+        let (Some(_), Some(worker)) = (&self.rbd, self.worker()) else { return (stop(), false) };
+        let (id, pid) = (self.id, worker.pid());
+        let control = match worker.control().try_clone_to_owned() {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!(
+                    dev_id = id,
+                    "cannot watch STOP_DEV for requests held on the cluster \
+                     (cannot copy worker {pid}'s control socket: {e})"
+                );
+                return (stop(), false);
+            }
+        };
+        let (stopped, watch) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            let watchdog = std::thread::Builder::new()
+                .name(format!("ublkd-held-{id}"))
+                .spawn_scoped(scope, move || {
+                    // The sender dropped (STOP_DEV returned) ends the wait at once.
+                    if watch.recv_timeout(HELD_IO_GRACE)
+                        != Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                    {
+                        return false;
+                    }
+                    tracing::warn!(
+                        dev_id = id,
+                        worker_pid = pid,
+                        event = "delete_held_io",
+                        "STOP_DEV has waited {} s for the requests worker {pid} holds (the \
+                         Ceph cluster does not answer them): the worker fails them with EIO, \
+                         so that the delete goes on",
+                        HELD_IO_GRACE.as_secs()
+                    );
+                    // Never waits (the socket is the worker's, whatever it does with it).
+                    let give_up = ublkd_proto::msg::ToWorker::GiveUpHeld;
+                    if let Err(e) =
+                        ublkd_proto::msg::try_send_packet(control.as_fd(), &give_up, &[])
+                    {
+                        tracing::warn!(dev_id = id, "cannot tell worker {pid} to give up: {e}");
+                    }
+                    true
+                });
+            if let Err(e) = &watchdog {
+                tracing::warn!(
+                    dev_id = id,
+                    "STOP_DEV unwatched: a request held on the cluster would hold the delete \
+                     (cannot start a thread: {e})"
+                );
+            }
+            let out = stop();
+            drop(stopped);
+            let gave_up = watchdog.is_ok_and(|w| w.join().unwrap_or(false));
+            (out, gave_up)
+        })
+    }
+
     /// The rest of a delete once the device is stopped (or failed to stop): its workers'
-    /// exit, DEL_DEV, its record.
+    /// exit, DEL_DEV, its record. Workers whose held requests were given up
+    /// (`gave_up`: the Ceph cluster is away) are killed rather than asked to exit: a
+    /// clean exit gives back the image's lock and closes the image, which waits on the
+    /// cluster, so asking would only cost the stop grace.
     fn finish_delete(
         &mut self,
         ctrl: &CtrlClient,
@@ -305,6 +391,7 @@ impl Device {
         stopped: Result<(), CtrlError>,
         started: Instant,
         stages: &Stages,
+        gave_up: bool,
     ) -> Result<(), DeviceError> {
         let id = self.id;
         let stop_done = Instant::now();
@@ -313,7 +400,7 @@ impl Device {
         let workers = self.take_workers();
         // Asked at once, the workers exit side by side.
         for worker in &workers {
-            worker.ask_to_exit();
+            if gave_up { worker.kill() } else { worker.ask_to_exit() }
         }
         let mut served_cleanly = false;
         for worker in workers {

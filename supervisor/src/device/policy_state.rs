@@ -1,7 +1,8 @@
 //! What the recovery policy (`crate::recovery`) remembers of one device, kept by the
-//! device: its recent recoveries against the restart budget, when its next standby
-//! worker starts, and whether its worker waits for a slow backend. Plain bookkeeping,
-//! below both: the policy decides with it, the device carries it.
+//! device: its recent recoveries against the restart budget, an rbd device's wait for
+//! its Ceph cluster (outside that budget), when its next standby worker starts, and
+//! whether its worker waits for a slow backend. Plain bookkeeping, below both: the
+//! policy decides with it, the device carries it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -45,6 +46,52 @@ impl RestartBudget {
     /// How many recoveries the budget holds now.
     pub fn recent(&self) -> usize {
         self.restarts.len()
+    }
+}
+
+/// The wait before an rbd recovery's second try once its new worker could not serve.
+pub const CLUSTER_FIRST_WAIT: Duration = Duration::from_secs(1);
+
+/// An rbd device's recovery whose new workers cannot serve (a worker cannot reach its
+/// monitors, open its image or take its lock while the Ceph cluster is away): each try
+/// that failed doubles the wait before the next, from [`CLUSTER_FIRST_WAIT`] up to
+/// `recovery.rbd_cluster_retry_secs`, as nbd's wait for its server does. Nothing here
+/// counts against the [`RestartBudget`]: an outage of any length, with any number of
+/// new workers lost meanwhile, leaves the budget as the death that began it left it.
+#[derive(Debug, Default)]
+pub struct ClusterWait {
+    /// Since when the recovery has waited (its first failed try), and why it began.
+    since: Option<(Instant, String)>,
+    /// Tries failed in a row.
+    failed: u32,
+}
+
+impl ClusterWait {
+    /// A try failed at `now` (for the recovery begun for `reason`, if this is the first
+    /// failure): how long until the next, at most `max`.
+    pub fn failed(&mut self, now: Instant, reason: &str, max: Duration) -> Duration {
+        self.since.get_or_insert_with(|| (now, reason.to_owned()));
+        self.failed = self.failed.saturating_add(1);
+        let doublings = (self.failed - 1).min(16);
+        CLUSTER_FIRST_WAIT.saturating_mul(1 << doublings).min(max)
+    }
+
+    /// Since when the recovery has waited, and the reason it began with, if it waits.
+    pub fn since(&self) -> Option<(Instant, &str)> {
+        self.since.as_ref().map(|(at, why)| (*at, why.as_str()))
+    }
+
+    /// How many tries failed in a row.
+    pub fn failures(&self) -> u32 {
+        self.failed
+    }
+
+    /// The recovery served the device (or an operator took over): how long it had
+    /// waited, if it had.
+    pub fn end(&mut self, now: Instant) -> Option<Duration> {
+        let waited = self.since.take().map(|(at, _)| now.saturating_duration_since(at));
+        self.failed = 0;
+        waited
     }
 }
 
@@ -163,6 +210,27 @@ mod tests {
         assert!(budget.take(1, Duration::ZERO));
         std::thread::sleep(Duration::from_millis(2));
         assert!(budget.take(1, Duration::ZERO));
+    }
+
+    #[test]
+    fn the_cluster_wait_doubles_to_its_bound_keeps_its_start_and_ends() {
+        let start = Instant::now();
+        let mut wait = ClusterWait::default();
+        assert_eq!(wait.since(), None);
+        let max = Duration::from_secs(10);
+        let waits: Vec<u64> = (0..6)
+            .map(|n| {
+                let at = start + Duration::from_secs(n);
+                wait.failed(at, &format!("death {n}"), max).as_secs()
+            })
+            .collect();
+        assert_eq!(waits, [1, 2, 4, 8, 10, 10]);
+        assert_eq!(wait.failures(), 6);
+        assert_eq!(wait.since(), Some((start, "death 0")), "the first failure's start and reason");
+        assert_eq!(wait.end(start + Duration::from_secs(30)), Some(Duration::from_secs(30)));
+        assert_eq!((wait.since(), wait.failures()), (None, 0));
+        assert_eq!(wait.end(start), None, "no wait, nothing waited");
+        assert_eq!(wait.failed(start, "again", max), CLUSTER_FIRST_WAIT, "starts over");
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! How a device learns that its worker is gone or hung: the active worker's exit seen
 //! and reaped, with what it means for the next recovery ([`WorkerDeath`]), a standby's
 //! exit, the hang watch's verdict (and an nbd worker whose server answers nothing),
-//! and the kill that follows. What to do about it is [`crate::recovery`]'s decision.
+//! and the kill that follows; and an rbd recovery whose new workers cannot serve while
+//! the Ceph cluster is away, set to try again after a backoff
+//! ([`Device::wait_for_cluster`]). What to do about each is [`crate::recovery`]'s
+//! decision.
 
 use std::time::{Duration, Instant};
 
-use super::{Device, Spare};
-use crate::device_state::{DeviceState, StateKind};
+use super::{ClusterWait, Device, DeviceError, Spare};
+use crate::device_state::{DeviceState, Release, StateKind, TransitionError};
 
 /// How a device's active worker died.
 #[derive(Debug)]
@@ -127,5 +130,58 @@ impl Device {
         if let Some(w) = self.worker() {
             w.kill();
         }
+    }
+
+    /// Whether a recovery that failed with `e` is an rbd recovery whose new worker could
+    /// not serve (it did not stand by, or did not take the device, in time; it failed
+    /// or was lost): what a Ceph cluster that is away does to every new worker, for as
+    /// long as it is away. Such a recovery waits for the cluster
+    /// ([`Self::wait_for_cluster`]) rather than for an operator or the restart budget.
+    pub fn waits_for_cluster_after(&self, e: &DeviceError) -> bool {
+        self.rbd.is_some()
+            && matches!(e, DeviceError::Worker { .. })
+            && self.state.kind() == StateKind::Recovering
+    }
+
+    /// What the device's wait for its Ceph cluster stands at (see [`ClusterWait`]).
+    pub fn cluster_wait_mut(&mut self) -> &mut ClusterWait {
+        &mut self.cluster_wait
+    }
+
+    /// An rbd recovery's new worker could not serve (`error`; the recovery began for
+    /// `reason`): the recovery tries again once the backoff has passed (the loop comes
+    /// back at the release's next try), its I/O held meanwhile, and status says that it
+    /// waits for the cluster and why. Returns the wait until the next try.
+    pub fn wait_for_cluster(
+        &mut self,
+        reason: &str,
+        error: &DeviceError,
+        retry_max: Duration,
+    ) -> Result<Duration, TransitionError> {
+        let now = Instant::now();
+        let wait = self.cluster_wait.failed(now, reason, retry_max);
+        let (since, first_reason) = self.cluster_wait.since().unwrap_or((now, reason));
+        let image = self.rbd.as_ref().map(|t| t.image()).unwrap_or_default();
+        let note = format!(
+            "waiting for the Ceph cluster (image {image}) for {} s: the recovery's new worker \
+             could not serve ({error}); its I/O is held, and ublkd tries again, every {} s at \
+             most, outside the restart budget",
+            now.saturating_duration_since(since).as_secs(),
+            retry_max.as_secs()
+        );
+        tracing::warn!(
+            dev_id = self.id,
+            event = "rbd_cluster_wait",
+            "{note} (try {} failed; the next in {} s)",
+            self.cluster_wait.failures(),
+            wait.as_secs_f64()
+        );
+        // Counted from the death that began the wait: the recovery's stall is the outage.
+        let mut release =
+            Release::new(format!("{first_reason}; then the Ceph cluster was away"), None, since);
+        release.next_try = now + wait;
+        release.slow = Some(note);
+        self.transition(DeviceState::Releasing(Box::new(release)))?;
+        Ok(wait)
     }
 }

@@ -109,6 +109,13 @@ pub trait Target: Send + Sync {
 
     /// The target's client identity in its backend, which the device's later workers
     /// may fence (`rbd`: its Ceph client's address; see `FromWorker::Standby`).
+    /// The device is being deleted and its stop waits on what the backend holds
+    /// (`ToWorker::GiveUpHeld`): fail every request held now with EIO, and every new
+    /// one at once. How many were held (`rbd` only: the others answer by themselves).
+    fn give_up_held(&self) -> usize {
+        0
+    }
+
     fn client_identity(&self) -> Option<String> {
         None
     }

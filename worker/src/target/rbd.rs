@@ -33,6 +33,10 @@
 //!   (`rados_osd_op_timeout` 0). A request refused because this client was
 //!   blocklisted (`ESHUTDOWN`, a newer worker fenced it) is not completed: the worker
 //!   ends with [`WorkerExit::Fenced`] and the kernel re-issues what it held.
+//! - **A delete never waits on the cluster.** Told that its device is being deleted
+//!   and its stop waits on held requests (`ToWorker::GiveUpHeld`), the worker fails
+//!   every request librbd holds with EIO at once, and every new one
+//!   ([`Completions::give_up`]): the kernel's stop then goes on.
 
 mod completion;
 mod fence;
@@ -362,6 +366,11 @@ impl RbdTarget {
     fn submit(&self, req: &IoReq, thread: &Arc<Completions>) -> Result<(), i32> {
         let lib = self.image.lib();
         let image = self.image.handle();
+        // Held from here (a callback may come before librbd's call returns), unless the
+        // held requests were given up: the device is being deleted.
+        if !thread.hand_over(req.reply.user_data) {
+            return Err(-libc::EIO);
+        }
         let in_flight = Box::into_raw(Box::new(InFlight {
             lib,
             thread: Arc::clone(thread),
@@ -375,6 +384,7 @@ impl RbdTarget {
         // success.
         let rc = unsafe { (lib.rbd_aio_create_completion)(in_flight.cast(), on_complete, &mut c) };
         if rc < 0 {
+            thread.refused(req.reply.user_data);
             // SAFETY: librbd did not take the argument: it is still ours, freed once.
             drop(unsafe { Box::from_raw(in_flight) });
             return Err(rc);
@@ -397,6 +407,7 @@ impl RbdTarget {
         if rc < 0 {
             // librbd refused the request up front and will not call back (its C API
             // reports every failure through the completion once it took the request).
+            thread.refused(req.reply.user_data);
             // SAFETY: the completion is ours again, released once; so is the argument.
             unsafe { (lib.rbd_aio_release)(c) };
             // SAFETY: as above.
@@ -538,6 +549,17 @@ impl Target for RbdTarget {
 
     fn client_identity(&self) -> Option<String> {
         Some(self.client.clone())
+    }
+
+    fn give_up_held(&self) -> usize {
+        let given_up: usize = self.threads.iter().map(|t| t.give_up()).sum();
+        tracing::warn!(
+            image = self.image.spec(),
+            event = "rbd_held_given_up",
+            "the device is being deleted: failed the {given_up} request(s) the Ceph cluster \
+             has not answered with EIO, and fail every new one"
+        );
+        given_up
     }
 
     fn release(&self) {

@@ -62,6 +62,10 @@ impl Target for ReadOnlyTarget {
         self.inner.client_identity()
     }
 
+    fn give_up_held(&self) -> usize {
+        self.inner.give_up_held()
+    }
+
     fn report(&self) {
         self.inner.report();
     }

@@ -10,7 +10,13 @@
 //! READ completed and re-arms the READ right after; a write that lands between the
 //! take and the re-arm completes the next READ at once (at worst one wake-up that finds
 //! the list empty).
+//!
+//! The list also knows which requests librbd holds, so that a worker whose device is
+//! being deleted while the cluster is away can give them up ([`Completions::give_up`]):
+//! each is finished with EIO at once, every later one is refused, and librbd's own
+//! completion of a request given up, whenever it comes, is dropped.
 
+use std::collections::HashSet;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::AtomicU64;
@@ -30,11 +36,21 @@ pub struct Completions {
     /// Registered at [`TARGET_FIXED_FD`] in the thread's ring (see
     /// `Target::fixed_file`).
     wake: OwnedFd,
-    done: Mutex<Vec<Finished>>,
+    done: Mutex<Lists>,
     /// Where the armed READ puts the eventfd's count (never looked at). Written by the
     /// kernel only while a READ is in flight; it lives as long as the target, which
     /// outlives the rings.
     count: AtomicU64,
+}
+
+/// A queue thread's requests: those librbd finished, and those it holds.
+#[derive(Debug, Default)]
+struct Lists {
+    done: Vec<Finished>,
+    /// The requests (by user data) handed to librbd and not finished.
+    held: HashSet<u64>,
+    /// The held requests were given up: every later one is refused.
+    given_up: bool,
 }
 
 /// Adds `finished` to `list`: whether the list was empty, so the thread must be woken.
@@ -50,7 +66,7 @@ impl Completions {
             // Blocking (no EFD_NONBLOCK): io_uring then waits for a count instead of
             // failing the READ with EAGAIN.
             wake: sys::eventfd(libc::EFD_CLOEXEC)?,
-            done: Mutex::new(Vec::new()),
+            done: Mutex::new(Lists::default()),
             count: AtomicU64::new(0),
         })
     }
@@ -60,25 +76,71 @@ impl Completions {
         self.wake.as_fd()
     }
 
-    fn list(&self) -> MutexGuard<'_, Vec<Finished>> {
+    fn list(&self) -> MutexGuard<'_, Lists> {
         self.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// On librbd's thread: hands `finished` to the queue thread, waking it if it has
-    /// nothing else waiting. Never blocks but on the list's lock, held only to push
-    /// or to swap the list out.
-    pub fn push(&self, finished: Finished) {
-        let wake = push_and_tell(&mut self.list(), finished);
-        if wake && let Err(e) = sys::eventfd_add(self.wake.as_fd(), 1) {
+    fn wake(&self) {
+        if let Err(e) = sys::eventfd_add(self.wake.as_fd(), 1) {
             // Cannot happen to a valid eventfd with a count far from its limit; a
             // lost wake would stall this thread's requests, so say it.
             tracing::error!("cannot wake queue thread for librbd's completions: {e}");
         }
     }
 
+    /// On the queue thread, before the request with `user_data` is handed to librbd:
+    /// whether it may be (false once the held requests were given up: the request is
+    /// to fail with EIO at once).
+    pub fn hand_over(&self, user_data: u64) -> bool {
+        let mut lists = self.list();
+        !lists.given_up && lists.held.insert(user_data)
+    }
+
+    /// On the queue thread: librbd refused the request with `user_data` up front (it
+    /// will not call back).
+    pub fn refused(&self, user_data: u64) {
+        self.list().held.remove(&user_data);
+    }
+
+    /// On librbd's thread: hands `finished` to the queue thread, waking it if it has
+    /// nothing else waiting; dropped if the request was given up (finished with EIO
+    /// already). Never blocks but on the list's lock, held only to push or to swap the
+    /// list out.
+    pub fn push(&self, finished: Finished) {
+        let wake = {
+            let mut lists = self.list();
+            if !lists.held.remove(&finished.0) {
+                return;
+            }
+            push_and_tell(&mut lists.done, finished)
+        };
+        if wake {
+            self.wake();
+        }
+    }
+
+    /// Finishes every request librbd holds with EIO, and has every later one refused
+    /// ([`Self::hand_over`]): how many were held. Their buffers stay the worker's (a
+    /// late read from librbd lands in a buffer whose request has failed, and is never
+    /// copied to the kernel).
+    pub fn give_up(&self) -> usize {
+        let (given_up, wake) = {
+            let mut lists = self.list();
+            lists.given_up = true;
+            let held: Vec<u64> = lists.held.drain().collect();
+            let was_empty = lists.done.is_empty();
+            lists.done.extend(held.iter().map(|&user_data| (user_data, -libc::EIO)));
+            (held.len(), was_empty && !held.is_empty())
+        };
+        if wake {
+            self.wake();
+        }
+        given_up
+    }
+
     /// Moves every finished request into `into` (the queue loop's `TargetWork::done`).
     pub fn take_into(&self, into: &mut Vec<Finished>) {
-        into.append(&mut self.list());
+        into.append(&mut self.list().done);
     }
 
     /// The READ of the eventfd (registered at [`TARGET_FIXED_FD`]) that completes
@@ -128,6 +190,7 @@ mod tests {
         let c = Completions::new().unwrap();
         assert!(!woken(&c));
         for i in 0..5 {
+            assert!(c.hand_over(i));
             c.push((i, 4096));
         }
         assert_eq!(take_count(&c), 1);
@@ -140,6 +203,7 @@ mod tests {
     #[test]
     fn a_push_after_the_take_wakes_again() {
         let c = Completions::new().unwrap();
+        assert!(c.hand_over(1) && c.hand_over(2));
         c.push((1, 0));
         assert_eq!(take_count(&c), 1);
         c.take_into(&mut Vec::new());
@@ -155,9 +219,35 @@ mod tests {
         // The thread took the list, then a callback pushed before the READ was
         // re-armed: the count waits for the next READ.
         let c = Completions::new().unwrap();
+        assert!(c.hand_over(1) && c.hand_over(2));
         c.push((1, 0));
         c.take_into(&mut Vec::new());
         c.push((2, 0));
         assert_eq!(take_count(&c), 2);
+    }
+
+    #[test]
+    fn held_requests_given_up_fail_with_eio_once_and_later_ones_are_refused() {
+        let c = Completions::new().unwrap();
+        assert!(c.hand_over(1) && c.hand_over(2) && c.hand_over(3));
+        c.refused(3);
+        c.push((1, 4096));
+        assert_eq!(take_count(&c), 1);
+        let mut done = Vec::new();
+        c.take_into(&mut done);
+        assert_eq!(done, vec![(1, 4096)]);
+        // Only 2 is still held by librbd.
+        assert_eq!(c.give_up(), 1);
+        assert!(woken(&c));
+        done.clear();
+        c.take_into(&mut done);
+        assert_eq!(done, vec![(2, -libc::EIO)]);
+        // librbd finishes it late: dropped, not committed twice.
+        c.push((2, 4096));
+        assert!(c.hand_over(4).eq(&false), "a new request is refused once given up");
+        done.clear();
+        c.take_into(&mut done);
+        assert!(done.is_empty(), "{done:?}");
+        assert_eq!(c.give_up(), 0);
     }
 }
