@@ -560,10 +560,13 @@ fn restart_limit_with_fail_io_fails_io_fast_until_ublkctl_recover() {
     let (_, killed) = kill_until_restart_limit(&daemon, id);
 
     // LIVE, served by a worker that fails everything, and the status says so. That
-    // worker starts, and is handed the device, on the loop's later turns.
+    // worker starts, and is handed the device, on the loop's later turns. `state` is the
+    // kernel's, which is LIVE as soon as END_USER_RECOVERY returns on its thread, a
+    // moment (5 ms, more on a loaded machine) before the loop takes the result and
+    // records the worker: the wait is for both.
     let dev = wait_for("the fail-io worker", Duration::from_secs(60), || {
         let dev = daemon.ctl.device(id)?;
-        Ok((dev["state"] == "LIVE").then_some(dev))
+        Ok((dev["state"] == "LIVE" && dev["failing_io"] == true).then_some(dev))
     })
     .unwrap();
     let note = dev["note"].as_str().unwrap();
