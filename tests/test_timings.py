@@ -74,6 +74,15 @@ class ReportTest(unittest.TestCase):
         self.assertIn("| 6 | 7.x a | slow |", table)
         self.assertNotIn("quick", table)
 
+    def test_steps_run_side_by_side_sum_to_more_than_the_wall_clock_total(self):
+        with tempfile.NamedTemporaryFile("w", delete=False) as f:
+            f.write("step\t5\tVM 7: a.rs\nstep\t4\t(beside) VM 7: b.rs\nwall\t6\n")
+        try:
+            table = report(f.name)
+        finally:
+            os.unlink(f.name)
+        self.assertIn("| sum of the steps | 9 |\n| **total (wall clock)** | **6** |", table)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -18,7 +18,9 @@ Two uses, both by ../run-tests:
                                 to the next one (or the end), make a step line "VM
                                 KERNEL: NAME.rs NOTE".
   timings.py report FILE        prints the table: every "step<TAB>seconds<TAB>name"
-                                line of FILE in order, then the ten slowest tests.
+                                line of FILE in order, their sum, the run's own time
+                                if a "wall<TAB>seconds" line gives it (steps that ran
+                                side by side sum to more), then the ten slowest tests.
   timings.py executables        reads cargo's --message-format=json on stdin and prints
                                 "NAME<TAB>PATH" for each test executable it built.
 
@@ -137,7 +139,7 @@ def executables(stream):
 
 
 def report(path, slowest=10):
-    steps, tests = [], []
+    steps, tests, wall = [], [], None
     with open(path, encoding="utf-8") as record:
         for line in record:
             fields = line.rstrip("\n").split("\t")
@@ -145,9 +147,18 @@ def report(path, slowest=10):
                 steps.append((int(fields[1]), fields[2]))
             elif fields[0] == "test" and len(fields) == 4:
                 tests.append((float(fields[2]), fields[1], fields[3]))
+            elif fields[0] == "wall" and len(fields) == 2:
+                wall = int(fields[1])
     lines = ["Where the time went:", "", "| step | seconds |", "|---|---:|"]
     lines += [f"| {name} | {secs} |" for secs, name in steps]
-    lines.append(f"| **total** | **{sum(s for s, _ in steps)}** |")
+    total = sum(s for s, _ in steps)
+    if wall is None:
+        lines.append(f"| **total** | **{total}** |")
+    else:
+        # Steps marked "(beside)" ran at the same time as others: their sum is more
+        # than the time the run took.
+        lines.append(f"| sum of the steps | {total} |")
+        lines.append(f"| **total (wall clock)** | **{wall}** |")
     lines += ["", f"The {slowest} slowest tests:", "", "| seconds | where | test |", "|---:|---|---|"]
     for took, label, name in sorted(tests, reverse=True)[:slowest]:
         lines.append(f"| {took:.0f} | {label} | {name} |")
