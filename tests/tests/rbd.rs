@@ -640,6 +640,9 @@ fn an_rbd_probe_runs_sandboxed_and_a_worker_gets_no_udp_socket() {
     }
     let uids: Vec<&str> = status_field(&status, "Uid").split_whitespace().collect();
     assert!(uids.len() == 4 && uids.iter().all(|u| *u != "0"), "probe {pid}:\n{status}");
+    // The first process of a pid namespace of its own, as a worker is.
+    let nspid: Vec<&str> = status_field(&status, "NSpid").split_whitespace().collect();
+    assert_eq!(nspid, [pid.to_string().as_str(), "1"], "probe {pid}:\n{status}");
     let log = ublkd.log();
     let paused = log
         .lines()
