@@ -129,14 +129,18 @@ pub fn probe_image(
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            // The first process of its pid namespace: SIGKILL from here still ends it,
+            // and everything it started with it. Never left running unwatched.
             Ok(None) => {
-                // The first process of its pid namespace: SIGKILL from here still ends it,
-                // and everything it started with it.
                 let _ = crate::sys::pidfd_send_signal(pidfd.as_fd(), libc::SIGKILL);
                 let _ = child.wait();
                 return Err(ProbeError::Timeout(limit));
             }
-            Err(e) => return Err(ProbeError::NoAnswer(e.to_string())),
+            Err(e) => {
+                let _ = crate::sys::pidfd_send_signal(pidfd.as_fd(), libc::SIGKILL);
+                let _ = child.wait();
+                return Err(ProbeError::NoAnswer(e.to_string()));
+            }
         }
     };
     let text = read_answer(stdout_read);
