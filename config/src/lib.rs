@@ -301,7 +301,7 @@ mod tests {
             (
                 format!("[[device]]\n{NULL_1G}sandbox_optional = [\"userns\"]\n"),
                 "device[0].sandbox_optional: \"userns\" is not a sandbox layer; expected \
-                 user-namespace, namespaces, empty-root or landlock",
+                 user-namespace, namespaces, empty-root, landlock or landlock-tcp",
             ),
             (
                 "[defaults]\nsandbox_optional = \"landlock\"\n".into(),

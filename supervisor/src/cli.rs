@@ -172,8 +172,9 @@ pub enum UblkctlCommand {
         #[arg(long)]
         no_sandbox: bool,
         /// Sandbox layers this device's worker may run without where they cannot be
-        /// applied (comma-separated: user-namespace, namespaces, empty-root, landlock);
-        /// it then runs weaker and status and the journal say which layer is missing.
+        /// applied (comma-separated: user-namespace, namespaces, empty-root, landlock,
+        /// landlock-tcp); it then runs weaker and status and the journal say which layer
+        /// is missing.
         /// Without it: the daemon's default (defaults.sandbox_optional), and a worker
         /// missing any other layer refuses to run.
         #[arg(long, value_name = "LAYERS", value_parser = parse_layers, conflicts_with = "no_sandbox")]

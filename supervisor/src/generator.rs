@@ -2,7 +2,9 @@
 //! `/usr/lib/systemd/system-generators/ublkd-generator` at boot and at every
 //! `systemctl daemon-reload`): open the packaged unit's network to exactly the NBD
 //! servers the config names over TCP, and to the Ceph clusters its rbd devices use
-//! (their monitors and public network, from each device's Ceph config file).
+//! (their monitors and public network, from each device's Ceph config file; without a
+//! public network the monitors only, and a comment saying that the OSDs need a
+//! drop-in).
 //!
 //! The unit gives ublkd no network (`PrivateNetwork=yes`, `IPAddressDeny=any`,
 //! `RestrictAddressFamilies=AF_UNIX`), which still reaches servers on unix sockets.
@@ -50,7 +52,11 @@ pub fn network_drop_in<'a>(
         }
     }
     // An rbd device's worker talks to the monitors and to every OSD, whose addresses
-    // only the cluster knows: the config file's public network holds them.
+    // only the cluster knows: the config file's public network holds them. Its
+    // cluster_network is not allowed: OSDs replicate among themselves there, and a
+    // client never reaches an OSD on it. Without a public network only the monitors
+    // are allowed, never `any`: an OSD elsewhere is the operator's to allow, as the
+    // drop-in says.
     for (conf, network) in clusters {
         let network = match network {
             Ok(network) => network,
@@ -71,13 +77,11 @@ pub fn network_drop_in<'a>(
         }
         if network.public_networks.is_empty() {
             notes.push(format!(
-                "{}: no public_network, so the OSDs' addresses are unknown here: every \
-                 address is allowed; set public_network to narrow this",
+                "{}: no public_network, so the OSDs' addresses are unknown here: only its \
+                 monitors are allowed; set public_network, or allow the OSDs' addresses in \
+                 a drop-in of your own (IPAddressAllow=)",
                 conf.display()
             ));
-            if !allowed.iter().any(|a| a == "any") {
-                allowed.push("any".into());
-            }
         }
         for cidr in &network.public_networks {
             if !allowed.contains(cidr) {
@@ -213,11 +217,20 @@ mod tests {
         assert!(
             text.contains("# /etc/ceph/b.conf: cannot read it; its rbd devices get no network")
         );
-        // Without a public network the OSDs could be anywhere: said, and allowed.
-        let clusters = [("/etc/ceph/c.conf".into(), Ok(net(&["10.0.0.1"], &[])))];
+        // Without a public network the OSDs could be anywhere: said, and only the
+        // monitors allowed, never every address.
+        let clusters = [("/etc/ceph/c.conf".into(), Ok(net(&["10.0.0.1", "::1"], &[])))];
         let text = network_drop_in(&parsed(&[]), &clusters).unwrap();
+        let allowed: Vec<&str> =
+            text.lines().filter_map(|l| l.strip_prefix("IPAddressAllow=")).collect();
+        assert_eq!(allowed, ["10.0.0.1", "::1"], "{text}");
+        assert!(!text.contains("any"), "{text}");
         assert!(
-            text.contains("IPAddressAllow=any\n") && text.contains("no public_network"),
+            text.contains(
+                "# /etc/ceph/c.conf: no public_network, so the OSDs' addresses are unknown \
+                 here: only its monitors are allowed; set public_network, or allow the OSDs' \
+                 addresses in a drop-in of your own (IPAddressAllow=)"
+            ),
             "{text}"
         );
     }

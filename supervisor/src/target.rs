@@ -64,7 +64,12 @@ pub fn probe_rbd(worker_binary: &Path, spec: &DeviceSpec) -> Result<RbdProbe, Ta
     if spec.settings.sandbox {
         crate::rbd::conf::check_monitors_by_address(&setup.options).map_err(conf_err)?;
     }
-    crate::rbd::probe_image(worker_binary, &setup, spec.settings.block_size, spec.attrs.read_only)
+    let sandbox = spec.settings.sandbox.then_some(spec.settings.sandbox_optional);
+    let (block_size, read_only) = (spec.settings.block_size, spec.attrs.read_only);
+    // The probe's log lines carry the device's id; an add that lets the kernel pick
+    // has none yet (u32::MAX, which no device has).
+    let dev_id = spec.id.unwrap_or(u32::MAX);
+    crate::rbd::probe_image(worker_binary, &setup, block_size, read_only, sandbox, dev_id)
         .map_err(|source| TargetError::RbdProbe { image, source })
 }
 

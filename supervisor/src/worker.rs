@@ -41,7 +41,7 @@ mod activation;
 mod ending;
 mod pidfd;
 mod rings;
-mod spawn;
+pub(crate) mod spawn;
 mod takeover;
 pub mod wait_set;
 

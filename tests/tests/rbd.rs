@@ -580,6 +580,100 @@ fn an_rbd_worker_reaches_the_clusters_ports_only() {
     cluster.forget_image(image);
 }
 
+/// The pid of a process whose command line holds `--probe-rbd`, and its
+/// `/proc/PID/status`, if one runs now.
+fn probe_status() -> Option<(u32, String)> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        if !cmdline.split(|&b| b == 0).any(|arg| arg == b"--probe-rbd") {
+            return None;
+        }
+        Some((pid, std::fs::read_to_string(entry.path().join("status")).ok()?))
+    })
+}
+
+/// The value of `field` in a `/proc/PID/status` text.
+fn status_field<'a>(status: &'a str, field: &str) -> &'a str {
+    status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')).map_or("", str::trim)
+}
+
+/// No Ceph code runs as root: the probe that opens the image at `add` runs in the
+/// worker's sandbox (a hooked worker pauses it once sandboxed, and its `/proc` status is
+/// read meanwhile: seccomp filtering, no capability, the worker user), its stderr
+/// reaches ublkd's log through the workers' relay; and the worker that then serves the
+/// image may make TCP sockets only: its UDP socket fails with EPERM, and it serves on.
+#[test]
+fn an_rbd_probe_runs_sandboxed_and_a_worker_gets_no_udp_socket() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let image = "probed";
+    cluster.create_image(image, 16 * MIB);
+    let attack = "udp-socket";
+    let extra =
+        format!("worker_binary = \"{}\"\nworker_user = \"nobody\"\n", hooked_worker().display());
+    let ublkd = Ublkd::start_with(
+        "rbd-probe-sandboxed",
+        &extra,
+        &[("UBLKD_WORKER_ATTACK", attack), ("UBLKD_WORKER_PROBE_PAUSE_MS", "3000")],
+    );
+    // Watched from a thread while the add waits on the probe.
+    let watch = std::thread::spawn(|| {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut seen = None;
+        while Instant::now() < deadline {
+            if let Some((pid, status)) = probe_status() {
+                let sandboxed = status_field(&status, "Seccomp") == "2";
+                seen = Some((pid, status));
+                if sandboxed {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        seen
+    });
+    let id = add_rbd(&ublkd, cluster, &Cluster::spec(image));
+    let (pid, status) = watch.join().unwrap().expect("no --probe-rbd process was seen");
+    assert_eq!(status_field(&status, "Seccomp"), "2", "probe {pid}:\n{status}");
+    assert_eq!(status_field(&status, "NoNewPrivs"), "1", "probe {pid}:\n{status}");
+    for caps in ["CapEff", "CapPrm", "CapBnd"] {
+        assert_eq!(status_field(&status, caps), "0000000000000000", "probe {pid}:\n{status}");
+    }
+    let uids: Vec<&str> = status_field(&status, "Uid").split_whitespace().collect();
+    assert!(uids.len() == 4 && uids.iter().all(|u| *u != "0"), "probe {pid}:\n{status}");
+    // The first process of a pid namespace of its own, as a worker is.
+    let nspid: Vec<&str> = status_field(&status, "NSpid").split_whitespace().collect();
+    assert_eq!(nspid, [pid.to_string().as_str(), "1"], "probe {pid}:\n{status}");
+    let log = ublkd.log();
+    let paused = log
+        .lines()
+        .find(|l| l.contains("probe: sandboxed, pausing"))
+        .unwrap_or_else(|| panic!("the probe's stderr never reached ublkd's log:\n{log}"));
+    assert!(paused.contains("worker:"), "not relayed as a worker's line: {paused}");
+    // The worker's attack, once it serves.
+    let line = format!("attack {attack}: blocked");
+    ublkd.wait_until("the attack's outcome", || {
+        ublkd.log().contains(&line) || ublkd.log().contains("ESCAPED")
+    });
+    let log = ublkd.log();
+    assert!(!log.contains("ESCAPED"), "the rbd worker made a UDP socket:\n{log}");
+    let outcome = log.lines().find(|l| l.contains(&line)).unwrap().to_owned();
+    assert!(outcome.contains("Operation not permitted"), "{outcome}");
+    let node = block_dev(id);
+    write_block(&node, 5, &tagged(0x6b));
+    assert_eq!(read_block(&node, 5), tagged(0x6b));
+    let dev = ublkd.status_of(id);
+    assert_eq!(dev["recoveries"], 0, "{dev}");
+    eprintln!(
+        "rbd probe {pid}: Seccomp 2, CapEff 0, Uid {}; worker: {outcome}",
+        uids.first().unwrap_or(&"?")
+    );
+    ublkd.del(id);
+    ublkd.stop();
+    cluster.forget_image(image);
+}
+
 /// ext4 made on an rbd device, mounted, files written; `ublkctl upgrade` moves the device
 /// to a new worker under the mounted filesystem (the new one takes the image's lock over
 /// from the old); the files read back from the device, more are written, and after an

@@ -84,6 +84,21 @@ pub const READY_NO_FETCH: &str = "ready-no-fetch";
 /// new worker at its deadline.
 pub const READY_NO_FETCH_RECOVERY: &str = "ready-no-fetch-recovery";
 
+/// Not an attack but a window for the tests to look at: `ublkd-worker --probe-rbd`
+/// pauses this many milliseconds once its sandbox is up, before it reads its setup, so
+/// that a test can read its `/proc/PID/status` while it runs.
+pub const PROBE_PAUSE_ENV: &str = "UBLKD_WORKER_PROBE_PAUSE_MS";
+
+/// The probe's pause ([`PROBE_PAUSE_ENV`]), said on stderr so that a test can tell it
+/// caught the probe sandboxed.
+pub fn probe_pause() {
+    let Some(ms) = std::env::var(PROBE_PAUSE_ENV).ok().and_then(|v| v.parse::<u64>().ok()) else {
+        return;
+    };
+    say(format!("probe: sandboxed, pausing {ms} ms"));
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+}
+
 /// Whether the worker of device `dev_id`'s incarnation `generation` answers its
 /// activation without fetching its tags ([`READY_NO_FETCH`], [`READY_NO_FETCH_RECOVERY`]).
 pub fn skips_fetch(dev_id: u32, generation: u64) -> bool {
@@ -350,6 +365,12 @@ pub fn run(name: &str, supervisor: i32) {
         "socket" => {
             // SAFETY: see above.
             outcome(name, i64::from(unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) }));
+        }
+        // An rbd worker may make sockets, but stream TCP ones only: a datagram socket
+        // could reach any address and port. Refused with an error (EPERM), not a trap.
+        "udp-socket" => {
+            // SAFETY: see above.
+            outcome(name, i64::from(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) }));
         }
         "signal-supervisor" => {
             // SAFETY: see above.

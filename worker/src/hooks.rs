@@ -44,6 +44,11 @@ mod imp {
         }
     }
 
+    /// In `--probe-rbd`, once its sandbox is up: [`attack::probe_pause`].
+    pub fn on_probe_sandboxed() {
+        attack::probe_pause();
+    }
+
     /// When the worker receives its activation (device `dev_id`, `generation`): with
     /// [`attack::SILENT_ACTIVATION`], the second incarnation (a recovery's) of the
     /// targeted device never answers it.
@@ -245,6 +250,9 @@ mod imp {
 
     #[inline(always)]
     pub fn before_sandbox() {}
+
+    #[inline(always)]
+    pub fn on_probe_sandboxed() {}
 
     #[inline(always)]
     pub fn on_activate(_dev_id: u32, _generation: u64) {}

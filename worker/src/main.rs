@@ -111,7 +111,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if args.iter().any(|a| a == "--probe-rbd") {
-        return probe::run();
+        return probe::run(&args);
     }
     let Some(fd) = control_fd(&args) else {
         eprintln!("ublkd-worker: started by ublkd only (usage: ublkd-worker --control-fd N)");
@@ -139,15 +139,12 @@ fn main() -> ExitCode {
     } else {
         sandbox::Profile::Standard
     };
-    let connect_ports = match args.iter().position(|a| a == "--rbd-connect-ports") {
-        None => Vec::new(),
-        Some(at) => match sandbox::parse_port_ranges(args.get(at + 1).map_or("", String::as_str)) {
-            Ok(ports) => ports,
-            Err(e) => {
-                eprintln!("ublkd-worker: --rbd-connect-ports: {e}");
-                return ExitCode::from(WorkerExit::Protocol);
-            }
-        },
+    let connect_ports = match connect_ports(&args) {
+        Ok(ports) => ports,
+        Err(e) => {
+            eprintln!("ublkd-worker: --rbd-connect-ports: {e}");
+            return ExitCode::from(WorkerExit::Protocol);
+        }
     };
     // The sandbox goes up before the worker reads a single message.
     let report = match identity
@@ -197,6 +194,14 @@ fn sandbox_identity(args: &[String]) -> Result<Option<SandboxArgs>, ArgsError> {
         (Some(uid), Some(gid), false) => Ok(Some((sandbox::Identity { uid, gid }, optional))),
         (None, None, true) => Ok(None),
         _ => Err(ArgsError::Identity),
+    }
+}
+
+/// `--rbd-connect-ports LIST`: the TCP ports an rbd worker (or probe) may connect to.
+fn connect_ports(args: &[String]) -> Result<Vec<sandbox::PortRange>, String> {
+    match args.iter().position(|a| a == "--rbd-connect-ports") {
+        None => Ok(Vec::new()),
+        Some(at) => sandbox::parse_port_ranges(args.get(at + 1).map_or("", String::as_str)),
     }
 }
 

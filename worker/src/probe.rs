@@ -4,6 +4,15 @@
 //! or image that cannot be opened is an answer too (`{"Err": "…"}`, one line naming
 //! what was wrong); only input that is no setup exits non-zero. ublkd runs it on a
 //! thread of its own with a deadline, since a cluster may take its time to answer.
+//!
+//! The probe runs librados and librbd, which parse what the cluster sends, so it is
+//! sandboxed as an rbd worker is ([`crate::sandbox`], profile `Rbd`): ublkd starts it
+//! with the same `--sandbox-uid`/`--sandbox-gid`/`--sandbox-optional` and
+//! `--rbd-connect-ports` as the device's workers, in a pid namespace of its own, its
+//! stderr into the workers' log relay. It loads librbd, applies steps 1–10 (keeping
+//! stdin, stdout and stderr), and only then reads the setup (the key among it) and
+//! connects. It never stands by, so seccomp's stage 2 is never needed: it exits once it
+//! has answered.
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -11,13 +20,50 @@ use std::process::ExitCode;
 use ublkd_proto::exit::WorkerExit;
 use ublkd_proto::msg::rbd::{MAX_NAME_BYTES, RbdProbeAnswer, RbdSetup};
 
+use crate::sandbox::Profile;
+
 use crate::target::rbd::image::RbdImage;
 
 /// The most standard input read: a setup is names and a few options.
 const MAX_INPUT_BYTES: u64 = 64 << 10;
 
-/// Reads the setup, opens the image, answers, closes it.
-pub fn run() -> ExitCode {
+/// Sandboxes itself as `args` say, reads the setup, opens the image, answers, closes it.
+pub fn run(args: &[String]) -> ExitCode {
+    let sandbox = match crate::sandbox_identity(args) {
+        Ok(identity) => identity,
+        Err(e) => {
+            eprintln!("ublkd-worker --probe-rbd: {e}");
+            return ExitCode::from(WorkerExit::Protocol);
+        }
+    };
+    let connect_ports = match crate::connect_ports(args) {
+        Ok(ports) => ports,
+        Err(e) => {
+            eprintln!("ublkd-worker --probe-rbd: --rbd-connect-ports: {e}");
+            return ExitCode::from(WorkerExit::Protocol);
+        }
+    };
+    if let Some((identity, optional)) = sandbox {
+        // librbd must be in memory before the sandbox empties the filesystem; a failure
+        // is kept and answered when the image is opened.
+        let _ = crate::target::rbd::ffi::preload();
+        crate::bound_malloc_arenas();
+        // Standard input, output and error are all the probe keeps (fd 2 and below).
+        match crate::sandbox::apply(identity, &optional, 2, Profile::Rbd, &connect_ports) {
+            Ok(report) => {
+                for missing in &report.missing {
+                    tracing::warn!(
+                        "the probe runs without the sandbox layer {}: {}",
+                        missing.layer,
+                        missing.cause
+                    );
+                }
+            }
+            // Answered, so that the add names why: no Ceph code runs unsandboxed.
+            Err(e) => return answer(&Err(format!("the probe's sandbox: {e}"))),
+        }
+    }
+    crate::hooks::on_probe_sandboxed();
     let setup = match read_setup(std::io::stdin().lock()) {
         Ok(setup) => setup,
         Err(e) => {
@@ -29,7 +75,12 @@ pub fn run() -> ExitCode {
     if let Err(e) = &answer {
         tracing::debug!("probe of {}: {e}", setup.image_spec());
     }
-    let mut line = serde_json::to_string(&answer).expect("an answer always serializes");
+    self::answer(&answer)
+}
+
+/// Writes `answer` as one line on standard output and exits at once.
+fn answer(answer: &RbdProbeAnswer) -> ExitCode {
+    let mut line = serde_json::to_string(answer).expect("an answer always serializes");
     line.push('\n');
     let mut out = std::io::stdout().lock();
     let code = match out.write_all(line.as_bytes()).and_then(|()| out.flush()) {

@@ -174,18 +174,23 @@ pub enum SandboxLayer {
     EmptyRoot,
     /// Landlock denying every file access.
     Landlock,
+    /// An rbd worker's Landlock TCP rules (connect to the cluster's ports only, bind
+    /// none): Landlock ABI 4 (Linux 6.7). An older kernel's Landlock enforces the file
+    /// rules only.
+    LandlockTcp,
 }
 
 /// A name that is not a [`SandboxLayer`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{0:?} is not a sandbox layer; expected user-namespace, namespaces, empty-root or landlock"
+    "{0:?} is not a sandbox layer; expected user-namespace, namespaces, empty-root, landlock \
+     or landlock-tcp"
 )]
 pub struct UnknownLayer(pub String);
 
 impl SandboxLayer {
-    pub const ALL: [SandboxLayer; 4] =
-        [Self::UserNamespace, Self::Namespaces, Self::EmptyRoot, Self::Landlock];
+    pub const ALL: [SandboxLayer; 5] =
+        [Self::UserNamespace, Self::Namespaces, Self::EmptyRoot, Self::Landlock, Self::LandlockTcp];
 
     /// The name the config file, the command lines and status use.
     pub const fn name(self) -> &'static str {
@@ -194,6 +199,7 @@ impl SandboxLayer {
             Self::Namespaces => "namespaces",
             Self::EmptyRoot => "empty-root",
             Self::Landlock => "landlock",
+            Self::LandlockTcp => "landlock-tcp",
         }
     }
 

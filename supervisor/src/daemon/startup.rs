@@ -163,6 +163,7 @@ impl Daemon {
         let worker_binary =
             config.daemon.worker_binary_path().map_err(DaemonError::WorkerBinary)?;
         let worker_identity = worker_identity(config.daemon.worker_user.as_deref())?;
+        crate::rbd::probe::set_worker_identity(worker_identity);
         make_dir(&config.daemon.state_dir, 0o700)?;
         let state = StateDir::new(&config.daemon.state_dir);
         state.check()?;

@@ -56,7 +56,7 @@ const NSIG: libc::c_int = 65;
 
 /// What to start.
 #[derive(Debug)]
-pub(super) struct SpawnSpec<'a> {
+pub(crate) struct SpawnSpec<'a> {
     pub binary: &'a Path,
     pub args: Vec<String>,
     /// Each fd the child gets, at the number it gets it.
@@ -83,7 +83,7 @@ pub enum SpawnError {
 
 /// A started child: ours to reap.
 #[derive(Debug)]
-pub(super) struct Spawned {
+pub(crate) struct Spawned {
     pub child: ChildProcess,
     pub pidfd: OwnedFd,
 }
@@ -133,7 +133,7 @@ impl ChildProcess {
 
 /// Starts `spec`. An `execve` that fails is this call's error (the child then exits
 /// and is reaped here).
-pub(super) fn spawn(spec: &SpawnSpec<'_>) -> Result<Spawned, SpawnError> {
+pub(crate) fn spawn(spec: &SpawnSpec<'_>) -> Result<Spawned, SpawnError> {
     let path = cstring(spec.binary.as_os_str()).map_err(SpawnError::Prepare)?;
     let mut argv_owned = vec![path.clone()];
     for arg in &spec.args {

@@ -67,9 +67,32 @@ pub(super) fn apply_landlock(
     })
 }
 
+/// The first Landlock ABI with TCP rules (Linux 6.7).
+const TCP_ABI: u8 = 4;
+
+/// Why a worker under `profile` on a kernel of Landlock ABI `abi` has no TCP rules
+/// (`None`: it has them, or needs none).
+pub(super) fn tcp_missing(profile: Profile, abi: u8) -> Option<String> {
+    (profile == Profile::Rbd && abi < TCP_ABI).then(|| {
+        format!("the kernel's Landlock ABI {abi} has no TCP control (ABI {TCP_ABI}, Linux 6.7)")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_rbd_worker_misses_its_tcp_rules_below_abi_4_only() {
+        for abi in 1..TCP_ABI {
+            let cause = tcp_missing(Profile::Rbd, abi).expect("missing");
+            assert!(cause.contains(&format!("ABI {abi} has no TCP control")), "{cause}");
+            assert_eq!(tcp_missing(Profile::Standard, abi), None, "a worker without network");
+        }
+        for abi in TCP_ABI..=7 {
+            assert_eq!(tcp_missing(Profile::Rbd, abi), None);
+        }
+    }
 
     #[test]
     fn connect_ports_are_ports_and_ranges_and_not_too_many() {

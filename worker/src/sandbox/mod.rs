@@ -59,7 +59,12 @@
 //! connect only to the ports ublkd names (`--rbd-connect-ports`: the monitors' ports
 //! and the OSDs' range, `ms_bind_port_min`..`ms_bind_port_max`) and bind none. The
 //! addresses are the host's firewall's to limit (under systemd, the generator's
-//! `IPAddressAllow=`). No file is reachable, as for every worker.
+//! `IPAddressAllow=`). No file is reachable, as for every worker. A kernel whose
+//! Landlock has no TCP control (ABI below 4) enforces the file rules only: the worker
+//! then misses the layer `landlock-tcp` ([`SandboxLayer::LandlockTcp`]), and fails
+//! closed as for any other layer. Its sockets are stream TCP only: seccomp fails any
+//! other (UDP, ICMP, raw) with EPERM ([`policy::RBD_REFUSED`]), so Landlock's TCP
+//! rules cover every connection it can make.
 //!
 //! Before all of these, the supervisor starts a sandboxed worker as the first process
 //! of a pid namespace of its own (`clone` with `CLONE_NEWPID`, in
@@ -81,8 +86,8 @@ use nix::sys::resource::{self, Resource};
 use nix::unistd::{self, Gid, Uid};
 use ublkd_proto::msg::{MissingLayer, SandboxLayer, SandboxReport as Report, TargetSetup};
 
-use self::landlock::apply_landlock;
 pub use self::landlock::{PortRange, parse_port_ranges};
+use self::landlock::{apply_landlock, tcp_missing};
 use self::namespaces::{
     enter_empty_root, enter_root_namespaces, enter_user_namespace, open_proc_self,
 };
@@ -193,8 +198,19 @@ pub fn apply(
     }
     prctl::set_no_new_privs().map_err(step_failed("no_new_privs"))?;
     match apply_landlock(profile, connect_ports)? {
-        Some(abi) => layers.report.landlock_abi = Some(abi),
-        None => layers.missing(SandboxLayer::Landlock, "the kernel does not enforce it".into())?,
+        Some(abi) => {
+            layers.report.landlock_abi = Some(abi);
+            if let Some(cause) = tcp_missing(profile, abi) {
+                layers.missing(SandboxLayer::LandlockTcp, cause)?;
+            }
+        }
+        None => {
+            layers.missing(SandboxLayer::Landlock, "the kernel does not enforce it".into())?;
+            if profile == Profile::Rbd {
+                let cause = "the kernel does not enforce Landlock".into();
+                layers.missing(SandboxLayer::LandlockTcp, cause)?;
+            }
+        }
     }
     drop_capabilities()?;
     install_sigsys_handler()?;
@@ -360,6 +376,39 @@ mod tests {
         }
         for r in policy::RBD_ALWAYS {
             assert!(!r.why.is_empty(), "{} has no reason", r.name);
+        }
+    }
+
+    /// Whether a socket(2) call with these arguments is refused by [`policy::RBD_REFUSED`],
+    /// read the way the seccomp filter reads the entries.
+    fn socket_refused(domain: i32, ty: i32, protocol: i32) -> bool {
+        let args = [domain as u64, ty as u64, protocol as u64];
+        policy::RBD_REFUSED.iter().filter(|r| r.nr == libc::SYS_socket).any(|r| match r.only {
+            policy::Only::ArgMaskedIn { arg, mask, values } => {
+                values.contains(&(args[usize::from(arg)] & mask))
+            }
+            policy::Only::ArgNotIn { arg, values } => !values.contains(&args[usize::from(arg)]),
+            other => panic!("socket refused by an unexpected rule {other:?}"),
+        })
+    }
+
+    #[test]
+    fn an_rbd_worker_may_open_stream_tcp_sockets_only() {
+        let flags = libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK;
+        for family in [libc::AF_INET, libc::AF_INET6] {
+            assert!(!socket_refused(family, libc::SOCK_STREAM, 0));
+            assert!(!socket_refused(family, libc::SOCK_STREAM | flags, libc::IPPROTO_TCP));
+            for ty in [libc::SOCK_DGRAM, libc::SOCK_RAW, libc::SOCK_SEQPACKET, libc::SOCK_RDM] {
+                assert!(socket_refused(family, ty, 0), "type {ty}");
+                assert!(socket_refused(family, ty | flags, 0), "type {ty} with flags");
+            }
+            assert!(socket_refused(family, libc::SOCK_DGRAM, libc::IPPROTO_ICMP));
+            assert!(socket_refused(family, libc::SOCK_STREAM, libc::IPPROTO_SCTP));
+            assert!(socket_refused(family, libc::SOCK_STREAM, libc::IPPROTO_MPTCP));
+        }
+        let errno = |r: &policy::RefusedCall| r.errno as i32;
+        for r in policy::RBD_REFUSED.iter().filter(|r| r.nr == libc::SYS_socket) {
+            assert_eq!(errno(r), libc::EPERM, "a refused socket fails, it does not trap");
         }
     }
 

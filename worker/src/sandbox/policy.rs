@@ -46,6 +46,10 @@ pub enum Only {
     /// Calls whose argument `arg`, masked with `mask`, equals `value`: some bits set
     /// and others clear, in one condition.
     ArgMasked { arg: u8, mask: u64, value: u64 },
+    /// Calls whose argument `arg`, masked with `mask`, is one of `values`.
+    ArgMaskedIn { arg: u8, mask: u64, values: &'static [u64] },
+    /// Calls whose argument `arg` (a C `int`) is none of `values`.
+    ArgNotIn { arg: u8, values: &'static [u64] },
 }
 
 // The tables below are written with these macros so that each entry is what a reviewer
@@ -248,7 +252,7 @@ pub const RBD_ALWAYS: &[Allowed] = syscalls![
     /// which seccomp cannot read); trapping it would end the worker
     SYS_clone3,
     /// librados's connections to the cluster's monitors and OSDs: IPv4 or IPv6 only (no unix,
-    /// netlink or packet socket)
+    /// netlink or packet socket); of those, stream TCP only (RBD_REFUSED fails the others)
     SYS_socket if Only::ArgIn { arg: 0, values: &[libc::AF_INET as u64, libc::AF_INET6 as u64] },
     /// librados connecting to a monitor or an OSD
     SYS_connect,
@@ -314,7 +318,22 @@ pub const RBD_REFUSED: &[RefusedCall] = refused_calls![
     /// its flags are in memory seccomp cannot read: glibc retries with clone, whose flags
     /// RBD_ALWAYS checks
     SYS_clone3 => ENOSYS,
+    /// an IPv4 or IPv6 socket that is not a stream (UDP, ICMP, raw, SCTP's seqpacket): librados
+    /// speaks TCP only, and a datagram socket could reach any address and port Landlock's TCP
+    /// rules do not cover; an error, not a trap, so that a library that probes goes on
+    SYS_socket if Only::ArgMaskedIn {
+        arg: 1,
+        mask: SOCK_TYPE_MASK,
+        values: &[0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+    } => EPERM,
+    /// a stream socket of another protocol than TCP (MPTCP, SCTP): only TCP is what Landlock's
+    /// port rules govern
+    SYS_socket if Only::ArgNotIn { arg: 2, values: &[0, libc::IPPROTO_TCP as u64] } => EPERM,
 ];
+
+/// The bits of socket(2)'s `type` that name the type, below `SOCK_NONBLOCK` and
+/// `SOCK_CLOEXEC` (the kernel's `SOCK_TYPE_MASK`).
+const SOCK_TYPE_MASK: u64 = 0xf;
 
 /// One allowed io_uring operation, for the targets that need it. `name` and `why` are
 /// for the reader.

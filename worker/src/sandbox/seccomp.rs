@@ -82,6 +82,18 @@ fn rule_of(only: policy::Only) -> Result<Option<Vec<SeccompRule>>, SandboxError>
         policy::Only::ArgMasked { arg, mask, value } => {
             vec![one(arg, Len::Qword, Op::MaskedEq(mask), value)?]
         }
+        policy::Only::ArgMaskedIn { arg, mask, values } => values
+            .iter()
+            .map(|&v| one(arg, Len::Dword, Op::MaskedEq(mask), v))
+            .collect::<Result<_, _>>()?,
+        // One rule whose conditions all hold: the argument differs from each value.
+        policy::Only::ArgNotIn { arg, values } => {
+            let conds = values
+                .iter()
+                .map(|&v| Cond::new(arg, Len::Dword, Op::Ne, v).map_err(err))
+                .collect::<Result<_, _>>()?;
+            vec![SeccompRule::new(conds).map_err(err)?]
+        }
     }))
 }
 
