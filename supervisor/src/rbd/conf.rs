@@ -240,10 +240,49 @@ fn expand(path: &str, id: &str) -> String {
         .replace("$id", id)
 }
 
+/// Reads a Ceph file (config or keyring) that ublkd trusts with a cluster's key: a
+/// regular file, owned by root (or by the user ublkd runs as) and writable by no one
+/// else, of at most [`MAX_FILE_BYTES`]. Opened without waiting (`O_NONBLOCK`): a FIFO
+/// planted where a Ceph file is looked for would otherwise hold ublkd's loop until
+/// someone writes to it; it is refused, as is a device node. A symlink is followed (a
+/// config manager may link /etc/ceph/ceph.conf), and what it leads to is checked.
 fn read_small(path: &Path) -> Result<String, std::io::Error> {
     use std::io::Read;
-    let file = std::fs::File::open(path)?;
-    if file.metadata()?.len() > MAX_FILE_BYTES {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+    let refused = |why: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
+        .open(path)?;
+    let meta = file.metadata()?;
+    let kind = meta.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_block_device() || kind.is_char_device() {
+            "a device node"
+        } else {
+            "a directory"
+        };
+        return Err(refused(format!("it is {what}, not a regular file")));
+    }
+    let own = nix::unistd::geteuid().as_raw();
+    if meta.uid() != 0 && meta.uid() != own {
+        return Err(refused(format!(
+            "it is owned by uid {}, not by root: ublkd reads a cluster's key only from files              that root owns",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(refused(format!(
+            "its mode {:04o} lets others than its owner write it: `chmod go-w {}`",
+            meta.mode() & 0o7777,
+            path.display()
+        )));
+    }
+    if meta.len() > MAX_FILE_BYTES {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "too large"));
     }
     let mut text = String::new();
@@ -350,6 +389,44 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    #[test]
+    fn a_fifo_a_file_others_may_write_and_a_foreign_owners_file_are_refused_unread() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir().join("unsafe");
+        std::fs::create_dir_all(&d).unwrap();
+        // A FIFO: refused at once, never waited on (no writer ever comes).
+        let fifo = d.join("fifo.conf");
+        let _ = std::fs::remove_file(&fifo);
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = read_small(&fifo).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+        assert!(e.to_string().contains("a FIFO, not a regular file"), "{e}");
+        // A directory.
+        assert!(read_small(&d).unwrap_err().to_string().contains("a directory"));
+        // Writable by the group: refused, naming the fix.
+        let open = d.join("open.conf");
+        std::fs::write(&open, "[global]\n").unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o664)).unwrap();
+        let e = read_small(&open).unwrap_err().to_string();
+        assert!(e.contains("mode 0664") && e.contains("chmod go-w"), "{e}");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(read_small(&open).unwrap(), "[global]\n");
+        // Owned by another user (only root can give a file away).
+        if nix::unistd::geteuid().is_root() {
+            let theirs = d.join("theirs.keyring");
+            std::fs::write(&theirs, KEYRING).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+            let e = read_small(&theirs).unwrap_err().to_string();
+            assert!(e.contains("owned by uid 65534, not by root"), "{e}");
+        }
+        // Through client_options, the path is named.
+        let conf = d.join("ceph.conf");
+        let _ = std::fs::remove_file(&conf);
+        nix::unistd::mkfifo(&conf, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = client_options(&spec(&d, None)).unwrap_err().to_string();
+        assert!(e.contains(&conf.display().to_string()) && e.contains("a FIFO"), "{e}");
     }
 
     const KEYRING: &str = "[client.other]\n\tkey = AQBother==\n[client.ublk]\n\tkey = AQBmine==\n\tcaps mon = \"profile rbd\"\n";
